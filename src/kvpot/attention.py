@@ -1,0 +1,171 @@
+"""The `kvpot` attention function, registered with transformers' `AttentionInterface`.
+
+The model calls it with this forward's queries and with the keys/values `PotCache.update`
+returned (already rotated at the policy's positions). It rotates the queries at the positions of
+the new entries, computes the output with `scaled_dot_product_attention(enable_gqa=True)` (no
+`repeat_kv`), and, only when a method asked (`cache.request`), records attention probabilities of
+chosen query rows over the cached entries, reduced over the query heads of each KV group.
+
+Causality: the new entries are the last `q` of the cache, so query row `i` sees every older entry
+and new entries up to itself ("lower-right" causal alignment).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+from transformers import AttentionInterface
+
+from kvpot.errors import KvpotError
+
+ATTENTION_NAME = "kvpot"
+
+# Elements of one materialised [rows, keys] float block (per batch x head). 2**26 floats = 256 MiB
+# bounds the memory of the CPU math path and of observations, whatever the context length.
+MAX_BLOCK_ELEMENTS = 1 << 26
+
+
+@dataclass(frozen=True)
+class AttentionRequest:
+    """Which attention probabilities the next forward records in every layer's `observation`.
+
+    rows: `(start, stop)` of this forward's query rows, Python-slice style (negative counts from
+        the end; `None` = all rows).
+    row_reduce: "sum" or "mean" over those rows.
+    head_reduce: "mean" or "max" over the query heads of each KV group, giving
+        `[b, kv_heads, n]`; "none" keeps query heads, giving `[b, heads, n]`.
+    """
+
+    rows: tuple[int | None, int | None] | None = None
+    row_reduce: str = "sum"
+    head_reduce: str = "mean"
+
+    def __post_init__(self):
+        if self.row_reduce not in ("sum", "mean"):
+            raise KvpotError(f"row_reduce must be 'sum' or 'mean', not {self.row_reduce!r}.")
+        if self.head_reduce not in ("mean", "max", "none"):
+            raise KvpotError(f"head_reduce must be 'mean', 'max' or 'none', not {self.head_reduce!r}.")
+
+
+# kwargs that would change the attention's meaning; kvpot refuses them rather than ignore them.
+_REFUSED = {
+    "sliding_window": "sliding-window attention",
+    "softcap": "attention logit soft-capping",
+    "s_aux": "attention sink logits",
+}
+
+
+def kvpot_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [b, heads, q, d], un-rotated (positions were 0)
+    key: torch.Tensor,  # [b, kv_heads, n, d], rotated by PotCache.update
+    value: torch.Tensor,  # [b, kv_heads, n, d]
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    kvpot_cache=None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    _refuse_unsupported(attention_mask, dropout, kvpot_cache, kwargs)
+    layer = kvpot_cache.layers[module.layer_idx]
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    query = layer.rotate_queries(query)
+    output = attend(query, key, value, scaling)  # [b, heads, q, d]
+    if kvpot_cache.request is not None:
+        layer.observation = observe(query, key, kvpot_cache.request, scaling)
+    return output.transpose(1, 2).contiguous(), None
+
+
+def _refuse_unsupported(attention_mask, dropout, cache, kwargs) -> None:
+    if cache is None:
+        raise KvpotError("the 'kvpot' attention runs only inside kvpot.Engine (no kvpot_cache was passed).")
+    if attention_mask is not None:
+        raise KvpotError("kvpot does not take attention masks (padded batches are not supported).")
+    if dropout:
+        raise KvpotError("kvpot attention is for inference; attention dropout must be 0.")
+    for name, what in _REFUSED.items():
+        if kwargs.get(name) is not None:
+            raise KvpotError(f"this model asks for {what} ({name}={kwargs[name]!r}), which kvpot does not support yet.")
+
+
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Causal (lower-right aligned) GQA attention of `q` new rows over `n` keys, bounded memory.
+
+    On CUDA in half precision SDPA's fused kernels never materialise the scores, so one call is
+    made. Elsewhere the math path would materialise `[heads, q, n]`; the query rows are then taken
+    in slices so each slice stays under `MAX_BLOCK_ELEMENTS`.
+    """
+    b, heads, q, _ = query.shape
+    n = key.shape[-2]
+    if q == 1:
+        return F.scaled_dot_product_attention(query, key, value, scale=scaling, enable_gqa=True)
+    fused = query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
+    rows = q if fused else max(1, MAX_BLOCK_ELEMENTS // (b * heads * n))
+    outputs = []
+    for start in range(0, q, rows):
+        stop = min(q, start + rows)
+        visible = n - q + stop  # keys the last row of this slice may see
+        mask = causal_lower_right(stop - start, visible)
+        outputs.append(
+            F.scaled_dot_product_attention(
+                query[:, :, start:stop],
+                key[:, :, :visible],
+                value[:, :, :visible],
+                attn_mask=mask,
+                scale=scaling,
+                enable_gqa=True,
+            )
+        )
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+
+
+def observe(
+    query: torch.Tensor, key: torch.Tensor, request: AttentionRequest, scaling: float
+) -> torch.Tensor:
+    """Attention probabilities of the requested query rows over all `n` keys, reduced.
+
+    query [b, heads, q, d] (rotated), key [b, kv_heads, n, d] (rotated). Softmax in float32 with
+    the same causal rule as `attend`. Returns float32 `[b, kv_heads, n]` (or `[b, heads, n]` for
+    head_reduce="none"). Rows are processed in slices, so at most `MAX_BLOCK_ELEMENTS` scores
+    exist at once.
+    """
+    b, heads, q, d = query.shape
+    kv_heads, n = key.shape[1], key.shape[2]
+    group = heads // kv_heads
+    start, stop, _ = slice(*(request.rows or (None, None))).indices(q)
+    count = stop - start
+    if count <= 0:
+        raise KvpotError(f"observation rows {request.rows} select no query row of {q}.")
+    keys = key.float()
+    grouped = query[:, :, start:stop].float().view(b, kv_heads, group, count, d)
+    per_head = torch.zeros(b, kv_heads, group, n, dtype=torch.float32, device=query.device)
+    step = max(1, MAX_BLOCK_ELEMENTS // (b * heads * n))
+    columns = torch.arange(n, device=query.device)
+    for lo in range(0, count, step):
+        hi = min(count, lo + step)
+        logits = torch.einsum("bkgrd,bknd->bkgrn", grouped[:, :, :, lo:hi], keys) * scaling
+        rows = torch.arange(start + lo, start + hi, device=query.device)
+        hidden = columns[None, :] > (n - q + rows)[:, None]  # [r, n] future keys
+        probs = logits.masked_fill(hidden, float("-inf")).softmax(dim=-1)  # [b, kv, g, r, n]
+        per_head += probs.sum(dim=3)
+    if request.row_reduce == "mean":
+        per_head /= count
+    return _reduce_heads(per_head, request.head_reduce, b, heads)
+
+
+def _reduce_heads(probs: torch.Tensor, how: str, b: int, heads: int) -> torch.Tensor:
+    # probs: [b, kv_heads, group, n]
+    if how == "mean":
+        return probs.mean(dim=2)
+    if how == "max":
+        return probs.amax(dim=2)
+    return probs.reshape(b, heads, -1)
+
+
+def register() -> str:
+    """Register the kvpot attention (idempotent) and return its name."""
+    AttentionInterface.register(ATTENTION_NAME, kvpot_attention)
+    return ATTENTION_NAME

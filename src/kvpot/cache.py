@@ -1,0 +1,218 @@
+"""PotCache: a `transformers.Cache` whose layers kvpot can select from, per KV head.
+
+Each layer holds preallocated buffers (gpt-fast style: appends write in place, no `torch.cat`
+per token) of shape `[batch, kv_heads, capacity, ...]`, of which the first `n` entries are live:
+
+- `keys`, `values`: `[b, kv_heads, capacity, head_dim]`. Keys are un-rotated unless the position
+  policy never moves them (`absolute`), in which case they are stored rotated.
+- `positions`: `[b, kv_heads, capacity]` each entry's token index in the input stream. Entries
+  may differ per KV head: methods select per head, and GQA stays GQA (nothing repeats KV heads).
+- `rope_positions`: `[b, kv_heads, capacity]` the position the policy gives each entry.
+- `scores[name]`: `[b, kv_heads, capacity]` float32 per-entry scores a method keeps
+  (accumulated attention, NuC, ...); selections carry them along.
+
+Every layer holds the same number of entries in each of its KV heads, so "KV entries" below is
+per KV head. The cache records the largest count any layer reached (`max_entries`).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvpot.errors import KvpotError
+from kvpot.positions import PositionPolicy, Rope
+
+
+class PotLayer(CacheLayerMixin):
+    """One layer's entries. `n` live entries at the front of each buffer."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, cache: PotCache, layer_idx: int):
+        super().__init__()
+        self.cache = cache
+        self.layer_idx = layer_idx
+        self.n = 0
+        self.n_new = 0  # entries appended by the forward in progress (the last `n_new`)
+        self.max_rope = -1  # host-side upper bound of rope_positions[:n]
+        self.positions: torch.Tensor | None = None
+        self.rope_positions: torch.Tensor | None = None
+        self.scores: dict[str, torch.Tensor] = {}
+        self.observation: torch.Tensor | None = None  # filled by the attention function
+
+    # ---- transformers' CacheLayerMixin surface ----
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, kv_heads, _, head_dim = key_states.shape
+        self.batch, self.kv_heads, self.head_dim = b, kv_heads, head_dim
+        self.dtype, self.device = key_states.dtype, key_states.device
+        capacity = max(self.cache.capacity_hint, 1)
+        self.keys = key_states.new_empty(b, kv_heads, capacity, head_dim)
+        self.values = value_states.new_empty(b, kv_heads, capacity, value_states.shape[-1])
+        self.positions = torch.empty(b, kv_heads, capacity, dtype=torch.long, device=self.device)
+        self.rope_positions = torch.empty_like(self.positions)
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append a forward's un-rotated keys/values; return rotated keys and values to attend to."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        cache, q = self.cache, key_states.shape[-2]
+        original = cache.pending_positions
+        if original is None or original.shape[-1] != q:
+            raise KvpotError("PotCache.update was called outside kvpot.Engine (no positions were announced).")
+        policy, rope = cache.policy, cache.rope
+        rope_new = policy.new_positions(self, original)  # [b, kv_heads, q]
+        max_rope = cache.pending_max_position if policy.stores_rotated else self.n + q - 1
+        key_states = rope.unscale(key_states)
+        if policy.stores_rotated:
+            key_states = rope.rotate(key_states, rope_new, max_rope)
+        self.reserve(self.n + q)
+        end = self.n + q
+        self.keys[:, :, self.n : end] = key_states
+        self.values[:, :, self.n : end] = value_states
+        self.positions[:, :, self.n : end] = original
+        self.rope_positions[:, :, self.n : end] = rope_new
+        for score in self.scores.values():
+            score[:, :, self.n : end] = 0.0
+        self.n, self.n_new = end, q
+        self.max_rope = max(self.max_rope, max_rope)
+        cache.note_entries(end)
+        return self.attention_keys(), self.values[:, :, :end]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.n + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.n
+
+    def get_max_length(self) -> int:
+        return -1
+
+    # ---- kvpot's surface ----
+    @property
+    def capacity(self) -> int:
+        return 0 if not self.is_initialized else self.keys.shape[2]
+
+    def reserve(self, size: int) -> None:
+        """Grow the buffers to hold `size` entries (bounded methods preallocate their bound)."""
+        if size <= self.capacity:
+            return
+        new_capacity = max(size, 2 * self.capacity)
+        self.keys = _grow(self.keys, new_capacity, self.n)
+        self.values = _grow(self.values, new_capacity, self.n)
+        self.positions = _grow(self.positions, new_capacity, self.n)
+        self.rope_positions = _grow(self.rope_positions, new_capacity, self.n)
+        self.scores = {k: _grow(v, new_capacity, self.n) for k, v in self.scores.items()}
+
+    def attention_keys(self) -> torch.Tensor:
+        """Keys [b, kv_heads, n, d] rotated at their current positions."""
+        keys = self.keys[:, :, : self.n]
+        if self.cache.policy.stores_rotated:
+            return keys
+        return self.cache.rope.rotate(keys, self.rope_positions[:, :, : self.n], self.max_rope)
+
+    def rotate_queries(self, query: torch.Tensor) -> torch.Tensor:
+        """Rotate this forward's queries [b, heads, q, d] at the positions of the new entries."""
+        q = query.shape[-2]
+        positions = self.rope_positions[:, :, self.n - q : self.n]
+        return self.cache.rope.rotate(self.cache.rope.unscale(query), positions, self.max_rope)
+
+    def score(self, name: str) -> torch.Tensor:
+        """The live part of per-entry score `name` [b, kv_heads, n] (created at zero on first use)."""
+        if name not in self.scores:
+            shape = (self.batch, self.kv_heads, self.capacity)
+            self.scores[name] = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        return self.scores[name][:, :, : self.n]
+
+    def select(self, keep: torch.Tensor) -> None:
+        """Keep entries `keep` [b, kv_heads | 1, k] (ascending indices into the live entries)."""
+        keep = keep.expand(self.batch, self.kv_heads, -1)
+        k = keep.shape[-1]
+        for name in ("keys", "values"):
+            buf = getattr(self, name)
+            idx = keep.unsqueeze(-1).expand(-1, -1, -1, buf.shape[-1])
+            buf[:, :, :k] = torch.gather(buf[:, :, : self.n], 2, idx)
+        for buf in (self.positions, self.rope_positions, *self.scores.values()):
+            buf[:, :, :k] = torch.gather(buf[:, :, : self.n], 2, keep)
+        self.n = k
+        self.n_new = 0
+        self.cache.policy.after_select(self)
+        if not self.cache.policy.stores_rotated:
+            self.max_rope = k - 1
+
+    def truncate(self, n: int) -> None:
+        """Drop every entry after the first `n` (probe rollback); bit-exact for what remains."""
+        self.n = min(self.n, n)
+        self.n_new = 0
+
+    def clone_into(self, cache: PotCache) -> PotLayer:
+        twin = PotLayer(cache, self.layer_idx)
+        twin.n, twin.max_rope = self.n, self.max_rope
+        if self.is_initialized:
+            twin.batch, twin.kv_heads, twin.head_dim = self.batch, self.kv_heads, self.head_dim
+            twin.dtype, twin.device = self.dtype, self.device
+            twin.keys, twin.values = self.keys.clone(), self.values.clone()
+            twin.positions, twin.rope_positions = self.positions.clone(), self.rope_positions.clone()
+            twin.scores = {k: v.clone() for k, v in self.scores.items()}
+            twin.is_initialized = True
+        return twin
+
+
+def _grow(buf: torch.Tensor, capacity: int, used: int) -> torch.Tensor:
+    new = buf.new_empty(*buf.shape[:2], capacity, *buf.shape[3:])
+    new[:, :, :used] = buf[:, :, :used]
+    return new
+
+
+class PotCache(Cache):
+    """The cache kvpot's engine hands to the model (`past_key_values=`).
+
+    Besides the entries, it carries what the attention function needs for the forward in
+    progress: the original positions of the incoming tokens (`pending_positions`) and the
+    attention observation a method asked for (`request`).
+    """
+
+    def __init__(self, num_layers: int, rope: Rope, policy: PositionPolicy, capacity_hint: int = 0):
+        self.rope = rope
+        self.policy = policy
+        self.capacity_hint = capacity_hint
+        self.pending_positions: torch.Tensor | None = None  # [q] long
+        self.pending_max_position = -1
+        self.request = None  # kvpot.attention.AttentionRequest | None
+        self.max_entries = 0
+        self.method_state: dict = {}
+        super().__init__(layers=[PotLayer(self, i) for i in range(num_layers)])
+
+    def begin_forward(self, positions: torch.Tensor, max_position: int, request=None) -> None:
+        """Announce the original positions [q] of the next forward's tokens and what to observe."""
+        self.pending_positions = positions
+        self.pending_max_position = max_position
+        self.request = request
+        for layer in self.layers:
+            layer.observation = None
+
+    def note_entries(self, n: int) -> None:
+        self.max_entries = max(self.max_entries, n)
+
+    def lengths(self) -> list[int]:
+        return [layer.n for layer in self.layers]
+
+    def truncate(self, lengths: list[int]) -> None:
+        for layer, n in zip(self.layers, lengths):
+            layer.truncate(n)
+
+    def clone(self) -> PotCache:
+        """An independent copy (the engine's reusable prefill state is never consumed)."""
+        twin = PotCache(len(self.layers), self.rope, self.policy, self.capacity_hint)
+        twin.layers = [layer.clone_into(twin) for layer in self.layers]
+        twin.max_entries = self.max_entries
+        twin.method_state = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in self.method_state.items()}
+        return twin
+
+    @property
+    def is_compileable(self) -> bool:  # noqa: D401 - transformers' API
+        return False

@@ -1,0 +1,407 @@
+"""The engine: chunked prefill, compression after each forward, decoding, statistics.
+
+One forward at a time, the engine announces the original positions of the incoming tokens and
+the attention the method wants observed (`PotCache.begin_forward`), runs the model's decoder with
+`position_ids` all zero and `past_key_values=PotCache`, and then lets the method evict
+(`Method.after_forward`). Nothing in the model is patched: the cache and the registered `kvpot`
+attention function do the work (DESIGN.md, "How a forward pass flows").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from kvpot.attention import register
+from kvpot.cache import PotCache
+from kvpot.errors import KvpotError
+from kvpot.methods import Full, Method, Step
+from kvpot.models import architecture_of, load_pretrained, rotary_embedding
+from kvpot.positions import Rope, make_policy
+
+# Marker used to split a chat-templated user turn into context and question parts.
+_SPLIT = "\u241ekvpot-question\u241e"
+
+
+@dataclass
+class Stats:
+    """What a run cost. Entries are per layer and KV head; `max_kv_entries` is over every instant."""
+
+    context_tokens: int = 0
+    question_tokens: int = 0
+    new_tokens: int = 0
+    max_kv_entries: int = 0
+    final_kv_entries: int = 0
+    compressions: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    peak_memory_bytes: int | None = None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class Result:
+    """A generation: `token_ids` are the new tokens only; `text` is None without a tokenizer."""
+
+    text: str | None
+    token_ids: list[int]
+    stats: Stats
+
+
+@dataclass
+class State:
+    """A prefilled (and compressed) context. `Engine.generate(state=...)` copies it, never consumes it."""
+
+    cache: PotCache
+    next_position: int  # original position of the next token in the stream
+    last_logits: torch.Tensor  # [vocab] logits after the last prefilled token
+    method_config: dict
+    stats: Stats = field(default_factory=Stats)
+
+
+@dataclass
+class _Run:
+    """Mutable bookkeeping of one prefill or generation."""
+
+    cache: PotCache
+    next_position: int
+    stats: Stats
+    logits: torch.Tensor | None = None
+
+
+class Engine:
+    """Runs a Hugging Face causal LM over long inputs with a kvpot method.
+
+    >>> engine = Engine.from_pretrained(path, method=StreamingLLM(sinks=4, window=1020))
+    >>> out = engine.generate(context, question="...", max_new_tokens=64)
+    >>> out.text, out.stats.max_kv_entries
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer=None,
+        method: Method | None = None,
+        chat_template: bool | str = "auto",
+    ):
+        architecture_of(model.config)
+        if chat_template not in (True, False, "auto"):
+            raise KvpotError("chat_template must be True, False or 'auto'.")
+        model.set_attn_implementation(register())
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.method = method if method is not None else Full()
+        self.chat_template = chat_template
+        self.rope = Rope(rotary_embedding(model))
+        self.decoder = model.get_decoder()
+        self.head = model.get_output_embeddings()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str,
+        method: Method | None = None,
+        device: str = "cpu",
+        dtype: torch.dtype | None = None,
+        chat_template: bool | str = "auto",
+    ) -> Engine:
+        model, tokenizer = load_pretrained(name_or_path, device=device, dtype=dtype)
+        return cls(model, tokenizer, method=method, chat_template=chat_template)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    # ------------------------------------------------------------------ text API
+    def encode(self, context: str | None, question: str | None) -> tuple[list[int], list[int]]:
+        """Token ids of the context and the question, placed as kvpress' pipeline does.
+
+        With a chat template, one user turn holds the context followed by the question; the
+        context part ends where the question starts, and the question part carries the rest of
+        the template (generation prompt included). Without one, the context gets the tokenizer's
+        special tokens (BOS) and the question is appended verbatim.
+        """
+        tok = self._require_tokenizer()
+        if self._use_template():
+            text = tok.apply_chat_template(
+                [{"role": "user", "content": (context or "") + _SPLIT}], add_generation_prompt=True, tokenize=False
+            )
+            head, tail = text.split(_SPLIT)
+            context_ids = tok.encode(head, add_special_tokens=False) if context is not None else []
+            return context_ids, tok.encode((question or "") + tail, add_special_tokens=False)
+        context_ids = tok.encode(context, add_special_tokens=True) if context is not None else []
+        question_ids = tok.encode(question, add_special_tokens=False) if question else []
+        return context_ids, question_ids
+
+    def prefill(self, context: str, question: str | None = None, progress: bool = False) -> State:
+        """Read (and compress) `context` once; ask questions of it later with `generate(state=...)`."""
+        if not context:
+            raise KvpotError("the context is empty; give some text to read.")
+        context_ids, _ = self.encode(context, None)
+        return self.prefill_ids(context_ids, progress=progress)
+
+    def generate(
+        self,
+        context: str | None = None,
+        question: str | None = None,
+        max_new_tokens: int = 64,
+        state: State | None = None,
+        on_text: Callable[[str], None] | None = None,
+        progress: bool = False,
+        **sampling,
+    ) -> Result:
+        """Answer `question` about `context` (or about a prefilled `state`). Strings in, string out."""
+        if state is None and not context:
+            raise KvpotError("the context is empty; give some text to read (or a prefilled state).")
+        if state is not None and context:
+            raise KvpotError("give either a context or a prefilled state, not both.")
+        context_ids, question_ids = self.encode(context if state is None else None, question)
+        printer = _TextStreamer(self.tokenizer, on_text) if on_text else None
+        result = self.generate_ids(
+            context_ids if state is None else None,
+            question_ids,
+            max_new_tokens=max_new_tokens,
+            state=state,
+            on_token=printer,
+            progress=progress,
+            **sampling,
+        )
+        if printer:
+            printer.flush()
+        return result
+
+    # ------------------------------------------------------------------ token API
+    @torch.no_grad()
+    def prefill_ids(
+        self, input_ids, question_ids=None, progress: bool = False, _max_new_tokens: int = 0
+    ) -> State:
+        """Token-level `prefill`: process `input_ids` (then `question_ids`, if any)."""
+        context = _as_ids(input_ids, self.device, "input_ids")
+        if context.numel() == 0:
+            raise KvpotError("the context is empty; give at least one token.")
+        question = _as_ids(question_ids, self.device, "question_ids")
+        context, question = self.method.prepare(context, question)
+        total = context.numel() + question.numel()
+        run = _Run(self._new_cache(total + _max_new_tokens), 0, Stats())
+        run.stats.context_tokens, run.stats.question_tokens = context.numel(), question.numel()
+        self._reset_peak_memory()
+        started = self._clock()
+        segments = [("context", context)] + ([("question", question)] if question.numel() else [])
+        with tqdm(total=total, unit="tok", desc="prefill", disable=not progress, leave=False) as bar:
+            for index, (phase, ids) in enumerate(segments):
+                self._prefill_segment(run, phase, ids, last=index == len(segments) - 1, bar=bar)
+        run.stats.prefill_seconds = self._clock() - started
+        return self._finish_state(run)
+
+    @torch.no_grad()
+    def generate_ids(
+        self,
+        input_ids=None,
+        question_ids=None,
+        max_new_tokens: int = 64,
+        state: State | None = None,
+        on_token: Callable[[int], None] | None = None,
+        progress: bool = False,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> Result:
+        """Generate up to `max_new_tokens` after the context (or `state`) and the question.
+
+        Greedy by default (`temperature=0`), stopping at the model's end-of-sequence tokens.
+        `token_ids` of the result are the new tokens only.
+        """
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise KvpotError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}.")
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise KvpotError("temperature must be >= 0 and top_p in (0, 1].")
+        if state is None:
+            if input_ids is None:
+                raise KvpotError("give input_ids (the context) or a prefilled state.")
+            state = self.prefill_ids(input_ids, question_ids, progress=progress, _max_new_tokens=max_new_tokens)
+            run = _Run(state.cache, state.next_position, state.stats, state.last_logits)
+        else:
+            if input_ids is not None:
+                raise KvpotError("give either input_ids or a prefilled state, not both.")
+            run = self._resume(state, question_ids, progress)
+        return self._decode(run, max_new_tokens, on_token, temperature, top_p, seed)
+
+    # ------------------------------------------------------------------ internals
+    def _new_cache(self, total_tokens: int) -> PotCache:
+        bound = self.method.max_entries()
+        hint = bound if bound is not None else total_tokens
+        policy = make_policy(self.method.positions)
+        return PotCache(self.model.config.num_hidden_layers, self.rope, policy, capacity_hint=hint)
+
+    def _resume(self, state: State, question_ids, progress: bool) -> _Run:
+        if state.method_config != self.method.config():
+            raise KvpotError(
+                f"this state was prefilled with {state.method_config}, but the engine now runs "
+                f"{self.method.config()}; prefill again with the current method."
+            )
+        question = _as_ids(question_ids, self.device, "question_ids")
+        run = _Run(state.cache.clone(), state.next_position, dataclasses.replace(state.stats), state.last_logits)
+        run.stats.question_tokens = question.numel()
+        if question.numel():
+            self._reset_peak_memory()
+            started = self._clock()
+            with tqdm(total=question.numel(), unit="tok", desc="question", disable=not progress, leave=False) as bar:
+                self._prefill_segment(run, "question", question, last=True, bar=bar)
+            run.stats.prefill_seconds += self._clock() - started
+        return run
+
+    def _prefill_segment(self, run: _Run, phase: str, ids: torch.Tensor, last: bool, bar) -> None:
+        sizes = plan_chunks(ids.numel(), self.method.prefill_chunk(), self.method.min_last_chunk())
+        offset = 0
+        for index, size in enumerate(sizes):
+            step = Step(phase, size, prompt_end=last and index == len(sizes) - 1)
+            self._forward(run, ids[offset : offset + size], step)
+            offset += size
+            bar.update(size)
+
+    def _forward(self, run: _Run, ids: torch.Tensor, step: Step) -> None:
+        """One model forward of `ids` [q] on the cache, then the method's compression."""
+        q, cache = ids.numel(), run.cache
+        positions = torch.arange(run.next_position, run.next_position + q, device=ids.device)
+        cache.begin_forward(positions, run.next_position + q - 1, self.method.request(step))
+        zeros = torch.zeros(1, q, dtype=torch.long, device=ids.device)
+        hidden = self.decoder(
+            input_ids=ids.view(1, q), past_key_values=cache, position_ids=zeros, use_cache=True, kvpot_cache=cache
+        ).last_hidden_state  # [1, q, hidden]
+        run.logits = self.head(hidden[0, -1]).float()  # [vocab]
+        run.next_position += q
+        if self.method.after_forward(cache, step):
+            run.stats.compressions += 1
+        cache.begin_forward(None, -1, None)
+
+    def _finish_state(self, run: _Run) -> State:
+        run.stats.max_kv_entries = run.cache.max_entries
+        run.stats.final_kv_entries = max(run.cache.lengths())
+        run.stats.peak_memory_bytes = self._peak_memory()
+        return State(run.cache, run.next_position, run.logits, self.method.config(), run.stats)
+
+    def _decode(self, run: _Run, max_new_tokens, on_token, temperature, top_p, seed) -> Result:
+        eos = _eos_ids(self.model)
+        generator = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
+        tokens: list[int] = []
+        started = self._clock()
+        for index in range(max_new_tokens):
+            token = _pick(run.logits, temperature, top_p, generator)
+            tokens.append(token)
+            if on_token:
+                on_token(token)
+            if token in eos or index == max_new_tokens - 1:
+                break
+            ids = torch.tensor([token], device=self.device)
+            self._forward(run, ids, Step("decode", 1))
+        stats = run.stats
+        stats.decode_seconds = self._clock() - started
+        stats.new_tokens = len(tokens)
+        stats.max_kv_entries = run.cache.max_entries
+        stats.final_kv_entries = max(run.cache.lengths())
+        stats.peak_memory_bytes = self._peak_memory()
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else None
+        return Result(text, tokens, stats)
+
+    def _use_template(self) -> bool:
+        has = bool(getattr(self.tokenizer, "chat_template", None))
+        if self.chat_template is True and not has:
+            raise KvpotError("chat_template=True, but this tokenizer has no chat template.")
+        return has and self.chat_template in (True, "auto")
+
+    def _require_tokenizer(self):
+        if self.tokenizer is None:
+            raise KvpotError("this engine has no tokenizer; use generate_ids/prefill_ids with token ids.")
+        return self.tokenizer
+
+    def _clock(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _reset_peak_memory(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _peak_memory(self) -> int | None:
+        return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+
+
+def plan_chunks(total: int, chunk: int, min_last: int = 1) -> list[int]:
+    """Split `total` tokens into forwards of `chunk`, the last holding at least `min_last`."""
+    if total <= 0:
+        return []
+    chunk = max(chunk, min_last)
+    sizes = [chunk] * (total // chunk) + ([total % chunk] if total % chunk else [])
+    if len(sizes) > 1 and sizes[-1] < min_last:
+        moved = min_last - sizes[-1]
+        sizes[-2] -= moved
+        sizes[-1] += moved
+    return sizes
+
+
+def _as_ids(ids, device: torch.device, what: str) -> torch.Tensor:
+    """A 1-D long tensor on `device` from a list, 1-D tensor or a [1, n] tensor (batch size 1)."""
+    if ids is None:
+        return torch.empty(0, dtype=torch.long, device=device)
+    tensor = torch.as_tensor(ids, dtype=torch.long)
+    if tensor.dim() == 2:
+        if tensor.shape[0] != 1:
+            raise KvpotError(f"{what}: kvpot runs batch size 1; got a batch of {tensor.shape[0]}.")
+        tensor = tensor[0]
+    if tensor.dim() != 1:
+        raise KvpotError(f"{what} must be a list of token ids or a [1, n] tensor.")
+    return tensor.to(device)
+
+
+def _eos_ids(model: PreTrainedModel) -> set[int]:
+    config = getattr(model, "generation_config", None)
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if eos is None:
+        return set()
+    return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+
+
+def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator) -> int:
+    if temperature == 0:
+        return int(logits.argmax())
+    probs = (logits / temperature).softmax(dim=-1)
+    if top_p < 1:
+        sorted_probs, order = probs.sort(descending=True)
+        outside = sorted_probs.cumsum(-1) - sorted_probs > top_p
+        sorted_probs[outside] = 0
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class _TextStreamer:
+    """Turns a token stream into text pieces, holding back incomplete UTF-8 / word pieces."""
+
+    def __init__(self, tokenizer, sink: Callable[[str], None]):
+        self.tokenizer, self.sink = tokenizer, sink
+        self.tokens: list[int] = []
+        self.printed = 0
+
+    def __call__(self, token: int) -> None:
+        self.tokens.append(token)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return  # an incomplete multi-byte character: wait for the next token
+        self.sink(text[self.printed :])
+        self.printed = len(text)
+
+    def flush(self) -> None:
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if len(text) > self.printed:
+            self.sink(text[self.printed :])
+            self.printed = len(text)

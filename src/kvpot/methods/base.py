@@ -1,0 +1,144 @@
+"""What a method tells the engine, and the base class that owns top-k, gather and write-back.
+
+A method is a small dataclass. The engine calls, for every forward:
+`request(step)` (which attention to observe, or None) before it, and `after_forward(cache, step)`
+after it. Eviction methods subclass `EvictionMethod` and override `scores` (and `keep_count`):
+the base class selects the top entries per layer and KV head and hands them to the cache, which
+gathers keys, values, positions and scores in place and lets the position policy renumber them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from kvpot.attention import AttentionRequest
+from kvpot.errors import KvpotError
+
+if TYPE_CHECKING:
+    from kvpot.cache import PotCache, PotLayer
+
+
+@dataclass(frozen=True)
+class Step:
+    """The forward that just ran (or is about to).
+
+    phase: "context", "question" or "decode".
+    n_new: tokens it appends.
+    prompt_end: the last forward before decoding starts (SnapKV compresses there).
+    """
+
+    phase: str
+    n_new: int
+    prompt_end: bool = False
+
+
+class Method:
+    """Base of every method. Subclasses are dataclasses; fields are the method's parameters."""
+
+    name: ClassVar[str] = ""
+    paper: ClassVar[str] = ""
+    bound: ClassVar[str] = "none: the cache grows with the input"  # what max_entries() promises
+    positions: str = "absolute"
+
+    @classmethod
+    def from_budget(cls, budget: int, **overrides) -> Method:
+        """The method holding about `budget` KV entries per layer and KV head (`--budget`)."""
+        raise KvpotError(f"method {cls.name!r} takes no budget; drop --budget.")
+
+    def max_entries(self) -> int | None:
+        """Most KV entries any layer holds per KV head at any instant, or None if unbounded."""
+        return None
+
+    def prefill_chunk(self) -> int:
+        """Tokens per prefill forward; activations are bounded by it."""
+        return int(getattr(self, "chunk_size", 2048))
+
+    def min_last_chunk(self) -> int:
+        """The last forward of a prompt carries at least this many tokens (observation windows)."""
+        return 1
+
+    def prepare(self, context_ids: torch.Tensor, question_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rewrite the inputs before anything runs (Truncate cuts the context's middle)."""
+        return context_ids, question_ids
+
+    def request(self, step: Step) -> AttentionRequest | None:
+        """The attention observation the forward of `step` must record, if any."""
+        return None
+
+    def after_forward(self, cache: PotCache, step: Step) -> bool:
+        """Update scores and evict after a forward; True if anything was evicted."""
+        return False
+
+    # ---- helpers shared by the CLI and `kvpot methods` ----
+    @classmethod
+    def parameters(cls) -> list[dataclasses.Field]:
+        return [f for f in dataclasses.fields(cls) if f.init]
+
+    def config(self) -> dict:
+        """The resolved parameters (saved next to every result)."""
+        return {"method": self.name, **dataclasses.asdict(self)}
+
+
+def check_positive(method: Method, *names: str) -> None:
+    for name in names:
+        value = getattr(method, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise KvpotError(f"{method.name}: {name} must be a positive integer, got {value!r}.")
+
+
+def check_policy(method: Method, allowed: tuple[str, ...]) -> None:
+    if method.positions not in allowed:
+        raise KvpotError(f"{method.name}: positions must be one of {allowed}, got {method.positions!r}.")
+
+
+class EvictionMethod(Method):
+    """Keep the `keep_count` highest-scoring entries of each layer and KV head after a forward.
+
+    `scores` returns `[b, kv_heads, n]` (per-head selection) or `[b, 1, n]` (one selection shared
+    by the layer's heads); entries that must stay get `+inf` (see `protect`).
+    """
+
+    def keep_count(self, layer: PotLayer, step: Step) -> int:
+        raise NotImplementedError
+
+    def should_evict(self, layer: PotLayer, step: Step) -> bool:
+        return layer.n > self.keep_count(layer, step)
+
+    def update_scores(self, layer: PotLayer, step: Step) -> None:
+        """Fold this forward's observation into the layer's stored scores (H2O accumulates)."""
+
+    def scores(self, layer: PotLayer, step: Step) -> torch.Tensor:
+        raise NotImplementedError
+
+    def after_forward(self, cache: PotCache, step: Step) -> bool:
+        evicted = False
+        for layer in cache.layers:
+            self.update_scores(layer, step)
+            if not self.should_evict(layer, step):
+                continue
+            keep = self.keep_count(layer, step)
+            scores = self.scores(layer, step)  # [b, kv_heads | 1, n]
+            chosen = scores.topk(keep, dim=-1).indices.sort(dim=-1).values  # [b, kv_heads | 1, keep]
+            layer.select(chosen)
+            evicted = True
+        return evicted
+
+
+def recency(layer: PotLayer) -> torch.Tensor:
+    """[1, 1, n] scores that rank later entries higher (entries are kept in original order)."""
+    return torch.arange(layer.n, device=layer.device, dtype=torch.float32).view(1, 1, -1)
+
+
+def protect(scores: torch.Tensor, sinks: int = 0, recent: int = 0) -> torch.Tensor:
+    """Give the first `sinks` and last `recent` entries +inf so top-k always keeps them."""
+    scores = scores.clone()
+    n = scores.shape[-1]
+    if sinks:
+        scores[..., : min(sinks, n)] = float("inf")
+    if recent:
+        scores[..., max(0, n - recent) :] = float("inf")
+    return scores

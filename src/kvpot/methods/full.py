@@ -1,0 +1,22 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpot.methods.base import Method, check_positive
+
+
+@dataclass
+class Full(Method):
+    """No eviction: every KV entry is kept, at its absolute position.
+
+    The exactness reference: greedy output equals `model.generate` token for token
+    (DESIGN.md guarantee 2). Prefill is chunked (`chunk_size` tokens per forward) so activations
+    stay bounded, but the cache grows with the input. Bound: none.
+    """
+
+    name = "full"
+    paper = "no compression (exactness reference)"
+    chunk_size: int = 2048
+
+    def __post_init__(self):
+        check_positive(self, "chunk_size")

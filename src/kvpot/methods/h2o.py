@@ -1,0 +1,58 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpot.attention import AttentionRequest
+from kvpot.errors import KvpotError
+from kvpot.methods.base import EvictionMethod, Step, check_policy, check_positive, protect
+
+SCORE = "h2o"
+
+
+@dataclass
+class H2O(EvictionMethod):
+    """Heavy hitters (largest accumulated attention) plus a window of recent entries.
+
+    Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language
+    Models" (NeurIPS 2023), Sec. 3-4: an entry's score is the attention it has received, summed
+    over every query so far; keep the `recent` newest entries and the `heavy` highest-scoring
+    others. Per KV head, the query heads of a group averaged. The input is read in chunks of
+    `chunk_size`, evicting after each chunk and each generated token. Positions "shift" by default
+    (as CItruS and InfiniPot ran it over long inputs); "absolute" is H2O's original.
+
+    Bound: `heavy + recent + chunk_size` entries per layer and KV head.
+    """
+
+    name = "h2o"
+    paper = "Zhang et al. 2023, H2O: Heavy-Hitter Oracle"
+    bound = "heavy + recent + chunk_size"
+    heavy: int = 512
+    recent: int = 512
+    chunk_size: int = 512
+    positions: str = "shift"
+
+    def __post_init__(self):
+        check_positive(self, "heavy", "recent", "chunk_size")
+        check_policy(self, ("shift", "absolute"))
+
+    @classmethod
+    def from_budget(cls, budget: int, **overrides) -> H2O:
+        if budget < 2:
+            raise KvpotError(f"h2o: a budget of {budget} cannot hold heavy hitters and a recent window; use >= 2.")
+        heavy = overrides.pop("heavy", budget // 2)
+        return cls(heavy=heavy, recent=overrides.pop("recent", budget - heavy), **overrides)
+
+    def max_entries(self) -> int:
+        return self.heavy + self.recent + self.chunk_size
+
+    def request(self, step: Step) -> AttentionRequest:
+        return AttentionRequest(rows=None, row_reduce="sum", head_reduce="mean")
+
+    def update_scores(self, layer, step: Step) -> None:
+        layer.score(SCORE).add_(layer.observation)
+
+    def keep_count(self, layer, step: Step) -> int:
+        return self.heavy + self.recent
+
+    def scores(self, layer, step: Step):
+        return protect(layer.score(SCORE), recent=self.recent)

@@ -1,0 +1,106 @@
+"""The architecture support table.
+
+kvpot never patches modeling code, so "supported" means: the model's attention calls the
+registered attention function, applies RoPE to q and k from `position_ids` (so running with
+positions 0 hands kvpot un-rotated q and k), uses no soft-capping and no sliding window, its base
+model exposes the rotary embedding as `rotary_emb`, and its logits are a plain linear head over
+the last hidden state. Each entry below was checked against those rules and is covered by tests built from a
+tiny config of that class.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+from kvpot.errors import KvpotError
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One supported architecture: its config class and what is special about it."""
+
+    name: str
+    config_class: type[PretrainedConfig]
+    notes: str
+
+
+ARCHITECTURES: tuple[Architecture, ...] = (
+    Architecture("Llama", LlamaConfig, "Llama 2/3/3.1/3.2; RoPE types default, llama3, linear, dynamic, yarn"),
+    Architecture("Mistral", MistralConfig, "needs sliding_window=None (Mistral 7B v0.2 and later)"),
+    Architecture("Qwen2", Qwen2Config, "qkv bias; Qwen2 and Qwen2.5 without sliding-window layers"),
+    Architecture("Qwen3", Qwen3Config, "q/k RMS norm before RoPE; dense models"),
+)
+
+
+def _supported_names() -> str:
+    return ", ".join(f"{a.name} ({a.config_class.__name__})" for a in ARCHITECTURES)
+
+
+def architecture_of(config: PretrainedConfig) -> Architecture:
+    """The table entry for `config`, or a KvpotError naming what is supported.
+
+    The match is on the exact config class: a subclass may change attention in ways the
+    table has not checked.
+    """
+    for arch in ARCHITECTURES:
+        if type(config) is arch.config_class:
+            _refuse_sliding_window(config, arch)
+            return arch
+    raise KvpotError(
+        f"kvpot does not support {type(config).__name__} models yet; supported: {_supported_names()}."
+    )
+
+
+def _refuse_sliding_window(config: PretrainedConfig, arch: Architecture) -> None:
+    layer_types = getattr(config, "layer_types", None) or ()
+    uses_window = "sliding_attention" in layer_types
+    if arch.config_class is MistralConfig:
+        uses_window = uses_window or getattr(config, "sliding_window", None) is not None
+    if uses_window:
+        raise KvpotError(
+            f"this {arch.name} config uses sliding-window attention, which kvpot does not support yet; "
+            "set config.sliding_window=None (and use_sliding_window=False) to run it with full attention."
+        )
+
+
+def rotary_embedding(model: PreTrainedModel) -> torch.nn.Module:
+    """The model's own rotary-embedding module (every supported base model names it `rotary_emb`)."""
+    architecture_of(model.config)
+    rotary = getattr(model.get_decoder(), "rotary_emb", None)
+    if rotary is None:
+        raise KvpotError(f"{type(model).__name__} has no rotary embedding kvpot can use.")
+    return rotary
+
+
+def default_dtype(device: str | torch.device) -> torch.dtype:
+    """bfloat16 on accelerators (what the checkpoints are trained in), float32 on CPU."""
+    return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+
+
+def load_pretrained(
+    name_or_path: str, device: str = "cpu", dtype: torch.dtype | None = None
+) -> tuple[PreTrainedModel, object]:
+    """Load a supported causal LM and its tokenizer; checks support before reading weights."""
+    try:
+        config = AutoConfig.from_pretrained(name_or_path)
+    except (OSError, ValueError) as err:
+        raise KvpotError(f"cannot load a model config from {name_or_path!r}: {err}") from None
+    architecture_of(config)
+    dtype = dtype or default_dtype(device)
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
+    model = model.to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    return model, tokenizer

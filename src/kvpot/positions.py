@@ -1,0 +1,145 @@
+"""Positions: the model's own RoPE applied by kvpot, and the policies that choose positions.
+
+kvpot runs every forward with `position_ids` all zero, so the model's rotary embedding is the
+identity (times its `attention_scaling`, which we divide out) and q/k reach the cache un-rotated.
+The cache then rotates them with the positions a *policy* assigns. Keeping one owner for positions
+is what lets StreamingLLM's shift, InfiniPot's CR-RoPE and plain absolute positions share a cache.
+
+Policies (DESIGN.md "Positions"):
+- `absolute`: an entry keeps the position of its token in the input stream. Keys never move, so
+  the cache stores them rotated once, at insertion (no per-step rotation cost).
+- `shift` (StreamingLLM, Xiao et al. 2024, Sec. 3.2; CItruS Sec. 5.3): cached entries take
+  0..n-1 in original order and new tokens continue from n. Keys are stored un-rotated and rotated
+  at attention time.
+- `reset` (InfiniPot's CR-RoPE, Sec. 3.5): after each compression the kept entries take 0..|C|-1
+  in original order and new tokens continue from there. Because kvpot keeps entries in original
+  order and only compressions remove entries, this assigns every entry its rank, exactly as
+  `shift` does; the two names are kept so that each method states its paper's rule.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvpot.errors import KvpotError
+
+if TYPE_CHECKING:
+    from kvpot.cache import PotLayer
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Rope:
+    """The model's rotary embedding, evaluated at positions kvpot chooses.
+
+    cos/sin come from the model's own `rotary_emb` module, so every RoPE variant it implements
+    (default, llama3, linear, yarn, longrope, dynamic) is reproduced bit for bit. For static
+    variants a cos/sin table is grown on demand and indexed; `dynamic` RoPE depends on the largest
+    position of each call, so it is evaluated directly.
+    """
+
+    def __init__(self, rotary: torch.nn.Module):
+        self.rotary = rotary
+        self.scaling = float(getattr(rotary, "attention_scaling", 1.0))
+        self.dynamic = "dynamic" in str(getattr(rotary, "rope_type", "default"))
+        self._cos: torch.Tensor | None = None  # [table_len, head_dim]
+        self._sin: torch.Tensor | None = None
+
+    def unscale(self, x: torch.Tensor) -> torch.Tensor:
+        """Undo the `attention_scaling` the model applied at position 0."""
+        return x if self.scaling == 1.0 else x / self.scaling
+
+    def cos_sin(
+        self, positions: torch.Tensor, like: torch.Tensor, max_position: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape `[*positions.shape, head_dim]` in `like.dtype`.
+
+        `max_position` (an upper bound of `positions`, known on the host) sizes the table without
+        a device-to-host sync.
+        """
+        if self.dynamic:
+            flat = positions.reshape(-1, positions.shape[-1])  # [rows, n]
+            cos, sin = self.rotary(like, flat)
+            return cos.view(*positions.shape, -1), sin.view(*positions.shape, -1)
+        self._ensure_table(max_position + 1, like)
+        return self._cos[positions], self._sin[positions]
+
+    def _ensure_table(self, length: int, like: torch.Tensor) -> None:
+        have = 0 if self._cos is None else self._cos.shape[0]
+        fits = have >= length and self._cos.dtype == like.dtype and self._cos.device == like.device
+        if fits:
+            return
+        size = max(length, 2 * have, 4096)
+        grid = torch.arange(size, device=like.device).unsqueeze(0)  # [1, size]
+        cos, sin = self.rotary(like, grid)
+        self._cos, self._sin = cos[0], sin[0]  # [size, head_dim]
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor, max_position: int) -> torch.Tensor:
+        """Rotate `x` [b, heads, n, d] by `positions` [b, kv_heads, n].
+
+        When `heads` is a multiple of `kv_heads` (queries of a GQA group), each query head takes
+        the positions of its KV head, without repeating the tensor.
+        """
+        b, heads, n, d = x.shape
+        kv_heads = positions.shape[1]
+        cos, sin = self.cos_sin(positions, x, max_position)  # [b, kv_heads, n, d]
+        grouped = x.view(b, kv_heads, heads // kv_heads, n, d)
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+        out = grouped * cos + rotate_half(grouped) * sin
+        return out.view(b, heads, n, d)
+
+
+class PositionPolicy:
+    """Assigns RoPE positions to cache entries. Subclasses differ only in these two rules."""
+
+    name = ""
+    stores_rotated = False  # True when positions never change, so keys are rotated once
+
+    def new_positions(self, layer: PotLayer, original: torch.Tensor) -> torch.Tensor:
+        """RoPE positions [b, kv_heads, q] for `q` tokens about to be appended to `layer`."""
+        raise NotImplementedError
+
+    def after_select(self, layer: PotLayer) -> None:
+        """Re-assign the positions of `layer`'s entries after a selection."""
+
+
+class Absolute(PositionPolicy):
+    name = "absolute"
+    stores_rotated = True
+
+    def new_positions(self, layer: PotLayer, original: torch.Tensor) -> torch.Tensor:
+        return original.expand(layer.batch, layer.kv_heads, -1)
+
+
+class Rank(PositionPolicy):
+    """Entries are numbered 0..n-1 in original order; new tokens continue from n."""
+
+    name = "shift"
+
+    def new_positions(self, layer: PotLayer, original: torch.Tensor) -> torch.Tensor:
+        q = original.shape[-1]
+        ranks = torch.arange(layer.n, layer.n + q, device=original.device)
+        return ranks.expand(layer.batch, layer.kv_heads, q)
+
+    def after_select(self, layer: PotLayer) -> None:
+        ranks = torch.arange(layer.n, device=layer.keys.device)
+        layer.rope_positions[:, :, : layer.n] = ranks
+
+
+class Reset(Rank):
+    name = "reset"
+
+
+POLICIES: dict[str, type[PositionPolicy]] = {p.name: p for p in (Absolute, Rank, Reset)}
+
+
+def make_policy(name: str) -> PositionPolicy:
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise KvpotError(f"unknown position policy {name!r}; choose one of {sorted(POLICIES)}.") from None
