@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from kvpot.attention import register
+from kvpot.attention import AttentionRequest, register
 from kvpot.cache import PotCache
 from kvpot.errors import KvpotError
 from kvpot.methods import Full, Method, Step
@@ -213,11 +213,13 @@ class Engine:
         temperature: float = 0.0,
         top_p: float = 1.0,
         seed: int | None = None,
+        ignore_eos: bool = False,
     ) -> Result:
         """Generate up to `max_new_tokens` after the context (or `state`) and the question.
 
-        Greedy by default (`temperature=0`), stopping at the model's end-of-sequence tokens.
-        `token_ids` of the result are the new tokens only.
+        Greedy by default (`temperature=0`; otherwise sampling with `top_p`, seeded by `seed`),
+        stopping at the model's end-of-sequence tokens unless `ignore_eos` (benchmarks decode a
+        fixed count). `token_ids` of the result are the new tokens only.
         """
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise KvpotError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}.")
@@ -232,7 +234,7 @@ class Engine:
             if input_ids is not None:
                 raise KvpotError("give either input_ids or a prefilled state, not both.")
             run = self._resume(state, question_ids, progress)
-        return self._decode(run, max_new_tokens, on_token, temperature, top_p, seed)
+        return self._decode(run, max_new_tokens, on_token, temperature, top_p, seed, ignore_eos)
 
     # ------------------------------------------------------------------ internals
     def _new_cache(self, total_tokens: int) -> PotCache:
@@ -269,18 +271,48 @@ class Engine:
 
     def _forward(self, run: _Run, ids: torch.Tensor, step: Step) -> None:
         """One model forward of `ids` [q] on the cache, then the method's compression."""
+        hidden = self._run_model(run, ids, self.method.request(step))  # [q, hidden]
+        run.logits = self.head(hidden[-1]).float()  # [vocab]
+        run.next_position += ids.numel()
+        step = dataclasses.replace(step, probe=lambda probe_ids, request: self.probe(
+            run.cache, run.next_position, probe_ids, request))
+        if self.method.after_forward(run.cache, step):
+            run.stats.compressions += 1
+        run.cache.begin_forward(None, -1, None)
+
+    def _run_model(self, run: _Run, ids: torch.Tensor, request: AttentionRequest | None) -> torch.Tensor:
+        """The decoder over `ids` [q] at positions `run.next_position...`; last hidden states [q, h]."""
         q, cache = ids.numel(), run.cache
         positions = torch.arange(run.next_position, run.next_position + q, device=ids.device)
-        cache.begin_forward(positions, run.next_position + q - 1, self.method.request(step))
-        zeros = torch.zeros(1, q, dtype=torch.long, device=ids.device)
-        hidden = self.decoder(
+        cache.begin_forward(positions, run.next_position + q - 1, request)
+        zeros = torch.zeros(1, q, dtype=torch.long, device=ids.device)  # RoPE is applied by kvpot
+        out = self.decoder(
             input_ids=ids.view(1, q), past_key_values=cache, position_ids=zeros, use_cache=True, kvpot_cache=cache
-        ).last_hidden_state  # [1, q, hidden]
-        run.logits = self.head(hidden[0, -1]).float()  # [vocab]
-        run.next_position += q
-        if self.method.after_forward(cache, step):
-            run.stats.compressions += 1
-        cache.begin_forward(None, -1, None)
+        )
+        return out.last_hidden_state[0]
+
+    @torch.no_grad()
+    def probe(self, cache: PotCache, next_position: int, ids, request: AttentionRequest) -> list[torch.Tensor]:
+        """Run `ids` on top of `cache`, read their attention, then roll their entries back.
+
+        One mechanism for InfiniPot's catalyst prompt, CItruS' instruction and SnapKV-style
+        observation windows (DESIGN.md, "Probes"). The probe tokens take the positions that would
+        follow the cache (`next_position` onwards); their entries count towards the cache's
+        `max_entries` while they exist. Returns, per layer, the observation restricted to the
+        entries that were cached before the probe (`[b, kv_heads, n_layer]`). Rollback leaves the
+        cache bit-for-bit as it was.
+        """
+        ids = _as_ids(ids, self.device, "probe ids")
+        if ids.numel() == 0:
+            raise KvpotError("a probe needs at least one token.")
+        lengths = cache.lengths()
+        run = _Run(cache, next_position, Stats())
+        try:
+            self._run_model(run, ids, request)
+            return [layer.observation[..., :n] for layer, n in zip(cache.layers, lengths)]
+        finally:
+            cache.truncate(lengths)
+            cache.begin_forward(None, -1, None)
 
     def _finish_state(self, run: _Run) -> State:
         run.stats.max_kv_entries = run.cache.max_entries
@@ -288,8 +320,8 @@ class Engine:
         run.stats.peak_memory_bytes = self._peak_memory()
         return State(run.cache, run.next_position, run.logits, self.method.config(), run.stats)
 
-    def _decode(self, run: _Run, max_new_tokens, on_token, temperature, top_p, seed) -> Result:
-        eos = _eos_ids(self.model)
+    def _decode(self, run: _Run, max_new_tokens, on_token, temperature, top_p, seed, ignore_eos) -> Result:
+        eos = set() if ignore_eos else _eos_ids(self.model)
         generator = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
         tokens: list[int] = []
         started = self._clock()

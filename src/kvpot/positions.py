@@ -39,14 +39,17 @@ class Rope:
 
     cos/sin come from the model's own `rotary_emb` module, so every RoPE variant it implements
     (default, llama3, linear, yarn, longrope, dynamic) is reproduced bit for bit. For static
-    variants a cos/sin table is grown on demand and indexed; `dynamic` RoPE depends on the largest
-    position of each call, so it is evaluated directly.
+    variants a cos/sin table is grown on demand and indexed; `dynamic` and `longrope` frequencies
+    depend on the longest sequence the module has seen, so they are evaluated on each call, with
+    the same call history the model would give them (keys at insertion for `absolute`).
     """
 
     def __init__(self, rotary: torch.nn.Module):
         self.rotary = rotary
         self.scaling = float(getattr(rotary, "attention_scaling", 1.0))
-        self.dynamic = "dynamic" in str(getattr(rotary, "rope_type", "default"))
+        rope_type = str(getattr(rotary, "rope_type", "default"))
+        # these variants change frequencies with the longest position seen, so no table
+        self.dynamic = "dynamic" in rope_type or rope_type == "longrope"
         self._cos: torch.Tensor | None = None  # [table_len, head_dim]
         self._sin: torch.Tensor | None = None
 

@@ -10,6 +10,7 @@ gathers keys, values, positions and scores in place and lets the position policy
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -29,11 +30,15 @@ class Step:
     phase: "context", "question" or "decode".
     n_new: tokens it appends.
     prompt_end: the last forward before decoding starts (SnapKV compresses there).
+    probe: in `after_forward`, `probe(ids, request)` runs extra tokens over the cache and returns
+        their per-layer attention over the cached entries, leaving the cache unchanged
+        (`Engine.probe`).
     """
 
     phase: str
     n_new: int
     prompt_end: bool = False
+    probe: Callable[[object, AttentionRequest], list[torch.Tensor]] | None = None
 
 
 class Method:

@@ -1,0 +1,89 @@
+"""Tiny models built from configs (never downloaded), one per supported architecture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+VOCAB = 96
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
+def llama3_rope() -> dict:
+    return {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256,
+    }
+
+
+ARCH_CONFIGS = {
+    "llama3": lambda: (LlamaForCausalLM, LlamaConfig(**COMMON, rope_parameters=llama3_rope())),
+    "mistral": lambda: (MistralForCausalLM, MistralConfig(**COMMON, sliding_window=None)),
+    "qwen2": lambda: (Qwen2ForCausalLM, Qwen2Config(**COMMON)),
+    "qwen3": lambda: (Qwen3ForCausalLM, Qwen3Config(**COMMON, head_dim=16)),
+}
+
+ROPE_VARIANTS = {
+    "default": {"rope_type": "default", "rope_theta": 10000.0},
+    "llama3": llama3_rope(),
+    "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0},
+    "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 512},
+}
+
+
+def build(arch: str, seed: int = 0, **overrides):
+    """A float32 tiny model of `arch`, seeded, eval mode, with sdpa attention for references."""
+    torch.manual_seed(seed)
+    model_class, config = ARCH_CONFIGS[arch]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    model = model_class(config).eval()
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+def build_llama(rope: dict | None = None, seed: int = 0, **config_overrides):
+    torch.manual_seed(seed)
+    config = LlamaConfig(**{**COMMON, **config_overrides}, rope_parameters=rope or ROPE_VARIANTS["default"])
+    model = LlamaForCausalLM(config).eval()
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+@pytest.fixture(params=sorted(ARCH_CONFIGS))
+def arch(request) -> str:
+    return request.param
+
+
+def reference_greedy(model, ids: torch.Tensor, new_tokens: int) -> list[int]:
+    """transformers' own greedy generation (sdpa attention), the exactness reference."""
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        out = model.generate(ids.view(1, -1), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    return out[0, ids.numel() :].tolist()

@@ -1,0 +1,66 @@
+"""Guarantee 2: when nothing is evicted, kvpot's greedy output is model.generate's, token for token."""
+
+import pytest
+import torch
+
+import kvpot
+from conftest import ROPE_VARIANTS, VOCAB, build, build_llama, reference_greedy
+
+NEW = 20
+CONTEXT, QUESTION = 61, 9  # odd sizes so that chunks end mid-way
+
+
+def roomy_methods(total: int):
+    """Every method with a budget at least the input plus the new tokens, and small chunks."""
+    return [
+        kvpot.Full(chunk_size=16),
+        kvpot.Truncate(budget=total, chunk_size=16),
+        kvpot.StreamingLLM(sinks=4, window=total, chunk_size=16),
+        kvpot.H2O(heavy=total, recent=total, chunk_size=16),
+        kvpot.TOVA(budget=total, chunk_size=16),
+        kvpot.SnapKV(budget=total, window=8, chunk_size=16),
+    ]
+
+
+@pytest.mark.parametrize("with_question", [False, True], ids=["context-only", "with-question"])
+def test_every_method_equals_generate_when_nothing_is_evicted(arch, with_question):
+    model = build(arch)
+    torch.manual_seed(1)
+    ids = torch.randint(3, VOCAB, (CONTEXT + QUESTION,))
+    expected = reference_greedy(model, ids, NEW)
+    context, question = (ids[:CONTEXT], ids[CONTEXT:]) if with_question else (ids, None)
+    for method in roomy_methods(ids.numel() + NEW):
+        engine = kvpot.Engine(model, method=method)
+        out = engine.generate_ids(context, question, max_new_tokens=NEW)
+        assert out.token_ids == expected, f"{arch} {method.name}"
+        assert out.stats.compressions == 0
+
+
+@pytest.mark.parametrize("rope", sorted(ROPE_VARIANTS))
+def test_full_equals_generate_for_every_rope_variant(rope):
+    # 700 tokens: past the yarn/llama3 original windows, so the scaled frequencies matter.
+    model = build_llama(ROPE_VARIANTS[rope], max_position_embeddings=512)
+    torch.manual_seed(2)
+    ids = torch.randint(3, VOCAB, (700,))
+    expected = reference_greedy(model, ids, NEW)
+    out = kvpot.Engine(model, method=kvpot.Full(chunk_size=256)).generate_ids(ids, max_new_tokens=NEW)
+    assert out.token_ids == expected
+
+
+def test_state_reuse_matches_one_shot_and_leaves_state_unchanged():
+    model = build("llama3")
+    torch.manual_seed(3)
+    context, question = torch.randint(3, VOCAB, (80,)), torch.randint(3, VOCAB, (7,))
+    engine = kvpot.Engine(model, method=kvpot.StreamingLLM(sinks=4, window=40, chunk_size=16))
+    state = engine.prefill_ids(context)
+    snapshot = [(layer.n, layer.keys[:, :, : layer.n].clone()) for layer in state.cache.layers]
+    first = engine.generate_ids(question_ids=question, state=state, max_new_tokens=12)
+    second = engine.generate_ids(question_ids=question, state=state, max_new_tokens=12)
+    assert first.token_ids == second.token_ids
+    for layer, (n, keys) in zip(state.cache.layers, snapshot):
+        assert layer.n == n and torch.equal(layer.keys[:, :, :n], keys)
+    # Full: prefill + question on the state equals one-shot generation.
+    full = kvpot.Engine(model, method=kvpot.Full(chunk_size=32))
+    one_shot = full.generate_ids(context, question, max_new_tokens=12)
+    reused = full.generate_ids(question_ids=question, state=full.prefill_ids(context), max_new_tokens=12)
+    assert one_shot.token_ids == reused.token_ids
