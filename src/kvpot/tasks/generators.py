@@ -1,0 +1,607 @@
+"""Deterministic synthetic long-context tasks: passkey, niah, kv, vt, recall.
+
+Every generator returns a :class:`Sample` whose ``context_ids`` are *exactly*
+``length`` tokens of the given tokenizer, built by concatenating id lists (see
+:mod:`kvpot.tasks.haystack` for why), with the needles at known token spans.
+
+Layout of a context::
+
+    header | filler ... needle ... filler ... needle ... filler (cut to length)
+
+``question`` starts with ``"\\n"`` and ``question_ids`` are its ids *as they
+follow the context*, so ``context_ids + question_ids`` is the whole prompt
+(add BOS in front if your model wants one).
+
+Depth (how a needle is placed).  With ``H`` the header's tokens, ``N`` the
+needle's tokens and ``L = length``, a needle of depth ``d`` starts at token::
+
+    target = H + d * (L - H - N)
+
+i.e. ``d`` is the fraction of the positions the needle *can* start at, after
+the header: 0 puts it right after the header, 1 makes it end at the last token
+(RULER likewise measures depth over the haystack, not over the header).  The
+start lands within ``1%`` of ``L`` of ``target``: it is moved to the nearest
+sentence boundary of the filler when one is that close; otherwise the filler
+before it is started part-way into a sentence (shifting every boundary) so
+that the needle still starts on a boundary, exactly at ``target``.  For long
+contexts ``H`` and ``N`` are negligible and ``start / L ~= d``.
+
+Multi-needle tasks place one *primary* needle at ``depth`` as above (niah and
+kv: the first needle of the first queried key; recall: the first fact; vt:
+the value assignment of the queried chain, with ``N`` its whole chain so the
+chain fits after it) and spread the others evenly (see each task).
+``Sample.needle_spans[0]`` is the primary needle's span; the rest follow in
+context order.
+
+Randomness comes from ``random.Random`` seeded with strings (stable across
+processes and Python runs); the needles depend on ``(task, seed, options)``
+only, not on ``length`` or ``depth``, so one seed is one needle at any length.
+"""
+
+from __future__ import annotations
+
+import inspect
+import random
+import uuid
+from bisect import bisect_left
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Any
+
+from kvpot.errors import KvpotError
+from kvpot.tasks.haystack import HAYSTACKS, Codec, codec_for, filler_pieces
+
+# --------------------------------------------------------------------------- wording
+
+PASSKEY_HEADER = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize "
+    "them. I will quiz you about the important information there."
+)
+PASSKEY_NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
+PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is"
+
+NIAH_HEADER = (
+    "Some special magic numbers are hidden within the following text. Make sure to memorize "
+    "it. I will quiz you about the numbers afterwards."
+)
+NIAH_NEEDLE = " One of the special magic numbers for {key} is: {value}."
+NIAH_QUESTION = (
+    "\nWhat are all the special magic numbers for {keys} mentioned in the provided text? "
+    "The special magic numbers for {keys} mentioned in the provided text are"
+)
+
+KV_HEADER = (
+    "Extract the value corresponding to the specified key in the JSON object below."
+    "\n\nJSON data:\n{"
+)
+KV_SPREAD_HEADER = "Extract the value corresponding to the specified key in the text below."
+KV_LINE = '\n"{key}": "{value}",'
+KV_QUESTION = '\nWhat is the value of the key "{key}"? The value of the key "{key}" is'
+
+VT_HEADER = "Memorize and track the chain(s) of variable assignment hidden in the following text."
+VT_FIRST = " VAR {name} = {value}."
+VT_HOP = " VAR {name} = VAR {prev}."
+VT_QUESTION = (
+    "\nQuestion: Find all variables that are assigned the value {value} in the text above. "
+    "Answer: According to the chain(s) of variable assignment in the text above, {count} "
+    "variables are assigned the value {value}, they are:"
+)
+
+RECALL_HEADER = "Read the following text."
+RECALL_INSTRUCTION = "List the important facts stated above:"
+RECALL_FACTS = (
+    " The pass key is {n5}.",
+    " The special magic number for {key} is: {n7}.",
+    " The secret word for {key} is {word}.",
+)
+
+#: Words of niah/recall keys ("adjective-noun"); disjoint from the haystack vocabulary.
+KEY_ADJECTIVES = (
+    "abundant", "adorable", "ambitious", "ancient", "awesome", "bashful", "bitter", "blissful",
+    "breezy", "bumpy", "chilly", "chubby", "clumsy", "cosmic", "crispy", "dazzling", "delicate",
+    "dizzy", "eager", "elegant", "fancy", "fluffy", "fuzzy", "giant", "glossy", "grumpy",
+    "handsome", "hungry", "icy", "itchy", "jagged", "juicy", "kind", "lively", "massive",
+    "mellow", "misty", "nimble", "obedient", "odd", "playful", "puzzled", "quaint", "quirky",
+    "scary", "shiny", "spicy", "tasty", "thirsty", "vivid", "wobbly", "zealous",
+)
+KEY_NOUNS = (
+    "acorn", "anchor", "antelope", "apricot", "avocado", "balloon", "banana", "biscuit",
+    "blueberry", "butterfly", "cactus", "camel", "canyon", "cherry", "cobra", "comet", "crayon",
+    "cricket", "dolphin", "dragon", "eagle", "elephant", "falcon", "flamingo", "galaxy",
+    "giraffe", "glacier", "hamster", "hedgehog", "iguana", "jaguar", "jellyfish", "kangaroo",
+    "koala", "lemon", "lobster", "mango", "meteor", "nectar", "octopus", "panda", "parrot",
+    "peacock", "penguin", "pepper", "pineapple", "raccoon", "rocket", "saturn", "tulip",
+    "volcano", "walrus", "zebra",
+)
+_ALL_KEYS = tuple(f"{a}-{n}" for a in KEY_ADJECTIVES for n in KEY_NOUNS)
+
+
+# --------------------------------------------------------------------------- sample
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One generated example; see the module docstring for layout and depth."""
+
+    task: str
+    context: str
+    context_ids: list[int]
+    question: str
+    question_ids: list[int]
+    answers: list[str]
+    needle_spans: list[tuple[int, int]]
+    depth: float
+    seed: int
+    length: int
+    options: dict
+
+
+@dataclass(frozen=True)
+class _Needle:
+    """A needle to place: its text, ids, depth, and tokens that must fit after its start."""
+
+    text: str
+    ids: Sequence[int]
+    depth: float
+    reach: int = 0  # tokens from its start that must fit in the context (0: its own length)
+
+
+# --------------------------------------------------------------------------- placement
+
+
+def _rng(task: str, seed: int) -> random.Random:
+    """The needles' random stream: string-seeded so it is the same in every process."""
+    return random.Random(f"kvpot/{task}/{seed}")
+
+
+def _take(pieces: Iterator[Sequence[int]], buf: list[int], bounds: list[int], n: int) -> None:
+    """Extend ``buf`` with whole pieces until it holds ``n`` ids, recording boundaries."""
+    while len(buf) < n:
+        buf.extend(next(pieces))
+        bounds.append(len(buf))
+
+
+def _nearest(bounds: Sequence[int], x: int, lo: int, hi: int) -> int | None:
+    """The boundary in ``[lo, hi]`` nearest to ``x``, or None."""
+    i = bisect_left(bounds, x)
+    best = None
+    for b in bounds[max(0, i - 1): i + 1]:
+        if lo <= b <= hi and (best is None or abs(b - x) < abs(best - x)):
+            best = b
+    return best
+
+
+def _filler(
+    pieces: Iterator[Sequence[int]], budget: int, k: int, tol: int
+) -> tuple[list[int], list[int], int]:
+    """``budget`` filler ids and their sentence boundaries, with one at (or near) ``k``.
+
+    Returns ``(ids, bounds, k')``.  A boundary within ``tol`` of ``k`` is used
+    as is; otherwise the filler starts ``s`` tokens into the stream so that the
+    next boundary after ``k`` moves exactly onto ``k`` (``k' == k``).
+    """
+    buf: list[int] = []
+    bounds = [0]
+    _take(pieces, buf, bounds, budget)
+    b = _nearest(bounds, k, max(0, k - tol), min(budget, k + tol))
+    if b is not None:
+        return buf[:budget], [x for x in bounds if x <= budget], b
+    s = bounds[bisect_left(bounds, k)] - k
+    _take(pieces, buf, bounds, budget + s)
+    return buf[s: s + budget], [x - s for x in bounds if s <= x <= s + budget], k
+
+
+def _assemble(
+    task: str,
+    header: Sequence[int],
+    needles: Sequence[_Needle],
+    length: int,
+    pieces: Iterator[Sequence[int]],
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """Lay out header, filler and needles in exactly ``length`` ids.
+
+    ``needles[0]`` is the primary needle (placed at its depth, see module
+    docstring); the others go to their own depths as closely as order and
+    sentence boundaries allow.  Returns the ids and the needles' spans, in the
+    order of ``needles``.
+    """
+    H = len(header)
+    order = sorted(range(len(needles)), key=lambda i: needles[i].depth)  # stable
+    sizes = [len(needles[i].ids) for i in order]
+    budget = length - H - sum(sizes)
+    if budget < 0:
+        raise KvpotError(
+            f"length {length} is too short for task {task!r}: its header and needles take "
+            f"{H + sum(sizes)} tokens with this tokenizer; use length >= {H + sum(sizes)} "
+            "(or fewer needles)."
+        )
+    before = list(accumulate(sizes, initial=0))
+
+    def desired(j: int) -> int:
+        nd = needles[order[j]]
+        reach = max(nd.reach, len(nd.ids))
+        return round(nd.depth * max(0, length - H - reach) - before[j])
+
+    p = order.index(0)
+    tol = max(0, int(0.01 * length) - 1)
+    filler, bounds, kp = _filler(pieces, budget, min(max(desired(p), 0), budget), tol)
+    ks = [0] * len(order)
+    ks[p] = kp
+    for js, lo, hi in ((range(p), 0, kp), (range(p + 1, len(order)), kp, budget)):
+        for j in js:
+            x = min(max(desired(j), lo), hi)
+            snapped = _nearest(bounds, x, lo, hi)
+            ks[j] = lo = x if snapped is None else snapped
+    ids = list(header)
+    spans: list[tuple[int, int]] = [(0, 0)] * len(order)
+    prev = 0
+    for j, i in enumerate(order):
+        ids += filler[prev: ks[j]]
+        start = len(ids)
+        ids += needles[i].ids
+        spans[i] = (start, len(ids))
+        prev = ks[j]
+    ids += filler[prev:]
+    assert len(ids) == length, (len(ids), length)
+    return ids, spans
+
+
+def _spread(depth: float, n: int) -> list[float]:
+    """Depths for ``n`` needles: the primary at ``depth``, the others on evenly spaced slots.
+
+    Slots are ``(j + 0.5) / n``; the slot nearest ``depth`` goes to the primary,
+    so the others keep away from it.
+    """
+    slots = [(j + 0.5) / n for j in range(n)]
+    slots.pop(min(range(n), key=lambda j: abs(slots[j] - depth)))
+    return [depth, *slots]
+
+
+def _build(
+    task: str,
+    codec: Codec,
+    header: str,
+    needles: Sequence[_Needle],
+    pieces: Iterator[Sequence[int]],
+    question: str,
+    answers: list[str],
+    *,
+    length: int,
+    depth: float,
+    seed: int,
+    options: dict,
+) -> Sample:
+    """Assemble the ids and wrap everything in a :class:`Sample`."""
+    ids, spans = _assemble(task, codec.fixed(header, cont=False), needles, length, pieces)
+    primary, rest = spans[0], sorted(spans[1:])
+    return Sample(
+        task=task,
+        context=codec.decode(ids),
+        context_ids=ids,
+        question=question,
+        question_ids=list(codec.fixed(question)),
+        answers=answers,
+        needle_spans=[primary, *rest],
+        depth=float(depth),
+        seed=seed,
+        length=length,
+        options=options,
+    )
+
+
+def _needle(codec: Codec, text: str, depth: float, reach: int = 0) -> _Needle:
+    return _Needle(text, codec.cont(text), depth, reach)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check_common(length: Any, depth: Any, seed: Any, haystack: Any) -> None:
+    """Reject bad shared arguments with a sentence that says what to change."""
+    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+        raise KvpotError(f"length must be a positive integer number of tokens, got {length!r}.")
+    if isinstance(depth, bool) or not isinstance(depth, (int, float)) or not 0.0 <= depth <= 1.0:
+        raise KvpotError(f"depth must be a number between 0.0 and 1.0, got {depth!r}.")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise KvpotError(f"seed must be an integer, got {seed!r}.")
+    if haystack not in HAYSTACKS:
+        raise KvpotError(f"unknown haystack {haystack!r}; choose one of: {', '.join(HAYSTACKS)}.")
+
+
+def _count(name: str, value: Any, limit: int = 100_000) -> int:
+    """Validate a count option (an integer from 1 to ``limit``)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+        raise KvpotError(f"{name} must be an integer from 1 to {limit}, got {value!r}.")
+    return value
+
+
+def _values(rng: random.Random, n: int, digits: int) -> list[str]:
+    """``n`` distinct random numbers of exactly ``digits`` digits, as strings."""
+    return [str(v) for v in rng.sample(range(10 ** (digits - 1), 10**digits), n)]
+
+
+def _join(words: Sequence[str]) -> str:
+    """``a``, ``a and b``, ``a, b, and c``."""
+    if len(words) <= 2:
+        return " and ".join(words)
+    return ", ".join(words[:-1]) + ", and " + words[-1]
+
+
+# --------------------------------------------------------------------------- tasks
+
+
+def passkey(
+    tokenizer: Any, length: int, depth: float = 0.5, seed: int = 0, haystack: str = "repeat"
+) -> Sample:
+    """Passkey retrieval (Mohtashami & Jaggi 2023; used by InfiniPot and CItruS).
+
+    One needle with a seeded 5-digit number; answers = ``[number]``; metric: exact match.
+    """
+    _check_common(length, depth, seed, haystack)
+    codec = codec_for(tokenizer)
+    key = _values(_rng("passkey", seed), 1, 5)[0]
+    needle = _needle(codec, PASSKEY_NEEDLE.format(key=key), depth)
+    return _build(
+        "passkey", codec, PASSKEY_HEADER, [needle], filler_pieces(haystack, codec, seed),
+        PASSKEY_QUESTION, [key], length=length, depth=depth, seed=seed,
+        options={"haystack": haystack},
+    )
+
+
+def niah(
+    tokenizer: Any,
+    length: int,
+    depth: float = 0.5,
+    seed: int = 0,
+    haystack: str = "repeat",
+    num_keys: int = 1,
+    num_values: int = 1,
+    num_queries: int = 1,
+) -> Sample:
+    """RULER needle-in-a-haystack: single, multi-key, multi-value and multi-query.
+
+    ``num_keys`` keys ("adjective-noun") each get ``num_values`` distinct 7-digit
+    values, one needle per (key, value); the first ``num_queries`` keys are asked
+    for.  The first value of the first queried key is the primary needle at
+    ``depth``; the others, in seeded order, on evenly spread slots.  answers =
+    every value of the queried keys; metric: contains (one answer) or all-of.
+    """
+    _check_common(length, depth, seed, haystack)
+    num_keys = _count("num_keys", num_keys, len(_ALL_KEYS))
+    num_values = _count("num_values", num_values, 1000)
+    num_queries = _count("num_queries", num_queries, num_keys)
+    codec = codec_for(tokenizer)
+    rng = _rng("niah", seed)
+    keys = rng.sample(_ALL_KEYS, num_keys)
+    values = _values(rng, num_keys * num_values, 7)
+    texts = [
+        NIAH_NEEDLE.format(key=k, value=values[i * num_values + j])
+        for i, k in enumerate(keys)
+        for j in range(num_values)
+    ]
+    others = texts[1:]
+    rng.shuffle(others)
+    depths = _spread(depth, len(texts))
+    needles = [_needle(codec, t, d) for t, d in zip([texts[0], *others], depths)]
+    queried = keys[:num_queries]
+    answers = values[: num_queries * num_values]
+    return _build(
+        "niah", codec, NIAH_HEADER, needles, filler_pieces(haystack, codec, seed),
+        NIAH_QUESTION.format(keys=_join(queried)), answers, length=length, depth=depth, seed=seed,
+        options={"haystack": haystack, "num_keys": num_keys, "num_values": num_values,
+                 "num_queries": num_queries},
+    )
+
+
+def _uuid(rng: random.Random) -> str:
+    return str(uuid.UUID(int=rng.getrandbits(128), version=4))
+
+
+def _kv_lines(codec: Codec, seed: int, exclude: str, per_piece: int = 8) -> Iterator[list[int]]:
+    """Endless distractor ``"key": "value"`` lines (the haystack of kv's fill mode).
+
+    Lines are tokenized ``per_piece`` at a time: random hex defeats every cache,
+    so the tokenizer call is the cost, and one call per line made a 1M-token
+    context take seconds.  Pieces still end on line ends, so the queried line
+    always starts on one.
+    """
+    rng = random.Random(f"kvpot/kv-pairs/{seed}")
+    while True:
+        lines = []
+        while len(lines) < per_piece:
+            key, value = _uuid(rng), _uuid(rng)
+            if key != exclude:
+                lines.append(KV_LINE.format(key=key, value=value))
+        yield codec.cont("".join(lines))
+
+
+def kv(
+    tokenizer: Any,
+    length: int,
+    depth: float = 0.5,
+    seed: int = 0,
+    haystack: str = "repeat",
+    num_pairs: int | None = None,
+) -> Sample:
+    """Key-value retrieval with random UUID keys and values (Lost in the Middle, InfiniteBench).
+
+    ``num_pairs=None`` (default): the context is a JSON-ish object whose lines
+    ``"key": "value",`` fill it entirely (the haystack is the other pairs, so
+    ``haystack`` must stay "repeat"); the queried line sits at ``depth``.
+    ``num_pairs=N``: N pair lines spread through the prose ``haystack`` like
+    niah needles, the queried one at ``depth``.  answers = ``[value]``;
+    metric: exact match.
+    """
+    _check_common(length, depth, seed, haystack)
+    codec = codec_for(tokenizer)
+    rng = _rng("kv", seed)
+    if num_pairs is None:
+        if haystack != "repeat":
+            raise KvpotError(
+                "kv without num_pairs fills the context with key/value pairs and takes no "
+                "haystack; drop haystack= or pass num_pairs=N to spread N pairs through it."
+            )
+        key, value = _uuid(rng), _uuid(rng)
+        needles = [_needle(codec, KV_LINE.format(key=key, value=value), depth)]
+        return _build(
+            "kv", codec, KV_HEADER, needles, _kv_lines(codec, seed, key),
+            KV_QUESTION.format(key=key), [value], length=length, depth=depth, seed=seed,
+            options={"haystack": "pairs", "num_pairs": None},
+        )
+    num_pairs = _count("num_pairs", num_pairs)
+    pairs = [(_uuid(rng), _uuid(rng)) for _ in range(num_pairs)]
+    key, value = pairs[0]
+    needles = [
+        _needle(codec, KV_LINE.format(key=k, value=v), d)
+        for (k, v), d in zip(pairs, _spread(depth, num_pairs))
+    ]
+    return _build(
+        "kv", codec, KV_SPREAD_HEADER, needles, filler_pieces(haystack, codec, seed),
+        KV_QUESTION.format(key=key), [value], length=length, depth=depth, seed=seed,
+        options={"haystack": haystack, "num_pairs": num_pairs},
+    )
+
+
+def _var_names(rng: random.Random, n: int) -> list[str]:
+    """``n`` distinct 5-letter upper-case variable names."""
+    names: list[str] = []
+    while len(names) < n:
+        name = "".join(rng.choices("ABCDEFGHIJKLMNOPQRSTUVWXYZ", k=5))
+        if name not in names:
+            names.append(name)
+    return names
+
+
+def vt(
+    tokenizer: Any,
+    length: int,
+    depth: float = 0.5,
+    seed: int = 0,
+    haystack: str = "repeat",
+    num_chains: int = 1,
+    num_hops: int = 4,
+) -> Sample:
+    """RULER variable tracking: ``VAR A = 12345. VAR B = VAR A. ...``.
+
+    ``num_chains`` chains of ``num_hops`` hops each (``num_hops + 1`` variables),
+    every chain with its own 5-digit value.  Chain 0 is queried: its value
+    assignment is the primary needle at ``depth`` (measured with the whole
+    chain's length, so the chain always fits after it) and its hops follow
+    evenly spread over the rest of the context.  The other chains' links sit on
+    interleaved, evenly spread slots, always in chain order.  answers = the
+    queried chain's variable names; metric: all-of.
+    """
+    _check_common(length, depth, seed, haystack)
+    num_chains = _count("num_chains", num_chains, 1000)
+    num_hops = _count("num_hops", num_hops, 1000)
+    codec = codec_for(tokenizer)
+    rng = _rng("vt", seed)
+    names = _var_names(rng, num_chains * (num_hops + 1))
+    values = _values(rng, num_chains, 5)
+    chains = [names[c * (num_hops + 1): (c + 1) * (num_hops + 1)] for c in range(num_chains)]
+
+    def links(c: int) -> list[str]:
+        chain = chains[c]
+        first = VT_FIRST.format(name=chain[0], value=values[c])
+        return [first] + [VT_HOP.format(name=n, prev=p) for p, n in zip(chain, chain[1:])]
+
+    query = [codec.cont(t) for t in links(0)]
+    reach = sum(len(ids) for ids in query)
+    levels = num_hops + 1
+    needles = [_Needle(links(0)[0], query[0], depth, reach)]
+    needles += [
+        _Needle(t, ids, depth + (1 - depth) * j / levels)
+        for j, (t, ids) in enumerate(zip(links(0), query))
+        if j
+    ]
+    for c in range(1, num_chains):
+        offset = (c - 0.5) / (num_chains - 1)
+        needles += [_needle(codec, t, (j + offset) / levels) for j, t in enumerate(links(c))]
+    question = VT_QUESTION.format(value=values[0], count=levels)
+    return _build(
+        "vt", codec, VT_HEADER, needles, filler_pieces(haystack, codec, seed), question,
+        list(chains[0]), length=length, depth=depth, seed=seed,
+        options={"haystack": haystack, "num_chains": num_chains, "num_hops": num_hops},
+    )
+
+
+def _facts(rng: random.Random, n: int) -> list[str]:
+    """``n`` distinct fact sentences: one pass key, then magic numbers and secret words."""
+    keys = rng.sample(_ALL_KEYS, n)
+    numbers = _values(rng, n, 7)
+    facts = [RECALL_FACTS[0].format(n5=_values(rng, 1, 5)[0])]
+    for i in range(1, n):
+        template = RECALL_FACTS[1 + i % 2]
+        facts.append(template.format(key=keys[i], n7=numbers[i], word=rng.choice(KEY_NOUNS)))
+    rng.shuffle(facts)
+    return facts
+
+
+def recall(
+    tokenizer: Any,
+    length: int,
+    depth: float = 0.5,
+    seed: int = 0,
+    haystack: str = "repeat",
+    num_needles: int = 3,
+) -> Sample:
+    """Question-free recall: facts hidden in the haystack, an instruction after it.
+
+    Nothing before the instruction says which sentences matter, so a KV cache
+    that must decide what to keep while reading gets no hint.  ``num_needles``
+    distinct facts (:data:`RECALL_FACTS`); the first at ``depth``, the others
+    on evenly spread slots.  question = ``"\\n" + RECALL_INSTRUCTION``;
+    answers = the fact sentences; metric: all-of (fraction recalled).
+    """
+    _check_common(length, depth, seed, haystack)
+    num_needles = _count("num_needles", num_needles, 1000)
+    codec = codec_for(tokenizer)
+    facts = _facts(_rng("recall", seed), num_needles)
+    needles = [_needle(codec, f, d) for f, d in zip(facts, _spread(depth, num_needles))]
+    return _build(
+        "recall", codec, RECALL_HEADER, needles, filler_pieces(haystack, codec, seed),
+        "\n" + RECALL_INSTRUCTION, [f.strip() for f in facts], length=length, depth=depth,
+        seed=seed, options={"haystack": haystack, "num_needles": num_needles},
+    )
+
+
+TASKS: dict[str, Callable[..., Sample]] = {
+    "passkey": passkey,
+    "niah": niah,
+    "kv": kv,
+    "vt": vt,
+    "recall": recall,
+}
+
+_COMMON = ("tokenizer", "length", "depth", "seed", "haystack")
+
+
+def task_options(task: str) -> dict[str, Any]:
+    """The task-specific options of ``task`` and their defaults."""
+    if task not in TASKS:
+        raise KvpotError(f"unknown task {task!r}; choose one of: {', '.join(TASKS)}.")
+    params = inspect.signature(TASKS[task]).parameters
+    return {n: p.default for n, p in params.items() if n not in _COMMON}
+
+
+def make_sample(
+    task: str,
+    tokenizer: Any,
+    length: int,
+    depth: float = 0.5,
+    seed: int = 0,
+    haystack: str = "repeat",
+    **options: Any,
+) -> Sample:
+    """Generate one sample of ``task``; same arguments, same sample.
+
+    Unknown tasks or options, bad values, and lengths too short for the header
+    and needles raise :class:`~kvpot.errors.KvpotError`.
+    """
+    allowed = task_options(task)
+    for name in options:
+        if name not in allowed:
+            valid = ", ".join(allowed) or "none"
+            raise KvpotError(f"task {task!r} has no option {name!r}; its options are: {valid}.")
+    return TASKS[task](tokenizer, length, depth=depth, seed=seed, haystack=haystack, **options)
