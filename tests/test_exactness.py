@@ -64,3 +64,24 @@ def test_state_reuse_matches_one_shot_and_leaves_state_unchanged():
     one_shot = full.generate_ids(context, question, max_new_tokens=12)
     reused = full.generate_ids(question_ids=question, state=full.prefill_ids(context), max_new_tokens=12)
     assert one_shot.token_ids == reused.token_ids
+
+
+def test_score_ids_equals_the_full_forward_loss():
+    """With Full, chunked scoring equals the cross-entropy of one whole-sequence forward."""
+    import kvpot.scoring as scoring
+
+    model = build("qwen2")
+    torch.manual_seed(4)
+    ids = torch.randint(3, VOCAB, (90,))
+    with torch.no_grad():
+        logits = model(ids.view(1, -1)).logits[0, :-1].float()
+    want = torch.nn.functional.cross_entropy(logits, ids[1:], reduction="none")
+    engine = kvpot.Engine(model, method=kvpot.Full(chunk_size=32))
+    old = scoring.MAX_LOGIT_ELEMENTS
+    try:
+        scoring.MAX_LOGIT_ELEMENTS = 7 * VOCAB  # slices of 7 rows, dividing no chunk
+        got = engine.score_ids(ids)
+    finally:
+        scoring.MAX_LOGIT_ELEMENTS = old
+    torch.testing.assert_close(got.nll, want, rtol=1e-4, atol=1e-4)
+    assert got.stats.max_kv_entries == 90

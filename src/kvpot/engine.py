@@ -24,6 +24,7 @@ from kvpot.errors import KvpotError
 from kvpot.methods import Full, Method, Step
 from kvpot.models import architecture_of, load_pretrained, rotary_embedding
 from kvpot.positions import Rope, make_policy
+from kvpot.scoring import token_nll
 
 # Marker used to split a chat-templated user turn into context and question parts.
 _SPLIT = "\u241ekvpot-question\u241e"
@@ -54,6 +55,18 @@ class Result:
     text: str | None
     token_ids: list[int]
     stats: Stats
+
+
+@dataclass
+class ScoreResult:
+    """Per-token losses of a text read with a method (`Engine.score_ids`)."""
+
+    nll: torch.Tensor  # [n - 1] float32
+    stats: Stats
+
+    @property
+    def perplexity(self) -> float:
+        return float(self.nll.mean().exp())
 
 
 @dataclass
@@ -236,6 +249,35 @@ class Engine:
             run = self._resume(state, question_ids, progress)
         return self._decode(run, max_new_tokens, on_token, temperature, top_p, seed, ignore_eos)
 
+    @torch.no_grad()
+    def score_ids(self, input_ids, chunk_size: int | None = None, progress: bool = False) -> ScoreResult:
+        """Per-token negative log-likelihood of `input_ids` read chunk by chunk with the method.
+
+        `nll[t]` is `-log p(x[t+1] | what the method held when x[t] was read)`: the model reads
+        the text as it would a context (same chunks, same evictions), and each token is scored
+        from the forward that read the token before it. Perplexity = `exp(nll.mean())`.
+        `chunk_size` overrides the method's prefill chunk.
+        """
+        ids = _as_ids(input_ids, self.device, "input_ids")
+        if ids.numel() < 2:
+            raise KvpotError("scoring needs at least two tokens.")
+        run = _Run(self._new_cache(ids.numel()), 0, Stats(context_tokens=ids.numel()))
+        nll = torch.empty(ids.numel() - 1, dtype=torch.float32, device=self.device)
+        sizes = plan_chunks(ids.numel(), chunk_size or self.method.prefill_chunk(), self.method.min_last_chunk())
+        self._reset_peak_memory()
+        started, offset = self._clock(), 0
+        with tqdm(total=ids.numel(), unit="tok", desc="score", disable=not progress, leave=False) as bar:
+            for index, size in enumerate(sizes):
+                step = Step("context", size, prompt_end=index == len(sizes) - 1)
+                hidden = self._forward(run, ids[offset : offset + size], step)
+                targets = ids[offset + 1 : offset + size + 1]
+                nll[offset : offset + targets.numel()] = token_nll(self.head, hidden[: targets.numel()], targets)
+                offset += size
+                bar.update(size)
+        run.stats.prefill_seconds = self._clock() - started
+        state = self._finish_state(run)
+        return ScoreResult(nll, state.stats)
+
     # ------------------------------------------------------------------ internals
     def _new_cache(self, total_tokens: int) -> PotCache:
         bound = self.method.max_entries()
@@ -269,8 +311,11 @@ class Engine:
             offset += size
             bar.update(size)
 
-    def _forward(self, run: _Run, ids: torch.Tensor, step: Step) -> None:
-        """One model forward of `ids` [q] on the cache, then the method's compression."""
+    def _forward(self, run: _Run, ids: torch.Tensor, step: Step) -> torch.Tensor:
+        """One model forward of `ids` [q] on the cache, then the method's compression.
+
+        Returns the last hidden states [q, hidden] (computed before the compression).
+        """
         hidden = self._run_model(run, ids, self.method.request(step))  # [q, hidden]
         run.logits = self.head(hidden[-1]).float()  # [vocab]
         run.next_position += ids.numel()
@@ -279,6 +324,7 @@ class Engine:
         if self.method.after_forward(run.cache, step):
             run.stats.compressions += 1
         run.cache.begin_forward(None, -1, None)
+        return hidden
 
     def _run_model(self, run: _Run, ids: torch.Tensor, request: AttentionRequest | None) -> torch.Tensor:
         """The decoder over `ids` [q] at positions `run.next_position...`; last hidden states [q, h]."""

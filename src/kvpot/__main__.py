@@ -1,0 +1,5 @@
+import sys
+
+from kvpot.cli import main
+
+sys.exit(main())

@@ -1,0 +1,121 @@
+"""The CLI: error paths (one line on stderr, exit code 2) and a real generation."""
+
+import json
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+from conftest import build
+from kvpot.cli import main
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A 96-token character-level tokenizer over printable ASCII (ids 3..), offline."""
+    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2}
+    for i, ch in enumerate(chr(c) for c in range(32, 125)):
+        vocab[ch] = 3 + i
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    build("llama3").save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-gpt2")
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=96)).save_pretrained(path)
+    return path
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_refused(code, err, fragment):
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err  # one line, no traceback
+    assert fragment in lines[0]
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--method", "nope", "--context", "x"], "unknown method 'nope'"),
+        (["--method", "streaming", "--set", "color=red", "--context", "x"], "unknown parameter 'color'"),
+        (["--method", "streaming", "--set", "window", "--context", "x"], "--set expects key=value"),
+        (["--method", "streaming", "--budget", "0", "--context", "x"], "budget must be a positive"),
+        (["--method", "streaming", "--budget", "-5", "--context", "x"], "budget must be a positive"),
+        (["--method", "streaming", "--budget", "4", "--context", "x"], "cannot hold the 4 sink tokens"),
+        (["--method", "snapkv", "--budget", "16", "--context", "x"], "cannot hold the 32-token observation window"),
+        (["--method", "full", "--budget", "16", "--context", "x"], "takes no budget"),
+        (["--method", "streaming", "--set", "window=lots", "--context", "x"], "not a valid int"),
+        (["--method", "streaming", "--context-file", "/no/such/file.txt"], "no such file"),
+        (["--method", "streaming", "--context", "   "], "context is empty"),
+    ],
+)
+def test_generate_refuses_bad_input(capsys, model_dir, argv, fragment):
+    code, _, err = run(capsys, "generate", "--model", str(model_dir), *argv)
+    assert_refused(code, err, fragment)
+
+
+def test_generate_refuses_unsupported_model(capsys, gpt2_dir):
+    code, _, err = run(capsys, "generate", "--model", str(gpt2_dir), "--method", "full", "--context", "hello")
+    assert_refused(code, err, "does not support GPT2Config")
+    assert "LlamaConfig" in err
+
+
+def test_generate_refuses_missing_model(capsys, tmp_path):
+    code, _, err = run(capsys, "generate", "--model", str(tmp_path / "absent"), "--method", "full", "--context", "hi")
+    assert_refused(code, err, "cannot load a model config")
+
+
+def test_argparse_errors_are_one_line_exit_2(capsys, model_dir):
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--model", str(model_dir), "--method", "full"])  # no context source
+    assert exc.value.code == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_generate_json_reports_text_and_stats(capsys, model_dir):
+    context = "The grass is green. " * 20
+    code, out, _ = run(capsys, "generate", "--model", str(model_dir), "--method", "streaming", "--budget", "64",
+                       "--set", "chunk_size=16", "--context", context, "--question", "What?",
+                       "--max-new-tokens", "5", "--json")
+    assert code == 0
+    payload = json.loads(out)
+    assert payload["method"] == {"method": "streaming", "sinks": 4, "window": 60, "chunk_size": 16, "positions": "shift"}
+    stats = payload["stats"]
+    assert stats["context_tokens"] == len(context)  # one token per character, no BOS
+    assert stats["max_kv_entries"] <= 64 + 16
+    assert stats["compressions"] > 0 and len(payload["token_ids"]) == stats["new_tokens"]
+
+
+def test_generate_reads_stdin_and_streams_text(capsys, model_dir, monkeypatch):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("Once upon a time " * 10))
+    code, out, err = run(capsys, "generate", "--model", str(model_dir), "--method", "full", "--max-new-tokens", "4", "-")
+    assert code == 0 and "[full] context 170 tokens" in err
+
+
+def test_methods_lists_every_method(capsys):
+    code, out, _ = run(capsys, "methods", "--json")
+    assert code == 0
+    rows = {row["name"]: row for row in json.loads(out)}
+    assert set(rows) >= {"full", "truncate", "streaming", "h2o", "tova", "snapkv"}
+    assert rows["streaming"]["parameters"]["sinks"] == 4 and "Xiao" in rows["streaming"]["paper"]
+    code, out, _ = run(capsys, "methods")
+    assert code == 0 and "snapkv" in out and "heavy=512" in out
