@@ -87,3 +87,13 @@ def reference_greedy(model, ids: torch.Tensor, new_tokens: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(ids.view(1, -1), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     return out[0, ids.numel() :].tolist()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` need CUDA: skip them (with the reason) where there is none."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
