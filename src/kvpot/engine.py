@@ -22,6 +22,7 @@ from kvpot.attention import AttentionRequest, register
 from kvpot.cache import PotCache
 from kvpot.errors import KvpotError
 from kvpot.methods import Full, Method, Step
+from kvpot.methods.base import Setup
 from kvpot.models import architecture_of, load_pretrained, rotary_embedding
 from kvpot.positions import Rope, make_policy
 from kvpot.scoring import token_nll
@@ -40,6 +41,7 @@ class Stats:
     max_kv_entries: int = 0
     final_kv_entries: int = 0
     compressions: int = 0
+    compress_seconds: float = 0.0  # time spent in the method's scoring and eviction
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     peak_memory_bytes: int | None = None
@@ -204,6 +206,7 @@ class Engine:
         context, question = self.method.prepare(context, question)
         total = context.numel() + question.numel()
         run = _Run(self._new_cache(total + _max_new_tokens), 0, Stats())
+        self._begin(run.cache, question)
         run.stats.context_tokens, run.stats.question_tokens = context.numel(), question.numel()
         self._reset_peak_memory()
         started = self._clock()
@@ -262,13 +265,14 @@ class Engine:
         if ids.numel() < 2:
             raise KvpotError("scoring needs at least two tokens.")
         run = _Run(self._new_cache(ids.numel()), 0, Stats(context_tokens=ids.numel()))
+        self._begin(run.cache, None)
         nll = torch.empty(ids.numel() - 1, dtype=torch.float32, device=self.device)
-        sizes = plan_chunks(ids.numel(), chunk_size or self.method.prefill_chunk(), self.method.min_last_chunk())
         self._reset_peak_memory()
-        started, offset = self._clock(), 0
-        with tqdm(total=ids.numel(), unit="tok", desc="score", disable=not progress, leave=False) as bar:
-            for index, size in enumerate(sizes):
-                step = Step("context", size, prompt_end=index == len(sizes) - 1)
+        started, offset, total = self._clock(), 0, ids.numel()
+        with tqdm(total=total, unit="tok", desc="score", disable=not progress, leave=False) as bar:
+            while offset < total:
+                size = min(chunk_size, total - offset) if chunk_size else self.method.next_chunk(run.cache, total - offset)
+                step = Step("context", size, prompt_end=offset + size == total)
                 hidden = self._forward(run, ids[offset : offset + size], step)
                 targets = ids[offset + 1 : offset + size + 1]
                 nll[offset : offset + targets.numel()] = token_nll(self.head, hidden[: targets.numel()], targets)
@@ -294,6 +298,7 @@ class Engine:
         question = _as_ids(question_ids, self.device, "question_ids")
         run = _Run(state.cache.clone(), state.next_position, dataclasses.replace(state.stats), state.last_logits)
         run.stats.question_tokens = question.numel()
+        self._begin(run.cache, question if question.numel() else None)
         if question.numel():
             self._reset_peak_memory()
             started = self._clock()
@@ -302,11 +307,17 @@ class Engine:
             run.stats.prefill_seconds += self._clock() - started
         return run
 
+    def _begin(self, cache: PotCache, question: torch.Tensor | None) -> None:
+        setup = Setup(self.model.config, self.tokenizer, question, self.device)
+        self.method.begin(cache, setup)
+
     def _prefill_segment(self, run: _Run, phase: str, ids: torch.Tensor, last: bool, bar) -> None:
-        sizes = plan_chunks(ids.numel(), self.method.prefill_chunk(), self.method.min_last_chunk())
-        offset = 0
-        for index, size in enumerate(sizes):
-            step = Step(phase, size, prompt_end=last and index == len(sizes) - 1)
+        offset, total = 0, ids.numel()
+        while offset < total:
+            size = self.method.next_chunk(run.cache, total - offset)
+            if size <= 0:
+                raise KvpotError(f"{self.method.name} has no room for the next tokens; check its sizes.")
+            step = Step(phase, size, prompt_end=last and offset + size == total)
             self._forward(run, ids[offset : offset + size], step)
             offset += size
             bar.update(size)
@@ -317,14 +328,26 @@ class Engine:
         Returns the last hidden states [q, hidden] (computed before the compression).
         """
         hidden = self._run_model(run, ids, self.method.request(step))  # [q, hidden]
+        token_nll = self._token_nll(run.logits, hidden, ids) if self.method.needs_token_nll else None
         run.logits = self.head(hidden[-1]).float()  # [vocab]
         run.next_position += ids.numel()
-        step = dataclasses.replace(step, probe=lambda probe_ids, request: self.probe(
+        step = dataclasses.replace(step, token_nll=token_nll, probe=lambda probe_ids, request: self.probe(
             run.cache, run.next_position, probe_ids, request))
+        started = self._clock()
         if self.method.after_forward(run.cache, step):
             run.stats.compressions += 1
+            run.stats.compress_seconds += self._clock() - started
         run.cache.begin_forward(None, -1, None)
         return hidden
+
+    def _token_nll(self, previous_logits, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """-log p(x_t | cache) for the forward's tokens [q]; the first uses the previous logits
+        (0 for the very first token of a stream, which nothing predicts)."""
+        nll = torch.zeros(ids.numel(), dtype=torch.float32, device=ids.device)
+        if previous_logits is not None:
+            nll[0] = torch.nn.functional.cross_entropy(previous_logits.view(1, -1), ids[:1])
+        nll[1:] = token_nll(self.head, hidden[:-1], ids[1:])
+        return nll
 
     def _run_model(self, run: _Run, ids: torch.Tensor, request: AttentionRequest | None) -> torch.Tensor:
         """The decoder over `ids` [q] at positions `run.next_position...`; last hidden states [q, h]."""
@@ -411,19 +434,6 @@ class Engine:
 
     def _peak_memory(self) -> int | None:
         return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
-
-
-def plan_chunks(total: int, chunk: int, min_last: int = 1) -> list[int]:
-    """Split `total` tokens into forwards of `chunk`, the last holding at least `min_last`."""
-    if total <= 0:
-        return []
-    chunk = max(chunk, min_last)
-    sizes = [chunk] * (total // chunk) + ([total % chunk] if total % chunk else [])
-    if len(sizes) > 1 and sizes[-1] < min_last:
-        moved = min_last - sizes[-1]
-        sizes[-2] -= moved
-        sizes[-1] += moved
-    return sizes
 
 
 def _as_ids(ids, device: torch.device, what: str) -> torch.Tensor:

@@ -33,12 +33,25 @@ class Step:
     probe: in `after_forward`, `probe(ids, request)` runs extra tokens over the cache and returns
         their per-layer attention over the cached entries, leaving the cache unchanged
         (`Engine.probe`).
+    token_nll: in `after_forward`, for methods with `needs_token_nll`, `-log p(x_t | cache)` of
+        each of the forward's tokens [n_new] (the first from the previous forward's logits).
     """
 
     phase: str
     n_new: int
     prompt_end: bool = False
     probe: Callable[[object, AttentionRequest], list[torch.Tensor]] | None = None
+    token_nll: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a method may need to know before a run: the model, its tokenizer, the question."""
+
+    config: object  # the model's PretrainedConfig
+    tokenizer: object | None
+    question_ids: torch.Tensor | None  # [q] long, or None when no question is known yet
+    device: torch.device
 
 
 class Method:
@@ -58,6 +71,8 @@ class Method:
         """Most KV entries any layer holds per KV head at any instant, or None if unbounded."""
         return None
 
+    needs_token_nll: ClassVar[bool] = False  # engine fills Step.token_nll (InfiniPot's NuC)
+
     def prefill_chunk(self) -> int:
         """Tokens per prefill forward; activations are bounded by it."""
         return int(getattr(self, "chunk_size", 2048))
@@ -65,6 +80,16 @@ class Method:
     def min_last_chunk(self) -> int:
         """The last forward of a prompt carries at least this many tokens (observation windows)."""
         return 1
+
+    def next_chunk(self, cache: PotCache, remaining: int) -> int:
+        """Tokens for the next prefill forward, given `remaining` tokens of the segment."""
+        chunk = max(self.prefill_chunk(), self.min_last_chunk())
+        if remaining <= chunk:
+            return remaining
+        return min(chunk, remaining - self.min_last_chunk())
+
+    def begin(self, cache: PotCache, setup: Setup) -> None:
+        """Prepare a run (e.g. tokenize a catalyst prompt into `cache.method_state`)."""
 
     def prepare(self, context_ids: torch.Tensor, question_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rewrite the inputs before anything runs (Truncate cuts the context's middle)."""
