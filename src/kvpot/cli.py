@@ -210,7 +210,10 @@ def run_methods(args) -> int:
 
 
 # ---------------------------------------------------------------------------- main
-SUBCOMMANDS = [add_generate, add_methods]
+from kvpot.demo import add_demo  # noqa: E402 - cheap: heavy imports happen inside run_*
+from kvpot.eval import add_eval  # noqa: E402
+
+SUBCOMMANDS = [add_generate, add_methods, add_eval, add_demo]
 
 
 def build_parser() -> argparse.ArgumentParser:
