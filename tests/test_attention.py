@@ -76,7 +76,7 @@ def test_attend_equals_eager_attention(shape, block):
 
 def test_refuses_what_it_cannot_honour():
     q = torch.randn(1, 2, 1, 8)
-    with pytest.raises(KvpotError, match="only inside kvpot.Engine"):
+    with pytest.raises(KvpotError, match=r"set_attn_implementation\('sdpa'\)"):
         attention.kvpot_attention(None, q, q, q, None)
     with pytest.raises(KvpotError, match="soft-capping"):
         attention.kvpot_attention(None, q, q, q, None, kvpot_cache=object(), softcap=30.0)

@@ -1,22 +1,44 @@
-"""kvpot: read contexts far beyond a model's window in KV memory that does not grow with them."""
+"""kvpot: read contexts far beyond a model's window in KV memory that does not grow with them.
 
-from kvpot.engine import Engine, Result, State, Stats
+Names are imported lazily (PEP 562) so that `kvpot --help` and `import kvpot.errors` do not pay
+for torch and transformers.
+"""
+
+from importlib import import_module
+
 from kvpot.errors import KvpotError
-from kvpot.methods import (
-    H2O,
-    METHODS,
-    TOVA,
-    Full,
-    Method,
-    SnapKV,
-    StreamingLLM,
-    Truncate,
-    make_method,
-)
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Engine", "Full", "H2O", "KvpotError", "METHODS", "Method", "Result", "SnapKV", "State", "Stats",
-    "StreamingLLM", "TOVA", "Truncate", "make_method",
-]
+_EXPORTS = {
+    "Engine": "kvpot.engine",
+    "Result": "kvpot.engine",
+    "ScoreResult": "kvpot.engine",
+    "State": "kvpot.engine",
+    "Stats": "kvpot.engine",
+    "METHODS": "kvpot.methods",
+    "Method": "kvpot.methods",
+    "make_method": "kvpot.methods",
+    "Full": "kvpot.methods",
+    "Truncate": "kvpot.methods",
+    "StreamingLLM": "kvpot.methods",
+    "H2O": "kvpot.methods",
+    "TOVA": "kvpot.methods",
+    "SnapKV": "kvpot.methods",
+    "InfiniPot": "kvpot.methods",
+    "REFERENCE_MODEL": "kvpot.reference",
+}
+
+__all__ = ["KvpotError", *_EXPORTS]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'kvpot' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(__all__)

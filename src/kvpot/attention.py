@@ -81,7 +81,10 @@ def kvpot_attention(
 
 def _refuse_unsupported(attention_mask, dropout, cache, kwargs) -> None:
     if cache is None:
-        raise KvpotError("the 'kvpot' attention runs only inside kvpot.Engine (no kvpot_cache was passed).")
+        raise KvpotError(
+            "this model's attention was set to 'kvpot' by kvpot.Engine and runs only inside it; to call the "
+            "model directly again, run model.set_attn_implementation('sdpa')."
+        )
     if attention_mask is not None:
         raise KvpotError("kvpot does not take attention masks (padded batches are not supported).")
     if dropout:

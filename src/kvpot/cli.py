@@ -36,12 +36,9 @@ def parse_assignments(pairs: list[str]) -> dict[str, str]:
 
 def add_method_arguments(parser: argparse.ArgumentParser, repeatable: bool = False) -> None:
     """--method / --budget / --set, shared by generate, eval and bench."""
-    from kvpot.methods import METHODS
-
-    names = ", ".join(METHODS)
     parser.add_argument(
         "--method", required=True, action="append" if repeatable else "store",
-        help=f"compression method ({names}); `kvpot methods` lists their parameters"
+        help="compression method, e.g. infinipot, streaming, snapkv; `kvpot methods` lists all and their parameters"
         + ("; repeat to compare several" if repeatable else ""),
     )
     parser.add_argument("--budget", type=int, help="KV entries per layer and KV head the method may keep")

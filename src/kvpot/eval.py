@@ -166,7 +166,7 @@ def build_methods(specs: Sequence[MethodSpec], budget: int | None, settings: dic
     Per-method pairs always apply and win over global ones: a global budget is not applied to
     a method whose own pairs set what the budget would (`streaming:window=60`).
     """
-    from kvpot.methods import METHODS
+    from kvpot.methods import METHODS, BudgetConflict
 
     if not specs:
         raise KvpotError("give at least one --method.")
@@ -193,7 +193,7 @@ def build_methods(specs: Sequence[MethodSpec], budget: int | None, settings: dic
         elif budget is not None and (takes_budget(spec.name) or not several):
             try:
                 method = _make(spec, budget, chosen)
-            except _BudgetConflict:  # the spec sets what --budget would derive: the spec wins
+            except BudgetConflict:  # the spec sets what --budget would derive: the spec wins
                 method = _make(spec, None, chosen)
         else:
             method = _make(spec, None, chosen)
@@ -201,24 +201,14 @@ def build_methods(specs: Sequence[MethodSpec], budget: int | None, settings: dic
     return runs
 
 
-class _BudgetConflict(KvpotError):
-    """A parameter given explicitly is also derived from the budget (`streaming:window=60` + budget)."""
-
-
 def _make(spec: MethodSpec, budget: int | None, overrides: dict[str, str]):
-    """`make_method`, with a parameter clash against the budget reported in one line."""
-    from kvpot.methods import make_method
+    """`make_method`, with the spec named in its errors."""
+    from kvpot.methods import BudgetConflict, make_method
 
     try:
         return make_method(spec.name, budget=budget, **overrides)
-    except TypeError as err:
-        clash = re.search(r"multiple values for keyword argument '(\w+)'", str(err))
-        if clash is None:
-            raise KvpotError(f"--method {spec.text()}: {err}") from None
-        raise _BudgetConflict(
-            f"--method {spec.text()}: {clash.group(1)} is set both by the budget ({budget}) and explicitly; "
-            "give one of them."
-        ) from None
+    except BudgetConflict as err:
+        raise BudgetConflict(f"--method {spec.text()}: {err}") from None
 
 
 def _int(value: str, what: str) -> int:

@@ -9,13 +9,14 @@ from kvpot.errors import KvpotError
 from kvpot.methods.base import EvictionMethod, Method, Step
 from kvpot.methods.full import Full
 from kvpot.methods.h2o import H2O
+from kvpot.methods.infinipot import InfiniPot
 from kvpot.methods.snapkv import SnapKV
 from kvpot.methods.streaming import StreamingLLM
 from kvpot.methods.tova import TOVA
 from kvpot.methods.truncate import Truncate
 
 METHODS: dict[str, type[Method]] = {
-    cls.name: cls for cls in (Full, Truncate, StreamingLLM, H2O, TOVA, SnapKV)
+    cls.name: cls for cls in (Full, Truncate, StreamingLLM, H2O, TOVA, SnapKV, InfiniPot)
 }
 
 
@@ -37,11 +38,27 @@ def make_method(name: str, budget: int | None = None, **overrides: object) -> Me
     if budget is not None:
         if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
             raise KvpotError(f"the budget must be a positive number of KV entries, got {budget!r}.")
-        return cls.from_budget(budget, **converted)
+        try:
+            return cls.from_budget(budget, **converted)
+        except TypeError:
+            raise BudgetConflict(
+                f"{name}: --budget sets {', '.join(_budget_fields(cls, budget))} already; "
+                f"give either --budget or --set for {', '.join(converted)}, not both."
+            ) from None
     try:
         return cls(**converted)
     except TypeError as err:
         raise KvpotError(f"{name}: {err}") from None
+
+
+class BudgetConflict(KvpotError):
+    """A parameter given explicitly is also one `--budget` derives (`--budget 128 --set window=60`)."""
+
+
+def _budget_fields(cls: type[Method], budget: int) -> list[str]:
+    """The parameters `from_budget` sets (those that differ from the defaults)."""
+    made, default = cls.from_budget(budget), cls()
+    return [f.name for f in cls.parameters() if getattr(made, f.name) != getattr(default, f.name)]
 
 
 def _convert(method: str, key: str, value: object, hint) -> object:
@@ -75,6 +92,6 @@ def describe() -> list[dict]:
 
 
 __all__ = [
-    "METHODS", "EvictionMethod", "Full", "H2O", "Method", "SnapKV", "Step", "StreamingLLM", "TOVA",
+    "METHODS", "BudgetConflict", "EvictionMethod", "Full", "H2O", "InfiniPot", "Method", "SnapKV", "Step", "StreamingLLM", "TOVA",
     "Truncate", "describe", "make_method",
 ]

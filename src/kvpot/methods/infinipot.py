@@ -1,0 +1,176 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvpot.attention import AttentionRequest
+from kvpot.errors import KvpotError
+from kvpot.methods.base import Method, Setup, Step, check_policy, check_positive
+
+NUC = "nuc"
+CATALYST = "infinipot.catalyst"  # key of the tokenized catalyst in cache.method_state
+
+# Table 2's CaP-G, the paper's generic catalyst for instruction-tuned models.
+GENERIC_CATALYST = "Summarize the critical points highlighted in this section."
+# A model can name its own generic catalyst in its config (kvpot's reference model does: its
+# `recall` instruction); this is read from the config's content, never from the model's name.
+CONFIG_CATALYST_KEY = "kvpot_generic_catalyst"
+
+
+@dataclass
+class InfiniPot(Method):
+    """Continual Context Distillation in a fixed memory pot (Kim et al., EMNLP 2024).
+
+    The pot (Sec. 3.1-3.2) holds at most `pot_size` (|M|) KV entries per layer and KV head,
+    counting cached entries, the chunk being encoded and the catalyst tokens together. The input
+    is read in chunks that exactly fill the pot less the catalyst's room; when it is full, the pot
+    is distilled to `compress_size` (|C|, default |M|/2) and filling continues, during decoding too.
+
+    Distillation scores every entry two ways:
+    - **CaP** (Sec. 3.3.1, eq. 2): the catalyst prompt is run over the pot through the engine's
+      probe; an entry's representativeness is the attention the catalyst's queries pay it, summed
+      over those queries, per KV head (the query heads of a group averaged). The catalyst's own
+      entries are rolled back, so they are never kept. `catalyst="generic"` is the model's generic
+      prompt (its config's `kvpot_generic_catalyst`, else Table 2's CaP-G "Summarize the critical
+      points highlighted in this section."), `"question"` the user's question (CaP-Q), any other
+      string is used verbatim, `None` disables CaP.
+    - **NuC** (Sec. 3.3.2, eq. 4): `-log p(x_t | what the pot held when x_t was encoded)`, from the
+      logits of the forward that encoded it (its first token from the previous forward's last
+      logits), computed in slices (`kvpot.scoring.token_nll`). Kept entries keep the score they
+      got when encoded: kvpot reads eq. 4's second case, `-log p(c_t | c_{0:t-1})` for the
+      compressed region, as the score c_t already carries, since Code 1 computes token losses
+      only from the current forward's logits and re-scoring kept tokens would need a second pass.
+
+    Selection (Sec. 3.3.3, Code 1): the top `round(nuc_ratio*|C|)` entries by NuC are kept first
+    (Code 1 lifts them above every CaP score), then each KV head is filled to |C| by CaP score.
+    NuC is a per-token score, so on the first distillation the NuC picks are the same tokens in
+    every head; later each head ranks the NuC scores of the entries it holds. Without CaP the
+    rest of |C| is the most recent entries; with neither CaP nor NuC the pot keeps the most recent
+    |C| (the paper's "merely fills the pot sequentially" ablation).
+
+    Positions (Sec. 3.5): `reset` (CR-RoPE) gives the kept entries 0..|C|-1 in original order
+    after each distillation, new tokens continuing from there; `absolute` is the "w/o Re-RoPE"
+    ablation.
+
+    Bound: `pot_size` entries per layer and KV head, at every instant of prefill and decoding.
+    """
+
+    name = "infinipot"
+    paper = "Kim et al. 2024, InfiniPot: Infinite Context Processing on Memory-Constrained LLMs"
+    bound = "pot_size (cache + chunk + catalyst)"
+    needs_token_nll = True
+    pot_size: int = 2048
+    compress_size: int | None = None
+    nuc_ratio: float = 0.5
+    catalyst: str | None = "generic"
+    positions: str = "reset"
+
+    def __post_init__(self):
+        check_positive(self, "pot_size")
+        if self.compress_size is None:
+            self.compress_size = self.pot_size // 2
+        check_positive(self, "compress_size")
+        if self.compress_size >= self.pot_size:
+            raise KvpotError(
+                f"infinipot: compress_size ({self.compress_size}) must be smaller than pot_size ({self.pot_size})."
+            )
+        if not 0.0 <= float(self.nuc_ratio) <= 1.0:
+            raise KvpotError(f"infinipot: nuc_ratio must be in [0, 1], got {self.nuc_ratio!r}.")
+        if self.catalyst is not None and not isinstance(self.catalyst, str):
+            raise KvpotError("infinipot: catalyst must be 'generic', 'question', a prompt string, or None.")
+        if self.catalyst in ("", "none", "None"):
+            self.catalyst = None
+        check_policy(self, ("reset", "absolute"))
+
+    @classmethod
+    def from_budget(cls, budget: int, **overrides) -> InfiniPot:
+        if budget < 2:
+            raise KvpotError(f"infinipot: a pot of {budget} entries cannot be distilled; use a budget >= 2.")
+        return cls(pot_size=budget, **overrides)
+
+    def max_entries(self) -> int:
+        return self.pot_size
+
+    def prefill_chunk(self) -> int:
+        return self.pot_size - self.compress_size
+
+    # ------------------------------------------------------------------ run setup
+    def begin(self, cache, setup: Setup) -> None:
+        ids = self._catalyst_ids(setup)
+        room = self.pot_size - self.compress_size - (0 if ids is None else ids.numel())
+        if room <= 0:
+            raise KvpotError(
+                f"infinipot: the pot ({self.pot_size}) cannot hold the compressed entries ({self.compress_size}) "
+                f"plus the {ids.numel()}-token catalyst and any new token; use a larger pot_size or a shorter catalyst."
+            )
+        cache.method_state[CATALYST] = ids
+
+    def _catalyst_ids(self, setup: Setup) -> torch.Tensor | None:
+        if self.catalyst is None:
+            return None
+        if self.catalyst == "question":
+            if setup.question_ids is None or setup.question_ids.numel() == 0:
+                raise KvpotError(
+                    "infinipot: catalyst='question' needs the question while the context is read; "
+                    "pass it with the context (generate(context, question)) or use catalyst='generic'."
+                )
+            return setup.question_ids
+        text = self.catalyst
+        if text == "generic":
+            text = getattr(setup.config, CONFIG_CATALYST_KEY, None) or GENERIC_CATALYST
+        if setup.tokenizer is None:
+            raise KvpotError("infinipot: a text catalyst needs a tokenizer; use catalyst='question' or None.")
+        ids = setup.tokenizer.encode(text, add_special_tokens=False)
+        return torch.tensor(ids, dtype=torch.long, device=setup.device)
+
+    # ------------------------------------------------------------------ the pot
+    def _catalyst_len(self, cache) -> int:
+        ids = cache.method_state.get(CATALYST)
+        return 0 if ids is None else ids.numel()
+
+    def _filled(self, cache) -> int:
+        return max(cache.lengths())
+
+    def next_chunk(self, cache, remaining: int) -> int:
+        room = self.pot_size - self._catalyst_len(cache) - self._filled(cache)
+        return min(remaining, room)
+
+    def after_forward(self, cache, step: Step) -> bool:
+        for layer in cache.layers:
+            layer.score(NUC)[:, :, layer.n - step.n_new :] = step.token_nll.view(1, 1, -1)
+        if self._filled(cache) + self._catalyst_len(cache) < self.pot_size:
+            return False
+        self.distill(cache, step)
+        return True
+
+    def distill(self, cache, step: Step) -> None:
+        """Shrink every layer to |C| (Code 1), scoring with the catalyst probe and NuC."""
+        catalyst = cache.method_state.get(CATALYST)
+        cap = None
+        if catalyst is not None:
+            cap = step.probe(catalyst, AttentionRequest(rows=None, row_reduce="sum", head_reduce="mean"))
+        for index, layer in enumerate(cache.layers):
+            keep = select(
+                cap[index] if cap is not None else None,
+                layer.score(NUC),
+                self.compress_size,
+                round(float(self.nuc_ratio) * self.compress_size),
+            )
+            layer.select(keep)
+
+
+def select(cap: torch.Tensor | None, nuc: torch.Tensor, keep: int, nuc_slots: int) -> torch.Tensor:
+    """Indices [b, kv_heads, keep] (ascending) that Code 1 keeps.
+
+    cap: [b, kv_heads, n] CaP scores or None; nuc: [b, kv_heads, n] NuC scores. The top
+    `nuc_slots` entries by NuC are kept first; the remaining slots go to the best CaP scores (or,
+    without CaP, to the most recent entries).
+    """
+    n = nuc.shape[-1]
+    base = cap if cap is not None else torch.arange(n, device=nuc.device, dtype=torch.float32).expand_as(nuc)
+    scores = base.clone()
+    if nuc_slots > 0:
+        top_nuc = nuc.topk(min(nuc_slots, n), dim=-1).indices
+        scores.scatter_(-1, top_nuc, float("inf"))  # Code 1, line 10: above every CaP score
+    return scores.topk(keep, dim=-1).indices.sort(dim=-1).values

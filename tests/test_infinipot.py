@@ -1,0 +1,130 @@
+"""InfiniPot: the pot bound, Code 1's selection, exactness without distillation, NuC values."""
+
+import pytest
+import torch
+
+import kvpot
+import kvpot.scoring as scoring
+from conftest import VOCAB, build, reference_greedy
+from kvpot.errors import KvpotError
+from kvpot.methods.infinipot import NUC, InfiniPot, select
+
+POT = 32
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build("llama3")
+
+
+@pytest.mark.parametrize("times", [2, 8, 64])
+@pytest.mark.parametrize("catalyst", ["question", None], ids=["CaP-Q", "no-CaP"])
+def test_pot_bound_holds_in_prefill_and_decoding(model, times, catalyst):
+    torch.manual_seed(times)
+    context, question = torch.randint(3, VOCAB, (POT * times,)), torch.randint(3, VOCAB, (5,))
+    method = InfiniPot(pot_size=POT, catalyst=catalyst)
+    engine = kvpot.Engine(model, method=method)
+    out = engine.generate_ids(context, question, max_new_tokens=64, ignore_eos=True)
+    assert out.stats.max_kv_entries <= POT
+    assert out.stats.max_kv_entries == POT  # the pot does fill (catalyst included) before distilling
+    assert out.stats.compressions >= (POT * times) // POT  # one distillation per |M|-|C|-|P| tokens
+    assert out.stats.new_tokens == 64
+
+
+def test_generic_catalyst_state_answers_many_questions_within_the_pot(model):
+    from test_cli import byte_tokenizer
+
+    engine = kvpot.Engine(model, byte_tokenizer(), method=InfiniPot(pot_size=128, compress_size=32))
+    state = engine.prefill("The grass is green. " * 40)  # 800 characters: a pot of 128 holds 38 new per cycle
+    assert state.stats.max_kv_entries <= 128 and state.stats.compressions >= 20
+    # the generic catalyst is Table 2's CaP-G sentence, one token per character here
+    assert state.cache.method_state["infinipot.catalyst"].numel() == len(
+        "Summarize the critical points highlighted in this section.")
+    first = engine.generate(question="What colour?", state=state, max_new_tokens=6)
+    second = engine.generate(question="What colour?", state=state, max_new_tokens=6)
+    assert first.token_ids == second.token_ids and first.stats.max_kv_entries <= 128
+
+
+def test_selection_matches_code_1_on_a_hand_built_example():
+    cap = torch.tensor([[[0.9, 0.1, 0.5, 0.3, 0.8, 0.2], [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]]])
+    nuc = torch.tensor([[[0.0, 5.0, 1.0, 0.5, 0.2, 4.0], [0.0, 5.0, 1.0, 0.5, 0.2, 4.0]]])
+    # |C| = 4, T = 2: NuC keeps tokens 1 and 5 in both heads, CaP fills the rest per head
+    keep = select(cap, nuc, keep=4, nuc_slots=2)
+    assert keep[0].tolist() == [[0, 1, 4, 5], [1, 3, 4, 5]]
+    # CaP only (ratio 0): top-4 attention per head
+    assert select(cap, nuc, 4, 0)[0].tolist() == [[0, 2, 3, 4], [2, 3, 4, 5]]
+    # NuC without CaP: T by NuC, the rest most recent
+    assert select(None, nuc, 4, 2)[0].tolist() == [[1, 3, 4, 5], [1, 3, 4, 5]]
+    # neither: the most recent |C| (sequential fill)
+    assert select(None, nuc, 3, 0)[0].tolist() == [[3, 4, 5], [3, 4, 5]]
+
+
+def test_equals_full_when_the_pot_holds_everything(model):
+    torch.manual_seed(5)
+    ids = torch.randint(3, VOCAB, (70,))
+    expected = reference_greedy(model, ids, 20)
+    for catalyst in ("question", None):
+        engine = kvpot.Engine(model, method=InfiniPot(pot_size=200, compress_size=100, catalyst=catalyst))
+        out = engine.generate_ids(ids[:60], ids[60:], max_new_tokens=20)
+        assert out.token_ids == expected and out.stats.compressions == 0
+
+
+class ChunkedPot(InfiniPot):
+    """InfiniPot forced to read 16 tokens per forward, to exercise chunk boundaries."""
+
+    def next_chunk(self, cache, remaining):
+        return min(16, super().next_chunk(cache, remaining))
+
+
+def test_nuc_in_slices_equals_cross_entropy_of_full_logits(model, monkeypatch):
+    torch.manual_seed(6)
+    ids = torch.randint(3, VOCAB, (75,))
+    model.set_attn_implementation("sdpa")  # an Engine switched it to kvpot
+    with torch.no_grad():
+        logits = model(ids.view(1, -1)).logits[0].float()
+    want = torch.nn.functional.cross_entropy(logits[:-1], ids[1:], reduction="none")
+    monkeypatch.setattr(scoring, "MAX_LOGIT_ELEMENTS", 5 * VOCAB)  # 5-row slices
+    engine = kvpot.Engine(model, method=ChunkedPot(pot_size=100, compress_size=50, catalyst=None))
+    state = engine.prefill_ids(ids)
+    for layer in state.cache.layers:
+        nuc = layer.score(NUC)[0]  # [kv_heads, 75], the same per head
+        assert nuc[:, 0].eq(0).all()  # nothing predicts the first token
+        torch.testing.assert_close(nuc[0, 1:], want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(nuc[1, 1:], want, rtol=1e-4, atol=1e-4)
+
+
+def test_kept_entries_keep_their_nuc_and_catalyst_is_never_kept(model):
+    torch.manual_seed(7)
+    ids = torch.randint(3, VOCAB, (40,))
+    question = torch.tensor([90, 91, 92, 93])
+    method = InfiniPot(pot_size=24, compress_size=8, nuc_ratio=0.5, catalyst="question")
+    engine = kvpot.Engine(model, method=method)
+    state = engine.prefill_ids(ids, question)
+    for layer in state.cache.layers:
+        positions = layer.positions[0, :, : layer.n]
+        assert positions.max() < 44  # context + question only: catalyst probes left nothing behind
+        # entries are in original order per head, and CR-RoPE numbered them 0..n-1
+        assert torch.all(positions[:, 1:] > positions[:, :-1])
+        assert layer.rope_positions[0, :, : layer.n].tolist() == [list(range(layer.n))] * 2
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        (dict(pot_size=10, compress_size=10), "must be smaller than pot_size"),
+        (dict(pot_size=10, nuc_ratio=1.5), "nuc_ratio must be in"),
+        (dict(pot_size=0), "pot_size must be a positive"),
+        (dict(positions="shift"), "positions must be one of"),
+    ],
+)
+def test_bad_parameters_are_refused(kwargs, fragment):
+    with pytest.raises(KvpotError, match=fragment):
+        InfiniPot(**kwargs)
+
+
+def test_catalyst_that_fills_the_pot_and_missing_question_are_refused(model):
+    engine = kvpot.Engine(model, method=InfiniPot(pot_size=8, compress_size=4, catalyst="question"))
+    with pytest.raises(KvpotError, match="cannot hold the compressed entries"):
+        engine.generate_ids(torch.arange(3, 40), [5, 6, 7, 8, 9])
+    with pytest.raises(KvpotError, match="needs the question"):
+        engine.prefill_ids(torch.arange(3, 40))
