@@ -22,6 +22,7 @@ from __future__ import annotations
 from transformers import LlamaConfig
 
 from kvpot.reference.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
+from kvpot.tasks import RECALL_INSTRUCTION
 
 TRAINED_WINDOW = 2048
 
@@ -54,6 +55,9 @@ def reference_config(**overrides: object) -> LlamaConfig:
         eos_token_id=EOS_ID,
         pad_token_id=PAD_ID,
         use_cache=True,
+        # InfiniPot's generic catalyst (CaP-G) for this model: the question of the `recall` task,
+        # which it was trained to answer by listing every fact of the text before it.
+        kvpot_generic_catalyst="\n" + RECALL_INSTRUCTION,
     )
     fields.update(overrides)
     return LlamaConfig(**fields)
