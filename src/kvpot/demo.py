@@ -32,12 +32,14 @@ class DemoMethod:
         return make_method(self.name, budget=self.budget, **self.overrides)
 
 
-# Budget + chunk = 2048 = the reference model's window: every forward attends to at most as many
-# entries as the model was trained on. TOVA rather than H2O: H2O sums attention over every query
-# since an entry arrived, so over 64K tokens old entries outscore a needle that arrives mid-way
-# and the needle is evicted once it leaves the recent window; TOVA ranks entries by the newest
-# query's attention only, so a salient needle competes on equal terms however late it came.
-STRONG = DemoMethod("tova", 1536, {"chunk_size": 512}, keeps="the entries its newest token attends to most")
+# Both hold at most 2048 entries per layer and KV head = the reference model's window, so no
+# forward ever attends over more positions than the model was trained on. InfiniPot (Kim et al.
+# 2024) distils its pot with the question as catalyst (CaP-Q, the paper's choice for QA) and
+# keeps novel tokens (NuC); StreamingLLM keeps only the first and the most recent entries.
+STRONG = DemoMethod(
+    "infinipot", 2048, {"catalyst": "question"},
+    keeps="what the question attends to, plus the most surprising tokens, in a 2048-entry pot",
+)
 NAIVE = DemoMethod("streaming", 1536, {"chunk_size": 512}, keeps="only the first 4 and the most recent entries")
 
 
