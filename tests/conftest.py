@@ -97,3 +97,30 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: on a shared 2-core machine, two threads can run a tiny model 100x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """A random 2-layer Llama (GQA 4:2, window 2048) with the reference byte tokenizer, saved to disk."""
+    from kvpot.reference.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        vocab_size=len(tokenizer), max_position_embeddings=2048, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    path = tmp_path_factory.mktemp("tiny-llama-reference-tokenizer")
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

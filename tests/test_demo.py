@@ -25,31 +25,10 @@ from kvpot.demo import (
 from kvpot.errors import KvpotError
 from kvpot.methods import make_method
 from kvpot.reference.config import TRAINED_WINDOW, reference_config
-from kvpot.reference.tokenizer import build_tokenizer
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine, two threads can run a tiny model 100x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    tokenizer = build_tokenizer()
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-        vocab_size=len(tokenizer), max_position_embeddings=2048, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )
-    path = tmp_path_factory.mktemp("tiny-llama-demo")
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def render(renderable) -> str:

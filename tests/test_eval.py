@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from kvpot.cli import main
 from kvpot.errors import KvpotError
@@ -32,29 +32,7 @@ from kvpot.reference.tokenizer import BOS_ID, build_tokenizer
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine, two threads can run a tiny model 100x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    """A random 2-layer Llama (GQA 4:2, window 2048) with the reference byte tokenizer, saved to disk."""
-    tokenizer = build_tokenizer()
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-        vocab_size=len(tokenizer), max_position_embeddings=2048, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )
-    path = tmp_path_factory.mktemp("tiny-llama-eval")
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:

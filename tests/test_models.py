@@ -4,7 +4,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from transformers import GPT2Config, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config
+from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
 import kvpot
 from conftest import build

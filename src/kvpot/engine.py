@@ -156,8 +156,12 @@ class Engine:
         question_ids = tok.encode(question, add_special_tokens=False) if question else []
         return context_ids, question_ids
 
-    def prefill(self, context: str, question: str | None = None, progress: bool = False) -> State:
-        """Read (and compress) `context` once; ask questions of it later with `generate(state=...)`."""
+    def prefill(self, context: str, progress: bool = False) -> State:
+        """Read (and compress) `context` once; ask questions of it later with `generate(state=...)`.
+
+        Methods that need the question while reading (InfiniPot with `catalyst="question"`) take
+        `generate(context, question)` instead.
+        """
         if not context:
             raise KvpotError("the context is empty; give some text to read.")
         context_ids, _ = self.encode(context, None)
