@@ -84,3 +84,17 @@ def test_refuses_what_it_cannot_honour():
         attention.kvpot_attention(None, q, q, q, None, kvpot_cache=object(), sliding_window=16)
     with pytest.raises(KvpotError, match="padded"):
         attention.kvpot_attention(None, q, q, q, torch.ones(1, 1, 1, 1), kvpot_cache=object())
+
+
+@pytest.mark.parametrize("keys", [None, 5])
+def test_observation_over_cached_entries_renormalises_over_them(keys):
+    """CItruS eq. 1: softmax over the cache C only; the forward's own entries get 0."""
+    torch.manual_seed(2)
+    heads, kv_heads, q, n = 4, 2, 3, 11
+    query, key = torch.randn(1, heads, q, 16), torch.randn(1, kv_heads, n, 16)
+    got = observe(query, key, AttentionRequest(row_reduce="mean", over="cached", keys=keys), scaling=0.25)
+    limit = keys or n - q
+    logits = query @ key.repeat_interleave(2, dim=1)[:, :, :limit].transpose(-1, -2) * 0.25
+    want = logits.softmax(-1).mean(2).view(1, kv_heads, 2, limit).mean(2)
+    torch.testing.assert_close(got[..., :limit], want, rtol=1e-5, atol=1e-6)
+    assert got[..., limit:].abs().sum() == 0

@@ -26,6 +26,7 @@ _EXPORTS = {
     "TOVA": "kvpot.methods",
     "SnapKV": "kvpot.methods",
     "InfiniPot": "kvpot.methods",
+    "CItruS": "kvpot.methods",
     "REFERENCE_MODEL": "kvpot.reference",
 }
 

@@ -37,13 +37,21 @@ class AttentionRequest:
     row_reduce: "sum" or "mean" over those rows.
     head_reduce: "mean" or "max" over the query heads of each KV group, giving
         `[b, kv_heads, n]`; "none" keeps query heads, giving `[b, heads, n]`.
+    over: "all" normalises each row's softmax over every key it sees (the model's own attention
+        probabilities); "cached" normalises over the entries cached before this forward only and
+        gives the forward's own entries 0 (CItruS eq. 1, whose denominator runs over the cache C).
+    keys: with over="cached", normalise over the first `keys` entries only (the others get 0).
     """
 
     rows: tuple[int | None, int | None] | None = None
     row_reduce: str = "sum"
     head_reduce: str = "mean"
+    over: str = "all"
+    keys: int | None = None
 
     def __post_init__(self):
+        if self.over not in ("all", "cached"):
+            raise KvpotError(f"over must be 'all' or 'cached', not {self.over!r}.")
         if self.row_reduce not in ("sum", "mean"):
             raise KvpotError(f"row_reduce must be 'sum' or 'mean', not {self.row_reduce!r}.")
         if self.head_reduce not in ("mean", "max", "none"):
@@ -145,15 +153,23 @@ def observe(
     keys = key.float()
     grouped = query[:, :, start:stop].float().view(b, kv_heads, group, count, d)
     per_head = torch.zeros(b, kv_heads, group, n, dtype=torch.float32, device=query.device)
+    cached = n - q  # entries that existed before this forward
+    if request.over == "cached":
+        n_seen = cached if request.keys is None else min(request.keys, cached)
+        if n_seen == 0:
+            return _reduce_heads(per_head, request.head_reduce, b, heads)  # nothing cached yet
+        keys = keys[:, :, :n_seen]
+    else:
+        n_seen = n
     step = max(1, MAX_BLOCK_ELEMENTS // (b * heads * n))
-    columns = torch.arange(n, device=query.device)
+    columns = torch.arange(n_seen, device=query.device)
     for lo in range(0, count, step):
         hi = min(count, lo + step)
         logits = torch.einsum("bkgrd,bknd->bkgrn", grouped[:, :, :, lo:hi], keys) * scaling
         rows = torch.arange(start + lo, start + hi, device=query.device)
-        hidden = columns[None, :] > (n - q + rows)[:, None]  # [r, n] future keys
-        probs = logits.masked_fill(hidden, float("-inf")).softmax(dim=-1)  # [b, kv, g, r, n]
-        per_head += probs.sum(dim=3)
+        hidden = columns[None, :] > (cached + rows)[:, None]  # [r, n_seen] future keys
+        probs = logits.masked_fill(hidden, float("-inf")).softmax(dim=-1)  # [b, kv, g, r, n_seen]
+        per_head[..., :n_seen] += probs.sum(dim=3)
     if request.row_reduce == "mean":
         per_head /= count
     return _reduce_heads(per_head, request.head_reduce, b, heads)

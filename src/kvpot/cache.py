@@ -144,6 +144,30 @@ class PotLayer(CacheLayerMixin):
         if not self.cache.policy.stores_rotated:
             self.max_rope = k - 1
 
+    def append_entries(self, other: PotLayer, start: int) -> None:
+        """Append `other`'s entries from `start` on (stored keys, values, original positions).
+
+        Both layers must belong to caches with the same position policy, so stored keys mean the
+        same thing in both; the policy numbers the new entries as if they had been encoded here.
+        Scores are not carried over (they start at 0).
+        """
+        if not self.is_initialized:
+            self.lazy_initialization(other.keys[:, :, :0], other.values[:, :, :0])
+        q = other.n - start
+        original = other.positions[:, :, start : other.n]
+        self.reserve(self.n + q)
+        end = self.n + q
+        rope_new = self.cache.policy.new_positions(self, original[0, 0])
+        self.keys[:, :, self.n : end] = other.keys[:, :, start : other.n]
+        self.values[:, :, self.n : end] = other.values[:, :, start : other.n]
+        self.positions[:, :, self.n : end] = original
+        self.rope_positions[:, :, self.n : end] = rope_new
+        for score in self.scores.values():
+            score[:, :, self.n : end] = 0.0
+        self.max_rope = max(self.max_rope, other.max_rope if self.cache.policy.stores_rotated else end - 1)
+        self.n, self.n_new = end, q
+        self.cache.note_entries(end)
+
     def truncate(self, n: int) -> None:
         """Drop every entry after the first `n` (probe rollback); bit-exact for what remains."""
         self.n = min(self.n, n)
@@ -160,6 +184,12 @@ class PotLayer(CacheLayerMixin):
             twin.scores = {k: v.clone() for k, v in self.scores.items()}
             twin.is_initialized = True
         return twin
+
+
+def _clone_state(value):
+    if torch.is_tensor(value) or isinstance(value, PotCache):
+        return value.clone()
+    return value
 
 
 def _grow(buf: torch.Tensor, capacity: int, used: int) -> torch.Tensor:
@@ -185,6 +215,7 @@ class PotCache(Cache):
         self.request = None  # kvpot.attention.AttentionRequest | None
         self.max_entries = 0
         self.method_state: dict = {}
+        self.linked: PotCache | None = None  # a second cache whose entries count with ours (CItruS)
         super().__init__(layers=[PotLayer(self, i) for i in range(num_layers)])
 
     def begin_forward(self, positions: torch.Tensor, max_position: int, request=None) -> None:
@@ -196,7 +227,24 @@ class PotCache(Cache):
             layer.observation = None
 
     def note_entries(self, n: int) -> None:
+        """Record that a layer holds `n` entries; with a linked cache, the two count together."""
+        if self.linked is not None:
+            n += max(self.linked.lengths())
+            self.linked.max_entries = max(self.linked.max_entries, n)
         self.max_entries = max(self.max_entries, n)
+
+    def twin(self) -> PotCache:
+        """An empty cache with the same layers, RoPE and policy, linked to this one for counting."""
+        other = PotCache(len(self.layers), self.rope, self.policy, self.capacity_hint)
+        other.linked, self.linked = self, other
+        return other
+
+    def adopt(self, other: PotCache) -> None:
+        """Take `other`'s entries as ours (CItruS answers from its instruction cache)."""
+        self.layers = other.layers
+        for layer in self.layers:
+            layer.cache = self
+        self.linked = None
 
     def lengths(self) -> list[int]:
         return [layer.n for layer in self.layers]
@@ -210,7 +258,12 @@ class PotCache(Cache):
         twin = PotCache(len(self.layers), self.rope, self.policy, self.capacity_hint)
         twin.layers = [layer.clone_into(twin) for layer in self.layers]
         twin.max_entries = self.max_entries
-        twin.method_state = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in self.method_state.items()}
+        twin.method_state = {}
+        for key, value in self.method_state.items():
+            copy = _clone_state(value)
+            if value is self.linked:  # keep a linked second cache linked to the copy
+                twin.linked, copy.linked = copy, twin
+            twin.method_state[key] = copy
         return twin
 
     @property

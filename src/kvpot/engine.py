@@ -321,7 +321,8 @@ class Engine:
             size = self.method.next_chunk(run.cache, total - offset)
             if size <= 0:
                 raise KvpotError(f"{self.method.name} has no room for the next tokens; check its sizes.")
-            step = Step(phase, size, prompt_end=last and offset + size == total)
+            end = offset + size == total
+            step = Step(phase, size, prompt_end=last and end, segment_end=end)
             self._forward(run, ids[offset : offset + size], step)
             offset += size
             bar.update(size)
@@ -335,8 +336,8 @@ class Engine:
         token_nll = self._token_nll(run.logits, hidden, ids) if self.method.needs_token_nll else None
         run.logits = self.head(hidden[-1]).float()  # [vocab]
         run.next_position += ids.numel()
-        step = dataclasses.replace(step, token_nll=token_nll, probe=lambda probe_ids, request: self.probe(
-            run.cache, run.next_position, probe_ids, request))
+        step = dataclasses.replace(step, token_nll=token_nll, probe=lambda probe_ids, request, cache=None: self.probe(
+            cache if cache is not None else run.cache, run.next_position, probe_ids, request))
         started = self._clock()
         if self.method.after_forward(run.cache, step):
             run.stats.compressions += 1
@@ -406,7 +407,7 @@ class Engine:
             if token in eos or index == max_new_tokens - 1:
                 break
             ids = torch.tensor([token], device=self.device)
-            self._forward(run, ids, Step("decode", 1))
+            self._forward(run, ids, Step("decode", 1, segment_end=True))
         stats = run.stats
         stats.decode_seconds = self._clock() - started
         stats.new_tokens = len(tokens)

@@ -30,9 +30,10 @@ class Step:
     phase: "context", "question" or "decode".
     n_new: tokens it appends.
     prompt_end: the last forward before decoding starts (SnapKV compresses there).
-    probe: in `after_forward`, `probe(ids, request)` runs extra tokens over the cache and returns
-        their per-layer attention over the cached entries, leaving the cache unchanged
-        (`Engine.probe`).
+    segment_end: the last forward of its segment (the context, or the question).
+    probe: in `after_forward`, `probe(ids, request, cache=None)` runs extra tokens over the cache
+        (or over another `PotCache` of the same engine) and returns their per-layer attention over
+        its entries, leaving it unchanged (`Engine.probe`).
     token_nll: in `after_forward`, for methods with `needs_token_nll`, `-log p(x_t | cache)` of
         each of the forward's tokens [n_new] (the first from the previous forward's logits).
     """
@@ -40,7 +41,8 @@ class Step:
     phase: str
     n_new: int
     prompt_end: bool = False
-    probe: Callable[[object, AttentionRequest], list[torch.Tensor]] | None = None
+    segment_end: bool = False
+    probe: Callable[..., list[torch.Tensor]] | None = None
     token_nll: torch.Tensor | None = None
 
 
