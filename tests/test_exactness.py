@@ -85,3 +85,32 @@ def test_score_ids_equals_the_full_forward_loss():
         scoring.MAX_LOGIT_ELEMENTS = old
     torch.testing.assert_close(got.nll, want, rtol=1e-4, atol=1e-4)
     assert got.stats.max_kv_entries == 90
+
+
+def test_chat_template_puts_context_first_and_question_last():
+    """Like kvpress' pipeline: one user turn, context then question, then the generation prompt;
+    the split happens exactly where the question starts, and generating from the two parts equals
+    generating from the whole templated prompt."""
+    from test_cli import byte_tokenizer
+
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    model = build("qwen2")
+    engine = kvpot.Engine(model, tokenizer, method=kvpot.Full(chunk_size=16))
+    def text(ids):  # this character tokenizer's decode() puts spaces between tokens
+        return "".join(tokenizer.convert_ids_to_tokens(ids))
+
+    context_ids, question_ids = engine.encode("The sky is blue.", "Colour?")
+    assert text(context_ids) == "<user>The sky is blue."
+    assert text(question_ids) == "Colour?</user><assistant>"
+    whole = torch.tensor(tokenizer.encode("<user>The sky is blue.Colour?</user><assistant>", add_special_tokens=False))
+    assert torch.equal(torch.tensor(context_ids + question_ids), whole)
+    expected = reference_greedy(model, whole, 8)
+    model.set_attn_implementation("kvpot")
+    assert engine.generate("The sky is blue.", "Colour?", max_new_tokens=8).token_ids == expected
+    # chat_template=False: the raw text, question appended verbatim
+    plain = kvpot.Engine(model, tokenizer, chat_template=False)
+    assert text(sum(plain.encode("Sky.", "Why?"), [])) == "Sky.Why?"
