@@ -27,6 +27,7 @@ _EXPORTS = {
     "SnapKV": "kvpot.methods",
     "InfiniPot": "kvpot.methods",
     "CItruS": "kvpot.methods",
+    "D2O": "kvpot.methods",
     "REFERENCE_MODEL": "kvpot.reference",
 }
 

@@ -8,6 +8,7 @@ import typing
 from kvpot.errors import KvpotError
 from kvpot.methods.base import EvictionMethod, Method, Step
 from kvpot.methods.citrus import CItruS
+from kvpot.methods.d2o import D2O
 from kvpot.methods.full import Full
 from kvpot.methods.h2o import H2O
 from kvpot.methods.infinipot import InfiniPot
@@ -17,7 +18,7 @@ from kvpot.methods.tova import TOVA
 from kvpot.methods.truncate import Truncate
 
 METHODS: dict[str, type[Method]] = {
-    cls.name: cls for cls in (Full, Truncate, StreamingLLM, H2O, TOVA, SnapKV, InfiniPot, CItruS)
+    cls.name: cls for cls in (Full, Truncate, StreamingLLM, H2O, TOVA, SnapKV, InfiniPot, CItruS, D2O)
 }
 
 
@@ -93,6 +94,6 @@ def describe() -> list[dict]:
 
 
 __all__ = [
-    "METHODS", "BudgetConflict", "CItruS", "EvictionMethod", "Full", "H2O", "InfiniPot", "Method", "SnapKV", "Step", "StreamingLLM", "TOVA",
+    "METHODS", "BudgetConflict", "CItruS", "D2O", "EvictionMethod", "Full", "H2O", "InfiniPot", "Method", "SnapKV", "Step", "StreamingLLM", "TOVA",
     "Truncate", "describe", "make_method",
 ]

@@ -1,0 +1,181 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvpot.attention import AttentionRequest
+from kvpot.budget import inverse_variance_budgets
+from kvpot.errors import KvpotError
+from kvpot.merge import nearest_kept, weighted_merge
+from kvpot.methods.base import Method, Step, check_policy, check_positive
+
+SCORE = "d2o"  # accumulated attention per entry (eq. 6)
+BUDGETS = "d2o.budgets"  # per-layer S_l, fixed at the end of the prompt
+TAU = "d2o.tau"  # per-layer EMA thresholds [b, kv_heads] (eq. 10)
+VARIANCE = "d2o.variance"  # the per-layer F_v the budgets came from (for Fig. 4-style plots)
+
+
+@dataclass
+class D2O(Method):
+    """Dynamic Discriminative Operations (Wan et al., D2O, ICLR 2025 submission).
+
+    The prompt is encoded with a full cache (chunked, memory-unconstrained as in the paper), while
+    each entry accumulates the attention it receives (eq. 6's first case: column sums of the
+    prompt's attention, per KV head with the query heads of a group averaged). At the end of the
+    prompt:
+
+    - **Layer budgets** (Sec. 4.1, eqs. 4-5): `F_v^l` is the variance over key positions of those
+      column sums. The paper is silent on heads and scale; kvpot takes each KV head's variance,
+      min-max normalises all (layer, head) variances of the model to [0, 1] together (column
+      sums grow with the prompt, and raw variances of a long prompt would make the softmax one-hot),
+      and averages per layer. `S_l = softmax(-F_v)_l * L * ratio * S` with `S` the prompt length
+      (or `budget` entries per layer on average), clamped to `[sinks + 4, S]` by water-filling so
+      the budgets still sum to the total. `layer_budget=False` gives every layer `ratio * S`.
+    - **Token eviction** (Sec. 4.2.1, eqs. 6-8): per KV head, keep the first `sinks` entries, the
+      `M` most recent and the top `N` by accumulated attention, `N:M = heavy_to_recent:1`.
+    - **Dynamic merging** (Sec. 4.2.2, eqs. 9-12): each evicted key is matched to its most
+      cosine-similar kept key (keys only; values share the match and the weights); it is merged
+      when that similarity reaches the threshold tau (eq. 10: tau_0 = the mean of the evicted
+      entries' best similarities at the prompt's compression; afterwards
+      `tau_t = beta * max(U_t) + (1 - beta) * tau_{t-1}` at each eviction, per layer and KV head),
+      with eq. 12's weights: `k_c <- (e k_c + sum_i exp(u_i) k_i) / (e + sum_i exp(u_i))`.
+      Below the threshold the entry is dropped. `merge=False` is plain eviction.
+    - **Decoding**: every generated token adds its attention to the scores, is appended, and one
+      entry is evicted (and maybe merged), so each layer stays at exactly `S_l`.
+
+    `merge=False, layer_budget=False` is H2O with attention sinks; `ratio=1` (no `budget`) keeps
+    every entry, the uncompressed reference. Positions are absolute (the paper's setting: prompts
+    inside the model's window).
+
+    Bound: the prompt length during prefill; then `S_l` entries in layer l (on average
+    `ratio * prompt` or `budget`) for the rest of the run.
+    """
+
+    name = "d2o"
+    paper = "Wan et al., D2O: Dynamic Discriminative Operations for Efficient Generative Inference of LLMs"
+    bound = "prompt length in prefill; S_l per layer afterwards (ratio * prompt, or budget, on average)"
+    ratio: float = 0.2
+    budget: int | None = None
+    sinks: int = 4
+    heavy_to_recent: float = 3.0
+    beta: float = 0.7
+    merge: bool = True
+    layer_budget: bool = True
+    chunk_size: int = 2048
+    positions: str = "absolute"
+
+    def __post_init__(self):
+        if not 0.0 < float(self.ratio) <= 1.0:
+            raise KvpotError(f"d2o: ratio must be in (0, 1], got {self.ratio!r}.")
+        if self.budget is not None:
+            check_positive(self, "budget")
+        if not isinstance(self.sinks, int) or self.sinks < 0:
+            raise KvpotError(f"d2o: sinks must be an integer >= 0, got {self.sinks!r}.")
+        if float(self.heavy_to_recent) <= 0:
+            raise KvpotError(f"d2o: heavy_to_recent must be positive, got {self.heavy_to_recent!r}.")
+        if not 0.0 <= float(self.beta) <= 1.0:
+            raise KvpotError(f"d2o: beta must be in [0, 1], got {self.beta!r}.")
+        check_positive(self, "chunk_size")
+        check_policy(self, ("absolute",))
+        if self.budget is not None and self.budget < self.sinks + 4:
+            raise KvpotError(
+                f"d2o: a budget of {self.budget} cannot hold the {self.sinks} sinks plus heavy and recent "
+                f"entries; use a budget of at least {self.sinks + 4}."
+            )
+
+    @classmethod
+    def from_budget(cls, budget: int, **overrides) -> D2O:
+        return cls(budget=budget, **overrides)
+
+    def request(self, step: Step) -> AttentionRequest:
+        return AttentionRequest(rows=None, row_reduce="sum", head_reduce="mean")
+
+    # ------------------------------------------------------------------ budgets
+    def layer_budgets(self, cache) -> list[int]:
+        """S_l for every layer from the accumulated prompt attention (eqs. 4-5)."""
+        prompt = cache.layers[0].n
+        layers = len(cache.layers)
+        per_layer = self.budget if self.budget is not None else float(self.ratio) * prompt
+        low, high = min(prompt, self.sinks + 4), prompt
+        variance = self.layer_variance(cache)
+        cache.method_state[VARIANCE] = variance
+        if not self.layer_budget:
+            variance = torch.zeros_like(variance)
+        return inverse_variance_budgets(variance, per_layer * layers, low, high)
+
+    def layer_variance(self, cache) -> torch.Tensor:
+        """F_v per layer: KV-head variances of the column sums, min-max normalised model-wide, averaged."""
+        per_head = torch.stack([layer.score(SCORE)[0].var(dim=-1) for layer in cache.layers])  # [L, kv]
+        span = (per_head.max() - per_head.min()).clamp_min(1e-12)
+        return ((per_head - per_head.min()) / span).mean(dim=-1).cpu()  # [L]
+
+    # ------------------------------------------------------------------ eviction
+    def after_forward(self, cache, step: Step) -> bool:
+        for layer in cache.layers:
+            layer.score(SCORE).add_(layer.observation)
+        if self.budget is None and float(self.ratio) == 1.0:
+            return False  # ratio 1: nothing is compressed
+        budgets = cache.method_state.get(BUDGETS)
+        if budgets is None:
+            if not step.prompt_end:
+                return False
+            budgets = cache.method_state[BUDGETS] = self.layer_budgets(cache)
+        evicted = False
+        for index, (layer, size) in enumerate(zip(cache.layers, budgets)):
+            if layer.n > size:
+                self.evict(cache, index, size)
+                evicted = True
+        return evicted
+
+    def keep_indices(self, layer, size: int) -> torch.Tensor:
+        """Eqs. 7-8: sinks + top-N accumulated + M recent, per KV head -> [b, kv, size] ascending."""
+        sinks = min(self.sinks, size)
+        rest = size - sinks
+        recent = max(1, round(rest / (1.0 + float(self.heavy_to_recent)))) if rest else 0
+        scores = layer.score(SCORE).clone()
+        scores[..., :sinks] = float("inf")
+        if recent:
+            scores[..., layer.n - recent :] = float("inf")
+        return scores.topk(size, dim=-1).indices.sort(dim=-1).values
+
+    def evict(self, cache, index: int, size: int) -> None:
+        layer = cache.layers[index]
+        keep = self.keep_indices(layer, size)
+        if not self.merge:
+            layer.select(keep)
+            return
+        dropped = _complement(keep, layer.n)  # [b, kv, n - size] ascending
+        keys, values = layer.keys[:, :, : layer.n], layer.values[:, :, : layer.n]
+        kept_k, kept_v = _take(keys, keep), _take(values, keep)
+        gone_k, gone_v = _take(keys, dropped), _take(values, dropped)
+        similarity, target = nearest_kept(gone_k, kept_k)  # [b, kv, e]
+        merge = similarity >= self._threshold(cache, index, similarity)
+        merged_k, merged_v = weighted_merge(kept_k, kept_v, gone_k, gone_v, similarity, target, merge)
+        layer.select(keep)
+        layer.keys[:, :, :size] = merged_k
+        layer.values[:, :, :size] = merged_v
+
+    def _threshold(self, cache, index: int, similarity: torch.Tensor) -> torch.Tensor:
+        """Eq. 10 for layer `index`: tau_0 at the first eviction, then the EMA; [b, kv, 1]."""
+        taus = cache.method_state.setdefault(TAU, {})
+        if index not in taus:
+            tau = similarity.mean(dim=-1)  # mean of the evicted entries' best similarities
+        else:
+            beta = float(self.beta)
+            tau = beta * similarity.amax(dim=-1) + (1 - beta) * taus[index]
+        taus[index] = tau
+        return tau.unsqueeze(-1)
+
+
+def _take(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """buffer [b, kv, n, d] gathered at index [b, kv, m] -> [b, kv, m, d]."""
+    return torch.gather(buffer, 2, index.unsqueeze(-1).expand(-1, -1, -1, buffer.shape[-1]))
+
+
+def _complement(keep: torch.Tensor, n: int) -> torch.Tensor:
+    """Ascending indices of the entries of each head that `keep` [b, kv, k] leaves out."""
+    gone = torch.ones(*keep.shape[:2], n, dtype=torch.bool, device=keep.device)
+    gone.scatter_(-1, keep, False)
+    order = gone.to(torch.int8).argsort(dim=-1, descending=True, stable=True)
+    return order[..., : n - keep.shape[-1]].sort(dim=-1).values
