@@ -115,3 +115,20 @@ def test_bad_parameters_are_refused(kwargs, fragment):
 def test_budget_splits_like_the_paper():
     method = kvpot.make_method("citrus", budget=1024)
     assert (method.keep, method.chunk_size) == (768, 256)
+
+
+def test_prefilled_document_is_evicted_by_the_question_when_asked(model):
+    """Standard CSE through the two-phase API: the after-document eviction happens with the
+    question; the state is not consumed, and asking twice gives the same answer."""
+    torch.manual_seed(4)
+    engine = kvpot.Engine(model, method=CItruS(chunk_size=CHUNK, keep=KEEP, cache="none"))
+    state = engine.prefill_ids(torch.randint(3, VOCAB, (300,)))
+    assert state.cache.lengths() == [KEEP + 300 % CHUNK or KEEP + CHUNK] * 2
+    question = torch.tensor([90, 91, 92, 93, 94])
+    first = engine.generate_ids(question_ids=question, state=state, max_new_tokens=5)
+    second = engine.generate_ids(question_ids=question, state=state, max_new_tokens=5)
+    assert first.token_ids == second.token_ids
+    # the question's forward evicted the document to `keep` (36 -> 32, then 37 with the question);
+    # the 4th generated token crossed keep + chunk_size (41 > 40) and brought C back to keep + 1
+    assert first.stats.compressions == state.stats.compressions + 2
+    assert first.stats.final_kv_entries == KEEP + 1

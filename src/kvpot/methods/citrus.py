@@ -10,6 +10,7 @@ from kvpot.methods.base import Method, Setup, Step, check_policy, check_positive
 
 INSTRUCTION = "citrus.instruction"  # tokenized instruction, in cache.method_state
 INSTRUCTION_CACHE = "citrus.instruction_cache"  # C^I of the individual-cache variant
+FINALIZED = "citrus.finalized"  # the after-document eviction by the instruction has happened
 ACCUMULATED = "citrus.accumulated"  # per-entry score for score="h2o"
 
 
@@ -26,7 +27,8 @@ class CItruS(Method):
     paper found head-wise selection worse); `selection="head"` selects per KV head.
     After the last chunk the cache is evicted once more to `keep` with the instruction as the
     chunk (through the engine's probe, whose own entries are rolled back), then the instruction
-    is encoded on it and the answer generated (Sec. 4.3).
+    is encoded on it and the answer generated (Sec. 4.3). With `cache="none"` a document can be
+    prefilled alone and questioned later: that eviction then uses the question's own forward.
 
     **Instruction-aware eviction** (Sec. 4.2): `cache="shared"` evicts C by the instruction's
     importance `Imp(I, c)` instead of the chunk's; `cache="individual"` keeps C as in standard CSE
@@ -94,7 +96,8 @@ class CItruS(Method):
             )
         if instruction is not None:
             cache.method_state[INSTRUCTION] = instruction
-        if self.cache == "individual" and INSTRUCTION_CACHE not in cache.method_state:
+        fresh = max(cache.lengths()) == 0  # nothing read yet (not a prefilled state)
+        if self.cache == "individual" and fresh and INSTRUCTION_CACHE not in cache.method_state:
             cache.method_state[INSTRUCTION_CACHE] = cache.twin()
 
     # ------------------------------------------------------------------ observations
@@ -111,6 +114,8 @@ class CItruS(Method):
 
     # ------------------------------------------------------------------ eviction
     def after_forward(self, cache, step: Step) -> bool:
+        if step.phase == "question" and not cache.method_state.get(FINALIZED):
+            return self._evict_by_question(cache, step)
         if step.phase != "context":
             return self._evict_when_full(cache, step)
         old = cache.layers[0].n - step.n_new  # entries cached before this chunk
@@ -139,8 +144,20 @@ class CItruS(Method):
             layer.append_entries(main, main.n - step.n_new)
         return evicted
 
+    def _evict_by_question(self, cache, step: Step) -> bool:
+        """A document prefilled without its instruction (`prefill` then `generate(question=...)`):
+        the question's own forward gives Imp(I, c) over the document, so the after-document
+        eviction (Sec. 4.1) happens as the question is read, without a probe."""
+        cache.method_state[FINALIZED] = True
+        old = cache.layers[0].n - step.n_new
+        if old <= self.keep:
+            return False
+        self._keep_top(cache, [layer.observation[..., :old] for layer in cache.layers], old, self.keep)
+        return True
+
     def _final_eviction(self, cache, step: Step) -> bool:
         """After the document: evict to `keep` with the instruction as the chunk (Sec. 4.1, 4.3)."""
+        cache.method_state[FINALIZED] = True
         target = cache.method_state.get(INSTRUCTION_CACHE, cache)
         n = target.layers[0].n
         evicted = n > self.keep
