@@ -207,10 +207,11 @@ def run_methods(args) -> int:
 
 
 # ---------------------------------------------------------------------------- main
-from kvpot.demo import add_demo  # noqa: E402 - cheap: heavy imports happen inside run_*
+from kvpot.bench import add_bench  # noqa: E402 - cheap: heavy imports happen inside run_*
+from kvpot.demo import add_demo  # noqa: E402
 from kvpot.eval import add_eval  # noqa: E402
 
-SUBCOMMANDS = [add_generate, add_methods, add_eval, add_demo]
+SUBCOMMANDS = [add_generate, add_methods, add_eval, add_demo, add_bench]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,179 @@
+"""Model shapes for `kvpot bench`: real models' dimensions with random weights, nothing downloaded.
+
+Speed and memory depend on a model's dimensions, not on its weights, so kvpot ships the configs
+of the models it is benchmarked on and builds them with random weights directly on the requested
+device and dtype:
+
+- the model is constructed inside `torch.device(device)` (no CPU copy of an 8B model) with the
+  dtype as torch's default dtype (`_from_config(config, dtype=...)`), under transformers'
+  `no_init_weights()`, which skips the (slow, CPU-style) initialisers;
+- every matrix is then filled in place with `normal_(0, initializer_range)` and every bias with
+  zeros on the device (RMSNorm weights are ones from their constructors). This takes well under
+  a second for 8B parameters on a GPU, and keeps activations finite in bfloat16.
+
+Shapes are recognised by name only inside this table: they are kvpot's own, not a model registry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvpot.errors import KvpotError
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A named model shape: which model it mirrors, and how to make its config."""
+
+    name: str
+    mirrors: str
+    make_config: Callable[[], object]
+    model_class: str  # transformers class name of the causal LM
+
+    def config(self):
+        return self.make_config()
+
+
+def _llama3_rope(factor: float, theta: float = 500000.0) -> dict:
+    return {"rope_type": "llama3", "rope_theta": theta, "factor": factor, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _llama3_8b():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, rope_parameters=_llama3_rope(8.0), bos_token_id=128000, eos_token_id=128001,
+        tie_word_embeddings=False,
+    )
+
+
+def _llama32_1b():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, rope_parameters=_llama3_rope(32.0), bos_token_id=128000, eos_token_id=128001,
+        tie_word_embeddings=True,
+    )
+
+
+def _mistral_7b():
+    from transformers import MistralConfig
+
+    return MistralConfig(
+        vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=32768,
+        rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        sliding_window=None, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    )
+
+
+def _qwen25_7b():
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
+        rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        use_sliding_window=False, sliding_window=None, bos_token_id=151643, eos_token_id=151645,
+        tie_word_embeddings=False,
+    )
+
+
+def _tiny():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=131072,
+        rope_parameters=_llama3_rope(8.0), bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    )
+
+
+SHAPES: dict[str, Shape] = {
+    s.name: s
+    for s in (
+        Shape("llama3-8b", "meta-llama/Llama-3.1-8B (GQA 32/8, llama3 RoPE x8)", _llama3_8b, "LlamaForCausalLM"),
+        Shape("mistral-7b", "mistralai/Mistral-7B-v0.3 (GQA 32/8, no sliding window)", _mistral_7b,
+              "MistralForCausalLM"),
+        Shape("qwen2.5-7b", "Qwen/Qwen2.5-7B (GQA 28/4, qkv bias)", _qwen25_7b, "Qwen2ForCausalLM"),
+        Shape("llama3.2-1b", "meta-llama/Llama-3.2-1B (GQA 32/8, llama3 RoPE x32, tied embeddings)",
+              _llama32_1b, "LlamaForCausalLM"),
+        Shape("tiny", "a 4-layer toy for CPU and CI (GQA 8/2, llama3 RoPE)", _tiny, "LlamaForCausalLM"),
+    )
+}
+
+
+def get_shape(name: str) -> Shape:
+    shape = SHAPES.get(name)
+    if shape is None:
+        raise KvpotError(f"unknown shape {name!r}; choose one of: {', '.join(SHAPES)} (`kvpot bench shapes`).")
+    return shape
+
+
+def model_class(shape: Shape):
+    import transformers
+
+    return getattr(transformers, shape.model_class)
+
+
+def head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def describe(shape: Shape) -> dict:
+    """The dimensions that matter for speed and memory, plus the parameter count (meta device)."""
+    config = shape.config()
+    return {
+        "name": shape.name, "mirrors": shape.mirrors, "class": shape.model_class,
+        "hidden_size": config.hidden_size, "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": head_dim(config), "intermediate_size": config.intermediate_size,
+        "vocab_size": config.vocab_size, "parameters": count_parameters(shape),
+        "kv_bytes_per_token_bf16": kv_bytes_per_token(config, 2),
+    }
+
+
+def kv_bytes_per_token(config, element_bytes: int) -> int:
+    """Bytes of keys and values one token takes over all layers."""
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim(config) * element_bytes
+
+
+def count_parameters(shape: Shape) -> int:
+    """Parameters of the shape, counted on the meta device (no memory, no time)."""
+    import torch
+
+    with torch.device("meta"):
+        model = model_class(shape)(shape.config())
+    return sum(p.numel() for p in model.parameters())
+
+
+def build(name: str, device: str = "cpu", dtype=None, seed: int = 0):
+    """A random-weight model of shape `name` on `device` in `dtype` (default: float32 on CPU,
+    bfloat16 elsewhere), in eval mode. See the module docstring for how the init is skipped."""
+    import torch
+    from transformers.initialization import no_init_weights
+
+    from kvpot.models import default_dtype
+
+    shape = get_shape(name)
+    dtype = dtype or default_dtype(device)
+    config = shape.config()
+    with torch.device(device), no_init_weights():
+        model = model_class(shape)._from_config(config, dtype=dtype)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    std = getattr(config, "initializer_range", 0.02)
+    with torch.no_grad():
+        for pname, param in model.named_parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, std, generator=generator)
+            elif pname.endswith("bias"):
+                param.zero_()
+            else:
+                param.fill_(1.0)  # RMSNorm weights
+    return model.eval()

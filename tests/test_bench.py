@@ -1,0 +1,295 @@
+"""`kvpot bench`: shapes with the documented dimensions, the three modes on `tiny`, OOM handling,
+one-line errors. Timings are never compared with the clock: keys, counts and positivity only."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+import pytest
+import torch
+
+from kvpot import shapes
+from kvpot.cli import main
+from kvpot.engine import Engine
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_png(path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE, path
+    assert len(data) > 1024, path
+
+
+def bench(capsys, tmp_path, mode: str, *extra: str, name: str = "out") -> dict:
+    out = tmp_path / name
+    code, stdout, err = run(capsys, "bench", mode, "--shape", "tiny", "--device", "cpu", "--out", str(out), *extra)
+    assert code == 0, err
+    assert "wrote" in stdout
+    return json.loads((out / "results.json").read_text())
+
+
+def rows_of(results: dict, method: str) -> list[dict]:
+    return [r for r in results["rows"] if r["method"] == method]
+
+
+# ---------------------------------------------------------------------------- shapes
+
+
+def test_llama3_8b_config_matches_llama_3_1_8b():
+    c = shapes.get_shape("llama3-8b").config()
+    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads) == (4096, 32, 32, 8)
+    assert (c.intermediate_size, c.vocab_size, c.max_position_embeddings) == (14336, 128256, 131072)
+    rope = c.rope_parameters
+    assert rope["rope_type"] == "llama3" and rope["factor"] == 8.0 and rope["rope_theta"] == 500000.0
+    assert (rope["low_freq_factor"], rope["high_freq_factor"], rope["original_max_position_embeddings"]) == (1.0, 4.0, 8192)
+    assert not c.tie_word_embeddings
+
+
+def test_other_shapes_configs():
+    m = shapes.get_shape("mistral-7b").config()
+    assert type(m).__name__ == "MistralConfig"
+    assert (m.hidden_size, m.num_hidden_layers, m.num_attention_heads, m.num_key_value_heads) == (4096, 32, 32, 8)
+    assert (m.intermediate_size, m.vocab_size, m.sliding_window) == (14336, 32768, None)
+    assert m.rope_parameters["rope_theta"] == 1e6
+    q = shapes.get_shape("qwen2.5-7b").config()
+    assert type(q).__name__ == "Qwen2Config"
+    assert (q.hidden_size, q.num_hidden_layers, q.num_attention_heads, q.num_key_value_heads) == (3584, 28, 28, 4)
+    assert (q.intermediate_size, q.vocab_size, q.rope_parameters["rope_theta"]) == (18944, 152064, 1e6)
+    s = shapes.get_shape("llama3.2-1b").config()
+    assert (s.hidden_size, s.num_hidden_layers, s.num_attention_heads, s.num_key_value_heads) == (2048, 16, 32, 8)
+    assert (s.intermediate_size, s.vocab_size, s.tie_word_embeddings) == (8192, 128256, True)
+    assert s.rope_parameters["rope_type"] == "llama3" and s.rope_parameters["factor"] == 32.0
+    assert s.rope_parameters["original_max_position_embeddings"] == 8192
+
+
+def test_every_shape_is_supported_by_the_engine():
+    from kvpot.models import architecture_of
+
+    for shape in shapes.SHAPES.values():
+        architecture_of(shape.config())  # raises for an unsupported config (e.g. a sliding window)
+
+
+@pytest.mark.parametrize("name, billions", [("llama3-8b", 8.03), ("llama3.2-1b", 1.24), ("mistral-7b", 7.25),
+                                            ("qwen2.5-7b", 7.62)])
+def test_parameter_counts_on_meta(name, billions):
+    assert shapes.count_parameters(shapes.get_shape(name)) / 1e9 == pytest.approx(billions, abs=0.01)
+
+
+def test_qwen_shape_has_qkv_bias():
+    with torch.device("meta"):
+        model = shapes.model_class(shapes.get_shape("qwen2.5-7b"))(shapes.get_shape("qwen2.5-7b").config())
+    attention = model.model.layers[0].self_attn
+    assert attention.q_proj.bias is not None and attention.o_proj.bias is None
+
+
+def test_build_tiny_random_weights_on_device_and_dtype():
+    model = shapes.build("tiny", "cpu", torch.bfloat16, seed=3)
+    params = dict(model.named_parameters())
+    assert all(p.dtype == torch.bfloat16 and p.device.type == "cpu" for p in params.values())
+    q = params["model.layers.0.self_attn.q_proj.weight"].float()
+    assert 0.015 < q.std() < 0.025 and abs(q.mean()) < 0.002  # normal(0, 0.02), not garbage
+    assert torch.equal(params["model.norm.weight"].float(), torch.ones(256))
+    again = shapes.build("tiny", "cpu", torch.bfloat16, seed=3)
+    assert torch.equal(again.model.layers[0].self_attn.q_proj.weight, params["model.layers.0.self_attn.q_proj.weight"])
+    model.set_attn_implementation("sdpa")
+    logits = model(torch.tensor([[5, 6, 7]])).logits
+    assert logits.shape == (1, 3, 2048) and torch.isfinite(logits.float()).all()
+
+
+def test_list_shapes(capsys):
+    for argv in (["bench", "shapes"], ["bench", "--list-shapes"]):
+        code, out, _ = run(capsys, *argv)
+        assert code == 0
+        assert all(name in out for name in shapes.SHAPES) and "8.03B" in out
+
+
+# ---------------------------------------------------------------------------- modes
+
+
+def test_prefill_writes_results_summary_and_plots(capsys, tmp_path):
+    results = bench(capsys, tmp_path, "prefill", "--method", "full", "--method", "streaming", "--budget", "128",
+                    "--lengths", "256,512", "--repeats", "2", "--question-tokens", "8")
+    assert results["mode"] == "prefill"
+    assert {"command", "machine", "config", "shape", "model_config", "methods", "rows", "dtype"} <= set(results)
+    assert results["command"][0] and results["machine"]["cpu"] and results["machine"]["gpu"] is None
+    assert {"torch", "transformers", "kvpot"} <= set(results["machine"]["versions"])
+    assert {"git_commit", "git_dirty", "date", "cpu_count", "torch_threads"} <= set(results["machine"])
+    assert results["command"] == sys.argv  # the process's command line (pytest's here)
+    assert results["shape"]["name"] == "tiny" and results["model_config"]["num_hidden_layers"] == 4
+    assert list(results["methods"]) == ["full", "streaming"]
+    assert results["methods"]["streaming"]["config"]["window"] > 0
+    assert [(r["method"], r["length"]) for r in results["rows"]] == [
+        (m, n) for m in ("floor", "full", "streaming") for n in (256, 512)]
+    for row in results["rows"]:
+        assert not row["oom"] and not row["skipped"]
+        assert row["prefill_seconds"] > 0 and len(row["samples"]) == 2
+        assert 0 <= row["compress_share"] < 1
+        assert row["peak_memory_bytes"] is None  # CPU
+    full = rows_of(results, "full")
+    assert [r["max_kv_entries"] for r in full] == [256 + 8, 512 + 8]  # context + question, nothing evicted
+    streaming = rows_of(results, "streaming")
+    bound = results["methods"]["streaming"]["max_entries"]
+    assert all(r["max_kv_entries"] <= bound for r in streaming) and streaming[-1]["compressions"] > 0
+    assert streaming[-1]["kv_cache_bytes"] < full[-1]["kv_cache_bytes"]
+    assert rows_of(results, "floor")[0]["max_kv_entries"] is None
+    out = tmp_path / "out"
+    summary = (out / "summary.md").read_text()
+    assert "# kvpot bench prefill: tiny" in summary and "| floor | 256 |" in summary and "TTFT s" in summary
+    for name in ("ttft.png", "memory.png"):
+        assert_png(out / name)
+
+
+def test_decode_per_step_medians(capsys, tmp_path):
+    results = bench(capsys, tmp_path, "decode", "--method", "full", "--method", "infinipot", "--budget", "128",
+                    "--lengths", "300", "--decode-steps", "5", "--warmup-steps", "2", "--no-floor")
+    assert [r["method"] for r in results["rows"]] == ["full", "infinipot"]
+    for row in results["rows"]:
+        assert row["steps"] == 5 and len(row["samples_ms"]) == 5
+        assert row["ms_per_token"] > 0 and row["tokens_per_second"] == pytest.approx(1000 / row["ms_per_token"])
+        assert row["timing"].startswith("per-step median")
+        assert row["prefill_seconds"] > 0
+    full, pot = results["rows"]
+    assert full["max_kv_entries"] == 300 + 32 + 7  # context + question + the 7 decoded forwards, no eviction
+    assert pot["max_kv_entries"] <= 128
+    out = tmp_path / "out"
+    assert "ms/token" in (out / "summary.md").read_text()
+    for name in ("ms_per_token.png", "memory.png"):
+        assert_png(out / name)
+
+
+def test_attention_dense_kvpot_and_method_caches(capsys, tmp_path):
+    results = bench(capsys, tmp_path, "attention", "--method", "streaming", "--budget", "128", "--lengths", "256,1k",
+                    "--min-time", "0.01", "--block", "64")
+    assert [(r["method"], r["length"]) for r in results["rows"]] == [
+        (m, n) for m in ("sdpa", "kvpot", "streaming") for n in (256, 1024)]
+    bound = results["methods"]["streaming"]["max_entries"]
+    for row in results["rows"]:
+        assert (row["heads"], row["kv_heads"], row["head_dim"]) == (8, 2, 32)
+        assert row["decode_us"] > 0 and row["prefill_us"] > 0 and row["decode_samples_us"]
+        assert row["prefill_block"] == 64
+        expected = min(row["length"], bound) if row["method"] == "streaming" else row["length"]
+        assert row["cache_entries"] == expected
+    out = tmp_path / "out"
+    for name in ("attention_decode.png", "attention_prefill.png"):
+        assert_png(out / name)
+
+
+def test_a_new_method_needs_only_its_row_in_methods(capsys, tmp_path, monkeypatch):
+    from kvpot.methods import METHODS, StreamingLLM
+
+    @dataclasses.dataclass
+    class Window(StreamingLLM):
+        name = "window"
+
+    monkeypatch.setitem(METHODS, "window", Window)
+    results = bench(capsys, tmp_path, "prefill", "--method", "window:sinks=0,window=100", "--lengths", "300",
+                    "--no-floor")
+    assert results["methods"]["window"]["config"]["method"] == "window"
+    assert results["rows"][0]["max_kv_entries"] <= results["methods"]["window"]["max_entries"]
+
+
+# ---------------------------------------------------------------------------- out of memory
+
+
+def _raise_oom_for(method_name: str, from_length: int, monkeypatch, error=torch.cuda.OutOfMemoryError):
+    original = Engine.prefill_ids
+    calls = []
+
+    def prefill_ids(self, input_ids, *args, **kwargs):
+        calls.append((self.method.name, len(input_ids)))
+        if self.method.name == method_name and len(input_ids) >= from_length:
+            raise error("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return original(self, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "prefill_ids", prefill_ids)
+    return calls
+
+
+@pytest.mark.parametrize("error", [torch.cuda.OutOfMemoryError, MemoryError])
+def test_oom_is_recorded_and_longer_lengths_skipped(capsys, tmp_path, monkeypatch, error):
+    calls = _raise_oom_for("full", 512, monkeypatch, error)
+    results = bench(capsys, tmp_path, "prefill", "--method", "full", "--method", "streaming", "--budget", "128",
+                    "--lengths", "256,512,1k")
+    full = rows_of(results, "full")
+    assert [(r["oom"], r["skipped"]) for r in full] == [(False, False), (True, False), (False, True)]
+    assert "out of memory" in full[1]["error"] and "prefill_seconds" not in full[1]
+    assert ("full", 1024) not in calls  # skipped, never run
+    assert all(not r["oom"] and r["prefill_seconds"] > 0 for r in rows_of(results, "streaming"))
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert "| full | 512 | OOM |" in summary and "| full | 1K | skipped |" in summary
+    assert_png(tmp_path / "out" / "ttft.png")
+
+
+def test_other_errors_are_not_swallowed(capsys, tmp_path, monkeypatch):
+    _raise_oom_for("full", 1, monkeypatch, RuntimeError)
+    with pytest.raises(RuntimeError):
+        main(["bench", "prefill", "--shape", "tiny", "--device", "cpu", "--method", "full", "--lengths", "256",
+              "--no-floor", "--out", str(tmp_path / "out")])
+
+
+def test_attention_oom_recorded(capsys, tmp_path, monkeypatch):
+    import kvpot.attention
+
+    def attend(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory.")
+
+    monkeypatch.setattr(kvpot.attention, "attend", attend)
+    results = bench(capsys, tmp_path, "attention", "--lengths", "256,512", "--min-time", "0.01")
+    assert [(r["oom"], r["skipped"]) for r in rows_of(results, "kvpot")] == [(True, False), (False, True)]
+    assert all(r["decode_us"] > 0 for r in rows_of(results, "sdpa"))
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["prefill", "--shape", "gpt5", "--method", "full"], "unknown shape 'gpt5'"),
+        (["prefill", "--method", "nosuch"], "unknown method 'nosuch'"),
+        (["prefill"], "needs at least one --method"),
+        (["decode", "--method", "full", "--lengths", "12q"], "is not a length"),
+        (["prefill", "--method", "full", "--repeats", "0"], "--repeats must be at least 1"),
+        (["prefill", "--method", "streaming", "--budget", "0"], "budget must be a positive"),
+        (["prefill", "--method", "full", "--device", "cuda"], "CUDA is not available"),
+        ([], "give a mode"),
+    ],
+)
+def test_errors_are_one_line_exit_2(capsys, tmp_path, argv, message):
+    if torch.cuda.is_available() and "cuda" in argv:
+        pytest.skip("this machine has CUDA")
+    code, out, err = run(capsys, "bench", *argv, "--out", str(tmp_path / "out"))
+    assert code == 2
+    assert message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()  # nothing ran
+
+
+def test_out_errors_and_bad_mode(capsys, tmp_path):
+    code, _, err = run(capsys, "bench", "prefill", "--method", "full", "--out", str(tmp_path / "a" / "b"))
+    assert code == 2 and "does not exist" in err and len(err.strip().splitlines()) == 1
+    code, _, err = run(capsys, "bench", "prefill", "--method", "full")
+    assert code == 2 and "needs --out" in err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "train", "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_help_teaches(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for word in ("prefill", "decode", "attention", "floor", "OOM", "examples:", "--lengths", "--decode-steps"):
+        assert word in out
