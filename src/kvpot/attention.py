@@ -162,14 +162,14 @@ def observe(
     else:
         n_seen = n
     step = max(1, MAX_BLOCK_ELEMENTS // (b * heads * n))
-    columns = torch.arange(n_seen, device=query.device)
+    own = torch.arange(cached, max(cached, n_seen), device=query.device)  # this forward's keys: causal
     for lo in range(0, count, step):
         hi = min(count, lo + step)
         logits = torch.einsum("bkgrd,bknd->bkgrn", grouped[:, :, :, lo:hi], keys) * scaling
-        rows = torch.arange(start + lo, start + hi, device=query.device)
-        hidden = columns[None, :] > (cached + rows)[:, None]  # [r, n_seen] future keys
-        probs = logits.masked_fill(hidden, float("-inf")).softmax(dim=-1)  # [b, kv, g, r, n_seen]
-        per_head[..., :n_seen] += probs.sum(dim=3)
+        if own.numel():  # every row sees all cached keys; only the forward's own keys need a mask
+            rows = torch.arange(start + lo, start + hi, device=query.device)
+            logits[..., cached:].masked_fill_(own[None, :] > (cached + rows)[:, None], float("-inf"))
+        per_head[..., :n_seen] += logits.softmax(dim=-1).sum(dim=3)  # [b, kv, g, n_seen]
     if request.row_reduce == "mean":
         per_head /= count
     return _reduce_heads(per_head, request.head_reduce, b, heads)
