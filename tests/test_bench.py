@@ -120,7 +120,7 @@ def test_list_shapes(capsys):
 def test_prefill_writes_results_summary_and_plots(capsys, tmp_path):
     results = bench(capsys, tmp_path, "prefill", "--method", "full", "--method", "streaming", "--budget", "128",
                     "--lengths", "256,512", "--repeats", "2", "--question-tokens", "8")
-    assert results["mode"] == "prefill"
+    assert results["mode"] == "prefill" and results["complete"] is True
     assert {"command", "machine", "config", "shape", "model_config", "methods", "rows", "dtype"} <= set(results)
     assert results["command"][0] and results["machine"]["cpu"] and results["machine"]["gpu"] is None
     assert {"torch", "transformers", "kvpot"} <= set(results["machine"]["versions"])
@@ -231,11 +231,15 @@ def test_oom_is_recorded_and_longer_lengths_skipped(capsys, tmp_path, monkeypatc
     assert_png(tmp_path / "out" / "ttft.png")
 
 
-def test_other_errors_are_not_swallowed(capsys, tmp_path, monkeypatch):
-    _raise_oom_for("full", 1, monkeypatch, RuntimeError)
+def test_other_errors_are_not_swallowed_and_finished_rows_are_kept(capsys, tmp_path, monkeypatch):
+    _raise_oom_for("full", 512, monkeypatch, RuntimeError)
     with pytest.raises(RuntimeError):
-        main(["bench", "prefill", "--shape", "tiny", "--device", "cpu", "--method", "full", "--lengths", "256",
-              "--no-floor", "--out", str(tmp_path / "out")])
+        main(["bench", "prefill", "--shape", "tiny", "--device", "cpu", "--method", "full", "--lengths", "256,512",
+              "--out", str(tmp_path / "out")])
+    partial = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert partial["complete"] is False
+    assert [(r["method"], r["length"]) for r in partial["rows"]] == [("floor", 256), ("floor", 512), ("full", 256)]
+    assert all(r["prefill_seconds"] > 0 for r in partial["rows"])
 
 
 def test_attention_oom_recorded(capsys, tmp_path, monkeypatch):

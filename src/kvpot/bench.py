@@ -232,7 +232,7 @@ def run_bench(config: BenchConfig, progress: bool = True, show: bool = True) -> 
         "mode": config.mode, "command": list(sys.argv), "machine": machine(config.device),
         "dtype": str(dtype).removeprefix("torch."), "config": config.to_dict(),
         "shape": shapes.describe(shape), "model_config": model_config.to_dict(),
-        "methods": {run.label: run.describe() for run in runs}, "rows": [],
+        "methods": {run.label: run.describe() for run in runs}, "complete": False, "rows": [],
     }
     config.out.mkdir(exist_ok=True)
     if config.mode == "prefill":
@@ -241,6 +241,7 @@ def run_bench(config: BenchConfig, progress: bool = True, show: bool = True) -> 
         _bench_decode(config, model, runs, results, progress)
     else:
         _bench_attention(config, model_config, dtype, runs, results, progress)
+    results["complete"] = True
     write_reports(results, config.out)
     if show:
         from rich.console import Console
@@ -255,6 +256,12 @@ def _tokens(vocab: int, n: int, seed: int, device: str):
 
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (n,), generator=generator).to(device)
+
+
+def _checkpoint(results: dict, out: Path) -> None:
+    """results.json after every row (`"complete": false` until the end): a run killed by a time
+    limit keeps what it measured."""
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
 
 
 def _labels_with_floor(config: BenchConfig, runs) -> list:
@@ -286,6 +293,7 @@ def _iterate(config, runs, results, progress, measure, desc):
                         out_of_memory = True
                     _free(config.device)
                 results["rows"].append(row)
+                _checkpoint(results, config.out)
                 bar.update()
 
 
@@ -509,6 +517,7 @@ def _bench_attention(config: BenchConfig, model_config, dtype, runs, results, pr
                         out_of_memory = True
                     _free(device)
                 results["rows"].append(row)
+                _checkpoint(results, config.out)
                 bar.update()
 
 
