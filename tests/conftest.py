@@ -124,3 +124,22 @@ def tiny_dir(tmp_path_factory):
     LlamaForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    """`kvpot ARGV...` in-process: (exit code, stdout, stderr)."""
+    from kvpot.cli import main
+
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_png(path) -> None:
+    """A real, non-trivial PNG file."""
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE, path
+    assert len(data) > 1024, path

@@ -11,24 +11,14 @@ import pytest
 import torch
 
 from kvpot import shapes
+from conftest import assert_png, run
 from kvpot.cli import main
 from kvpot.engine import Engine
 
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_png(path) -> None:
-    data = path.read_bytes()
-    assert data[:8] == PNG_SIGNATURE, path
-    assert len(data) > 1024, path
 
 
 def bench(capsys, tmp_path, mode: str, *extra: str, name: str = "out") -> dict:

@@ -7,7 +7,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
-from conftest import build
+from conftest import build, run
 from kvpot.cli import main
 
 
@@ -36,11 +36,6 @@ def gpt2_dir(tmp_path_factory):
     GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=96)).save_pretrained(path)
     return path
 
-
-def run(capsys, *argv):
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def assert_refused(code, err, fragment):

@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
+from conftest import assert_png, run
 from kvpot.cli import main
 from kvpot.errors import KvpotError
 from kvpot.eval import (
@@ -29,26 +30,15 @@ from kvpot.eval import (
 )
 from kvpot.reference.tokenizer import BOS_ID, build_tokenizer
 
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
 
 def read_rows(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
-
-def assert_png(path) -> None:
-    data = path.read_bytes()
-    assert data[:8] == PNG_SIGNATURE, path
-    assert len(data) > 1024, path
 
 
 # ---------------------------------------------------------------------------- parsing
