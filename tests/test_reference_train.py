@@ -52,15 +52,6 @@ def tokenizer():
     return build_tokenizer()
 
 
-@pytest.fixture
-def one_thread():
-    """Training on 2 busy CPU cores is far faster on one thread (no OpenMP spinning)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # --------------------------------------------------------------------------- tokenizer
 
 
