@@ -287,3 +287,16 @@ def test_help_teaches(capsys):
     out = capsys.readouterr().out
     for word in ("prefill", "decode", "attention", "floor", "OOM", "examples:", "--lengths", "--decode-steps"):
         assert word in out
+
+
+def test_profile_names_the_busiest_operators(capsys, tmp_path):
+    results = bench(capsys, tmp_path, "prefill", "--method", "infinipot", "--budget", "128",
+                    "--lengths", "300", "--question-tokens", "4", "--profile")
+    for row in results["rows"]:
+        prof = row["profile"]
+        assert prof["wall_seconds"] > 0 and prof["host_op_seconds"] > 0
+        assert prof["top_device"] == []  # CPU: no device timeline
+        assert 0 < len(prof["top_host"]) <= 12
+        assert any(e["op"] == "aten::mm" or e["op"] == "aten::addmm" for e in prof["top_host"])  # the projections
+    text = (tmp_path / "out" / "profile.md").read_text()
+    assert "## infinipot @ 300 tokens" in text and "## floor @ 300 tokens" in text and "no device timeline" in text

@@ -67,6 +67,7 @@ class BenchConfig:
     min_time: float = 0.2
     threads: int | None = None
     seed: int = 0
+    profile: bool = False
 
     def __post_init__(self):
         from kvpot.shapes import get_shape
@@ -334,6 +335,47 @@ class _SdpaFloor:
         return False
 
 
+PROFILE_ROWS = 12
+
+
+def profile_ops(work, device: str, rows: int = PROFILE_ROWS) -> dict:
+    """Run `work()` once under `torch.profiler`; the busiest operators by device and by host time.
+
+    Returns wall seconds, summed device (kernel) seconds, host seconds spent in operators, the
+    number of kernel launches, and the top `rows` operators each way. Comparing wall time with
+    device time tells launch/Python-bound work (device mostly idle) from kernel-bound work.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    _sync(device)
+    started = time.perf_counter()
+    with profile(activities=activities) as prof:
+        work()
+        _sync(device)
+    wall = time.perf_counter() - started
+    events = prof.key_averages()
+
+    def device_us(e) -> float:
+        return float(getattr(e, "self_device_time_total", 0.0) or 0.0)
+
+    def top(key) -> list[dict]:
+        chosen = sorted(events, key=key, reverse=True)[:rows]
+        return [{"op": e.key, "calls": e.count, "device_ms": device_us(e) / 1000,
+                 "host_self_ms": e.self_cpu_time_total / 1000} for e in chosen]
+
+    kernels = [e for e in prof.events() if getattr(e, "device_type", None) is not None
+               and str(e.device_type).endswith("CUDA")]
+    return {
+        "wall_seconds": wall,
+        "device_seconds": sum(device_us(e) for e in events) / 1e6,
+        "host_op_seconds": sum(e.self_cpu_time_total for e in events) / 1e6,
+        "kernels": len(kernels),
+        "top_device": top(device_us) if device.startswith("cuda") else [],
+        "top_host": top(lambda e: e.self_cpu_time_total),
+    }
+
+
 def _bench_prefill(config: BenchConfig, model, runs, results, progress) -> None:
     import torch
 
@@ -368,6 +410,16 @@ def _bench_prefill(config: BenchConfig, model, runs, results, progress) -> None:
                 compress.append(stats.compress_seconds)
                 del state
             peak = _peak(config.device)
+        extra = {}
+        if config.profile:  # one more, untimed run under the profiler: where the time goes
+            if entry == FLOOR:
+                def work():
+                    with torch.no_grad(), _SdpaFloor(model):
+                        _floor_forward(model, torch.cat([ids, question]), config.floor_chunk)
+            else:
+                def work():
+                    engines[entry.label].prefill_ids(ids, question)
+            extra["profile"] = profile_ops(work, config.device)
         median = statistics.median(samples)
         compress_median = statistics.median(compress)
         return {
@@ -378,6 +430,7 @@ def _bench_prefill(config: BenchConfig, model, runs, results, progress) -> None:
             "max_kv_entries": None if stats is None else stats.max_kv_entries,
             "kv_cache_bytes": None if stats is None else stats.max_kv_entries * kv_bytes,
             "compressions": 0 if stats is None else stats.compressions,
+            **extra,
         }
 
     _iterate(config, runs, results, progress, measure, "prefill")
@@ -674,9 +727,37 @@ def line_png(path: Path, results: dict, key: str, ylabel: str, scale: float = 1.
     return path
 
 
+def profile_markdown(results: dict) -> str | None:
+    """profile.md: per (method, length), wall vs device time and the busiest operators."""
+    profiled = [r for r in results["rows"] if r.get("profile")]
+    if not profiled:
+        return None
+    parts = [f"# Where the time goes: kvpot bench {results['mode']} --profile", "",
+             "One extra untimed run per row under torch.profiler (profiling itself slows the host side). "
+             "device = summed kernel time; when it is far below wall time the GPU waits on the host "
+             "(Python and kernel launches).", ""]
+    for row in profiled:
+        prof = row["profile"]
+        device = (f"device {prof['device_seconds']:.3f} s, {prof['kernels']:,} kernels" if prof["top_device"]
+                  else "no device timeline (CPU run)")
+        parts += [f"## {row['method']} @ {row['length']:,} tokens", "",
+                  f"wall {prof['wall_seconds']:.3f} s, {device}, host in operators {prof['host_op_seconds']:.3f} s", ""]
+        for title, key in (("by device time", "top_device"), ("by host time", "top_host")):
+            if not prof[key]:
+                continue
+            parts += [f"{title}:", "", "| op | calls | device ms | host self ms |", "| --- | ---: | ---: | ---: |"]
+            parts += [f"| `{e['op'][:70]}` | {e['calls']:,} | {e['device_ms']:.1f} | {e['host_self_ms']:.1f} |"
+                      for e in prof[key]]
+            parts.append("")
+    return "\n".join(parts)
+
+
 def write_reports(results: dict, out: Path) -> None:
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     (out / "summary.md").write_text(summary_markdown(results), encoding="utf-8")
+    profile = profile_markdown(results)
+    if profile:
+        (out / "profile.md").write_text(profile, encoding="utf-8")
     gpu_memory = any(r.get("peak_memory_bytes") is not None for r in results["rows"])
     for name, key, ylabel, scale in _PLOTS[results["mode"]]:
         if key == "peak_memory_bytes" and not gpu_memory:  # CPU: the KV cache the method held
@@ -766,6 +847,9 @@ def add_bench(sub) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="CPU intra-op threads (default: torch's choice); 1 gives steadier timings on a busy machine")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and tokens (default 0)")
+    p.add_argument("--profile", action="store_true",
+                   help="prefill: one extra untimed run per method and length under torch.profiler; the busiest "
+                        "operators (device and host time) go to results.json and profile.md")
     p.add_argument("--out", type=Path, default=None, help="folder for results (created; its parent must exist)")
     p.set_defaults(run=run_bench_command)
 
@@ -781,7 +865,7 @@ def config_from_args(args) -> BenchConfig:
         budget=args.budget, settings=parse_assignments(args.set), device=resolve_device(args.device),
         dtype=args.dtype, repeats=args.repeats, decode_steps=args.decode_steps, warmup_steps=args.warmup_steps,
         question_tokens=args.question_tokens, floor=args.floor, floor_chunk=args.floor_chunk, block=args.block,
-        min_time=args.min_time, threads=args.threads, seed=args.seed,
+        min_time=args.min_time, threads=args.threads, seed=args.seed, profile=args.profile,
     )
 
 
