@@ -26,6 +26,7 @@ _EXPORTS = {
     "TOVA": "kvpot.methods",
     "SnapKV": "kvpot.methods",
     "InfiniPot": "kvpot.methods",
+    "InfiniteHiP": "kvpot.methods",
     "CItruS": "kvpot.methods",
     "D2O": "kvpot.methods",
     "REFERENCE_MODEL": "kvpot.reference",

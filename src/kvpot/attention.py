@@ -80,6 +80,11 @@ def kvpot_attention(
     _refuse_unsupported(attention_mask, dropout, kvpot_cache, kwargs)
     layer = kvpot_cache.layers[module.layer_idx]
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if kvpot_cache.attention is not None:  # a method's sparse attention (InfiniteHiP) rotates for itself
+        if kvpot_cache.request is not None:
+            raise KvpotError("attention observations are not available with a sparse attention method.")
+        output = kvpot_cache.attention(layer, kvpot_cache.rope.unscale(query), key, value, scaling)
+        return output.transpose(1, 2).contiguous(), None
     query = layer.rotate_queries(query)
     output = attend(query, key, value, scaling)  # [b, heads, q, d]
     if kvpot_cache.request is not None:

@@ -111,7 +111,7 @@ class PotLayer(CacheLayerMixin):
     def attention_keys(self) -> torch.Tensor:
         """Keys [b, kv_heads, n, d] rotated at their current positions."""
         keys = self.keys[:, :, : self.n]
-        if self.cache.policy.stores_rotated:
+        if self.cache.policy.stores_rotated or self.cache.policy.raw_keys:
             return keys
         return self.cache.rope.rotate(keys, self.rope_positions[:, :, : self.n], self.max_rope)
 
@@ -187,7 +187,8 @@ class PotLayer(CacheLayerMixin):
 
 
 def _clone_state(value):
-    if torch.is_tensor(value) or isinstance(value, PotCache):
+    """Copies of tensors, caches and objects that know how to copy themselves (`clone()`)."""
+    if torch.is_tensor(value) or isinstance(value, PotCache) or callable(getattr(value, "clone", None)):
         return value.clone()
     return value
 
@@ -216,6 +217,9 @@ class PotCache(Cache):
         self.max_entries = 0
         self.method_state: dict = {}
         self.linked: PotCache | None = None  # a second cache whose entries count with ours (CItruS)
+        # A method's replacement of dense attention (InfiniteHiP): called by the kvpot attention
+        # function as attention(layer, query, keys, values, scaling) -> [b, heads, q, d].
+        self.attention = None
         super().__init__(layers=[PotLayer(self, i) for i in range(num_layers)])
 
     def begin_forward(self, positions: torch.Tensor, max_position: int, request=None) -> None:
@@ -258,6 +262,7 @@ class PotCache(Cache):
         twin = PotCache(len(self.layers), self.rope, self.policy, self.capacity_hint)
         twin.layers = [layer.clone_into(twin) for layer in self.layers]
         twin.max_entries = self.max_entries
+        twin.attention = _clone_state(self.attention)
         twin.method_state = {}
         for key, value in self.method_state.items():
             copy = _clone_state(value)

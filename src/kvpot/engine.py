@@ -332,6 +332,7 @@ class Engine:
 
         Returns the last hidden states [q, hidden] (computed before the compression).
         """
+        self.method.before_forward(run.cache, step)
         hidden = self._run_model(run, ids, self.method.request(step))  # [q, hidden]
         token_nll = self._token_nll(run.logits, hidden, ids) if self.method.needs_token_nll else None
         run.logits = self.head(hidden[-1]).float()  # [vocab]

@@ -11,6 +11,8 @@ Policies (DESIGN.md "Positions"):
 - `shift` (StreamingLLM, Xiao et al. 2024, Sec. 3.2; CItruS Sec. 5.3): cached entries take
   0..n-1 in original order and new tokens continue from n. Keys are stored un-rotated and rotated
   at attention time.
+- `hip` (InfiniteHiP): keys stay un-rotated at their stream positions; the method's sparse
+  attention rotates what it reads, with the positions its paper prescribes (`kvpot.sparse`).
 - `reset` (InfiniPot's CR-RoPE, Sec. 3.5): after each compression the kept entries take 0..|C|-1
   in original order and new tokens continue from there. Because kvpot keeps entries in original
   order and only compressions remove entries, this assigns every entry its rank, exactly as
@@ -102,6 +104,7 @@ class PositionPolicy:
 
     name = ""
     stores_rotated = False  # True when positions never change, so keys are rotated once
+    raw_keys = False  # True when the method's own attention applies RoPE (InfiniteHiP)
 
     def new_positions(self, layer: PotLayer, original: torch.Tensor) -> torch.Tensor:
         """RoPE positions [b, kv_heads, q] for `q` tokens about to be appended to `layer`."""
@@ -138,7 +141,21 @@ class Reset(Rank):
     name = "reset"
 
 
-POLICIES: dict[str, type[PositionPolicy]] = {p.name: p for p in (Absolute, Rank, Reset)}
+class Hip(PositionPolicy):
+    """InfiniteHiP: every entry keeps its stream position and its key stays un-rotated.
+
+    The method's sparse attention (`kvpot.sparse`) chooses positions per use: chunk-indexed or
+    relative while pruning, streaming in the final attention; nothing is rotated by the cache.
+    """
+
+    name = "hip"
+    raw_keys = True
+
+    def new_positions(self, layer: PotLayer, original: torch.Tensor) -> torch.Tensor:
+        return original.expand(layer.batch, layer.kv_heads, -1)
+
+
+POLICIES: dict[str, type[PositionPolicy]] = {p.name: p for p in (Absolute, Rank, Reset, Hip)}
 
 
 def make_policy(name: str) -> PositionPolicy:

@@ -97,6 +97,9 @@ class Method:
         """Rewrite the inputs before anything runs (Truncate cuts the context's middle)."""
         return context_ids, question_ids
 
+    def before_forward(self, cache: PotCache, step: Step) -> None:
+        """Called before every forward of the engine (probes excluded), with what it will encode."""
+
     def request(self, step: Step) -> AttentionRequest | None:
         """The attention observation the forward of `step` must record, if any."""
         return None

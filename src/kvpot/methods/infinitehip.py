@@ -1,0 +1,212 @@
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from kvpot.errors import KvpotError
+from kvpot.methods.base import Method, Setup, Step, check_positive
+from kvpot.positions import Rope, rotate_half
+from kvpot.sparse import LayerPlan, MaskCache, Stage, refresh_due, sparse_attention
+
+log = logging.getLogger("kvpot")
+
+# The authors' release defaults (the issue's facts): tokens attended besides the selection.
+RELEASE_SINK = 256
+RELEASE_WINDOW = 1024
+RELEASE_KEEP = (32768, 8192, 2048)
+RELEASE_EARLY_KEEP = 4096  # the last stage keeps more in the first layers
+
+
+def _ints(value, what: str) -> tuple[int, ...] | None:
+    """A tuple of positive ints from a tuple/list or a CLI string such as "256/32/8"."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = tuple(int(part) for part in value.replace(" ", "").split("/") if part)
+        except ValueError:
+            raise KvpotError(f"infinitehip: {what} must look like 256/32/8, got {value!r}.") from None
+    value = tuple(value)
+    if not value or any(not isinstance(v, int) or isinstance(v, bool) or v <= 0 for v in value):
+        raise KvpotError(f"infinitehip: {what} must be positive integers, got {value!r}.")
+    return value
+
+
+@dataclass
+class InfiniteHiP(Method):
+    """Hierarchical block-sparse attention over the whole context (Lee et al. 2025, InfiniteHiP).
+
+    Nothing is evicted: every KV entry stays in the cache (un-rotated, `positions="hip"`), and each
+    block of `query_block` queries attends to `sink` initial keys, a `window` of recent keys and the
+    key chunks that a multi-stage pruning selects (Sec. 4, Algorithms 2-3; `kvpot.sparse` holds the
+    algorithm). Stage `i` splits the previous survivors into chunks of `chunks[i]` keys, finds each
+    chunk's representative key by the halving search, and keeps the best `keep[i] // chunks[i]`
+    chunks; the first `early_layers` layers keep `early_keep` tokens in the last stage.
+
+    Positions ("Dynamic RoPE", Sec. 4 and Appendix D): `rope="dynamic"` prunes with chunk-indexed
+    positions in the first `early_layers` layers and relative positions in the others, and attends
+    with streaming positions; `rope="relative"` prunes with relative positions everywhere (the
+    Table 6 ablation); `rope="absolute"` uses true positions throughout.
+
+    Selection is shared by a layer's KV heads (`selection="shared"`: scores max-reduced over heads)
+    or made per KV head (`"head"`); GQA is read per KV head, keys are never repeated.
+
+    Prefill is chunked (`chunk_size` tokens per forward) and every query block prunes for itself.
+    Decoding reuses each layer's stage outputs: stage `i` is recomputed every `refresh[i]` steps
+    (Sec. 4 "Sparse Attention Mask Caching"); the window then starts where it started when stage 1
+    last ran, so it grows by at most `refresh[0] - 1` keys and no key is skipped.
+
+    Defaults: `sink`, `window`, `keep` and `early_keep` left as None take the release's values
+    (256, 1024, 32768/8192/2048, 4096). When the model's trained window
+    (`config.max_position_embeddings`) is shorter than sink + window + early_keep + query_block,
+    kvpot halves every defaulted one of them until it fits (logged once), so streaming positions
+    stay inside the window; values given explicitly are never changed.
+
+    Bound: none on the cache (everything is kept; the KV cache grows with the input, as in the
+    paper without offloading); attention reads at most sink + window + early_keep + block keys per
+    query block.
+    """
+
+    name = "infinitehip"
+    paper = "Lee et al. 2025, InfiniteHiP: Extending Language Model Context Up to 3 Million Tokens on a Single GPU"
+    bound = "none: every entry is kept; attention reads sink + selected + window keys"
+    positions = "hip"
+    chunks: tuple[int, ...] | str = (256, 32, 8)
+    keep: tuple[int, ...] | str | None = None
+    early_keep: int | None = None
+    early_layers: int = 3
+    sink: int | None = None
+    window: int | None = None
+    query_block: int = 64
+    rope: str = "dynamic"
+    selection: str = "shared"
+    refresh: tuple[int, ...] | str = (32, 16, 8)
+    chunk_size: int = 2048
+
+    def __post_init__(self):
+        self.chunks = _ints(self.chunks, "chunks")
+        self.keep = _ints(self.keep, "keep")
+        self.refresh = _ints(self.refresh, "refresh")
+        check_positive(self, "query_block", "chunk_size")
+        for name in ("early_keep", "sink", "window"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise KvpotError(f"infinitehip: {name} must be a non-negative integer or None, got {value!r}.")
+        if not isinstance(self.early_layers, int) or self.early_layers < 0:
+            raise KvpotError(f"infinitehip: early_layers must be a non-negative integer, got {self.early_layers!r}.")
+        stages = len(self.chunks)
+        if self.keep is not None and len(self.keep) != stages:
+            raise KvpotError(f"infinitehip: keep has {len(self.keep)} stages but chunks has {stages}.")
+        if len(self.refresh) != stages:
+            raise KvpotError(f"infinitehip: refresh has {len(self.refresh)} stages but chunks has {stages}.")
+        if any(a % b for a, b in zip(self.chunks, self.chunks[1:])):
+            raise KvpotError(f"infinitehip: each chunk size must divide the previous one, got {self.chunks}.")
+        if self.rope not in ("dynamic", "relative", "absolute"):
+            raise KvpotError(f"infinitehip: rope must be 'dynamic', 'relative' or 'absolute', not {self.rope!r}.")
+        if self.selection not in ("shared", "head"):
+            raise KvpotError(f"infinitehip: selection must be 'shared' or 'head', not {self.selection!r}.")
+        self._announced: int | None = None
+
+    def config(self) -> dict:
+        data = super().config()
+        data.pop("_announced", None)
+        return data
+
+    # ------------------------------------------------------------------ sizes
+    def resolved(self, max_positions: int | None) -> dict:
+        """sink, window, keep, early_keep after the short-window rule (see the class docstring)."""
+        sink = RELEASE_SINK if self.sink is None else self.sink
+        window = RELEASE_WINDOW if self.window is None else self.window
+        keep = RELEASE_KEEP[-len(self.chunks):] if self.keep is None else self.keep
+        if self.keep is None and len(keep) < len(self.chunks):  # more stages than the release: repeat its first
+            keep = (RELEASE_KEEP[0],) * (len(self.chunks) - len(keep)) + keep
+        early = RELEASE_EARLY_KEEP if self.early_keep is None else self.early_keep
+        halvings = 0
+
+        def need() -> int:
+            return sink + window + max(keep[-1], early) + self.query_block
+
+        while max_positions and need() > max_positions and halvings < 16:
+            if self.sink is None:
+                sink //= 2
+            if self.window is None:
+                window = max(1, window // 2)
+            if self.keep is None:
+                keep = tuple(max(c, k // 2) for c, k in zip(self.chunks, keep))
+            if self.early_keep is None:
+                early = max(self.chunks[-1], early // 2)
+            if self.sink is not None and self.window is not None and self.keep is not None and self.early_keep is not None:
+                break
+            halvings += 1
+        return {"sink": sink, "window": window, "keep": keep, "early_keep": early, "halvings": halvings}
+
+    def plans(self, num_layers: int, max_positions: int | None) -> tuple[list[LayerPlan], list[int]]:
+        """Each layer's plan and its last stage's token count."""
+        sizes = self.resolved(max_positions)
+        if sizes["halvings"] and self._announced != max_positions:
+            self._announced = max_positions
+            log.warning(
+                "infinitehip: the model's window (%s positions) is shorter than the release defaults attend; "
+                "using sink=%d, window=%d, keep=%s, early_keep=%d (defaults halved %d times; explicit values kept).",
+                max_positions, sizes["sink"], sizes["window"], "/".join(map(str, sizes["keep"])),
+                sizes["early_keep"], sizes["halvings"])
+        stages = tuple(Stage(c, k) for c, k in zip(self.chunks, sizes["keep"]))
+        plans, last = [], []
+        for index in range(num_layers):
+            early = index < self.early_layers
+            prune_rope = {"absolute": "absolute", "relative": "relative"}.get(self.rope, "chunk" if early else "relative")
+            plans.append(LayerPlan(stages, sizes["sink"], sizes["window"], self.query_block, prune_rope,
+                                   "absolute" if self.rope == "absolute" else "streaming", self.selection == "shared"))
+            last.append(sizes["early_keep"] if early else sizes["keep"][-1])
+        return plans, last
+
+    # ------------------------------------------------------------------ engine hooks
+    def begin(self, cache, setup: Setup) -> None:
+        plans, last = self.plans(len(cache.layers), getattr(setup.config, "max_position_embeddings", None))
+        cache.attention = HipRuntime(plans, last, self.refresh, cache.rope)
+
+    def before_forward(self, cache, step: Step) -> None:
+        cache.attention.decoding = step.phase == "decode"
+
+    def after_forward(self, cache, step: Step) -> bool:
+        if step.phase == "decode":
+            cache.attention.step += 1
+        return False
+
+
+class HipRuntime:
+    """The sparse attention a `PotCache` calls instead of dense attention, with its decoding state."""
+
+    def __init__(self, plans: list[LayerPlan], last_keep: list[int], refresh: tuple[int, ...], rope: Rope):
+        self.plans, self.last_keep, self.refresh, self.rope = plans, last_keep, refresh, rope
+        self.masks = [MaskCache() for _ in plans]
+        self.step = 0  # decoding steps taken
+        self.decoding = False
+
+    def clone(self) -> HipRuntime:
+        twin = HipRuntime(self.plans, self.last_keep, self.refresh, self.rope)
+        twin.masks = [m.clone() for m in self.masks]
+        twin.step, twin.decoding = self.step, self.decoding
+        return twin
+
+    def __call__(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
+        """query [1, heads, q, d] un-rotated, key/value [1, kv_heads, n, d] (keys un-rotated)."""
+        if query.shape[0] != 1:
+            raise KvpotError("infinitehip runs one sequence at a time (batch 1).")
+        n = key.shape[2]
+        bound = n + self.plans[layer.layer_idx].window + 2  # above every position any style uses
+
+        def rotate(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            cos, sin = self.rope.cos_sin(positions, x, bound)
+            return x * cos + rotate_half(x) * sin
+
+        idx = layer.layer_idx
+        decoding = self.decoding and query.shape[2] == 1
+        out = sparse_attention(
+            query[0], key[0], value[0], scaling, self.plans[idx], self.last_keep[idx], rotate,
+            masks=self.masks[idx] if decoding else None,
+            due=refresh_due(self.step, self.refresh) if decoding else None,
+        )  # [heads, q, d]
+        return out.unsqueeze(0)
