@@ -300,3 +300,11 @@ def test_profile_names_the_busiest_operators(capsys, tmp_path):
         assert any(e["op"] == "aten::mm" or e["op"] == "aten::addmm" for e in prof["top_host"])  # the projections
     text = (tmp_path / "out" / "profile.md").read_text()
     assert "## infinipot @ 300 tokens" in text and "## floor @ 300 tokens" in text and "no device timeline" in text
+
+
+def test_decode_profile(capsys, tmp_path):
+    results = bench(capsys, tmp_path, "decode", "--method", "full", "--lengths", "200", "--decode-steps", "3",
+                    "--warmup-steps", "1", "--profile")
+    for row in results["rows"]:
+        assert row["profile"]["host_op_seconds"] > 0 and row["profile"]["top_host"]
+    assert "## full @ 200 tokens" in (tmp_path / "out" / "profile.md").read_text()

@@ -128,3 +128,31 @@ def test_catalyst_that_fills_the_pot_and_missing_question_are_refused(model):
         engine.generate_ids(torch.arange(3, 40), [5, 6, 7, 8, 9])
     with pytest.raises(KvpotError, match="needs the question"):
         engine.prefill_ids(torch.arange(3, 40))
+
+
+def test_catalyst_in_the_filling_forward_equals_a_separate_probe(model, monkeypatch):
+    """The catalyst rides in the forward that fills the pot (no second pass over the weights);
+    its scores, and so the kept entries and the answer, are those of a separate probe."""
+    torch.manual_seed(7)
+    context, question = torch.randint(3, 90, (300,)), torch.randint(3, 90, (6,))
+
+    def run():
+        engine = kvpot.Engine(model, method=InfiniPot(pot_size=64, compress_size=32, catalyst="question"))
+        state = engine.prefill_ids(context, question)
+        out = engine.generate_ids(context, question, max_new_tokens=40, ignore_eos=True)
+        kept = [layer.positions[:, :, : layer.n].clone() for layer in state.cache.layers]
+        return out, kept
+
+    fused, fused_kept = run()
+    probes = []
+    original_probe = kvpot.Engine.probe
+    monkeypatch.setattr(kvpot.Engine, "probe", lambda *a, **k: probes.append(1) or original_probe(*a, **k))
+    assert not probes
+    monkeypatch.setattr(InfiniPot, "tail_probe", lambda self, cache, step: None)
+    separate, separate_kept = run()
+    assert len(probes) >= separate.stats.compressions > 0  # the old path probes at every distillation
+    assert fused.token_ids == separate.token_ids
+    assert fused.stats.compressions == separate.stats.compressions
+    assert fused.stats.max_kv_entries == separate.stats.max_kv_entries <= 64  # the catalyst counts in the pot
+    for a, b in zip(fused_kept, separate_kept):
+        assert torch.equal(a, b)

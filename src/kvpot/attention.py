@@ -114,10 +114,15 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling:
     made. Elsewhere the math path would materialise `[heads, q, n]`; the query rows are then taken
     in slices so each slice stays under `MAX_BLOCK_ELEMENTS`.
     """
-    b, heads, q, _ = query.shape
-    n = key.shape[-2]
+    b, heads, q, d = query.shape
+    kv_heads, n = key.shape[1], key.shape[-2]
     if q == 1:
-        return F.scaled_dot_product_attention(query, key, value, scale=scaling, enable_gqa=True)
+        # Decoding: fold each KV group's query heads into query rows ([b, kv, group, d]); with one
+        # token nothing is causal, so this is plain attention per KV head and SDPA may pick its
+        # fused kernels (enable_gqa restricts the choice of backends).
+        group = heads // kv_heads
+        out = F.scaled_dot_product_attention(query.view(b, kv_heads, group, d), key, value, scale=scaling)
+        return out.view(b, heads, 1, d)
     fused = query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
     rows = q if fused else max(1, MAX_BLOCK_ELEMENTS // (b * heads * n))
     outputs = []

@@ -490,9 +490,15 @@ def _bench_decode(config: BenchConfig, model, runs, results, progress) -> None:
             _reset_peak(config.device)
             timer = _StepTimer(config.device)
             result = engine.generate_ids(state=state, max_new_tokens=count, ignore_eos=True, on_token=timer)
-            del state
             stats = result.stats
             steps = timer.steps()
+        extra = {}
+        if config.profile:  # 8 more steps, untimed, under the profiler (the engine copies the state first)
+            extra["profile"] = profile_ops(
+                (lambda: floor_steps(8)) if entry == FLOOR else
+                (lambda: engine.generate_ids(state=state, max_new_tokens=9, ignore_eos=True)), config.device)
+        if entry != FLOOR:
+            del state
         timed = steps[config.warmup_steps :]
         median = statistics.median(timed)
         return {
@@ -503,6 +509,7 @@ def _bench_decode(config: BenchConfig, model, runs, results, progress) -> None:
             "max_kv_entries": None if stats is None else stats.max_kv_entries,
             "kv_cache_bytes": None if stats is None else stats.max_kv_entries * kv_bytes,
             "final_kv_entries": None if stats is None else stats.final_kv_entries,
+            **extra,
         }
 
     _iterate(config, runs, results, progress, measure, "decode")
@@ -852,8 +859,9 @@ def add_bench(sub) -> None:
                    help="CPU intra-op threads (default: torch's choice); 1 gives steadier timings on a busy machine")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and tokens (default 0)")
     p.add_argument("--profile", action="store_true",
-                   help="prefill: one extra untimed run per method and length under torch.profiler; the busiest "
-                        "operators (device and host time) go to results.json and profile.md")
+                   help="prefill and decode: one extra untimed run (decode: 8 steps) per method and length under "
+                        "torch.profiler; the busiest operators (device and host time) go to results.json and "
+                        "profile.md")
     p.add_argument("--out", type=Path, default=None, help="folder for results (created; its parent must exist)")
     p.set_defaults(run=run_bench_command)
 

@@ -333,18 +333,42 @@ class Engine:
         Returns the last hidden states [q, hidden] (computed before the compression).
         """
         self.method.before_forward(run.cache, step)
-        hidden = self._run_model(run, ids, self.method.request(step))  # [q, hidden]
+        tail = self.method.tail_probe(run.cache, step)
+        observation = None
+        if tail is None:
+            hidden = self._run_model(run, ids, self.method.request(step))  # [q, hidden]
+        else:
+            hidden, observation = self._forward_with_tail(run, ids, *tail)
         token_nll = self._token_nll(run.logits, hidden, ids) if self.method.needs_token_nll else None
         run.logits = self.head(hidden[-1]).float()  # [vocab]
         run.next_position += ids.numel()
-        step = dataclasses.replace(step, token_nll=token_nll, probe=lambda probe_ids, request, cache=None: self.probe(
-            cache if cache is not None else run.cache, run.next_position, probe_ids, request))
+        step = dataclasses.replace(step, token_nll=token_nll, tail_observation=observation,
+                                   probe=lambda probe_ids, request, cache=None: self.probe(
+                                       cache if cache is not None else run.cache, run.next_position, probe_ids,
+                                       request))
         started = self._clock()
         if self.method.after_forward(run.cache, step):
             run.stats.compressions += 1
             run.stats.compress_seconds += self._clock() - started
         run.cache.begin_forward(None, -1, None)
         return hidden
+
+    def _forward_with_tail(self, run: _Run, ids: torch.Tensor, tail_ids, request: AttentionRequest):
+        """One forward of `ids` followed by probe tokens `tail_ids`; the probe's entries rolled back.
+
+        Returns the hidden states of `ids` [q, hidden] and, per layer, the probe's attention over
+        the entries before it (cache and `ids`).
+        """
+        tail_ids = _as_ids(tail_ids, self.device, "tail probe ids")
+        q, m = ids.numel(), tail_ids.numel()
+        start, _, _ = slice(*(request.rows or (None, None))).indices(q + m)
+        if m == 0 or start < q:
+            raise KvpotError("a tail probe must observe its own rows only (rows=(-len(ids), None)).")
+        before = [n + q for n in run.cache.lengths()]  # entries the probe may score
+        hidden = self._run_model(run, torch.cat([ids, tail_ids]), request)
+        observation = [layer.observation[..., :n] for layer, n in zip(run.cache.layers, before)]
+        run.cache.truncate(before)
+        return hidden[:q], observation
 
     def _token_nll(self, previous_logits, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """-log p(x_t | cache) for the forward's tokens [q]; the first uses the previous logits

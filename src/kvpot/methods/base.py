@@ -36,6 +36,9 @@ class Step:
         its entries, leaving it unchanged (`Engine.probe`).
     token_nll: in `after_forward`, for methods with `needs_token_nll`, `-log p(x_t | cache)` of
         each of the forward's tokens [n_new] (the first from the previous forward's logits).
+    tail_observation: in `after_forward`, when the method asked for a tail probe (`tail_probe`),
+        its per-layer attention over the entries before it (`[b, kv_heads, n]`); its own entries
+        are already rolled back.
     """
 
     phase: str
@@ -44,6 +47,7 @@ class Step:
     segment_end: bool = False
     probe: Callable[..., list[torch.Tensor]] | None = None
     token_nll: torch.Tensor | None = None
+    tail_observation: list[torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,17 @@ class Method:
 
     def request(self, step: Step) -> AttentionRequest | None:
         """The attention observation the forward of `step` must record, if any."""
+        return None
+
+    def tail_probe(self, cache: PotCache, step: Step) -> tuple[torch.Tensor, AttentionRequest] | None:
+        """Probe tokens to run *in the same forward*, after the step's tokens, or None.
+
+        The same as calling `step.probe(ids, request)` in `after_forward` (the tokens follow the
+        step's tokens and see them), without a second pass over the weights: the engine appends
+        the ids, records their attention (`request.rows` must select the last len(ids) rows),
+        rolls their entries back, and hands the observation to `after_forward` as
+        `step.tail_observation`. InfiniPot's catalyst uses it.
+        """
         return None
 
     def after_forward(self, cache: PotCache, step: Step) -> bool:

@@ -144,11 +144,19 @@ class InfiniPot(Method):
         self.distill(cache, step)
         return True
 
+    def tail_probe(self, cache, step: Step):
+        """The catalyst rides in the forward that fills the pot (Sec. 3.3.1: it is appended to the
+        pot right before it overflows), so CaP costs no second pass over the weights."""
+        catalyst = cache.method_state.get(CATALYST)
+        if catalyst is None or self._filled(cache) + step.n_new + catalyst.numel() < self.pot_size:
+            return None
+        return catalyst, AttentionRequest(rows=(-catalyst.numel(), None), row_reduce="sum", head_reduce="mean")
+
     def distill(self, cache, step: Step) -> None:
         """Shrink every layer to |C| (Code 1), scoring with the catalyst probe and NuC."""
         catalyst = cache.method_state.get(CATALYST)
-        cap = None
-        if catalyst is not None:
+        cap = step.tail_observation
+        if cap is None and catalyst is not None:  # the pot filled without a forward that carried it
             cap = step.probe(catalyst, AttentionRequest(rows=None, row_reduce="sum", head_reduce="mean"))
         for index, layer in enumerate(cache.layers):
             keep = select(
