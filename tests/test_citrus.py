@@ -132,3 +132,27 @@ def test_prefilled_document_is_evicted_by_the_question_when_asked(model):
     # the 4th generated token crossed keep + chunk_size (41 > 40) and brought C back to keep + 1
     assert first.stats.compressions == state.stats.compressions + 2
     assert first.stats.final_kv_entries == KEEP + 1
+
+
+def test_instruction_in_the_chunk_forward_equals_a_separate_probe(monkeypatch):
+    """Shared cache: the instruction rides in each chunk's forward; the kept entries and the
+    answer are those of the separate instruction probe."""
+    from kvpot.methods.citrus import CItruS
+
+    model = build("llama3")
+    torch.manual_seed(11)
+    context, question = torch.randint(3, VOCAB, (400,)), torch.randint(3, VOCAB, (6,))
+
+    def run():
+        engine = kvpot.Engine(model, method=CItruS(chunk_size=32, keep=48, cache="shared"))
+        state = engine.prefill_ids(context, question)
+        out = engine.generate_ids(context, question, max_new_tokens=30, ignore_eos=True)
+        return out, [layer.positions[:, :, : layer.n].clone() for layer in state.cache.layers]
+
+    fused, fused_kept = run()
+    monkeypatch.setattr(CItruS, "tail_probe", lambda self, cache, step: None)
+    separate, separate_kept = run()
+    assert fused.token_ids == separate.token_ids and fused.stats.compressions == separate.stats.compressions > 0
+    assert fused.stats.max_kv_entries == separate.stats.max_kv_entries
+    for a, b in zip(fused_kept, separate_kept):
+        assert torch.equal(a, b)

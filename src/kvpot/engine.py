@@ -338,6 +338,8 @@ class Engine:
         if tail is None:
             hidden = self._run_model(run, ids, self.method.request(step))  # [q, hidden]
         else:
+            if self.method.request(step) is not None:
+                raise KvpotError(f"{self.method.name} asked for an observation and a tail probe in one forward.")
             hidden, observation = self._forward_with_tail(run, ids, *tail)
         token_nll = self._token_nll(run.logits, hidden, ids) if self.method.needs_token_nll else None
         run.logits = self.head(hidden[-1]).float()  # [vocab]

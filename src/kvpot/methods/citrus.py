@@ -106,6 +106,18 @@ class CItruS(Method):
             return None  # C is evicted by the instruction's probe, not by the chunk
         return AttentionRequest(rows=None, row_reduce="mean", head_reduce="mean", over="cached")
 
+    def tail_probe(self, cache, step: Step):
+        """Shared cache: the instruction rides in the chunk's forward when C will be evicted, so
+        Imp(I, c) costs no second pass over the weights. Normalising over the entries cached before
+        the forward (`over="cached"`) gives exactly the separate probe's eqs. 4-5."""
+        instruction = step_cache_state(cache).get(INSTRUCTION)
+        old = cache.layers[0].n
+        if self.cache != "shared" or step.phase != "context" or instruction is None or old <= self.keep:
+            return None
+        m = instruction.numel()
+        return instruction, AttentionRequest(rows=(-m, None), row_reduce="mean", head_reduce="mean", over="cached",
+                                             keys=old)
+
     def _instruction_importance(self, step: Step, cache, old: int) -> list[torch.Tensor]:
         """Imp(I, c) for the first `old` entries of `cache`, per layer (eqs. 4-5)."""
         instruction = step_cache_state(cache)[INSTRUCTION]
@@ -122,7 +134,7 @@ class CItruS(Method):
         evicted = False
         if old > self.keep:
             if self.cache == "shared":
-                scores = self._instruction_importance(step, cache, old)
+                scores = step.tail_observation or self._instruction_importance(step, cache, old)
             else:
                 scores = [layer.observation[..., :old] for layer in cache.layers]
             self._keep_top(cache, scores, old, self.keep)
