@@ -107,3 +107,16 @@ def test_ratio_one_equals_full(model):
 def test_bad_parameters_are_refused(kwargs, fragment):
     with pytest.raises(KvpotError, match=fragment):
         D2O(**kwargs)
+
+
+def test_nearest_kept_in_slices_equals_the_whole_matrix(monkeypatch):
+    import kvpot.attention
+    from kvpot.merge import nearest_kept
+
+    torch.manual_seed(0)
+    evicted, kept = torch.randn(1, 2, 37, 8), torch.randn(1, 2, 11, 8)
+    whole = nearest_kept(evicted, kept)
+    monkeypatch.setattr(kvpot.attention, "MAX_BLOCK_ELEMENTS", 2 * 11 * 3)  # 3 rows per slice
+    sliced = nearest_kept(evicted, kept)
+    torch.testing.assert_close(sliced[0], whole[0])
+    assert torch.equal(sliced[1], whole[1])
