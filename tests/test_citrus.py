@@ -156,3 +156,21 @@ def test_instruction_in_the_chunk_forward_equals_a_separate_probe(monkeypatch):
     assert fused.stats.max_kv_entries == separate.stats.max_kv_entries
     for a, b in zip(fused_kept, separate_kept):
         assert torch.equal(a, b)
+
+
+def test_fixed_instruction_lets_the_shared_cache_read_without_a_question(tiny_dir):
+    """Language modelling (Fig. 7) has no question: `instruction` gives the shared cache one."""
+    engine = kvpot.Engine.from_pretrained(str(tiny_dir), method=CItruS(chunk_size=16, keep=32, cache="shared"))
+    text_ids = torch.randint(3, 200, (200,))
+    with pytest.raises(KvpotError, match="needs the instruction"):
+        engine.score_ids(text_ids)
+    engine.method = CItruS(chunk_size=16, keep=32, cache="shared", instruction="generic")
+    scored = engine.score_ids(text_ids)
+    assert scored.nll.shape == (199,) and torch.isfinite(scored.nll).all()  # every token but the first
+    from kvpot.methods.infinipot import GENERIC_CATALYST
+
+    probe = len(engine.tokenizer.encode(GENERIC_CATALYST, add_special_tokens=False))  # the instruction, while probed
+    assert scored.stats.max_kv_entries <= engine.method.max_entries() + probe and scored.stats.compressions > 0
+    engine.method = CItruS(chunk_size=16, keep=32, cache="shared", instruction="Summarize the text.")
+    other = engine.score_ids(text_ids)
+    assert not torch.equal(other.nll, scored.nll)  # the instruction steers which entries stay

@@ -35,7 +35,9 @@ class CItruS(Method):
     and a second cache C^I, evicted by `Imp(I, c)` (eqs. 4-5) before each chunk's entries are
     added to it, from which the answer is generated; `cache="none"` is Standard CSE. The
     instruction is the question given to `generate`; shared and individual need it while the
-    document is read. `score="h2o"` ranks by the importance accumulated over every eviction an
+    document is read. `instruction` is a fixed text used when no question is given (language
+    modelling, the paper's Fig. 7, where there is no task): "generic" takes the model's generic
+    prompt, as InfiniPot's catalyst does; a question, when given, always wins. `score="h2o"` ranks by the importance accumulated over every eviction an
     entry survived instead of the current one (the paper's "H2O + Shared Cache" row).
 
     Positions shift (Sec. 5.3): entries are numbered 0..n-1 in the cache, new tokens follow.
@@ -60,6 +62,7 @@ class CItruS(Method):
     cache: str = "shared"
     score: str = "chunk"
     selection: str = "layer"
+    instruction: str | None = None
     positions: str = "shift"
 
     def __post_init__(self):
@@ -89,6 +92,8 @@ class CItruS(Method):
         instruction = setup.question_ids
         if instruction is not None and instruction.numel() == 0:
             instruction = None
+        if instruction is None and self.instruction is not None:
+            instruction = self._fixed_instruction(setup)
         if instruction is None and self.cache != "none" and INSTRUCTION not in cache.method_state:
             raise KvpotError(
                 f"citrus: cache={self.cache!r} needs the instruction (the question) while the document is read; "
@@ -99,6 +104,18 @@ class CItruS(Method):
         fresh = max(cache.lengths()) == 0  # nothing read yet (not a prefilled state)
         if self.cache == "individual" and fresh and INSTRUCTION_CACHE not in cache.method_state:
             cache.method_state[INSTRUCTION_CACHE] = cache.twin()
+
+    def _fixed_instruction(self, setup: Setup) -> torch.Tensor:
+        """`instruction` as token ids: "generic" is the model's generic prompt (as InfiniPot's catalyst)."""
+        from kvpot.methods.infinipot import CONFIG_CATALYST_KEY, GENERIC_CATALYST
+
+        text = self.instruction
+        if text == "generic":
+            text = getattr(setup.config, CONFIG_CATALYST_KEY, None) or GENERIC_CATALYST
+        if setup.tokenizer is None:
+            raise KvpotError("citrus: a text instruction needs a tokenizer.")
+        ids = setup.tokenizer.encode(text, add_special_tokens=False)
+        return torch.tensor(ids, dtype=torch.long, device=setup.device)
 
     # ------------------------------------------------------------------ observations
     def request(self, step: Step) -> AttentionRequest | None:
