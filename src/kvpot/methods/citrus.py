@@ -107,15 +107,9 @@ class CItruS(Method):
 
     def _fixed_instruction(self, setup: Setup) -> torch.Tensor:
         """`instruction` as token ids: "generic" is the model's generic prompt (as InfiniPot's catalyst)."""
-        from kvpot.methods.infinipot import CONFIG_CATALYST_KEY, GENERIC_CATALYST
+        from kvpot.methods.infinipot import text_prompt_ids
 
-        text = self.instruction
-        if text == "generic":
-            text = getattr(setup.config, CONFIG_CATALYST_KEY, None) or GENERIC_CATALYST
-        if setup.tokenizer is None:
-            raise KvpotError("citrus: a text instruction needs a tokenizer.")
-        ids = setup.tokenizer.encode(text, add_special_tokens=False)
-        return torch.tensor(ids, dtype=torch.long, device=setup.device)
+        return text_prompt_ids(self.instruction, setup, "citrus: a text instruction needs a tokenizer.")
 
     # ------------------------------------------------------------------ observations
     def request(self, step: Step) -> AttentionRequest | None:

@@ -116,13 +116,8 @@ class InfiniPot(Method):
                     "pass it with the context (generate(context, question)) or use catalyst='generic'."
                 )
             return setup.question_ids
-        text = self.catalyst
-        if text == "generic":
-            text = getattr(setup.config, CONFIG_CATALYST_KEY, None) or GENERIC_CATALYST
-        if setup.tokenizer is None:
-            raise KvpotError("infinipot: a text catalyst needs a tokenizer; use catalyst='question' or None.")
-        ids = setup.tokenizer.encode(text, add_special_tokens=False)
-        return torch.tensor(ids, dtype=torch.long, device=setup.device)
+        return text_prompt_ids(self.catalyst, setup,
+                               "infinipot: a text catalyst needs a tokenizer; use catalyst='question' or None.")
 
     # ------------------------------------------------------------------ the pot
     def _catalyst_len(self, cache) -> int:
@@ -166,6 +161,18 @@ class InfiniPot(Method):
                 round(float(self.nuc_ratio) * self.compress_size),
             )
             layer.select(keep)
+
+
+def text_prompt_ids(text: str, setup: Setup, no_tokenizer: str) -> torch.Tensor:
+    """A method's prompt text as token ids [m]. "generic" is the model's generic prompt: its
+    config's `kvpot_generic_catalyst` if it names one, else Table 2's CaP-G. `no_tokenizer` is the
+    error raised when the engine has no tokenizer."""
+    if text == "generic":
+        text = getattr(setup.config, CONFIG_CATALYST_KEY, None) or GENERIC_CATALYST
+    if setup.tokenizer is None:
+        raise KvpotError(no_tokenizer)
+    ids = setup.tokenizer.encode(text, add_special_tokens=False)
+    return torch.tensor(ids, dtype=torch.long, device=setup.device)
 
 
 def select(cap: torch.Tensor | None, nuc: torch.Tensor, keep: int, nuc_slots: int) -> torch.Tensor:
