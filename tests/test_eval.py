@@ -289,3 +289,14 @@ def test_perplexity_reports_overall_and_per_window_nll(capsys, tiny_dir, tmp_pat
     assert float(curves["full"].mean()) == pytest.approx(full["mean_nll"], rel=1e-5)
     assert_png(out / "perplexity.png")
     assert "perplexity" in (out / "summary.md").read_text() and "streaming" in stdout
+
+
+def test_perplexity_with_prompt_tokens_scores_the_rest_as_generation(capsys, tiny_dir, tmp_path):
+    out = tmp_path / "gen"
+    code, _, _ = run(capsys, "eval", "perplexity", "--method", "h2o:heavy=16,recent=16", "--length", "200",
+                     "--prompt-tokens", "50", "--window", "64", "--model", str(tiny_dir), "--out", str(out))
+    assert code == 0
+    stats = json.loads((out / "summary.json").read_text())["methods"]["h2o"]["stats"]
+    assert stats["new_tokens"] == 200 - 51 and stats["final_kv_entries"] <= 32  # BOS + 50 prompt tokens
+    code, _, err = run(capsys, "eval", "perplexity", "--method", "full", "--prompt-tokens", "0", "--out", str(tmp_path / "x"))
+    assert code == 2 and "--prompt-tokens" in err

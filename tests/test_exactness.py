@@ -114,3 +114,21 @@ def test_chat_template_puts_context_first_and_question_last():
     # chat_template=False: the raw text, question appended verbatim
     plain = kvpot.Engine(model, tokenizer, chat_template=False)
     assert text(sum(plain.encode("Sky.", "Why?"), [])) == "Sky.Why?"
+
+
+def test_teacher_forced_generation_scoring():
+    """prompt_tokens: Full gives the same losses token by token; D2O then holds its budget while
+    decoding, as in generate."""
+    model = build("llama3")
+    torch.manual_seed(5)
+    ids = torch.randint(3, VOCAB, (120,))
+    engine = kvpot.Engine(model, method=kvpot.Full(chunk_size=32))
+    whole = engine.score_ids(ids)
+    forced = engine.score_ids(ids, prompt_tokens=40)
+    torch.testing.assert_close(forced.nll, whole.nll, rtol=1e-4, atol=1e-4)
+    assert forced.stats.context_tokens == 40 and forced.stats.new_tokens == 80
+    d2o = kvpot.Engine(model, method=kvpot.D2O(budget=16, layer_budget=False)).score_ids(ids, prompt_tokens=40)
+    assert d2o.stats.final_kv_entries == 16 < d2o.stats.max_kv_entries  # compressed after the prompt, held there
+    assert not torch.allclose(d2o.nll[40:], whole.nll[40:])
+    with pytest.raises(kvpot.errors.KvpotError, match="prompt_tokens"):
+        engine.score_ids(ids, prompt_tokens=0)

@@ -250,6 +250,7 @@ class EvalConfig:
     seed: int = 0
     max_new_tokens: int | None = None
     window: int = 4096
+    prompt_tokens: int | None = None
     model: str | None = None
     device: str | None = None
     dtype: str = "auto"
@@ -281,6 +282,8 @@ class EvalConfig:
             raise KvpotError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}.")
         if self.window < 1:
             raise KvpotError(f"--window must be at least 1 token, got {self.window}.")
+        if self.prompt_tokens is not None and self.prompt_tokens < 1:
+            raise KvpotError(f"--prompt-tokens must be at least 1, got {self.prompt_tokens}.")
         if self.budget is not None and self.budget <= 0:
             raise KvpotError(f"the budget must be a positive number of KV entries, got {self.budget}.")
         if self.haystack not in HAYSTACKS:
@@ -557,7 +560,8 @@ def run_perplexity(config: EvalConfig, progress: bool = True, show: bool = True)
     methods, curves = {}, {}
     for run in runs:
         started = time.perf_counter()
-        result = Engine(model, tokenizer, method=run.method).score_ids(ids, progress=progress)
+        prompt = None if config.prompt_tokens is None else min(len(ids), config.prompt_tokens + len(prefix))
+        result = Engine(model, tokenizer, method=run.method).score_ids(ids, progress=progress, prompt_tokens=prompt)
         seconds = time.perf_counter() - started
         nll = torch.as_tensor(result.nll).detach().float().cpu().reshape(-1)
         if nll.numel() != len(ids) - 1:
@@ -638,6 +642,10 @@ def add_eval(sub) -> None:
                    help="tokens to generate per answer (default: the answer's length + 8)")
     p.add_argument("--window", type=int, default=4096,
                    help="perplexity: report mean NLL per window of this many tokens (default 4096)")
+    p.add_argument("--prompt-tokens", type=int, default=None,
+                   help="perplexity: read only this many tokens as a prompt and feed the rest one token at a "
+                        "time as decoding steps (teacher-forced generation: methods compress as they do while "
+                        "generating); default: the whole text is a prompt")
     add_model_arguments(p)
     p.add_argument("--out", type=Path, required=True, help="folder for results (created; its parent must exist)")
     p.set_defaults(run=run_eval)
@@ -655,7 +663,8 @@ def config_from_args(args) -> EvalConfig:
         depths=parse_depths(args.depths), samples=args.samples, budget=args.budget,
         settings=parse_assignments(args.set), task_options=task_options,
         haystack=args.haystack or ("varied" if perplexity else "repeat"), seed=args.seed,
-        max_new_tokens=args.max_new_tokens, window=args.window, model=args.model, device=args.device,
+        max_new_tokens=args.max_new_tokens, window=args.window, prompt_tokens=args.prompt_tokens,
+        model=args.model, device=args.device,
         dtype=args.dtype,
     )
 
