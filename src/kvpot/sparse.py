@@ -176,10 +176,8 @@ class _Scorer:
         k = _gather_keys(self.keys, idx)  # [kv, B, C, d]
         if style == "absolute":
             k = self.rotate(k, idx)
-        elif style == "relative":
-            if side:
-                k = self.rotate(k, torch.ones_like(idx))
-            # side 0: position 0, the identity rotation
+        elif style == "relative":  # left half's key at 0, right half's at 1 (rotated even at 0: some
+            k = self.rotate(k, torch.full_like(idx, side))  # RoPE variants scale cos/sin, e.g. yarn)
         else:
             order = torch.arange(idx.shape[-1], device=idx.device).expand_as(idx)
             k = self.rotate(k, order)
