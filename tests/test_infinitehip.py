@@ -65,6 +65,19 @@ def test_keeping_every_chunk_equals_dense_attention(shape, prune_rope, shared):
     torch.testing.assert_close(out, dense_reference(query, keys, values, D**-0.5), atol=1e-5, rtol=1e-5)
 
 
+def test_one_long_forward_prunes_for_its_later_blocks():
+    """A first forward longer than sink + window: its first blocks see everything (dense), its later
+    blocks have a middle region and prune it (each query block prunes for itself)."""
+    torch.manual_seed(0)
+    query, keys, values = torch.randn(8, 600, D), torch.randn(2, 600, D), torch.randn(2, 600, D)
+    p = plan(keep=(128, 32, 8), final_rope="absolute")
+    out = sparse_attention(query, keys, values, D**-0.5, p, 8, rope)
+    dense = dense_reference(query, keys, values, D**-0.5)
+    early = p.sink + p.window  # queries before this have no middle region
+    torch.testing.assert_close(out[:, :early], dense[:, :early], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(out[:, -50:], dense[:, -50:], atol=1e-3)
+
+
 def test_sparse_output_differs_from_dense_when_chunks_are_dropped():
     torch.manual_seed(0)
     query, keys, values = torch.randn(8, 50, D), torch.randn(2, 900, D), torch.randn(2, 900, D)

@@ -313,7 +313,7 @@ def sparse_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     kv, n = keys.shape[0], keys.shape[1]
     rows = plan.query_block
     offset = n - q
-    if offset + 1 - plan.window <= plan.sink and masks is None:  # no middle region anywhere: dense
+    if n - plan.window <= plan.sink and masks is None:  # not even the last query has a middle region: dense
         return _dense(query, keys, values, scaling, offset, rotate)
     rows = min(rows, q)  # decoding: one row, not a padded block
     blocks = math.ceil(q / rows)
