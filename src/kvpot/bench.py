@@ -674,17 +674,10 @@ def summary_markdown(results: dict) -> str:
 
 
 def rich_table(results: dict):
-    from rich.markup import escape
-    from rich.table import Table
+    from kvpot.report import rich_table as table_of
 
-    table = Table(title=f"kvpot bench {results['mode']}: {results['shape']['name']} ({results['dtype']}, "
-                        f"{results['machine']['device']})")
-    headers, rows = table_rows(results)
-    for index, header in enumerate(headers):
-        table.add_column(header, justify="left" if index == 0 else "right", overflow="fold")
-    for row in rows:
-        table.add_row(*(escape(cell) for cell in row))
-    return table
+    return table_of(f"kvpot bench {results['mode']}: {results['shape']['name']} ({results['dtype']}, "
+                    f"{results['machine']['device']})", *table_rows(results))
 
 
 _PLOTS = {

@@ -188,7 +188,7 @@ class PotLayer(CacheLayerMixin):
 
 def _clone_state(value):
     """Copies of tensors, caches and objects that know how to copy themselves (`clone()`)."""
-    if torch.is_tensor(value) or isinstance(value, PotCache) or callable(getattr(value, "clone", None)):
+    if callable(getattr(value, "clone", None)):  # tensors, caches, InfiniteHiP's runtime
         return value.clone()
     return value
 

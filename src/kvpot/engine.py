@@ -352,13 +352,13 @@ class Engine:
         Returns the last hidden states [q, hidden] (computed before the compression).
         """
         self.method.before_forward(run.cache, step)
-        tail = self.method.tail_probe(run.cache, step)
+        tail, request = self.method.tail_probe(run.cache, step), self.method.request(step)
         observation = None
         if tail is None:
-            hidden = self._run_model(run, ids, self.method.request(step))  # [q, hidden]
+            hidden = self._run_model(run, ids, request)  # [q, hidden]
+        elif request is not None:
+            raise KvpotError(f"{self.method.name} asked for an observation and a tail probe in one forward.")
         else:
-            if self.method.request(step) is not None:
-                raise KvpotError(f"{self.method.name} asked for an observation and a tail probe in one forward.")
             hidden, observation = self._forward_with_tail(run, ids, *tail)
         token_nll = self._token_nll(run.logits, hidden, ids) if self.method.needs_token_nll else None
         run.logits = self.head(hidden[-1]).float()  # [vocab]

@@ -138,20 +138,24 @@ def eval_markdown(summary: dict) -> str:
     return "\n".join(parts) + "\n"
 
 
-def eval_rich_table(summary: dict):
-    """The comparison table for the terminal (every method in ONE table)."""
+def rich_table(title: str, headers: list[str], rows: list[list[str]]):
+    """A terminal table: first column left-aligned, the rest right-aligned; cells printed literally."""
     from rich.markup import escape
     from rich.table import Table
 
-    config = summary["config"]
-    table = Table(title=f"kvpot eval {config['task']}: accuracy by context length ({config['samples']} samples x "
-                        f"{len(config['depths'])} depths per cell)")
-    headers, rows = _accuracy_rows(summary)
+    table = Table(title=title)
     for index, header in enumerate(headers):
         table.add_column(header, justify="left" if index == 0 else "right", overflow="fold")
     for row in rows:
         table.add_row(*(escape(cell) for cell in row))  # labels hold [k=v]: not rich markup
     return table
+
+
+def eval_rich_table(summary: dict):
+    """The comparison table for the terminal (every method in ONE table)."""
+    config = summary["config"]
+    return rich_table(f"kvpot eval {config['task']}: accuracy by context length ({config['samples']} samples x "
+                      f"{len(config['depths'])} depths per cell)", *_accuracy_rows(summary))
 
 
 # ---------------------------------------------------------------------------- figures
@@ -274,16 +278,7 @@ def perplexity_markdown(summary: dict) -> str:
 
 
 def perplexity_rich_table(summary: dict):
-    from rich.markup import escape
-    from rich.table import Table
-
-    table = Table(title=f"kvpot eval perplexity: {summary['config']['lengths'][0]:,} tokens")
-    headers, rows = _perplexity_rows(summary)
-    for index, header in enumerate(headers):
-        table.add_column(header, justify="left" if index == 0 else "right", overflow="fold")
-    for row in rows:
-        table.add_row(*(escape(cell) for cell in row))  # labels hold [k=v]: not rich markup
-    return table
+    return rich_table(f"kvpot eval perplexity: {summary['config']['lengths'][0]:,} tokens", *_perplexity_rows(summary))
 
 
 def perplexity_png(path: Path, summary: dict, trained_window: int | None = None) -> Path:

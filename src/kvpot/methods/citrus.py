@@ -37,8 +37,9 @@ class CItruS(Method):
     instruction is the question given to `generate`; shared and individual need it while the
     document is read. `instruction` is a fixed text used when no question is given (language
     modelling, the paper's Fig. 7, where there is no task): "generic" takes the model's generic
-    prompt, as InfiniPot's catalyst does; a question, when given, always wins. `score="h2o"` ranks by the importance accumulated over every eviction an
-    entry survived instead of the current one (the paper's "H2O + Shared Cache" row).
+    prompt, as InfiniPot's catalyst does; a question, when given, always wins. `score="h2o"` ranks
+    by the importance accumulated over every eviction an entry survived instead of the current one
+    (the paper's "H2O + Shared Cache" row).
 
     Positions shift (Sec. 5.3): entries are numbered 0..n-1 in the cache, new tokens follow.
 

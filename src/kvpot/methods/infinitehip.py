@@ -109,11 +109,6 @@ class InfiniteHiP(Method):
             raise KvpotError(f"infinitehip: selection must be 'shared' or 'head', not {self.selection!r}.")
         self._announced: int | None = None
 
-    def config(self) -> dict:
-        data = super().config()
-        data.pop("_announced", None)
-        return data
-
     # ------------------------------------------------------------------ sizes
     def resolved(self, max_positions: int | None) -> dict:
         """sink, window, keep, early_keep after the short-window rule (see the class docstring)."""
@@ -128,7 +123,8 @@ class InfiniteHiP(Method):
         def need() -> int:
             return sink + window + max(keep[-1], early) + self.query_block
 
-        while max_positions and need() > max_positions and halvings < 16:
+        defaulted = None in (self.sink, self.window, self.keep, self.early_keep)
+        while defaulted and max_positions and need() > max_positions and halvings < 16:
             if self.sink is None:
                 sink //= 2
             if self.window is None:
@@ -137,8 +133,6 @@ class InfiniteHiP(Method):
                 keep = tuple(max(c, k // 2) for c, k in zip(self.chunks, keep))
             if self.early_keep is None:
                 early = max(self.chunks[-1], early // 2)
-            if self.sink is not None and self.window is not None and self.keep is not None and self.early_keep is not None:
-                break
             halvings += 1
         return {"sink": sink, "window": window, "keep": keep, "early_keep": early, "halvings": halvings}
 
