@@ -40,6 +40,6 @@ done
 launch f6-long-shared --method citrus:cache=shared --lengths 512k,1m --samples 1
 
 wait
-tar -czf "$OUT/grid.tar.gz" -C "$OUT" grid --exclude='*.png'
-rm -rf "$out"
-grep -h "" /dev/null
+tar -czf "$OUT/grid.tar.gz" --exclude='*.png' -C "$OUT" grid
+tail -n 3 "$out"/*.log; rm -rf "$out"
+for f in "$OUT"/grid.tar.gz; do ls -la "$f"; done
