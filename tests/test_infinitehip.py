@@ -223,10 +223,23 @@ def test_short_window_scales_defaults_and_keeps_explicit_values(caplog):
     (dict(rope="yarn"), "rope must be"),
     (dict(selection="layer"), "selection must be"),
     (dict(query_block=0), "query_block"),
+    (dict(kernels="cuda"), "kernels must be"),
 ])
 def test_bad_parameters_are_clear_errors(kwargs, message):
     with pytest.raises(KvpotError, match=message):
         kvpot.InfiniteHiP(**kwargs)
+
+
+def test_kernels_triton_where_they_cannot_run_is_a_clear_error():
+    from kvpot import kernels
+
+    if kernels.available("cpu"):
+        pytest.skip("Triton's interpreter is on: the kernels can run here")
+    model = build("llama3")
+    method = kvpot.InfiniteHiP(sink=8, window=16, chunks=(32, 8, 2), keep=(64, 32, 16), early_keep=32,
+                               query_block=8, chunk_size=50, kernels="triton")
+    with pytest.raises(KvpotError, match="kernels='triton'"):
+        kvpot.Engine(model, method=method).generate_ids(torch.randint(3, VOCAB, (200,)), max_new_tokens=2)
 
 
 def test_cli_parses_stage_lists():

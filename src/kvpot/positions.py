@@ -74,6 +74,15 @@ class Rope:
         self._ensure_table(max_position + 1, like)
         return self._cos[positions], self._sin[positions]
 
+    def table(self, length: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The cos/sin table `[>= length, head_dim]` in `like.dtype`, or None for dynamic variants
+        (their frequencies depend on the call history, so no fixed table exists). Kernels that
+        apply RoPE while loading index it."""
+        if self.dynamic:
+            return None
+        self._ensure_table(length, like)
+        return self._cos, self._sin
+
     def _ensure_table(self, length: int, like: torch.Tensor) -> None:
         have = 0 if self._cos is None else self._cos.shape[0]
         fits = have >= length and self._cos.dtype == like.dtype and self._cos.device == like.device

@@ -85,12 +85,14 @@ class Selection:
     """A stage's output for a group of query blocks: surviving key ranges `[start, end)`.
 
     starts, ends: [s, blocks, chunks] long (s = 1 when shared, else kv_heads); empty ranges
-    (start >= end) are padding. window_start: [blocks] long, the first key of each block's window.
+    (start >= end) are padding. window_start: [blocks] long, the first key of each block's window;
+    window_starts: the same on the host, so sizes derived from it never wait for the device.
     """
 
     starts: torch.Tensor
     ends: torch.Tensor
     window_start: torch.Tensor
+    window_starts: tuple[int, ...] = ()
 
     def tokens(self, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Token indices [s, blocks, chunks * chunk] and their validity."""
@@ -170,6 +172,11 @@ class _Scorer:
         # [kv, g, B, R, d] rotated at [s, 1, B, R] (s broadcasts over kv)
         self.rotated = self.rotate(self.queries, pos.unsqueeze(1))
 
+    def search(self, starts: torch.Tensor, ends: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each range's representative [s, B, C] and its score (-inf for empty ranges)."""
+        rep = halving_search(self, starts, ends, chunk)
+        return rep, self(rep, 0).masked_fill(~(starts < ends), float("-inf"))
+
     def __call__(self, idx: torch.Tensor, side: int) -> torch.Tensor:
         """Scores [s, B, C] of keys idx [s, B, C]: max over the block's queries and each group's heads."""
         style = self.plan.prune_rope
@@ -187,6 +194,20 @@ class _Scorer:
         return scores.amax(dim=0, keepdim=True) if self.plan.shared else scores
 
 
+class _KernelScorer(_Scorer):
+    """The same scoring, with the halving search of a whole stage in one Triton kernel."""
+
+    def __init__(self, *args, table: tuple[torch.Tensor, torch.Tensor]):
+        super().__init__(*args)
+        self.table = table
+
+    def search(self, starts: torch.Tensor, ends: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        from kvpot.kernels.hip import stage_scan
+
+        return stage_scan(self.rotated, self.rows_valid, self.keys, starts, ends, chunk, self.plan.prune_rope,
+                          self.plan.shared, *self.table)
+
+
 def _split(sel_starts: torch.Tensor, sel_ends: torch.Tensor, parent: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Split ranges [s, B, C] of at most `parent` keys into sub-ranges of `chunk` keys: [s, B, C*m]."""
     m = parent // chunk
@@ -200,8 +221,7 @@ def run_stage(scorer: _Scorer, starts: torch.Tensor, ends: torch.Tensor, stage: 
     """Score every candidate range [s, B, C] by its representative; keep the best `keep` tokens' chunks."""
     valid = starts < ends
     scorer.begin_stage(valid)
-    rep = halving_search(scorer, starts, ends, stage.chunk)
-    score = scorer(rep, 0).masked_fill(~valid, float("-inf"))  # the representative's own score
+    _, score = scorer.search(starts, ends, stage.chunk)  # each range's representative's score
     count = max(1, keep // stage.chunk)
     if score.shape[-1] <= count:
         return starts, ends
@@ -214,18 +234,24 @@ def run_stage(scorer: _Scorer, starts: torch.Tensor, ends: torch.Tensor, stage: 
 
 def prune(queries: torch.Tensor, rows_valid: torch.Tensor, keys: torch.Tensor, plan: LayerPlan, last_keep: int,
           block_pos: torch.Tensor, window_start: torch.Tensor, rotate: Rotate,
-          cached: list[Selection | None] | None = None, due: list[bool] | None = None) -> list[Selection]:
+          cached: list[Selection | None] | None = None, due: list[bool] | None = None,
+          window_starts: tuple[int, ...] = (), table: tuple[torch.Tensor, torch.Tensor] | None = None
+          ) -> list[Selection]:
     """All stages for a group of query blocks; returns each stage's output.
 
     queries [kv, g, B, R, d] (un-rotated), rows_valid [B, R], keys [kv, n, d] (un-rotated),
-    block_pos [B, R] positions of the queries, window_start [B]. With `cached` and `due` (decoding),
-    a stage that is not due reuses its cached output.
+    block_pos [B, R] positions of the queries, window_start [B] (and `window_starts`, the same on
+    the host). With `cached` and `due` (decoding), a stage that is not due reuses its cached
+    output. With a RoPE `table` (cos, sin) the search runs in the Triton scan kernel.
     """
     kv = keys.shape[0]
-    scorer = _Scorer(queries, rows_valid, keys, plan, block_pos, rotate)
+    args = (queries, rows_valid, keys, plan, block_pos, rotate)
+    scorer = _Scorer(*args) if table is None else _KernelScorer(*args, table=table)
     s = 1 if plan.shared else kv
     first = plan.stages[0].chunk
-    span = int(window_start.max()) - plan.sink  # host int: the widest middle region of the group
+    if not window_starts:
+        window_starts = tuple(window_start.tolist())
+    span = max(window_starts) - plan.sink  # the widest middle region of the group
     count = max(1, math.ceil(max(span, 0) / first))
     starts = plan.sink + torch.arange(count, device=keys.device) * first
     starts = starts.view(1, 1, -1).expand(s, window_start.numel(), -1)  # [s, B, C]
@@ -241,7 +267,7 @@ def prune(queries: torch.Tensor, rows_valid: torch.Tensor, keys: torch.Tensor, p
                 starts, ends = _split(starts, ends, parent, stage.chunk)
             keep = last_keep if i == len(plan.stages) - 1 else stage.keep
             starts, ends = run_stage(scorer, starts, ends, stage, keep)
-            out = Selection(starts, ends, window_start)
+            out = Selection(starts, ends, window_start, window_starts)
         outputs.append(out)
         parent = stage.chunk
     return outputs
@@ -252,11 +278,11 @@ def prune(queries: torch.Tensor, rows_valid: torch.Tensor, keys: torch.Tensor, p
 
 def _final_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
                      selection: Selection, chunk: int, plan: LayerPlan, block_pos: torch.Tensor,
-                     rows_valid: torch.Tensor, rotate: Rotate) -> torch.Tensor:
+                     rows_valid: torch.Tensor, rotate: Rotate, width: int) -> torch.Tensor:
     """Exact attention of the blocks' queries over sinks + selected + window.
 
-    query [B, h, R, d] (un-rotated), keys/values [kv, n, d]; block_pos, rows_valid [B, R].
-    Returns [B, h, R, d].
+    query [B, h, R, d] (un-rotated), keys/values [kv, n, d]; block_pos, rows_valid [B, R]; width
+    (host) the widest window of the group, last query - window start + 1. Returns [B, h, R, d].
     """
     b, h, r, d = query.shape
     kv, n = keys.shape[0], keys.shape[1]
@@ -267,7 +293,6 @@ def _final_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     sink_idx = torch.arange(plan.sink, device=device).view(1, 1, -1).expand(s, b, -1)  # [s, B, S]
     sink_valid = sink_idx < w0.view(1, -1, 1)
     last = block_pos.amax(dim=-1)  # [B] last query position of each block
-    width = int((last - w0).max()) + 1  # host int: the widest window of the group
     win_idx = (w0.view(-1, 1) + torch.arange(width, device=device)).view(1, b, -1).expand(s, -1, -1)  # [s, B, W]
     win_valid = win_idx <= last.view(1, -1, 1)
     idx = torch.cat([sink_idx, sel_idx, win_idx], dim=-1)  # [s, B, L]
@@ -300,13 +325,16 @@ def _final_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
 
 def sparse_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
                      plan: LayerPlan, last_keep: int, rotate: Rotate, masks: MaskCache | None = None,
-                     due: list[bool] | None = None) -> torch.Tensor:
+                     due: list[bool] | None = None, table: tuple[torch.Tensor, torch.Tensor] | None = None
+                     ) -> torch.Tensor:
     """InfiniteHiP attention of the last `q` entries' queries over all `n` entries.
 
     query [h, q, d] (un-rotated), keys/values [kv, n, d] (keys un-rotated); the queries are the
     last `q` positions `n-q .. n-1`. `last_keep` is the last stage's token count for this layer.
     With `masks` (decoding, q == 1) each stage is reused unless `due`; the window then starts where
     it started when stage 1 last ran, so no key falls between the selection and the window.
+    With a RoPE `table` (cos, sin) [P, d] covering every position used, the scan and the attention
+    run in Triton (`kvpot.kernels.hip`); sizes come from the host, so nothing waits for the device.
     Returns [h, q, d].
     """
     h, q, d = query.shape
@@ -322,6 +350,8 @@ def sparse_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     per_block = max(kv * (h // kv) * rows * max(candidates, 1),
                     kv * (plan.sink + last_keep + plan.window + rows) * d * max(s, 1))
     group = max(1, MAX_ELEMENTS // per_block)
+    if table is not None:  # the kernels never materialise per-block scores or gathered keys
+        group = blocks
     outputs = []
     for first in range(0, blocks, group):
         last_block = min(blocks, first + group)
@@ -332,20 +362,31 @@ def sparse_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
         positions = offset + lo + torch.arange(nb * rows, device=keys.device).view(nb, rows)  # [B, R]
         rows_valid = positions < n
         positions = positions.clamp(max=n - 1)
-        start = positions[:, 0]
-        window_start = (start + 1 - plan.window).clamp(min=plan.sink)  # [B]
+        block_starts = [offset + lo + i * rows for i in range(nb)]  # host copies of positions[:, 0]
+        window_starts = tuple(max(plan.sink, t + 1 - plan.window) for t in block_starts)
+        window_start = (positions[:, 0] + 1 - plan.window).clamp(min=plan.sink)  # [B]
         if masks is not None and masks.stages and not due[0] and masks.stages[0] is not None:
-            window_start = masks.stages[0].window_start
+            window_start, window_starts = masks.stages[0].window_start, masks.stages[0].window_starts
+        width = max(min(t + rows - 1, n - 1) - w + 1 for t, w in zip(block_starts, window_starts))
         grouped = block_q.view(kv, h // kv, nb, rows, d)  # [kv, g, B, R, d]
         cached = masks.stages if masks is not None and masks.stages else None
         outputs_by_stage = prune(grouped, rows_valid, keys, plan, last_keep, positions, window_start, rotate,
-                                 cached, due)
+                                 cached, due, window_starts, table)
         if masks is not None:
             masks.recomputed.append([i for i, out in enumerate(outputs_by_stage)
                                      if cached is None or out is not cached[i]])
             masks.stages = outputs_by_stage
-        out = _final_attention(block_q.permute(1, 0, 2, 3), keys, values, scaling, outputs_by_stage[-1],
-                               plan.stages[-1].chunk, plan, positions, rows_valid, rotate)  # [B, h, R, d]
+        selection, chunk = outputs_by_stage[-1], plan.stages[-1].chunk
+        if table is not None:
+            from kvpot.kernels import hip
+
+            out = hip.sparse_attention(query[:, lo:hi], keys, values, scaling, selection.starts, selection.ends,
+                                       chunk, window_start, width, plan.sink, rows,
+                                       plan.final_rope == "streaming", *table, offset=offset + lo)  # [h, hi - lo, d]
+            outputs.append(out)
+            continue
+        out = _final_attention(block_q.permute(1, 0, 2, 3), keys, values, scaling, selection, chunk, plan,
+                               positions, rows_valid, rotate, width)  # [B, h, R, d]
         outputs.append(out.permute(1, 0, 2, 3).reshape(h, nb * rows, d)[:, : hi - lo])
     return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
 

@@ -64,6 +64,11 @@ class InfiniteHiP(Method):
     kvpot halves every defaulted one of them until it fits (logged once), so streaming positions
     stay inside the window; values given explicitly are never changed.
 
+    Kernels: `kernels="auto"` runs the stage scan and the sparse attention as Triton kernels
+    (`kvpot.kernels.hip`) on CUDA when Triton is installed and the model's RoPE has a fixed cos/sin
+    table (every variant but `dynamic`/`longrope`), and the PyTorch reference otherwise;
+    `"triton"` insists (an error where they cannot run), `"torch"` always uses the reference.
+
     Bound: none on the cache (everything is kept; the KV cache grows with the input, as in the
     paper without offloading); attention reads at most sink + window + early_keep + block keys per
     query block.
@@ -84,6 +89,7 @@ class InfiniteHiP(Method):
     selection: str = "shared"
     refresh: tuple[int, ...] | str = (32, 16, 8)
     chunk_size: int = 2048
+    kernels: str = "auto"
 
     def __post_init__(self):
         self.chunks = _ints(self.chunks, "chunks")
@@ -107,6 +113,8 @@ class InfiniteHiP(Method):
             raise KvpotError(f"infinitehip: rope must be 'dynamic', 'relative' or 'absolute', not {self.rope!r}.")
         if self.selection not in ("shared", "head"):
             raise KvpotError(f"infinitehip: selection must be 'shared' or 'head', not {self.selection!r}.")
+        if self.kernels not in ("auto", "triton", "torch"):
+            raise KvpotError(f"infinitehip: kernels must be 'auto', 'triton' or 'torch', not {self.kernels!r}.")
         self._announced: int | None = None
 
     # ------------------------------------------------------------------ sizes
@@ -159,7 +167,7 @@ class InfiniteHiP(Method):
     # ------------------------------------------------------------------ engine hooks
     def begin(self, cache, setup: Setup) -> None:
         plans, last = self.plans(len(cache.layers), getattr(setup.config, "max_position_embeddings", None))
-        cache.attention = HipRuntime(plans, last, self.refresh, cache.rope)
+        cache.attention = HipRuntime(plans, last, self.refresh, cache.rope, self.kernels)
 
     def before_forward(self, cache, step: Step) -> None:
         cache.attention.decoding = step.phase == "decode"
@@ -173,14 +181,29 @@ class InfiniteHiP(Method):
 class HipRuntime:
     """The sparse attention a `PotCache` calls instead of dense attention, with its decoding state."""
 
-    def __init__(self, plans: list[LayerPlan], last_keep: list[int], refresh: tuple[int, ...], rope: Rope):
+    def __init__(self, plans: list[LayerPlan], last_keep: list[int], refresh: tuple[int, ...], rope: Rope,
+                 kernels: str = "auto"):
         self.plans, self.last_keep, self.refresh, self.rope = plans, last_keep, refresh, rope
+        self.kernels = kernels
         self.masks = [MaskCache() for _ in plans]
         self.step = 0  # decoding steps taken
         self.decoding = False
 
+    def table(self, like: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The RoPE table for the Triton kernels, or None where the reference must run."""
+        if self.kernels == "torch":
+            return None
+        from kvpot import kernels
+
+        table = self.rope.table(length, like) if kernels.available(like.device) else None
+        if table is None and self.kernels == "triton":
+            reason = ("this RoPE variant has no fixed table" if kernels.available(like.device)
+                      else f"Triton kernels do not run on {like.device.type} (CUDA and Triton are needed)")
+            raise KvpotError(f"infinitehip: kernels='triton' but {reason}; use kernels='auto' or 'torch'.")
+        return table
+
     def clone(self) -> HipRuntime:
-        twin = HipRuntime(self.plans, self.last_keep, self.refresh, self.rope)
+        twin = HipRuntime(self.plans, self.last_keep, self.refresh, self.rope, self.kernels)
         twin.masks = [m.clone() for m in self.masks]
         twin.step, twin.decoding = self.step, self.decoding
         return twin
@@ -202,5 +225,6 @@ class HipRuntime:
             query[0], key[0], value[0], scaling, self.plans[idx], self.last_keep[idx], rotate,
             masks=self.masks[idx] if decoding else None,
             due=refresh_due(self.step, self.refresh) if decoding else None,
+            table=self.table(query, bound + 1),
         )  # [heads, q, d]
         return out.unsqueeze(0)

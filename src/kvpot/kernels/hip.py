@@ -1,0 +1,357 @@
+"""Triton kernels for InfiniteHiP (Lee et al. 2025): the stage scan and the block-sparse attention.
+
+`kvpot.sparse` is the reference these kernels must match (tests/test_kernels.py checks them over a
+named list of shapes). Both kernels read un-rotated keys `[kv_heads, n, d]` straight from the
+cache and apply RoPE while loading, from the model's cos/sin table `[positions, d]`, so no rotated
+copy of the context is ever written. GQA is read per KV head: the `g` query heads of a group are
+the rows of one program, so each key is loaded once per group.
+
+- `stage_scan`: for every (query block, selection head, candidate chunk), Algorithm 3's halving
+  search for the chunk's representative key and that key's score (max over the block's queries
+  and each group's heads; with a shared selection, also over KV heads). Candidate ranges end
+  before the block's window starts, so they are causal for every query of the block and need no
+  diagonal mask.
+- `sparse_attention`: exact softmax attention of each block's queries over sinks + the last
+  stage's selected ranges + the window, with streaming positions (Sec. 4 "Dynamic RoPE") or true
+  ones. The keys a block reads are a virtual list — sinks, then the selected ranges, then the
+  window — that each program indexes arithmetically, so nothing is gathered beforehand. Long
+  lists (decoding) are split across programs FlashDecoding-style and merged by `_merge_kernel`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+STYLES = {"absolute": 0, "relative": 1, "chunk": 2}
+LOG2E = 1.4426950408889634
+
+
+# ---------------------------------------------------------------------------- stage scan
+
+
+@triton.jit
+def _key_scores(Q, K, COS, SIN, idx, side, offs_c, c_ok, rows, row_ok, b, s, N,
+                stride_qh, stride_qb, stride_qm, stride_kh, stride_kn, stride_t, KV: tl.constexpr,
+                SHARED: tl.constexpr, STYLE: tl.constexpr, HALF: tl.constexpr, IEEE: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Scores [BLOCK_C] of keys `idx`: max over valid rows (and over KV heads when SHARED)."""
+    dh = tl.arange(0, HALF)
+    key = tl.minimum(tl.maximum(idx, 0), N - 1)  # empty ranges point anywhere: keep loads in bounds
+    if STYLE == 0:  # absolute: the key at its own position
+        pos = key
+    elif STYLE == 1:  # relative: left half's key at 0, right half's at 1
+        pos = tl.zeros_like(key) + side
+    else:  # chunk-indexed: the key at its candidate's index
+        pos = offs_c.to(tl.int64)
+    t_ptr = pos[:, None] * stride_t + dh[None, :]
+    cos1 = tl.load(COS + t_ptr, mask=c_ok[:, None], other=0.0).to(tl.float32)
+    cos2 = tl.load(COS + t_ptr + HALF, mask=c_ok[:, None], other=0.0).to(tl.float32)
+    sin1 = tl.load(SIN + t_ptr, mask=c_ok[:, None], other=0.0).to(tl.float32)
+    sin2 = tl.load(SIN + t_ptr + HALF, mask=c_ok[:, None], other=0.0).to(tl.float32)
+    best = tl.full([BLOCK_C], float("-inf"), tl.float32)
+    for i in range(KV if SHARED else 1):  # a loop over KV heads (KV is a compile-time constant)
+        h = i if SHARED else s
+        k_ptr = K + h * stride_kh + key[:, None] * stride_kn + dh[None, :]
+        k1 = tl.load(k_ptr, mask=c_ok[:, None], other=0.0).to(tl.float32)  # [BLOCK_C, HALF]
+        k2 = tl.load(k_ptr + HALF, mask=c_ok[:, None], other=0.0).to(tl.float32)
+        r1 = (k1 * cos1 - k2 * sin1).to(Q.dtype.element_ty)  # rotate_half: (-x2, x1)
+        r2 = (k2 * cos2 + k1 * sin2).to(Q.dtype.element_ty)
+        q_ptr = Q + h * stride_qh + b * stride_qb + rows[:, None] * stride_qm + dh[None, :]
+        q1 = tl.load(q_ptr, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HALF]
+        q2 = tl.load(q_ptr + HALF, mask=row_ok[:, None], other=0.0)
+        if IEEE:
+            sc = tl.dot(q1, tl.trans(r1), input_precision="ieee") + tl.dot(q2, tl.trans(r2), input_precision="ieee")
+        else:
+            sc = tl.dot(q1, tl.trans(r1)) + tl.dot(q2, tl.trans(r2))  # [BLOCK_M, BLOCK_C]
+        sc = tl.where(row_ok[:, None], sc, float("-inf"))
+        best = tl.maximum(best, tl.max(sc, axis=0))
+    return best
+
+
+@triton.jit
+def _scan_kernel(
+    Q,  # [KV, B, M, D] rotated queries of each block (M = group heads x block rows)
+    K,  # [KV, N, D] un-rotated keys
+    COS, SIN,  # [P, D] RoPE table
+    STARTS, ENDS,  # [S, B, C] int64 candidate ranges [start, end); empty = padding
+    ROWS_VALID,  # [B, R] int8: 1 where the block's row is a real query
+    REP,  # [S, B, C] int64 out: representative key of each range
+    SCORE,  # [S, B, C] float32 out: its score (-inf for empty ranges)
+    N, B, C, M, R,
+    stride_qh, stride_qb, stride_qm, stride_kh, stride_kn, stride_t,
+    KV: tl.constexpr,  # KV heads
+    STEPS: tl.constexpr,  # ceil(log2(chunk)) halvings
+    SHARED: tl.constexpr, STYLE: tl.constexpr, HALF: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    s = pid // B
+    b = pid % B
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = offs_c < C
+    base = (s * B + b) * C
+    left = tl.load(STARTS + base + offs_c, mask=c_ok, other=0)
+    right = tl.load(ENDS + base + offs_c, mask=c_ok, other=0)
+    valid = left < right
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    row_ok = row_ok & (tl.load(ROWS_VALID + b * R + rows % R, mask=row_ok, other=0) != 0)
+    for _ in range(STEPS):
+        active = right - left > 1
+        center = (left + right) // 2
+        score_l = _key_scores(Q, K, COS, SIN, (left + center) // 2, 0, offs_c, c_ok, rows, row_ok, b, s, N,
+                              stride_qh, stride_qb, stride_qm, stride_kh, stride_kn, stride_t, KV,
+                              SHARED, STYLE, HALF, IEEE, BLOCK_M, BLOCK_C)
+        score_r = _key_scores(Q, K, COS, SIN, (center + right) // 2, 1, offs_c, c_ok, rows, row_ok, b, s, N,
+                              stride_qh, stride_qb, stride_qm, stride_kh, stride_kn, stride_t, KV,
+                              SHARED, STYLE, HALF, IEEE, BLOCK_M, BLOCK_C)
+        go_left = score_l >= score_r
+        right = tl.where(active & go_left, center, right)
+        left = tl.where(active & (score_l < score_r), center, left)
+    final = _key_scores(Q, K, COS, SIN, left, 0, offs_c, c_ok, rows, row_ok, b, s, N,
+                        stride_qh, stride_qb, stride_qm, stride_kh, stride_kn, stride_t, KV,
+                        SHARED, STYLE, HALF, IEEE, BLOCK_M, BLOCK_C)
+    tl.store(REP + base + offs_c, left, mask=c_ok)
+    tl.store(SCORE + base + offs_c, tl.where(valid, final, float("-inf")), mask=c_ok)
+
+
+def stage_scan(queries: torch.Tensor, rows_valid: torch.Tensor, keys: torch.Tensor, starts: torch.Tensor,
+               ends: torch.Tensor, chunk: int, style: str, shared: bool, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Representatives and scores of candidate ranges; the kernel form of `sparse.halving_search`.
+
+    queries [kv, g, B, R, d] already rotated for the stage; rows_valid [B, R]; keys [kv, n, d]
+    un-rotated; starts/ends [s, B, C] long; cos/sin [P, d]. Returns rep [s, B, C] long and score
+    [s, B, C] float32.
+    """
+    kv, g, b, r, d = queries.shape
+    s, _, c = starts.shape
+    m = g * r
+    q = queries.permute(0, 2, 1, 3, 4).reshape(kv, b, m, d)  # [KV, B, M, D]
+    if keys.stride(-1) != 1:
+        keys = keys.contiguous()
+    starts, ends = starts.contiguous(), ends.contiguous()
+    rep = torch.empty_like(starts)
+    score = torch.empty(starts.shape, dtype=torch.float32, device=starts.device)
+    block_m = max(16, triton.next_power_of_2(m))
+    block_c = 32 if block_m >= 128 else 64
+    grid = (s * b, triton.cdiv(c, block_c))
+    _scan_kernel[grid](
+        q, keys, cos, sin, starts, ends, rows_valid.to(torch.int8).contiguous(), rep, score,
+        keys.shape[1], b, c, m, r,
+        q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), cos.stride(0),
+        KV=kv, STEPS=max(0, math.ceil(math.log2(chunk))), SHARED=shared, STYLE=STYLES[style], HALF=d // 2,
+        IEEE=q.dtype == torch.float32, BLOCK_M=block_m, BLOCK_C=block_c,
+        num_warps=8 if block_m >= 128 else 4,
+    )
+    return rep, score
+
+
+# ---------------------------------------------------------------------------- attention
+
+
+@triton.jit
+def _attention_kernel(
+    Q,  # [B, KV, M, D] un-rotated queries (M = group heads x block rows; row m is query m % R)
+    K, V,  # [KV, N, D] keys (un-rotated) and values
+    COS, SIN,  # [P, D] RoPE table
+    STARTS, ENDS, SELBASE,  # [S, B, C] int64 selected ranges and each one's first streaming position
+    W0, NSINK,  # [B] int64 window start and number of sinks in use
+    BASE,  # [S, B] int64 streaming position of the window's first key
+    OUT,  # [SPLITS, B, KV, M, D] (float32 when SPLITS > 1, else the query dtype)
+    LSE,  # [SPLITS, B, KV, M] float32 log2-sum-exp of each split's scores
+    N, B, KV, M, R, C, offset, scale,  # offset: position of query 0; scale: softmax scale
+    SINK, SEG2, TOTAL, PER_SPLIT,  # virtual key list: [0, SINK) sinks, [SINK, SEG2) selected, [SEG2, TOTAL) window
+    stride_qb, stride_qh, stride_qm, stride_kh, stride_kn, stride_vh, stride_vn, stride_t,
+    stride_os, stride_ob, stride_oh, stride_om,
+    CH: tl.constexpr,  # tokens per selected range
+    SHARED: tl.constexpr, STREAMING: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr,
+    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    tiles = tl.cdiv(M, BLOCK_M)
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    mt = pid % tiles
+    h = (pid // tiles) % KV
+    b = pid // (tiles * KV)
+    s = 0 if SHARED else h
+    dh = tl.arange(0, HALF)
+    rows = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+    t = offset + b * R + rows % R  # true position of each row's query
+    row_ok = (rows < M) & (t < N)
+    w0 = tl.load(W0 + b)
+    nsink = tl.load(NSINK + b)
+    base = tl.load(BASE + s * B + b)
+    last = tl.minimum(offset + b * R + R - 1, N - 1)  # the block's last query
+    sel = (s * B + b) * C
+
+    # queries rotated at their (streaming or true) positions, scaled for exp2
+    qpos = base + (t - w0) if STREAMING else t
+    qpos = tl.where(row_ok, qpos, 0)
+    q_ptr = Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + dh[None, :]
+    q1 = tl.load(q_ptr, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    q2 = tl.load(q_ptr + HALF, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    qt = qpos[:, None] * stride_t + dh[None, :]
+    c1 = tl.load(COS + qt).to(tl.float32)
+    c2 = tl.load(COS + qt + HALF).to(tl.float32)
+    s1 = tl.load(SIN + qt).to(tl.float32)
+    s2 = tl.load(SIN + qt + HALF).to(tl.float32)
+    qk = scale * 1.4426950408889634
+    q1, q2 = ((q1 * c1 - q2 * s1) * qk).to(Q.dtype.element_ty), ((q2 * c2 + q1 * s2) * qk).to(Q.dtype.element_ty)
+
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a split with every key masked stays NaN-free
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc1 = tl.zeros([BLOCK_M, HALF], tl.float32)
+    acc2 = tl.zeros([BLOCK_M, HALF], tl.float32)
+    lo = split * PER_SPLIT
+    hi = tl.minimum(lo + PER_SPLIT, TOTAL)
+    for it in range(0, PER_SPLIT // BLOCK_N):  # PER_SPLIT is a multiple of BLOCK_N; `hi` masks the tail
+        u = lo + it * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_range = u < hi
+        in_sink = in_range & (u < SINK)
+        in_sel = in_range & (u >= SINK) & (u < SEG2)
+        in_win = in_range & (u >= SEG2)
+        v = tl.where(in_sel, u - SINK, 0)
+        j = v // CH
+        o = v % CH
+        st = tl.load(STARTS + sel + j, mask=in_sel, other=0)
+        en = tl.load(ENDS + sel + j, mask=in_sel, other=0)
+        sb = tl.load(SELBASE + sel + j, mask=in_sel, other=0)
+        key_w = w0 + (u - SEG2)
+        key = tl.where(in_sink, u, tl.where(in_sel, st + o, key_w))
+        ok = (in_sink & (u < nsink)) | (in_sel & (st + o < en)) | (in_win & (key_w <= last))
+        ok = ok & (key < N)
+        if STREAMING:
+            pos = tl.where(in_sink, u, tl.where(in_sel, sb + o, base + (key_w - w0)))
+        else:
+            pos = key
+        key = tl.where(ok, key, 0)
+        pos = tl.where(ok, pos, 0)
+        kt = pos[:, None] * stride_t + dh[None, :]
+        k_ptr = K + h * stride_kh + key[:, None] * stride_kn + dh[None, :]
+        k1 = tl.load(k_ptr, mask=ok[:, None], other=0.0).to(tl.float32)  # [BLOCK_N, HALF]
+        k2 = tl.load(k_ptr + HALF, mask=ok[:, None], other=0.0).to(tl.float32)
+        kc1 = tl.load(COS + kt, mask=ok[:, None], other=0.0).to(tl.float32)
+        kc2 = tl.load(COS + kt + HALF, mask=ok[:, None], other=0.0).to(tl.float32)
+        ks1 = tl.load(SIN + kt, mask=ok[:, None], other=0.0).to(tl.float32)
+        ks2 = tl.load(SIN + kt + HALF, mask=ok[:, None], other=0.0).to(tl.float32)
+        r1 = (k1 * kc1 - k2 * ks1).to(Q.dtype.element_ty)
+        r2 = (k2 * kc2 + k1 * ks2).to(Q.dtype.element_ty)
+        if IEEE:
+            sc = tl.dot(q1, tl.trans(r1), input_precision="ieee") + tl.dot(q2, tl.trans(r2), input_precision="ieee")
+        else:
+            sc = tl.dot(q1, tl.trans(r1)) + tl.dot(q2, tl.trans(r2))  # [BLOCK_M, BLOCK_N], log2 units
+        allowed = ok[None, :] & (key[None, :] <= t[:, None])
+        sc = tl.where(allowed, sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(sc - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v_ptr = V + h * stride_vh + key[:, None] * stride_vn + dh[None, :]
+        v1 = tl.load(v_ptr, mask=ok[:, None], other=0.0)
+        v2 = tl.load(v_ptr + HALF, mask=ok[:, None], other=0.0)
+        pv = p.to(V.dtype.element_ty)
+        if IEEE:
+            acc1 = acc1 * alpha[:, None] + tl.dot(pv, v1, input_precision="ieee")
+            acc2 = acc2 * alpha[:, None] + tl.dot(pv, v2, input_precision="ieee")
+        else:
+            acc1 = acc1 * alpha[:, None] + tl.dot(pv, v1)
+            acc2 = acc2 * alpha[:, None] + tl.dot(pv, v2)
+        m_i = m_new
+
+    safe = tl.where(l_i > 0, l_i, 1.0)
+    o_ptr = OUT + split * stride_os + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + dh[None, :]
+    tl.store(o_ptr, (acc1 / safe[:, None]).to(OUT.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(o_ptr + HALF, (acc2 / safe[:, None]).to(OUT.dtype.element_ty), mask=row_ok[:, None])
+    if SPLIT:
+        lse = tl.where(l_i > 0, m_i + tl.log2(safe), float("-inf"))
+        lse_ptr = LSE + split * (B * KV * M) + (b * KV + h) * M + rows
+        tl.store(lse_ptr, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_kernel(
+    PART,  # [SPLITS, ROWS, D] float32 normalised partial outputs
+    LSE,  # [SPLITS, ROWS] float32
+    OUT,  # [ROWS, D] output dtype
+    ROWS, SPLITS, D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    row = tl.program_id(0)
+    sp = tl.arange(0, BLOCK_S)
+    dd = tl.arange(0, D)
+    lse = tl.load(LSE + sp * ROWS + row, mask=sp < SPLITS, other=float("-inf"))  # [BLOCK_S]
+    top = tl.max(lse, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    w = tl.exp2(lse - top)
+    part = tl.load(PART + (sp[:, None] * ROWS + row) * D + dd[None, :], mask=(sp < SPLITS)[:, None], other=0.0)
+    total = tl.sum(w, axis=0)
+    out = tl.sum(part * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(OUT + row * D + dd, out.to(OUT.dtype.element_ty))
+
+
+def sparse_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
+                     starts: torch.Tensor, ends: torch.Tensor, chunk: int, window_start: torch.Tensor,
+                     window_width: int, sink: int, rows: int, streaming: bool, cos: torch.Tensor,
+                     sin: torch.Tensor, splits: int | None = None, offset: int | None = None) -> torch.Tensor:
+    """Attention of the last `q` queries over sinks + selected ranges + window; kernel form of
+    `sparse._final_attention`.
+
+    query [h, q, d] un-rotated, at positions offset .. offset + q - 1 (default: the last q of the
+    n keys), in blocks of `rows` (the last may be partial); keys/values [kv, n, d]; starts/ends
+    [s, B, C] the last stage's ranges (at most `chunk` keys each); window_start [B] long;
+    window_width a host bound on any block's window (last query - window start + 1); cos/sin
+    [P, d]. `splits` divides each block's key list across programs (default: enough to fill the
+    GPU). Returns [h, q, d].
+    """
+    h, q, d = query.shape
+    kv, n = keys.shape[0], keys.shape[1]
+    g = h // kv
+    b = math.ceil(q / rows)
+    s, c = starts.shape[0], starts.shape[2]
+    m = g * rows
+    pad = b * rows - q
+    qb = torch.nn.functional.pad(query, (0, 0, 0, pad)) if pad else query
+    qb = qb.view(kv, g, b, rows, d).permute(2, 0, 1, 3, 4).reshape(b, kv, m, d)  # [B, KV, M, D]
+    lengths = (ends - starts).clamp(min=0)  # [s, B, C]
+    nsink = window_start.clamp(max=sink)  # [B]
+    selbase = nsink.view(1, -1, 1) + lengths.cumsum(-1) - lengths
+    base = nsink.view(1, -1) + lengths.sum(-1)  # [s, B]
+    if keys.stride(-1) != 1 or values.stride(-1) != 1:
+        keys, values = keys.contiguous(), values.contiguous()
+    seg2 = sink + c * chunk
+    total = seg2 + window_width
+    block_m = 16 if m <= 16 else 64
+    tiles = triton.cdiv(m, block_m)
+    block_n = 64
+    programs = b * kv * tiles
+    if splits is None:  # enough programs to fill the GPU when there are few query blocks (decoding)
+        splits = max(1, min(triton.cdiv(264, programs), triton.cdiv(total, 4 * block_n)))
+    per_split = triton.cdiv(triton.cdiv(total, splits), block_n) * block_n
+    splits = triton.cdiv(total, per_split)
+    if splits > 1:
+        out = torch.empty(splits, b, kv, m, d, dtype=torch.float32, device=query.device)
+        lse = torch.empty(splits, b, kv, m, dtype=torch.float32, device=query.device)
+    else:
+        out = torch.empty(1, b, kv, m, d, dtype=query.dtype, device=query.device)
+        lse = out  # unused
+    _attention_kernel[(programs, splits)](
+        qb, keys, values, cos, sin, starts.contiguous(), ends.contiguous(), selbase.contiguous(),
+        window_start.contiguous(), nsink.contiguous(), base.contiguous(), out, lse,
+        n, b, kv, m, rows, c, n - q if offset is None else offset, scaling, sink, seg2, total, per_split,
+        qb.stride(0), qb.stride(1), qb.stride(2), keys.stride(0), keys.stride(1), values.stride(0),
+        values.stride(1), cos.stride(0), out.stride(0), out.stride(1), out.stride(2), out.stride(3),
+        CH=chunk, SHARED=s == 1, STREAMING=streaming, HALF=d // 2, SPLIT=splits > 1,
+        IEEE=query.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
+    )
+    if splits > 1:
+        merged = torch.empty(b, kv, m, d, dtype=query.dtype, device=query.device)
+        _merge_kernel[(b * kv * m,)](out, lse, merged, b * kv * m, splits, D=d,
+                                     BLOCK_S=max(2, triton.next_power_of_2(splits)))
+    else:
+        merged = out[0]
+    out = merged.view(b, kv, g, rows, d).permute(1, 2, 0, 3, 4).reshape(h, b * rows, d)
+    return out[:, :q]
