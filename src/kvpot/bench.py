@@ -550,9 +550,14 @@ def _bench_attention(config: BenchConfig, model_config, dtype, runs, results, pr
         samples = [1e6 * t for t in measurement.times]
         return 1e6 * measurement.median, samples
 
+    from kvpot.methods.infinitehip import InfiniteHiP
+
     # (label, function, cache entries at a length)
     entries = [("sdpa", dense, lambda n: n), ("kvpot", kvpot, lambda n: n)]
+    hip_runs = [run for run in runs if isinstance(run.method, InfiniteHiP)]
     for run in runs:
+        if run in hip_runs:
+            continue
         bound = run.method.max_entries()
         entries.append((run.label, kvpot, lambda n, b=bound: n if b is None else min(n, b)))
     with tqdm(total=len(entries) * len(config.lengths), unit="run", desc="bench attention",
@@ -583,6 +588,138 @@ def _bench_attention(config: BenchConfig, model_config, dtype, runs, results, pr
                 results["rows"].append(row)
                 _checkpoint(results, config.out)
                 bar.update()
+    for run in hip_runs:
+        _bench_hip_attention(config, run, model_config, dtype, results, progress)
+
+
+def _bench_hip_attention(config: BenchConfig, run, model_config, dtype, results, progress) -> None:
+    """InfiniteHiP's attention for one layer (the first that prunes with relative positions).
+
+    decode: the mean per step over one refresh period (every stage recomputed at its step 0, as
+    in steady decoding), timed eagerly (host launches included) and, on CUDA, as one CUDA-graph
+    replay of the whole period (device time only). prefill: one `--block` of queries at the end
+    of the context. Each with a profile of where the device time goes (scan / attention / other).
+    """
+    import math
+
+    import torch
+    from tqdm.auto import tqdm
+
+    from kvpot.methods.infinitehip import HipRuntime
+    from kvpot.positions import Rope
+    from kvpot.shapes import head_dim, rotary
+    from kvpot.sparse import MaskCache
+
+    heads, kv_heads, d = model_config.num_attention_heads, model_config.num_key_value_heads, head_dim(model_config)
+    device, scale = config.device, d ** -0.5
+    method = run.method
+    plans, last = method.plans(model_config.num_hidden_layers, getattr(model_config, "max_position_embeddings", None))
+    index = min(method.early_layers, len(plans) - 1)
+    runtime = HipRuntime(plans, last, method.refresh, Rope(rotary(config.shape, device)), method.kernels)
+    period = math.lcm(*method.refresh)
+    generator = torch.Generator(device=device).manual_seed(config.seed + 1)
+    cuda = device.startswith("cuda")
+
+    def rand(*size):
+        return torch.randn(*size, generator=generator, device=device, dtype=dtype)
+
+    def decode_period(q, k, v):
+        runtime.masks[index] = MaskCache()
+        for step in range(period):
+            runtime.step = step
+            runtime.attend(index, q, k, v, scale, decoding=True)
+
+    for length in tqdm(config.lengths, desc=f"bench attention {run.label}", disable=not progress):
+        row = {"method": run.label, "length": length, "cache_entries": length, "oom": False, "skipped": False,
+               "heads": heads, "kv_heads": kv_heads, "head_dim": d, "layer": index, "refresh_period": period,
+               "kernels": runtime.table(rand(1, 1, d), 2) is not None}
+        try:
+            k, v = rand(kv_heads, length, d), rand(kv_heads, length, d)
+            q1 = rand(heads, 1, d)
+            row["decode_us"] = _median_us(lambda: decode_period(q1, k, v), config.min_time) / period
+            row["decode_breakdown_us"] = _device_breakdown(lambda: decode_period(q1, k, v), device, period)
+            if cuda:
+                row["decode_graph_us"] = _graph_us(lambda: decode_period(q1, k, v)) / period
+            block = min(config.block, length)
+            qb = rand(heads, block, d)
+            row["prefill_us"] = _median_us(lambda: runtime.attend(index, qb, k, v, scale, decoding=False),
+                                           config.min_time)
+            row["prefill_breakdown_us"] = _device_breakdown(
+                lambda: runtime.attend(index, qb, k, v, scale, decoding=False), device, 1)
+            row["prefill_block"] = block
+            del k, v
+        except Exception as err:  # noqa: BLE001
+            if not _is_oom(err):
+                raise
+            row["oom"], row["error"] = True, (str(err).splitlines() or [type(err).__name__])[0][:300]
+        _free(device)
+        results["rows"].append(row)
+        _checkpoint(results, config.out)
+
+
+def _median_us(fn, min_time: float) -> float:
+    """Median µs of `fn()` (host clock, synchronised: launches included), after one warm-up call."""
+    import torch
+    from torch.utils import benchmark
+
+    fn()
+    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    return 1e6 * timer.blocked_autorange(min_run_time=min_time).median
+
+
+def _graph_us(fn, replays: int = 20) -> float:
+    """Median µs of one CUDA-graph replay of `fn` (captured after a warm-up on a side stream)."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(1000 * start.elapsed_time(end))
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+def _device_breakdown(fn, device: str, per: int) -> dict | None:
+    """Device µs per call (divided by `per`) by kind of kernel: InfiniteHiP's scan and attention
+    kernels, and the rest (top-k, sort, gathers, small index ops); plus the kernel count.
+    None without CUDA."""
+    if not device.startswith("cuda"):
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        _sync(device)
+    parts = {"scan": 0.0, "attention": 0.0, "other": 0.0}
+    count = 0
+    for e in prof.events():
+        if not str(getattr(e, "device_type", "")).endswith("CUDA"):
+            continue
+        count += 1
+        if "_scan_kernel" in e.name:
+            kind = "scan"
+        elif "_attention_kernel" in e.name or "_merge_kernel" in e.name:
+            kind = "attention"
+        else:
+            kind = "other"
+        parts[kind] += float(e.device_time_total or 0.0)
+    return {**{k: v / per for k, v in parts.items()}, "kernels": count / per}
 
 
 # ---------------------------------------------------------------------------- reports
@@ -619,6 +756,7 @@ _COLUMNS = {
                ("max KV entries", "max_kv_entries", lambda v: f"{v:,}")],
     "attention": [("cache entries", "cache_entries", lambda v: f"{v:,}"),
                   ("decode µs", "decode_us", lambda v: f"{v:,.1f}"),
+                  ("decode µs (graph)", "decode_graph_us", lambda v: f"{v:,.1f}"),
                   ("prefill µs (block)", "prefill_us", lambda v: f"{v:,.1f}")],
 }
 
@@ -649,7 +787,9 @@ def summary_markdown(results: dict) -> str:
                   "`floor` = one-token forward without a cache.",
         "attention": "One layer's attention per call (median): decode = 1 query row, prefill = a block of query "
                      "rows, over a cache of `cache entries` per KV head. Methods: kvpot attention over the cache "
-                     "each method holds.",
+                     "each method holds; InfiniteHiP: its sparse attention over the whole cache, decode = mean "
+                     "per step over one refresh period, `graph` = the period replayed as one CUDA graph "
+                     "(device time, no launch overhead).",
     }[results["mode"]]
     parts = [
         f"# kvpot bench {results['mode']}: {shape['name']}",

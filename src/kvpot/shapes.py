@@ -153,6 +153,20 @@ def count_parameters(shape: Shape) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def rotary(name: str, device: str = "cpu"):
+    """The rotary-embedding module of shape `name`'s model, without building the model's weights
+    (the model is made on the meta device only to find which module class it uses)."""
+    import torch
+
+    from kvpot.models import rotary_embedding
+
+    shape = get_shape(name)
+    with torch.device("meta"):
+        model = model_class(shape)(shape.config())
+    with torch.device(device):
+        return type(rotary_embedding(model))(shape.config())
+
+
 def build(name: str, device: str = "cpu", dtype=None, seed: int = 0):
     """A random-weight model of shape `name` on `device` in `dtype` (default: float32 on CPU,
     bfloat16 elsewhere), in eval mode. See the module docstring for how the init is skipped."""

@@ -212,19 +212,22 @@ class HipRuntime:
         """query [1, heads, q, d] un-rotated, key/value [1, kv_heads, n, d] (keys un-rotated)."""
         if query.shape[0] != 1:
             raise KvpotError("infinitehip runs one sequence at a time (batch 1).")
-        n = key.shape[2]
-        bound = n + self.plans[layer.layer_idx].window + 2  # above every position any style uses
+        decoding = self.decoding and query.shape[2] == 1
+        return self.attend(layer.layer_idx, query[0], key[0], value[0], scaling, decoding).unsqueeze(0)
+
+    def attend(self, index: int, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
+               decoding: bool) -> torch.Tensor:
+        """Layer `index`'s sparse attention: query [heads, q, d], keys/values [kv_heads, n, d] -> [heads, q, d].
+        Decoding (q == 1) reuses the layer's mask cache on the refresh schedule at `self.step`."""
+        bound = keys.shape[1] + self.plans[index].window + 2  # above every position any style uses
 
         def rotate(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
             cos, sin = self.rope.cos_sin(positions, x, bound)
             return x * cos + rotate_half(x) * sin
 
-        idx = layer.layer_idx
-        decoding = self.decoding and query.shape[2] == 1
-        out = sparse_attention(
-            query[0], key[0], value[0], scaling, self.plans[idx], self.last_keep[idx], rotate,
-            masks=self.masks[idx] if decoding else None,
+        return sparse_attention(
+            query, keys, values, scaling, self.plans[index], self.last_keep[index], rotate,
+            masks=self.masks[index] if decoding else None,
             due=refresh_due(self.step, self.refresh) if decoding else None,
             table=self.table(query, bound + 1),
-        )  # [heads, q, d]
-        return out.unsqueeze(0)
+        )

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Issue 9 on one H100: the Triton kernels' tests, then one layer's attention (llama3-8b shape) for InfiniteHiP
+# vs dense SDPA at 128K/512K/1M (decode over a refresh period; prefill = one 2,048-query chunk), the PyTorch
+# reference path at 128K for comparison, and end-to-end llama3.2-1b at 1M.
+# Run from the repository root:  OUT=/tmp/out bash benchmarks/infinitehip-kernels-h100/run.sh [PARTS]
+# PARTS (default "tests attention reference e2e") picks what runs.
+set -uo pipefail
+parts=${1:-tests attention reference e2e}
+export PYTHONPATH=$PWD/src
+out=${OUT:?set OUT}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+if [[ $parts == *tests* ]]; then
+  timeout 300 python -m pytest -q -x -p no:cacheprovider tests/test_kernels.py 2>&1 | tail -n 15 > "$out/tests.txt"
+  tail -n 5 "$out/tests.txt"
+fi
+if [[ $parts == *attention* ]]; then
+  timeout 300 python -m kvpot bench attention --shape llama3-8b --method infinitehip --lengths 128k,512k,1m \
+    --block 2048 --device cuda --out "$out/attention" 2>&1 | grep -v "it/s\|run/s" | tail -n 20
+fi
+if [[ $parts == *reference* ]]; then
+  timeout 240 python -m kvpot bench attention --shape llama3-8b --method infinitehip:kernels=torch --lengths 128k \
+    --block 2048 --device cuda --out "$out/attention-torch" 2>&1 | grep -v "it/s\|run/s" | tail -n 12
+fi
+if [[ $parts == *e2e* ]]; then
+  timeout 400 python -m kvpot bench decode --shape llama3.2-1b --method infinitehip --lengths 1m --decode-steps 32 \
+    --device cuda --out "$out/e2e-1b" 2>&1 | grep -v "it/s\|run/s" | tail -n 12
+fi
+rm -f "$out"/*/*.png
