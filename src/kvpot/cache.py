@@ -101,7 +101,10 @@ class PotLayer(CacheLayerMixin):
         """Grow the buffers to hold `size` entries (bounded methods preallocate their bound)."""
         if size <= self.capacity:
             return
-        new_capacity = max(size, 2 * self.capacity)
+        # doubling amortises small caches; past 64K entries grow by an eighth, so a million-entry
+        # cache that decodes one more token does not ask for twice its memory
+        step = self.capacity if self.capacity < 65536 else self.capacity // 8
+        new_capacity = max(size, self.capacity + step)
         self.keys = _grow(self.keys, new_capacity, self.n)
         self.values = _grow(self.values, new_capacity, self.n)
         self.positions = _grow(self.positions, new_capacity, self.n)
