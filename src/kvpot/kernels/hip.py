@@ -138,7 +138,9 @@ def stage_scan(queries: torch.Tensor, rows_valid: torch.Tensor, keys: torch.Tens
     rep = torch.empty_like(starts)
     score = torch.empty(starts.shape, dtype=torch.float32, device=starts.device)
     block_m = max(16, triton.next_power_of_2(m))
-    block_c = 32 if block_m >= 128 else 64
+    block_c = 64
+    if s * b * triton.cdiv(c, block_c) < 264:  # few blocks (decoding): narrower tiles, more programs
+        block_c = 16
     grid = (s * b, triton.cdiv(c, block_c))
     _scan_kernel[grid](
         q, keys, cos, sin, starts, ends, rows_valid.to(torch.int8).contiguous(), rep, score,
@@ -147,6 +149,7 @@ def stage_scan(queries: torch.Tensor, rows_valid: torch.Tensor, keys: torch.Tens
         KV=kv, STEPS=max(0, math.ceil(math.log2(chunk))), SHARED=shared, STYLE=STYLES[style], HALF=d // 2,
         IEEE=q.dtype == torch.float32, BLOCK_M=block_m, BLOCK_C=block_c,
         num_warps=8 if block_m >= 128 else 4,
+        num_stages=1,  # the loops run over halvings and heads, each dependent on the last: nothing to pipeline
     )
     return rep, score
 
@@ -229,8 +232,7 @@ def _attention_kernel(
             pos = tl.where(in_sink, u, tl.where(in_sel, sb + o, base + (key_w - w0)))
         else:
             pos = key
-        key = tl.where(ok, key, 0)
-        pos = tl.where(ok, pos, 0)
+        # lanes that are not `ok` keep garbage indices: every load through them is masked
         kt = pos[:, None] * stride_t + dh[None, :]
         k_ptr = K + h * stride_kh + key[:, None] * stride_kn + dh[None, :]
         k1 = tl.load(k_ptr, mask=ok[:, None], other=0.0).to(tl.float32)  # [BLOCK_N, HALF]
