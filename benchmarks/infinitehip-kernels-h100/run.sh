@@ -10,7 +10,7 @@ export PYTHONPATH=$PWD/src
 out=${OUT:?set OUT}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 if [[ $parts == *tests* ]]; then
-  timeout 300 python -m pytest -q -x -p no:cacheprovider tests/test_kernels.py 2>&1 | tail -n 15 > "$out/tests.txt"
+  timeout 400 python -m pytest -q -p no:cacheprovider -rf --durations=5 tests/test_kernels.py 2>&1 | tail -n 40 > "$out/tests.txt"
   tail -n 5 "$out/tests.txt"
 fi
 if [[ $parts == *attention* ]]; then

@@ -93,6 +93,7 @@ class Selection:
     ends: torch.Tensor
     window_start: torch.Tensor
     window_starts: tuple[int, ...] = ()
+    memo: dict = field(default_factory=dict)  # what kernels derive from this selection, reused while cached
 
     def tokens(self, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Token indices [s, blocks, chunks * chunk] and their validity."""
@@ -367,7 +368,6 @@ def sparse_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
         window_start = (positions[:, 0] + 1 - plan.window).clamp(min=plan.sink)  # [B]
         if masks is not None and masks.stages and not due[0] and masks.stages[0] is not None:
             window_start, window_starts = masks.stages[0].window_start, masks.stages[0].window_starts
-        width = max(min(t + rows - 1, n - 1) - w + 1 for t, w in zip(block_starts, window_starts))
         grouped = block_q.view(kv, h // kv, nb, rows, d)  # [kv, g, B, R, d]
         cached = masks.stages if masks is not None and masks.stages else None
         outputs_by_stage = prune(grouped, rows_valid, keys, plan, last_keep, positions, window_start, rotate,
@@ -377,12 +377,15 @@ def sparse_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
                                      if cached is None or out is not cached[i]])
             masks.stages = outputs_by_stage
         selection, chunk = outputs_by_stage[-1], plan.stages[-1].chunk
+        # the widest window of the group, from the window the selection was made with
+        width = max(min(t + rows - 1, n - 1) - w + 1 for t, w in zip(block_starts, selection.window_starts))
         if table is not None:
             from kvpot.kernels import hip
 
             out = hip.sparse_attention(query[:, lo:hi], keys, values, scaling, selection.starts, selection.ends,
-                                       chunk, window_start, width, plan.sink, rows,
-                                       plan.final_rope == "streaming", *table, offset=offset + lo)  # [h, hi - lo, d]
+                                       chunk, selection.window_start, width, plan.sink, rows,
+                                       plan.final_rope == "streaming", *table, offset=offset + lo,
+                                       memo=selection.memo)  # [h, hi - lo, d]
             outputs.append(out)
             continue
         out = _final_attention(block_q.permute(1, 0, 2, 3), keys, values, scaling, selection, chunk, plan,

@@ -149,7 +149,9 @@ def stage_scan(queries: torch.Tensor, rows_valid: torch.Tensor, keys: torch.Tens
         KV=kv, STEPS=max(0, math.ceil(math.log2(chunk))), SHARED=shared, STYLE=STYLES[style], HALF=d // 2,
         IEEE=q.dtype == torch.float32, BLOCK_M=block_m, BLOCK_C=block_c,
         num_warps=8 if block_m >= 128 else 4,
-        num_stages=1,  # the loops run over halvings and heads, each dependent on the last: nothing to pipeline
+        # pipelining the head loop overlaps the heads' key loads; with wide blocks (prefill) or float32
+        # its buffers outgrow shared memory (434 KB asked for on an H100), and many programs hide latency
+        num_stages=1 if block_m >= 128 or q.dtype == torch.float32 else 3,
     )
     return rep, score
 
@@ -298,7 +300,8 @@ def _merge_kernel(
 def sparse_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
                      starts: torch.Tensor, ends: torch.Tensor, chunk: int, window_start: torch.Tensor,
                      window_width: int, sink: int, rows: int, streaming: bool, cos: torch.Tensor,
-                     sin: torch.Tensor, splits: int | None = None, offset: int | None = None) -> torch.Tensor:
+                     sin: torch.Tensor, splits: int | None = None, offset: int | None = None,
+                     memo: dict | None = None) -> torch.Tensor:
     """Attention of the last `q` queries over sinks + selected ranges + window; kernel form of
     `sparse._final_attention`.
 
@@ -307,7 +310,8 @@ def sparse_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     [s, B, C] the last stage's ranges (at most `chunk` keys each); window_start [B] long;
     window_width a host bound on any block's window (last query - window start + 1); cos/sin
     [P, d]. `splits` divides each block's key list across programs (default: enough to fill the
-    GPU). Returns [h, q, d].
+    GPU). `memo` (a dict kept with the selection) caches the per-range position offsets, which
+    only change when the selection does (decoding reuses them between refreshes). Returns [h, q, d].
     """
     h, q, d = query.shape
     kv, n = keys.shape[0], keys.shape[1]
@@ -318,10 +322,15 @@ def sparse_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     pad = b * rows - q
     qb = torch.nn.functional.pad(query, (0, 0, 0, pad)) if pad else query
     qb = qb.view(kv, g, b, rows, d).permute(2, 0, 1, 3, 4).reshape(b, kv, m, d)  # [B, KV, M, D]
-    lengths = (ends - starts).clamp(min=0)  # [s, B, C]
-    nsink = window_start.clamp(max=sink)  # [B]
-    selbase = nsink.view(1, -1, 1) + lengths.cumsum(-1) - lengths
-    base = nsink.view(1, -1) + lengths.sum(-1)  # [s, B]
+    if memo is not None and "selbase" in memo:
+        nsink, selbase, base = memo["nsink"], memo["selbase"], memo["base"]
+    else:
+        lengths = (ends - starts).clamp(min=0)  # [s, B, C]
+        nsink = window_start.clamp(max=sink)  # [B]
+        selbase = (nsink.view(1, -1, 1) + lengths.cumsum(-1) - lengths).contiguous()
+        base = (nsink.view(1, -1) + lengths.sum(-1)).contiguous()  # [s, B]
+        if memo is not None:
+            memo.update(nsink=nsink, selbase=selbase, base=base)
     if keys.stride(-1) != 1 or values.stride(-1) != 1:
         keys, values = keys.contiguous(), values.contiguous()
     seg2 = sink + c * chunk
@@ -341,8 +350,8 @@ def sparse_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
         out = torch.empty(1, b, kv, m, d, dtype=query.dtype, device=query.device)
         lse = out  # unused
     _attention_kernel[(programs, splits)](
-        qb, keys, values, cos, sin, starts.contiguous(), ends.contiguous(), selbase.contiguous(),
-        window_start.contiguous(), nsink.contiguous(), base.contiguous(), out, lse,
+        qb, keys, values, cos, sin, starts.contiguous(), ends.contiguous(), selbase,
+        window_start.contiguous(), nsink.contiguous(), base, out, lse,
         n, b, kv, m, rows, c, n - q if offset is None else offset, scaling, sink, seg2, total, per_split,
         qb.stride(0), qb.stride(1), qb.stride(2), keys.stride(0), keys.stride(1), values.stride(0),
         values.stride(1), cos.stride(0), out.stride(0), out.stride(1), out.stride(2), out.stride(3),
