@@ -208,19 +208,19 @@ def test_sparse_attention_kernel_matches_the_final_attention(shape, dtype, share
 @pytest.mark.parametrize("shape", SHAPES, ids=IDS)
 def test_kernel_path_equals_the_reference_path(shape):
     """`sparse_attention` with a RoPE table (scan + attention kernels) against the PyTorch path,
-    float32: same selection, same output, through three decoding steps of mask caching."""
+    float32: same selection, same output, through five decoding steps of mask caching."""
     _, n, q, kv, g, d, chunks, keep = shape
     plan = make_plan(chunks, keep, "chunk", True, rows=min(32, q))
     cos, sin = table(n + 8 + plan.window + 2, d, torch.float32)
     rotate = rotator(cos, sin)
-    query, keys, values = inputs(n + 3, q, kv, g, d, torch.float32, seed=11)
+    query, keys, values = inputs(n + 5, q, kv, g, d, torch.float32, seed=11)
     scaling = d ** -0.5
     ref = sparse_attention(query, keys[:, :n], values[:, :n], scaling, plan, keep[-1], rotate)
     out = sparse_attention(query, keys[:, :n], values[:, :n], scaling, plan, keep[-1], rotate, table=(cos, sin))
     assert rel_error(out, ref) < 1e-5
     masks_ref, masks_kernel = MaskCache(), MaskCache()
-    for step in range(3):  # decoding: stages cached between refreshes
-        due = refresh_due(step, (2, 1, 1)[: len(chunks)])
+    for step in range(5):  # decoding: stages cached between refreshes (steps 1, 2 and 4 recompute nothing)
+        due = refresh_due(step, (3, 3, 1)[: len(chunks) - 1] + (3,))
         m = n + step + 1
         one = query[:, -1:]
         ref = sparse_attention(one, keys[:, :m], values[:, :m], scaling, plan, keep[-1], rotate, masks_ref, due)

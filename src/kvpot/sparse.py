@@ -344,6 +344,8 @@ def sparse_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     offset = n - q
     if n - plan.window <= plan.sink and masks is None:  # not even the last query has a middle region: dense
         return _dense(query, keys, values, scaling, offset, rotate)
+    if table is not None and _all_cached(masks, due):
+        return _cached_decode(query, keys, values, scaling, plan, masks, table)
     rows = min(rows, q)  # decoding: one row, not a padded block
     blocks = math.ceil(q / rows)
     s = 1 if plan.shared else kv
@@ -392,6 +394,27 @@ def sparse_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
                                positions, rows_valid, rotate, width)  # [B, h, R, d]
         outputs.append(out.permute(1, 0, 2, 3).reshape(h, nb * rows, d)[:, : hi - lo])
     return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
+
+
+def _all_cached(masks: MaskCache | None, due: list[bool] | None) -> bool:
+    return bool(masks is not None and masks.stages and due is not None and not any(due)
+                and all(stage is not None for stage in masks.stages))
+
+
+def _cached_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, plan: LayerPlan,
+                   masks: MaskCache, table: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """A decoding step that recomputes no stage, on the kernels: one attention launch (and its
+    merge) over the cached selection, with no index arithmetic on the device (the general path
+    spends ~12 small launches there)."""
+    from kvpot.kernels import hip
+
+    selection = masks.stages[-1]
+    masks.recomputed.append([])
+    n = keys.shape[1]
+    width = n - selection.window_starts[0]  # the window runs from where it started to the query (n - 1)
+    return hip.sparse_attention(query, keys, values, scaling, selection.starts, selection.ends, plan.stages[-1].chunk,
+                                selection.window_start, width, plan.sink, 1, plan.final_rope == "streaming", *table,
+                                memo=selection.memo)
 
 
 def _dense(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, offset: int,
