@@ -10,7 +10,7 @@ export PYTHONPATH=$PWD/src
 out=${OUT:?set OUT}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 if [[ $parts == *tests* ]]; then
-  timeout 400 python -m pytest -q -p no:cacheprovider -rf --durations=5 tests/test_kernels.py 2>&1 | tail -n 40 > "$out/tests.txt"
+  timeout 300 python -m pytest -q -n 8 -p no:cacheprovider -rf tests/test_kernels.py 2>&1 | tail -n 40 > "$out/tests.txt"
   tail -n 5 "$out/tests.txt"
 fi
 if [[ $parts == *attention* ]]; then
@@ -22,7 +22,7 @@ if [[ $parts == *reference* ]]; then
     --block 2048 --device cuda --out "$out/attention-torch" 2>&1 | grep -v "it/s\|run/s" | tail -n 12
 fi
 if [[ $parts == *e2e* ]]; then
-  timeout 400 python -m kvpot bench decode --shape llama3.2-1b --method infinitehip --lengths 1m --decode-steps 32 \
+  timeout 280 python -m kvpot bench decode --shape llama3.2-1b --method infinitehip --lengths 1m --decode-steps 32 \
     --device cuda --out "$out/e2e-1b" 2>&1 | grep -v "it/s\|run/s" | tail -n 12
 fi
 rm -f "$out"/*/*.png
