@@ -238,7 +238,7 @@ def test_engine_with_kernels_generates_the_same_tokens(arch):
     import kvpot
     from conftest import VOCAB, build
 
-    model = build(arch).to(DEVICE)
+    model = build(arch, hidden_size=128, head_dim=32).to(DEVICE)  # the kernels need head dims >= 32
     torch.manual_seed(2)
     ids = torch.randint(3, VOCAB, (400,))
     out = {}
@@ -247,3 +247,20 @@ def test_engine_with_kernels_generates_the_same_tokens(arch):
                                    query_block=8, chunk_size=50, refresh=(4, 2, 1), kernels=kernels_choice)
         out[kernels_choice] = kvpot.Engine(model, method=method).generate_ids(ids, max_new_tokens=10).token_ids
     assert out["triton"] == out["torch"]
+
+
+def test_unsupported_head_dims_fall_back_or_refuse():
+    import kvpot
+    from conftest import VOCAB, build
+    from kvpot.errors import KvpotError
+
+    assert [d for d in (16, 24, 32, 48, 64, 96, 128, 256) if kernels.supports_head_dim(d)] == [32, 64, 128, 256]
+    model = build("llama3").to(DEVICE)  # head dim 16
+    ids = torch.randint(3, VOCAB, (200,))
+    settings = dict(sink=8, window=16, chunks=(32, 8, 2), keep=(64, 32, 16), early_keep=32, query_block=8, chunk_size=50)
+    auto = kvpot.Engine(model, method=kvpot.InfiniteHiP(**settings)).generate_ids(ids, max_new_tokens=3).token_ids
+    torch_path = kvpot.Engine(model, method=kvpot.InfiniteHiP(**settings, kernels="torch")).generate_ids(
+        ids, max_new_tokens=3).token_ids
+    assert auto == torch_path
+    with pytest.raises(KvpotError, match="head dim 16"):
+        kvpot.Engine(model, method=kvpot.InfiniteHiP(**settings, kernels="triton")).generate_ids(ids, max_new_tokens=1)

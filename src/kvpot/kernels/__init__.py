@@ -26,6 +26,13 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def supports_head_dim(head_dim: int) -> bool:
+    """The kernels split each head in two RoPE halves of a power-of-two width of at least 16 (the
+    smallest matrix-unit operand): head dims 32, 64, 128, 256."""
+    half = head_dim // 2
+    return head_dim % 2 == 0 and half >= 16 and half & (half - 1) == 0
+
+
 def available(device: torch.device | str) -> bool:
     """Whether kvpot's Triton kernels can run on tensors of `device`."""
     kind = torch.device(device).type

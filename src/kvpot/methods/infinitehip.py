@@ -195,10 +195,15 @@ class HipRuntime:
             return None
         from kvpot import kernels
 
-        table = self.rope.table(length, like) if kernels.available(like.device) else None
+        runnable = kernels.available(like.device) and kernels.supports_head_dim(like.shape[-1])
+        table = self.rope.table(length, like) if runnable else None
         if table is None and self.kernels == "triton":
-            reason = ("this RoPE variant has no fixed table" if kernels.available(like.device)
-                      else f"Triton kernels do not run on {like.device.type} (CUDA and Triton are needed)")
+            if not kernels.available(like.device):
+                reason = f"Triton kernels do not run on {like.device.type} (CUDA and Triton are needed)"
+            elif not kernels.supports_head_dim(like.shape[-1]):
+                reason = f"head dim {like.shape[-1]} is not one of 32, 64, 128, 256"
+            else:
+                reason = "this RoPE variant has no fixed table"
             raise KvpotError(f"infinitehip: kernels='triton' but {reason}; use kernels='auto' or 'torch'.")
         return table
 
