@@ -1,6 +1,8 @@
 """Tables for README.md from the results.jsonl files of the grid (run.sh).
 
-Usage: python benchmarks/passkey-grid-h100/tables.py [GRID_DIR]   (default: this folder)
+Usage: python benchmarks/passkey-grid-h100/tables.py [GRID_DIR]          (default: this folder)
+       python benchmarks/passkey-grid-h100/tables.py --long [GRID_DIR]   (run_long.sh rows in long/, alone and
+                                                                          with the seed-0 *-long-* folders)
 
 Each cell counts the rows that are in results.jsonl: correct per depth 0.1 / 0.5 / 0.9 and the total.
 A cell with fewer rows than the run asked for (samples x depths, from config.json) was cut short by the
@@ -82,7 +84,54 @@ def accuracy_table(grid, spec, title):
     return "\n".join(out)
 
 
+LONG = [  # (label, run_long.sh folder prefix in long/, earlier seed-0 folder from run.sh)
+    ("InfiniPot full method (CaP question + NuC 0.5, 2,048 entries)", "infinipot-s", "t4-long-infinipot"),
+    ("StreamingLLM (`window=1532,chunk_size=512`, 2,048 entries)", "streaming-s", "t4-long-streaming"),
+    ("CItruS shared cache (1,318 entries)", "citrus", "f6-long-shared"),
+]
+
+
+def pooled_cell(groups, length):
+    """groups: [(rows, samples per depth planned)] that planned `length`; counts only the rows present."""
+    per = [[r for rows, _ in groups for r in rows if r["length"] == length and r["depth"] == d] for d in DEPTHS]
+    want_per_depth = sum(samples for _, samples in groups)
+    done = sum(len(p) for p in per)
+    right = sum(sum(1 for r in p if r["correct"]) for p in per)
+    want = want_per_depth * len(DEPTHS)
+    parts = []
+    for p in per:
+        c = sum(1 for r in p if r["correct"])
+        parts.append(f"{c}/{len(p)}")
+    text = " ".join(parts) + f" = **{right}/{done}**"
+    if done < want:
+        text += f" (partial: {done} of {want} planned rows ran)"
+    return text
+
+
+def long_table(grid):
+    out = ["| method | length | this run (seeds 100+) | earlier run (seed 0) | combined |",
+           "| --- | --- | --- | --- | --- |"]
+    for label, prefix, earlier in LONG:
+        new = []
+        for folder in sorted((grid / "long").iterdir()):
+            if folder.is_dir() and folder.name.startswith(prefix):
+                new.append(load(grid / "long", folder.name))
+        old = [load(grid, earlier)]
+        for length, name in LENGTHS.items():
+            if length < 524288:
+                continue
+            a = [(rows, samples) for rows, samples, lengths in new if length in lengths]
+            b = [(rows, samples) for rows, samples, lengths in old if length in lengths]
+            out.append(f"| {label} | {name} | {pooled_cell(a, length)} | {pooled_cell(b, length)} | "
+                       f"{pooled_cell(a + b, length)} |")
+    return "\n".join(out)
+
+
 def main():
+    if sys.argv[1:2] == ["--long"]:
+        grid = Path(sys.argv[2]) if len(sys.argv) > 2 else Path(__file__).parent
+        print(long_table(grid))
+        return
     grid = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent
     print(accuracy_table(grid, TABLE4, "Issue 4: InfiniPot Table 4 ablation"))
     print()
