@@ -264,3 +264,71 @@ def test_unsupported_head_dims_fall_back_or_refuse():
     assert auto == torch_path
     with pytest.raises(KvpotError, match="head dim 16"):
         kvpot.Engine(model, method=kvpot.InfiniteHiP(**settings, kernels="triton")).generate_ids(ids, max_new_tokens=1)
+
+
+def test_gpu_cache_keeps_the_most_recently_used_entries():
+    from kvpot.offload import GpuKvCache
+
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    keys = torch.randn(2, 500, 32, generator=gen, device=DEVICE)
+    values = torch.randn(2, 500, 32, generator=gen, device=DEVICE)
+    cache = GpuKvCache(16, 2, 32, keys.dtype, torch.device(DEVICE))
+    cache.ensure(500)
+
+    def touch(tokens, valid=None):
+        tokens = torch.tensor(tokens, device=DEVICE)
+        cache.touch(tokens, torch.ones_like(tokens, dtype=torch.bool) if valid is None else valid, keys, values)
+
+    def consistent():
+        for slot, token in enumerate(cache.token_of[:16].tolist()):
+            if token >= 0 and int(cache.slot_of[token]) == slot:
+                assert torch.equal(cache.keys[:, slot], keys[:, token])
+                assert torch.equal(cache.values[:, slot], values[:, token])
+        held = (cache.slot_of[:500] >= 0).nonzero().flatten().tolist()
+        for token in held:
+            assert int(cache.token_of[int(cache.slot_of[token])]) == token
+
+    touch([1, 2, 3, 4])
+    assert (int(cache.hits), int(cache.used)) == (0, 4)
+    touch([1, 2, 3, 4])
+    assert (int(cache.hits), int(cache.used)) == (4, 8)
+    touch([10, 11, 12, 13, 14, 15, 16, 17])  # fills the cache: 4 + 8 = 12 of 16 slots
+    touch([20, 21, 22, 23, 24, 25, 26, 27], torch.tensor([True] * 6 + [False] * 2, device=DEVICE))
+    consistent()
+    assert int(cache.used) == 8 + 8 + 6
+    held = set((cache.slot_of[:500] >= 0).nonzero().flatten().tolist())
+    assert {20, 21, 22, 23, 24, 25} <= held and not {26, 27} & held
+    # 6 misses: the 4 free slots, then 2 of the least recently used (1-4, last used a step before 10-17)
+    assert set(range(10, 18)) <= held and len({1, 2, 3, 4} & held) == 2
+    touch(sorted({1, 2, 3, 4} & held) + [20])
+    assert int(cache.hits) == 4 + 3
+    with pytest.raises(Exception, match="too small"):
+        touch(list(range(100, 109)))  # 9 reads need 18 slots
+
+
+@pytest.mark.parametrize("gpu_cache_tokens", [160, 4096])
+def test_offloaded_and_resident_runs_produce_the_same_tokens(gpu_cache_tokens):
+    """offload=True (entries in pinned host memory on CUDA, read through an LRU GPU cache) computes the
+    same attention as the resident run: same tokens, with a small cache that evicts and a large one."""
+    import kvpot
+    from conftest import VOCAB, build
+
+    model = build("llama3", hidden_size=128, head_dim=32).to(DEVICE)
+    torch.manual_seed(3)
+    ids = torch.randint(3, VOCAB, (400,))
+    settings = dict(sink=8, window=16, chunks=(32, 8, 2), keep=(64, 32, 16), early_keep=32, query_block=8,
+                    chunk_size=50, refresh=(4, 2, 1), kernels="triton")
+    resident = kvpot.Engine(model, method=kvpot.InfiniteHiP(**settings)).generate_ids(ids, max_new_tokens=12)
+    engine = kvpot.Engine(model, method=kvpot.InfiniteHiP(**settings, offload=True, gpu_cache_tokens=gpu_cache_tokens))
+    state = engine.prefill_ids(ids)
+    layer = state.cache.layers[0]
+    if DEVICE == "cuda":
+        assert layer.keys.device.type == "cpu" and layer.keys.is_pinned()
+    offloaded = engine.generate_ids(state=state, max_new_tokens=12)
+    assert offloaded.token_ids == resident.token_ids
+    runtime = state.cache.attention
+    assert runtime.offload_stats()["reads"] == 0  # the state is not consumed: its copy decoded
+    again = engine.generate_ids(state=state, max_new_tokens=12)
+    assert again.token_ids == resident.token_ids
+    stats = [c for c in runtime.gpu_caches if c is not None]
+    assert stats and all(c.keys.shape[1] == gpu_cache_tokens for c in stats)

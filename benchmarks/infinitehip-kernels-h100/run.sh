@@ -3,7 +3,7 @@
 # vs dense SDPA at 128K/512K/1M (decode over a refresh period; prefill = one 2,048-query chunk), the PyTorch
 # reference path at 128K for comparison, and end-to-end llama3.2-1b at 1M.
 # Run from the repository root:  OUT=/tmp/out bash benchmarks/infinitehip-kernels-h100/run.sh [PARTS]
-# PARTS (default "tests attention reference e2e") picks what runs.
+# PARTS (default "tests attention reference e2e"; also "offload") picks what runs.
 set -uo pipefail
 parts=${1:-tests attention reference e2e}
 export PYTHONPATH=$PWD/src
@@ -24,5 +24,9 @@ fi
 if [[ $parts == *e2e* ]]; then
   timeout 280 python -m kvpot bench decode --shape llama3.2-1b --method infinitehip --lengths 1m --decode-steps 32 \
     --device cuda --out "$out/e2e-1b" 2>&1 | grep -v "it/s\|run/s" | tail -n 12
+fi
+if [[ $parts == *offload* ]]; then
+  timeout 300 python -m kvpot bench attention --shape llama3-8b --method infinitehip:offload=true --lengths 128k,1m \
+    --block 2048 --device cuda --out "$out/attention-offload" 2>&1 | grep -v "it/s\|run/s" | tail -n 12
 fi
 rm -f "$out"/*/*.png

@@ -48,10 +48,13 @@ class PotLayer(CacheLayerMixin):
         self.batch, self.kv_heads, self.head_dim = b, kv_heads, head_dim
         self.dtype, self.device = key_states.dtype, key_states.device
         capacity = max(self.cache.capacity_hint, 1)
-        self.keys = key_states.new_empty(b, kv_heads, capacity, head_dim)
-        self.values = value_states.new_empty(b, kv_heads, capacity, value_states.shape[-1])
-        self.positions = torch.empty(b, kv_heads, capacity, dtype=torch.long, device=self.device)
-        self.rope_positions = torch.empty_like(self.positions)
+        # offloading (InfiniteHiP): entries live in pinned host memory, which kernels read directly
+        store = ({"device": "cpu", "pin_memory": True} if self.cache.host_storage and self.device.type == "cuda"
+                 else {"device": self.device})
+        self.keys = torch.empty(b, kv_heads, capacity, head_dim, dtype=self.dtype, **store)
+        self.values = torch.empty(b, kv_heads, capacity, value_states.shape[-1], dtype=value_states.dtype, **store)
+        self.positions = torch.empty(b, kv_heads, capacity, dtype=torch.long, **store)
+        self.rope_positions = torch.empty_like(self.positions, pin_memory=self.positions.is_pinned())
         self.is_initialized = True
 
     def update(
@@ -182,8 +185,8 @@ class PotLayer(CacheLayerMixin):
         if self.is_initialized:
             twin.batch, twin.kv_heads, twin.head_dim = self.batch, self.kv_heads, self.head_dim
             twin.dtype, twin.device = self.dtype, self.device
-            twin.keys, twin.values = self.keys.clone(), self.values.clone()
-            twin.positions, twin.rope_positions = self.positions.clone(), self.rope_positions.clone()
+            twin.keys, twin.values = _copy(self.keys), _copy(self.values)
+            twin.positions, twin.rope_positions = _copy(self.positions), _copy(self.rope_positions)
             twin.scores = {k: v.clone() for k, v in self.scores.items()}
             twin.is_initialized = True
         return twin
@@ -196,8 +199,16 @@ def _clone_state(value):
     return value
 
 
+def _copy(buf: torch.Tensor) -> torch.Tensor:
+    """A copy that stays in pinned memory when `buf` is (kernels read pinned host memory directly)."""
+    if not buf.is_pinned():
+        return buf.clone()
+    return torch.empty_like(buf, pin_memory=True).copy_(buf)
+
+
 def _grow(buf: torch.Tensor, capacity: int, used: int) -> torch.Tensor:
-    new = buf.new_empty(*buf.shape[:2], capacity, *buf.shape[3:])
+    new = torch.empty(*buf.shape[:2], capacity, *buf.shape[3:], dtype=buf.dtype, device=buf.device,
+                      pin_memory=buf.is_pinned())
     new[:, :, :used] = buf[:, :, :used]
     return new
 
@@ -214,6 +225,7 @@ class PotCache(Cache):
         self.rope = rope
         self.policy = policy
         self.capacity_hint = capacity_hint
+        self.host_storage = False  # entries in pinned host memory (InfiniteHiP's offloading)
         self.pending_positions: torch.Tensor | None = None  # [q] long
         self.pending_max_position = -1
         self.request = None  # kvpot.attention.AttentionRequest | None
@@ -263,6 +275,7 @@ class PotCache(Cache):
     def clone(self) -> PotCache:
         """An independent copy (the engine's reusable prefill state is never consumed)."""
         twin = PotCache(len(self.layers), self.rope, self.policy, self.capacity_hint)
+        twin.host_storage = self.host_storage
         twin.layers = [layer.clone_into(twin) for layer in self.layers]
         twin.max_entries = self.max_entries
         twin.attention = _clone_state(self.attention)

@@ -254,7 +254,7 @@ def prune(queries: torch.Tensor, rows_valid: torch.Tensor, keys: torch.Tensor, p
         window_starts = tuple(window_start.tolist())
     span = max(window_starts) - plan.sink  # the widest middle region of the group
     count = max(1, math.ceil(max(span, 0) / first))
-    starts = plan.sink + torch.arange(count, device=keys.device) * first
+    starts = plan.sink + torch.arange(count, device=queries.device) * first
     starts = starts.view(1, 1, -1).expand(s, window_start.numel(), -1)  # [s, B, C]
     ends = torch.minimum(starts + first, window_start.view(1, -1, 1))
     outputs = []
@@ -326,8 +326,8 @@ def _final_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
 
 def sparse_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
                      plan: LayerPlan, last_keep: int, rotate: Rotate, masks: MaskCache | None = None,
-                     due: list[bool] | None = None, table: tuple[torch.Tensor, torch.Tensor] | None = None
-                     ) -> torch.Tensor:
+                     due: list[bool] | None = None, table: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     gpu_cache=None) -> torch.Tensor:
     """InfiniteHiP attention of the last `q` entries' queries over all `n` entries.
 
     query [h, q, d] (un-rotated), keys/values [kv, n, d] (keys un-rotated); the queries are the
@@ -336,16 +336,18 @@ def sparse_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     it started when stage 1 last ran, so no key falls between the selection and the window.
     With a RoPE `table` (cos, sin) [P, d] covering every position used, the scan and the attention
     run in Triton (`kvpot.kernels.hip`); sizes come from the host, so nothing waits for the device.
-    Returns [h, q, d].
+    With `gpu_cache` (offloading), keys/values are in pinned host memory and the attention kernel
+    reads them through that GPU cache. Returns [h, q, d].
     """
     h, q, d = query.shape
     kv, n = keys.shape[0], keys.shape[1]
     rows = plan.query_block
     offset = n - q
     if n - plan.window <= plan.sink and masks is None:  # not even the last query has a middle region: dense
-        return _dense(query, keys, values, scaling, offset, rotate)
+        # (offloaded: the context is only sinks + window here, small enough to bring over)
+        return _dense(query, keys.to(query.device), values.to(query.device), scaling, offset, rotate)
     if table is not None and _all_cached(masks, due):
-        return _cached_decode(query, keys, values, scaling, plan, masks, table)
+        return _cached_decode(query, keys, values, scaling, plan, masks, table, gpu_cache)
     rows = min(rows, q)  # decoding: one row, not a padded block
     blocks = math.ceil(q / rows)
     s = 1 if plan.shared else kv
@@ -362,7 +364,7 @@ def sparse_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
         nb = last_block - first
         pad = nb * rows - (hi - lo)
         block_q = F.pad(query[:, lo:hi], (0, 0, 0, pad)).view(h, nb, rows, d)  # [h, B, R, d]
-        positions = offset + lo + torch.arange(nb * rows, device=keys.device).view(nb, rows)  # [B, R]
+        positions = offset + lo + torch.arange(nb * rows, device=query.device).view(nb, rows)  # [B, R]
         rows_valid = positions < n
         positions = positions.clamp(max=n - 1)
         block_starts = [offset + lo + i * rows for i in range(nb)]  # host copies of positions[:, 0]
@@ -387,7 +389,7 @@ def sparse_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
             out = hip.sparse_attention(query[:, lo:hi], keys, values, scaling, selection.starts, selection.ends,
                                        chunk, selection.window_start, width, plan.sink, rows,
                                        plan.final_rope == "streaming", *table, offset=offset + lo,
-                                       memo=selection.memo)  # [h, hi - lo, d]
+                                       memo=selection.memo, gpu_cache=gpu_cache)  # [h, hi - lo, d]
             outputs.append(out)
             continue
         out = _final_attention(block_q.permute(1, 0, 2, 3), keys, values, scaling, selection, chunk, plan,
@@ -402,7 +404,7 @@ def _all_cached(masks: MaskCache | None, due: list[bool] | None) -> bool:
 
 
 def _cached_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, plan: LayerPlan,
-                   masks: MaskCache, table: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                   masks: MaskCache, table: tuple[torch.Tensor, torch.Tensor], gpu_cache=None) -> torch.Tensor:
     """A decoding step that recomputes no stage, on the kernels: one attention launch (and its
     merge) over the cached selection, with no index arithmetic on the device (the general path
     spends ~12 small launches there)."""
@@ -414,7 +416,7 @@ def _cached_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     width = n - selection.window_starts[0]  # the window runs from where it started to the query (n - 1)
     return hip.sparse_attention(query, keys, values, scaling, selection.starts, selection.ends, plan.stages[-1].chunk,
                                 selection.window_start, width, plan.sink, 1, plan.final_rope == "streaming", *table,
-                                memo=selection.memo)
+                                memo=selection.memo, gpu_cache=gpu_cache)
 
 
 def _dense(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, offset: int,

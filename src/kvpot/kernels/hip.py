@@ -169,11 +169,14 @@ def _attention_kernel(
     BASE,  # [S, B] int64 streaming position of the window's first key
     OUT,  # [SPLITS, B, KV, M, D] (float32 when SPLITS > 1, else the query dtype)
     LSE,  # [SPLITS, B, KV, M] float32 log2-sum-exp of each split's scores
+    SLOT,  # [>= N] int32: each key's slot in the GPU cache, -1 where it is only in (host) K/V (CACHED)
+    KG, VG,  # [KV, SLOTS, D] the GPU cache of keys and values (CACHED), strides as K/V's per-head rows
     N, B, KV, M, R, C, offset, scale,  # offset: position of query 0; scale: softmax scale
     SINK, SEG2, TOTAL, PER_SPLIT,  # virtual key list: [0, SINK) sinks, [SINK, SEG2) selected, [SEG2, TOTAL) window
     stride_qb, stride_qh, stride_qm, stride_kh, stride_kn, stride_vh, stride_vn, stride_t,
-    stride_os, stride_ob, stride_oh, stride_om,
+    stride_os, stride_ob, stride_oh, stride_om, stride_gh, stride_gn,
     CH: tl.constexpr,  # tokens per selected range
+    CACHED: tl.constexpr,  # K/V live in host memory, read through the GPU cache where SLOT says so
     SHARED: tl.constexpr, STREAMING: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr,
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -236,9 +239,19 @@ def _attention_kernel(
             pos = key
         # lanes that are not `ok` keep garbage indices: every load through them is masked
         kt = pos[:, None] * stride_t + dh[None, :]
+        if CACHED:
+            slot = tl.load(SLOT + key, mask=ok, other=-1)
+            on_gpu = ok & (slot >= 0)
+            remote = ok & (slot < 0)
+        else:
+            remote = ok
         k_ptr = K + h * stride_kh + key[:, None] * stride_kn + dh[None, :]
-        k1 = tl.load(k_ptr, mask=ok[:, None], other=0.0).to(tl.float32)  # [BLOCK_N, HALF]
-        k2 = tl.load(k_ptr + HALF, mask=ok[:, None], other=0.0).to(tl.float32)
+        k1 = tl.load(k_ptr, mask=remote[:, None], other=0.0).to(tl.float32)  # [BLOCK_N, HALF]
+        k2 = tl.load(k_ptr + HALF, mask=remote[:, None], other=0.0).to(tl.float32)
+        if CACHED:  # each lane reads either its cached row or its host row, the other load is masked
+            g_ptr = KG + h * stride_gh + slot[:, None] * stride_gn + dh[None, :]
+            k1 += tl.load(g_ptr, mask=on_gpu[:, None], other=0.0).to(tl.float32)
+            k2 += tl.load(g_ptr + HALF, mask=on_gpu[:, None], other=0.0).to(tl.float32)
         kc1 = tl.load(COS + kt, mask=ok[:, None], other=0.0).to(tl.float32)
         kc2 = tl.load(COS + kt + HALF, mask=ok[:, None], other=0.0).to(tl.float32)
         ks1 = tl.load(SIN + kt, mask=ok[:, None], other=0.0).to(tl.float32)
@@ -256,8 +269,12 @@ def _attention_kernel(
         p = tl.exp2(sc - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_ptr = V + h * stride_vh + key[:, None] * stride_vn + dh[None, :]
-        v1 = tl.load(v_ptr, mask=ok[:, None], other=0.0)
-        v2 = tl.load(v_ptr + HALF, mask=ok[:, None], other=0.0)
+        v1 = tl.load(v_ptr, mask=remote[:, None], other=0.0)
+        v2 = tl.load(v_ptr + HALF, mask=remote[:, None], other=0.0)
+        if CACHED:
+            g_ptr = VG + h * stride_gh + slot[:, None] * stride_gn + dh[None, :]
+            v1 += tl.load(g_ptr, mask=on_gpu[:, None], other=0.0)
+            v2 += tl.load(g_ptr + HALF, mask=on_gpu[:, None], other=0.0)
         pv = p.to(V.dtype.element_ty)
         if IEEE:
             acc1 = acc1 * alpha[:, None] + tl.dot(pv, v1, input_precision="ieee")
@@ -301,7 +318,7 @@ def sparse_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
                      starts: torch.Tensor, ends: torch.Tensor, chunk: int, window_start: torch.Tensor,
                      window_width: int, sink: int, rows: int, streaming: bool, cos: torch.Tensor,
                      sin: torch.Tensor, splits: int | None = None, offset: int | None = None,
-                     memo: dict | None = None) -> torch.Tensor:
+                     memo: dict | None = None, gpu_cache=None) -> torch.Tensor:
     """Attention of the last `q` queries over sinks + selected ranges + window; kernel form of
     `sparse._final_attention`.
 
@@ -311,7 +328,9 @@ def sparse_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     window_width a host bound on any block's window (last query - window start + 1); cos/sin
     [P, d]. `splits` divides each block's key list across programs (default: enough to fill the
     GPU). `memo` (a dict kept with the selection) caches the per-range position offsets, which
-    only change when the selection does (decoding reuses them between refreshes). Returns [h, q, d].
+    only change when the selection does (decoding reuses them between refreshes). With `gpu_cache`
+    (a `kvpot.offload.GpuKvCache`), keys/values are in pinned host memory and each key is read from
+    the GPU cache when it holds it, else over the bus. Returns [h, q, d].
     """
     h, q, d = query.shape
     kv, n = keys.shape[0], keys.shape[1]
@@ -349,13 +368,18 @@ def sparse_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     else:
         out = torch.empty(1, b, kv, m, d, dtype=query.dtype, device=query.device)
         lse = out  # unused
+    if gpu_cache is not None:
+        slot, kg, vg = gpu_cache.slot_of, gpu_cache.keys, gpu_cache.values
+    else:
+        slot, kg, vg = out, out, out  # unused
     _attention_kernel[(programs, splits)](
         qb, keys, values, cos, sin, starts.contiguous(), ends.contiguous(), selbase,
-        window_start.contiguous(), nsink.contiguous(), base, out, lse,
+        window_start.contiguous(), nsink.contiguous(), base, out, lse, slot, kg, vg,
         n, b, kv, m, rows, c, n - q if offset is None else offset, scaling, sink, seg2, total, per_split,
         qb.stride(0), qb.stride(1), qb.stride(2), keys.stride(0), keys.stride(1), values.stride(0),
         values.stride(1), cos.stride(0), out.stride(0), out.stride(1), out.stride(2), out.stride(3),
-        CH=chunk, SHARED=s == 1, STREAMING=streaming, HALF=d // 2, SPLIT=splits > 1,
+        kg.stride(0) if gpu_cache is not None else 0, kg.stride(1) if gpu_cache is not None else 0,
+        CH=chunk, CACHED=gpu_cache is not None, SHARED=s == 1, STREAMING=streaming, HALF=d // 2, SPLIT=splits > 1,
         IEEE=query.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
     )
     if splits > 1:
@@ -366,3 +390,41 @@ def sparse_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
         merged = out[0]
     out = merged.view(b, kv, g, rows, d).permute(1, 2, 0, 3, 4).reshape(h, b * rows, d)
     return out[:, :q]
+
+
+# ---------------------------------------------------------------------------- offloading
+
+
+@triton.jit
+def _fetch_kernel(
+    K, V,  # [KV, N, D] keys and values in pinned host memory (read over the bus)
+    KG, VG,  # [KV, SLOTS, D] the GPU cache
+    TOKENS,  # [L] int64 token to copy
+    SLOTS,  # [L] int64 destination slot, < 0 for "nothing to copy"
+    L, stride_kh, stride_kn, stride_gh, stride_gn,
+    D: tl.constexpr, BLOCK: tl.constexpr,
+):
+    h = tl.program_id(1)
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    dd = tl.arange(0, D)
+    slot = tl.load(SLOTS + i, mask=i < L, other=-1)
+    token = tl.load(TOKENS + i, mask=i < L, other=0)
+    ok = (slot >= 0)[:, None]
+    src = h * stride_kh + token[:, None] * stride_kn + dd[None, :]
+    dst = h * stride_gh + slot[:, None] * stride_gn + dd[None, :]
+    tl.store(KG + dst, tl.load(K + src, mask=ok), mask=ok)
+    tl.store(VG + dst, tl.load(V + src, mask=ok), mask=ok)
+
+
+def fetch(keys: torch.Tensor, values: torch.Tensor, gpu_keys: torch.Tensor, gpu_values: torch.Tensor,
+          tokens: torch.Tensor, slots: torch.Tensor) -> None:
+    """Copy rows `tokens` [L] of host keys/values [kv, n, d] into GPU cache slots `slots` [L]
+    (negative slot: skip), every KV head, in one launch (no host synchronisation)."""
+    kv, _, d = keys.shape
+    length = tokens.numel()
+    if length == 0:
+        return
+    block = 32
+    _fetch_kernel[(triton.cdiv(length, block), kv)](
+        keys, values, gpu_keys, gpu_values, tokens.contiguous(), slots.contiguous(), length,
+        keys.stride(0), keys.stride(1), gpu_keys.stride(0), gpu_keys.stride(1), D=d, BLOCK=block)

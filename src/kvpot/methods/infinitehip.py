@@ -8,6 +8,7 @@ import torch
 from kvpot.errors import KvpotError
 from kvpot.methods.base import Method, Setup, Step, check_positive
 from kvpot.positions import Rope, rotate_half
+from kvpot.offload import GpuKvCache, used_tokens
 from kvpot.sparse import LayerPlan, MaskCache, Stage, refresh_due, sparse_attention
 
 log = logging.getLogger("kvpot")
@@ -17,6 +18,7 @@ RELEASE_SINK = 256
 RELEASE_WINDOW = 1024
 RELEASE_KEEP = (32768, 8192, 2048)
 RELEASE_EARLY_KEEP = 4096  # the last stage keeps more in the first layers
+DEFAULT_GPU_CACHE = 32768  # offloading: GPU-cached entries per layer (2 GiB over 32 layers of llama3-8b)
 
 
 def _ints(value, what: str) -> tuple[int, ...] | None:
@@ -69,6 +71,11 @@ class InfiniteHiP(Method):
     table (every variant but `dynamic`/`longrope`), and the PyTorch reference otherwise;
     `"triton"` insists (an error where they cannot run), `"torch"` always uses the reference.
 
+    Offloading (Sec. 5): `offload=True` keeps every entry in pinned host memory and a GPU cache of
+    `gpu_cache_tokens` entries per layer (default 32,768) in front of it, least recently used out
+    (`kvpot.offload`); the kernels read what the GPU cache lacks over the bus. GPU memory is then
+    weights + GPU cache + activations + 4 bytes per token per layer. Needs the Triton kernels.
+
     Bound: none on the cache (everything is kept; the KV cache grows with the input, as in the
     paper without offloading); attention reads at most sink + window + early_keep + block keys per
     query block.
@@ -90,6 +97,8 @@ class InfiniteHiP(Method):
     refresh: tuple[int, ...] | str = (32, 16, 8)
     chunk_size: int = 2048
     kernels: str = "auto"
+    offload: bool = False
+    gpu_cache_tokens: int | None = None
 
     def __post_init__(self):
         self.chunks = _ints(self.chunks, "chunks")
@@ -115,6 +124,14 @@ class InfiniteHiP(Method):
             raise KvpotError(f"infinitehip: selection must be 'shared' or 'head', not {self.selection!r}.")
         if self.kernels not in ("auto", "triton", "torch"):
             raise KvpotError(f"infinitehip: kernels must be 'auto', 'triton' or 'torch', not {self.kernels!r}.")
+        if isinstance(self.offload, str):  # from the CLI
+            self.offload = self.offload.lower() in ("1", "true", "yes")
+        if self.gpu_cache_tokens is not None and (not isinstance(self.gpu_cache_tokens, int) or self.gpu_cache_tokens <= 0):
+            raise KvpotError(f"infinitehip: gpu_cache_tokens must be a positive integer, got {self.gpu_cache_tokens!r}.")
+        if self.gpu_cache_tokens is not None and not self.offload:
+            raise KvpotError("infinitehip: gpu_cache_tokens sizes the GPU cache of offloading; set offload=True too.")
+        if self.offload and self.kernels == "torch":
+            raise KvpotError("infinitehip: offload=True reads host memory from the Triton kernels; kernels='torch' cannot.")
         self._announced: int | None = None
 
     # ------------------------------------------------------------------ sizes
@@ -167,7 +184,9 @@ class InfiniteHiP(Method):
     # ------------------------------------------------------------------ engine hooks
     def begin(self, cache, setup: Setup) -> None:
         plans, last = self.plans(len(cache.layers), getattr(setup.config, "max_position_embeddings", None))
-        cache.attention = HipRuntime(plans, last, self.refresh, cache.rope, self.kernels)
+        cache.attention = HipRuntime(plans, last, self.refresh, cache.rope, self.kernels,
+                                     (self.gpu_cache_tokens or DEFAULT_GPU_CACHE) if self.offload else None)
+        cache.host_storage = self.offload
 
     def before_forward(self, cache, step: Step) -> None:
         cache.attention.decoding = step.phase == "decode"
@@ -182,9 +201,11 @@ class HipRuntime:
     """The sparse attention a `PotCache` calls instead of dense attention, with its decoding state."""
 
     def __init__(self, plans: list[LayerPlan], last_keep: list[int], refresh: tuple[int, ...], rope: Rope,
-                 kernels: str = "auto"):
+                 kernels: str = "auto", gpu_cache_tokens: int | None = None):
         self.plans, self.last_keep, self.refresh, self.rope = plans, last_keep, refresh, rope
         self.kernels = kernels
+        self.gpu_cache_tokens = gpu_cache_tokens  # offloading when set
+        self.gpu_caches: list[GpuKvCache | None] = [None] * len(plans)
         self.masks = [MaskCache() for _ in plans]
         self.step = 0  # decoding steps taken
         self.decoding = False
@@ -208,7 +229,8 @@ class HipRuntime:
         return table
 
     def clone(self) -> HipRuntime:
-        twin = HipRuntime(self.plans, self.last_keep, self.refresh, self.rope, self.kernels)
+        twin = HipRuntime(self.plans, self.last_keep, self.refresh, self.rope, self.kernels, self.gpu_cache_tokens)
+        twin.gpu_caches = [None if c is None else c.clone() for c in self.gpu_caches]
         twin.masks = [m.clone() for m in self.masks]
         twin.step, twin.decoding = self.step, self.decoding
         return twin
@@ -230,9 +252,36 @@ class HipRuntime:
             cos, sin = self.rope.cos_sin(positions, x, bound)
             return x * cos + rotate_half(x) * sin
 
-        return sparse_attention(
-            query, keys, values, scaling, self.plans[index], self.last_keep[index], rotate,
-            masks=self.masks[index] if decoding else None,
-            due=refresh_due(self.step, self.refresh) if decoding else None,
-            table=self.table(query, bound + 1),
+        table = self.table(query, bound + 1)
+        gpu_cache = None
+        if self.gpu_cache_tokens is not None:
+            if table is None:
+                raise KvpotError("infinitehip: offload=True needs the Triton kernels (CUDA with Triton, head dims "
+                                 "32-256, a RoPE with a fixed table).")
+            gpu_cache = self.gpu_caches[index]
+            if gpu_cache is None:
+                gpu_cache = self.gpu_caches[index] = GpuKvCache(self.gpu_cache_tokens, keys.shape[0], keys.shape[2],
+                                                                keys.dtype, query.device)
+            gpu_cache.ensure(keys.shape[1])
+        plan, masks = self.plans[index], self.masks[index] if decoding else None
+        out = sparse_attention(
+            query, keys, values, scaling, plan, self.last_keep[index], rotate, masks=masks,
+            due=refresh_due(self.step, self.refresh) if decoding else None, table=table, gpu_cache=gpu_cache,
         )
+        if gpu_cache is not None and decoding and masks.stages:
+            selection = masks.stages[-1]
+            w0 = selection.window_starts[0]
+            tokens, valid = used_tokens(min(plan.sink, w0), selection.starts.flatten(),
+                                        selection.ends.flatten(), plan.stages[-1].chunk, w0, keys.shape[1])
+            gpu_cache.touch(tokens, valid, keys, values)
+        return out
+
+    def offload_stats(self) -> dict | None:
+        """Decoding reads served by the GPU caches: hits, reads and the hit rate, over every layer
+        and step so far (synchronises with the device); None without offloading."""
+        caches = [c for c in self.gpu_caches if c is not None]
+        if self.gpu_cache_tokens is None:
+            return None
+        hits, used = sum(int(c.hits) for c in caches), sum(int(c.used) for c in caches)
+        return {"hits": hits, "reads": used, "hit_rate": hits / used if used else None,
+                "gpu_cache_tokens": self.gpu_cache_tokens}

@@ -1,0 +1,116 @@
+"""KV offloading for InfiniteHiP: the full cache in pinned host memory, a fixed GPU cache in front.
+
+InfiniteHiP (Lee et al. 2025, Sec. 5 "KV cache offloading") keeps the KV cache in host memory and
+a GPU-resident cache of recently used entries, so GPU memory is bounded by weights + GPU cache +
+activations whatever the context. kvpot's reading:
+
+- Every kernel can read pinned host memory directly (it is mapped into the GPU's address space), so
+  a key that is not in the GPU cache is simply read over the bus: correctness never depends on the
+  cache, which only decides how many reads stay on the GPU.
+- The stage scan reads a few representative keys per chunk and reads them from host memory (the
+  paper's unified-memory path); the final attention, which reads every selected key and value,
+  goes through the GPU cache.
+- After each decoding step the keys the attention used are brought into the cache, evicting the
+  least recently used slots; the step's hits are counted on the device (no host synchronisation).
+  Prefill reads through the cache without updating it (each query block of a chunk uses a
+  different set, and the chunk's own keys are read once).
+
+A layer's GPU footprint is `2 * gpu_cache_tokens * kv_heads * head_dim` values plus 4 bytes per
+context token for the slot table (1M tokens: 4 MB per layer).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvpot.errors import KvpotError
+
+
+class GpuKvCache:
+    """One layer's GPU cache: `slots` rows of keys/values [kv, slots, d] and the maps between slots
+    and tokens, updated least-recently-used after each decoding step."""
+
+    def __init__(self, slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        self.slots = slots
+        self.keys = torch.zeros(kv_heads, slots, head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros_like(self.keys)
+        # slot bookkeeping with one extra "trash" entry at the end, so masked updates need no branches
+        self.token_of = torch.full((slots + 1,), -1, dtype=torch.long, device=device)
+        self.stamp = torch.full((slots + 1,), -1, dtype=torch.long, device=device)
+        self.stamp[slots] = torch.iinfo(torch.long).max  # the trash slot is never a victim
+        self.slot_of = torch.full((1,), -1, dtype=torch.int32, device=device)  # [tokens + 1], last = trash
+        self.hits = torch.zeros((), dtype=torch.long, device=device)
+        self.used = torch.zeros((), dtype=torch.long, device=device)
+        self.tick = 0
+
+    def clone(self) -> GpuKvCache:
+        twin = object.__new__(GpuKvCache)
+        twin.__dict__ = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.__dict__.items()}
+        return twin
+
+    def ensure(self, tokens: int) -> None:
+        """Grow the slot table to cover `tokens` context entries (plus its trash entry)."""
+        have = self.slot_of.numel() - 1
+        if tokens <= have:
+            return
+        size = max(tokens, have + max(have // 8, 4096))
+        grown = torch.full((size + 1,), -1, dtype=torch.int32, device=self.slot_of.device)
+        grown[:have] = self.slot_of[:have]  # the old trash entry becomes a real token: left at -1
+        self.slot_of = grown
+
+    def touch(self, tokens: torch.Tensor, valid: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Record that a step read `tokens` [L] (where `valid`), then cache the ones that missed.
+
+        Hits get this step's stamp; each miss takes the slot of one of the L least recently used
+        entries (at least `slots >= 2 L`, so no slot hit in this step is a victim) and its key and
+        value are copied from host memory. Everything stays on the device.
+        """
+        from kvpot.kernels.hip import fetch
+
+        length = tokens.numel()
+        if 2 * length > self.slots:
+            raise KvpotError(f"infinitehip: gpu_cache_tokens={self.slots} is too small for a step that reads "
+                             f"{length} keys (needs at least {2 * length}).")
+        self.tick += 1
+        trash_token = self.slot_of.numel() - 1
+        tokens = torch.where(valid, tokens, trash_token)
+        slot = self.slot_of[tokens].long()  # [L]
+        hit = valid & (slot >= 0)
+        self.hits += hit.sum()
+        self.used += valid.sum()
+        self.stamp[torch.where(hit, slot, self.slots)] = self.tick
+        miss = valid & ~hit
+        victims = torch.topk(self.stamp[: self.slots], length, largest=False).indices  # [L] oldest first
+        rank = (miss.cumsum(0) - 1).clamp(min=0)
+        target = torch.where(miss, victims[rank], self.slots)  # [L] slot per miss, trash otherwise
+        old = self.token_of[target]
+        self.slot_of[torch.where(miss & (old >= 0), old, trash_token)] = -1  # evicted tokens: host only
+        self.slot_of[torch.where(miss, tokens, trash_token)] = target.to(torch.int32)
+        self.slot_of[trash_token] = -1
+        self.token_of[target] = torch.where(miss, tokens, -1)
+        self.token_of[self.slots] = -1
+        self.stamp[target] = self.tick
+        self.stamp[self.slots] = torch.iinfo(torch.long).max
+        fetch(keys, values, self.keys, self.values, tokens, torch.where(miss, target, -1))
+
+    def hit_rate(self) -> float | None:
+        """Hits / reads over the decoding steps so far (reads the device counters: synchronises)."""
+        used = int(self.used)
+        return None if used == 0 else int(self.hits) / used
+
+
+def used_tokens(sink_count: int, starts: torch.Tensor, ends: torch.Tensor, chunk: int, window_start: int,
+                n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys one decoding step's attention reads: sinks [0, sink_count), every selected range
+    `[starts, ends)` ([C] each, at most `chunk` keys), and the window [window_start, n).
+    Returns tokens [L] and their validity [L]."""
+    device = starts.device
+    sinks = torch.arange(sink_count, device=device)
+    offsets = torch.arange(chunk, device=device)
+    selected = (starts.unsqueeze(-1) + offsets).flatten()  # [C * chunk]
+    selected_valid = selected < ends.unsqueeze(-1).expand(-1, chunk).flatten()
+    window = torch.arange(window_start, n, device=device)
+    tokens = torch.cat([sinks, selected, window])
+    valid = torch.cat([torch.ones_like(sinks, dtype=torch.bool), selected_valid,
+                       torch.ones_like(window, dtype=torch.bool)])
+    return tokens, valid
