@@ -78,19 +78,20 @@ class GpuKvCache:
         hit = valid & (slot >= 0)
         self.hits += hit.sum()
         self.used += valid.sum()
-        self.stamp[torch.where(hit, slot, self.slots)] = self.tick
+        # (index_fill_/fill_ take Python scalars as kernel arguments: CUDA-graph capturable)
+        self.stamp.index_fill_(0, torch.where(hit, slot, self.slots), self.tick)
         miss = valid & ~hit
         victims = torch.topk(self.stamp[: self.slots], length, largest=False).indices  # [L] oldest first
         rank = (miss.cumsum(0) - 1).clamp(min=0)
         target = torch.where(miss, victims[rank], self.slots)  # [L] slot per miss, trash otherwise
         old = self.token_of[target]
-        self.slot_of[torch.where(miss & (old >= 0), old, trash_token)] = -1  # evicted tokens: host only
+        self.slot_of.index_fill_(0, torch.where(miss & (old >= 0), old, trash_token), -1)  # evicted: host only
         self.slot_of[torch.where(miss, tokens, trash_token)] = target.to(torch.int32)
-        self.slot_of[trash_token] = -1
+        self.slot_of[trash_token:].fill_(-1)
         self.token_of[target] = torch.where(miss, tokens, -1)
-        self.token_of[self.slots] = -1
-        self.stamp[target] = self.tick
-        self.stamp[self.slots] = torch.iinfo(torch.long).max
+        self.token_of[self.slots:].fill_(-1)
+        self.stamp.index_fill_(0, target, self.tick)
+        self.stamp[self.slots:].fill_(torch.iinfo(torch.long).max)
         fetch(keys, values, self.keys, self.values, tokens, torch.where(miss, target, -1))
 
     def hit_rate(self) -> float | None:
