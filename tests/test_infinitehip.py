@@ -224,6 +224,9 @@ def test_short_window_scales_defaults_and_keeps_explicit_values(caplog):
     (dict(selection="layer"), "selection must be"),
     (dict(query_block=0), "query_block"),
     (dict(kernels="cuda"), "kernels must be"),
+    (dict(gpu_cache_tokens=4096), "set offload=True"),
+    (dict(offload=True, gpu_cache_tokens=0), "gpu_cache_tokens must be"),
+    (dict(offload=True, kernels="torch"), "cannot"),
 ])
 def test_bad_parameters_are_clear_errors(kwargs, message):
     with pytest.raises(KvpotError, match=message):
@@ -239,6 +242,18 @@ def test_kernels_triton_where_they_cannot_run_is_a_clear_error():
     method = kvpot.InfiniteHiP(sink=8, window=16, chunks=(32, 8, 2), keep=(64, 32, 16), early_keep=32,
                                query_block=8, chunk_size=50, kernels="triton")
     with pytest.raises(KvpotError, match="kernels='triton'"):
+        kvpot.Engine(model, method=method).generate_ids(torch.randint(3, VOCAB, (200,)), max_new_tokens=2)
+
+
+def test_offload_without_the_kernels_is_a_clear_error():
+    from kvpot import kernels
+
+    if kernels.available("cpu"):
+        pytest.skip("Triton's interpreter is on: the kernels can run here")
+    model = build("llama3")
+    method = kvpot.InfiniteHiP(sink=8, window=16, chunks=(32, 8, 2), keep=(64, 32, 16), early_keep=32,
+                               query_block=8, chunk_size=50, offload=True)
+    with pytest.raises(KvpotError, match="offload=True needs the Triton kernels"):
         kvpot.Engine(model, method=method).generate_ids(torch.randint(3, VOCAB, (200,)), max_new_tokens=2)
 
 
