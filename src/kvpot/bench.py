@@ -156,6 +156,13 @@ def _is_oom(err: BaseException) -> bool:
     return isinstance(err, (torch.cuda.OutOfMemoryError, MemoryError))
 
 
+def _mark_oom(row: dict, err: BaseException) -> None:
+    """Record an out-of-memory error in a result row; re-raise anything else."""
+    if not _is_oom(err):
+        raise err
+    row["oom"], row["error"] = True, (str(err).splitlines() or [type(err).__name__])[0][:300]
+
+
 def _free(device: str) -> None:
     import gc
 
@@ -291,9 +298,7 @@ def _iterate(config, runs, results, progress, measure, desc):
                     try:
                         row.update(measure(entry, length))
                     except Exception as err:  # noqa: BLE001 - only out-of-memory errors are recorded
-                        if not _is_oom(err):
-                            raise
-                        row["oom"], row["error"] = True, (str(err).splitlines() or [type(err).__name__])[0][:300]
+                        _mark_oom(row, err)
                         out_of_memory = True
                     _free(config.device)
                 results["rows"].append(row)
@@ -580,9 +585,7 @@ def _bench_attention(config: BenchConfig, model_config, dtype, runs, results, pr
                         row["prefill_block"] = block
                         del k, v
                     except Exception as err:  # noqa: BLE001
-                        if not _is_oom(err):
-                            raise
-                        row["oom"], row["error"] = True, (str(err).splitlines() or [type(err).__name__])[0][:300]
+                        _mark_oom(row, err)
                         out_of_memory = True
                     _free(device)
                 results["rows"].append(row)
@@ -657,9 +660,7 @@ def _bench_hip_attention(config: BenchConfig, run, model_config, dtype, results,
             row["prefill_block"] = block
             del k, v
         except Exception as err:  # noqa: BLE001
-            if not _is_oom(err):
-                raise
-            row["oom"], row["error"] = True, (str(err).splitlines() or [type(err).__name__])[0][:300]
+            _mark_oom(row, err)
         _free(device)
         results["rows"].append(row)
         _checkpoint(results, config.out)
