@@ -306,8 +306,8 @@ def test_gpu_cache_keeps_the_most_recently_used_entries():
         touch(list(range(100, 109)))  # 9 reads need 18 slots
 
 
-@pytest.mark.parametrize("gpu_cache_tokens", [160, 4096])
-def test_offloaded_and_resident_runs_produce_the_same_tokens(gpu_cache_tokens):
+@pytest.mark.parametrize("gpu_cache_tokens, refresh", [(160, (4, 2, 1)), (4096, (4, 4, 4))])
+def test_offloaded_and_resident_runs_produce_the_same_tokens(gpu_cache_tokens, refresh):
     """offload=True (entries in pinned host memory on CUDA, read through an LRU GPU cache) computes the
     same attention as the resident run: same tokens, with a small cache that evicts and a large one."""
     import kvpot
@@ -317,7 +317,7 @@ def test_offloaded_and_resident_runs_produce_the_same_tokens(gpu_cache_tokens):
     torch.manual_seed(3)
     ids = torch.randint(3, VOCAB, (400,))
     settings = dict(sink=8, window=16, chunks=(32, 8, 2), keep=(64, 32, 16), early_keep=32, query_block=8,
-                    chunk_size=50, refresh=(4, 2, 1), kernels="triton")
+                    chunk_size=50, refresh=refresh, kernels="triton")
     resident = kvpot.Engine(model, method=kvpot.InfiniteHiP(**settings)).generate_ids(ids, max_new_tokens=12)
     engine = kvpot.Engine(model, method=kvpot.InfiniteHiP(**settings, offload=True, gpu_cache_tokens=gpu_cache_tokens))
     state = engine.prefill_ids(ids)
@@ -332,3 +332,30 @@ def test_offloaded_and_resident_runs_produce_the_same_tokens(gpu_cache_tokens):
     assert again.token_ids == resident.token_ids
     stats = [c for c in runtime.gpu_caches if c is not None]
     assert stats and all(c.keys.shape[1] == gpu_cache_tokens for c in stats)
+
+
+def test_read_counts_between_refreshes_match_a_full_touch():
+    """`touch_newest` counts what `touch` would count for the same read set (the last one plus the
+    newest key), and leaves the same keys cached."""
+    from kvpot.offload import GpuKvCache
+
+    gen = torch.Generator(device=DEVICE).manual_seed(9)
+    keys = torch.randn(2, 300, 32, generator=gen, device=DEVICE)
+    values = torch.randn(2, 300, 32, generator=gen, device=DEVICE)
+    full, incremental = (GpuKvCache(64, 2, 32, keys.dtype, torch.device(DEVICE)) for _ in range(2))
+    base = list(range(0, 8)) + list(range(100, 116))
+    for cache in (full, incremental):
+        cache.ensure(300)
+        cache.touch(torch.tensor(base, device=DEVICE), torch.ones(len(base), dtype=torch.bool, device=DEVICE),
+                    keys, values)
+    for newest in (200, 201, 202):
+        base = base + [newest]
+        full.touch(torch.tensor(base, device=DEVICE), torch.ones(len(base), dtype=torch.bool, device=DEVICE),
+                   keys, values)
+        incremental.touch_newest(newest, keys, values)
+        assert (int(full.hits), int(full.used)) == (int(incremental.hits), int(incremental.used))
+    held = (incremental.slot_of[:300] >= 0).nonzero().flatten().tolist()
+    assert held == sorted(base)
+    for slot, token in enumerate(incremental.token_of[:64].tolist()):
+        if token >= 0:
+            assert torch.equal(incremental.keys[:, slot], keys[:, token])

@@ -269,11 +269,14 @@ class HipRuntime:
             due=refresh_due(self.step, self.refresh) if decoding else None, table=table, gpu_cache=gpu_cache,
         )
         if gpu_cache is not None and decoding and masks.stages:
-            selection = masks.stages[-1]
-            w0 = selection.window_starts[0]
-            tokens, valid = used_tokens(min(plan.sink, w0), selection.starts.flatten(),
-                                        selection.ends.flatten(), plan.stages[-1].chunk, w0, keys.shape[1])
-            gpu_cache.touch(tokens, valid, keys, values)
+            if masks.recomputed[-1] or len(masks.recomputed) == 1:  # a new selection: a new read set
+                selection = masks.stages[-1]
+                w0 = selection.window_starts[0]
+                tokens, valid = used_tokens(min(plan.sink, w0), selection.starts.flatten(),
+                                            selection.ends.flatten(), plan.stages[-1].chunk, w0, keys.shape[1])
+                gpu_cache.touch(tokens, valid, keys, values)
+            else:  # same selection and window start: only the newest key is new
+                gpu_cache.touch_newest(keys.shape[1] - 1, keys, values)
         return out
 
     def offload_stats(self) -> dict | None:
