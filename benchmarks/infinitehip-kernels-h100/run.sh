@@ -10,7 +10,7 @@ export PYTHONPATH=$PWD/src
 out=${OUT:?set OUT}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 if [[ $parts == *tests* ]]; then
-  timeout 300 python -m pytest -q -n 8 -p no:cacheprovider -rf tests/test_kernels.py 2>&1 | tail -n 40 > "$out/tests.txt"
+  timeout 300 python -m pytest -q -n 8 -p no:cacheprovider -rf tests/test_kernels.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tail -n 40 > "$out/tests.txt"
   tail -n 5 "$out/tests.txt"
 fi
 if [[ $parts == *attention* ]]; then
