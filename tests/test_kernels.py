@@ -359,27 +359,3 @@ def test_read_counts_between_refreshes_match_a_full_touch():
     for slot, token in enumerate(incremental.token_of[:64].tolist()):
         if token >= 0:
             assert torch.equal(incremental.keys[:, slot], keys[:, token])
-
-
-def test_every_wide_scan_configuration_computes_the_same_search():
-    """The configurations the scan may choose between for wide blocks are interchangeable."""
-    from kvpot.kernels.hip import WIDE_CONFIGS, stage_scan
-
-    n, q, kv, g, d, chunk = 2987, 70, 2, 4, 128, 64
-    plan = make_plan((chunk,), (10**9,), "relative", True, rows=64)
-    cos, sin = table(n + 200, d, torch.float32)
-    query, keys, _ = inputs(n, q, kv, g, d, torch.float32, seed=4)
-    blocks = math.ceil(q / 64)
-    grouped = torch.nn.functional.pad(query, (0, 0, 0, blocks * 64 - q)).view(kv, g, blocks, 64, d)
-    positions = (n - q + torch.arange(blocks * 64, device=DEVICE)).view(blocks, 64)
-    count = (n - plan.window) // chunk
-    starts = (torch.arange(count, device=DEVICE) * chunk).view(1, 1, -1).expand(1, blocks, -1).contiguous()
-    ends = starts + chunk
-    scorer = _Scorer(grouped, positions < n, keys, plan, positions.clamp(max=n - 1), rotator(cos, sin))
-    scorer.begin_stage(starts < ends)
-    ref_rep, ref_score = scorer.search(starts, ends, chunk)
-    for config in WIDE_CONFIGS:
-        rep, score = stage_scan(scorer.rotated, positions < n, keys, starts, ends, chunk, "relative", True,
-                                cos, sin, config=config)
-        assert torch.equal(rep, ref_rep), config
-        torch.testing.assert_close(score, ref_score, rtol=1e-4, atol=1e-4)

@@ -658,10 +658,6 @@ def _bench_hip_attention(config: BenchConfig, run, model_config, dtype, results,
             row["prefill_breakdown_us"] = _device_breakdown(
                 lambda: runtime.attend(index, qb, k, v, scale, decoding=False), device, 1)
             row["prefill_block"] = block
-            if row["kernels"]:
-                from kvpot.kernels.hip import tuned_configs
-
-                row["scan_configs"] = tuned_configs()  # (BLOCK_C, warps, stages) chosen per kernel shape
             del k, v
         except Exception as err:  # noqa: BLE001
             _mark_oom(row, err)

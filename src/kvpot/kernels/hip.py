@@ -119,27 +119,14 @@ def _scan_kernel(
     tl.store(SCORE + base + offs_c, tl.where(valid, final, float("-inf")), mask=c_ok)
 
 
-# Wide blocks (prefill: 256 query rows per KV head) have candidate-tile shapes to choose from:
-# (BLOCK_C, num_warps, num_stages). Wider tiles reload each block's queries fewer times; more warps
-# hide more load latency. The best is measured once per kernel shape on the device (`_tuned`).
-WIDE_CONFIGS = ((64, 8, 1), (32, 8, 1), (128, 8, 1), (64, 16, 1), (128, 16, 1), (32, 4, 1))
-_tuned: dict[tuple, tuple[int, int, int]] = {}
-
-
-def tuned_configs() -> dict[str, tuple[int, int, int]]:
-    """The scan configurations chosen so far, by kernel shape (for benchmark records)."""
-    return {"/".join(map(str, key)): value for key, value in _tuned.items()}
-
-
 def stage_scan(queries: torch.Tensor, rows_valid: torch.Tensor, keys: torch.Tensor, starts: torch.Tensor,
                ends: torch.Tensor, chunk: int, style: str, shared: bool, cos: torch.Tensor,
-               sin: torch.Tensor, config: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Representatives and scores of candidate ranges; the kernel form of `sparse.halving_search`.
 
     queries [kv, g, B, R, d] already rotated for the stage; rows_valid [B, R]; keys [kv, n, d]
-    un-rotated; starts/ends [s, B, C] long; cos/sin [P, d]. `config` (BLOCK_C, warps, stages)
-    overrides the choice (narrow blocks: a fixed one; wide blocks: the fastest of `WIDE_CONFIGS`,
-    timed on first use of each kernel shape). Returns rep [s, B, C] long and score [s, B, C] float32.
+    un-rotated; starts/ends [s, B, C] long; cos/sin [P, d]. Returns rep [s, B, C] long and score
+    [s, B, C] float32.
     """
     kv, g, b, r, d = queries.shape
     s, _, c = starts.shape
@@ -148,55 +135,25 @@ def stage_scan(queries: torch.Tensor, rows_valid: torch.Tensor, keys: torch.Tens
     if keys.stride(-1) != 1:
         keys = keys.contiguous()
     starts, ends = starts.contiguous(), ends.contiguous()
-    rows = rows_valid.to(torch.int8).contiguous()
     rep = torch.empty_like(starts)
     score = torch.empty(starts.shape, dtype=torch.float32, device=starts.device)
     block_m = max(16, triton.next_power_of_2(m))
-    steps = max(0, math.ceil(math.log2(chunk)))
-
-    def launch(cfg: tuple[int, int, int]) -> None:
-        block_c, warps, stages = cfg
-        _scan_kernel[(s * b, triton.cdiv(c, block_c))](
-            q, keys, cos, sin, starts, ends, rows, rep, score,
-            keys.shape[1], b, c, m, r,
-            q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), cos.stride(0),
-            KV=kv, STEPS=steps, SHARED=shared, STYLE=STYLES[style], HALF=d // 2,
-            IEEE=q.dtype == torch.float32, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=warps, num_stages=stages,
-        )
-
-    if config is None:
-        if block_m < 128:
-            # few candidates per block (decoding): narrow tiles for more programs; pipelining the head
-            # loop overlaps the heads' key loads (float32 buffers would outgrow shared memory)
-            narrow = s * b * triton.cdiv(c, 64) < 264
-            config = (16 if narrow else 64, 4, 1 if q.dtype == torch.float32 else 3)
-        else:  # wide blocks never pipeline: 434 KB of shared memory asked for on an H100
-            config = _choose((m, kv, steps, style, shared, d, str(q.dtype)), launch, q.device)
-    launch(config)
+    block_c = 64
+    if s * b * triton.cdiv(c, block_c) < 264:  # few blocks (decoding): narrower tiles, more programs
+        block_c = 16
+    grid = (s * b, triton.cdiv(c, block_c))
+    _scan_kernel[grid](
+        q, keys, cos, sin, starts, ends, rows_valid.to(torch.int8).contiguous(), rep, score,
+        keys.shape[1], b, c, m, r,
+        q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), cos.stride(0),
+        KV=kv, STEPS=max(0, math.ceil(math.log2(chunk))), SHARED=shared, STYLE=STYLES[style], HALF=d // 2,
+        IEEE=q.dtype == torch.float32, BLOCK_M=block_m, BLOCK_C=block_c,
+        num_warps=8 if block_m >= 128 else 4,
+        # pipelining the head loop overlaps the heads' key loads; with wide blocks (prefill) or float32
+        # its buffers outgrow shared memory (434 KB asked for on an H100), and many programs hide latency
+        num_stages=1 if block_m >= 128 or q.dtype == torch.float32 else 3,
+    )
     return rep, score
-
-
-def _choose(key: tuple, launch, device: torch.device) -> tuple[int, int, int]:
-    """The fastest of `WIDE_CONFIGS` for kernel shape `key`, timed once (the scan only writes its
-    outputs, so timing it on the real inputs is harmless). Not while a CUDA graph is being captured
-    or under the interpreter: there the first configuration is used."""
-    if key in _tuned:
-        return _tuned[key]
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return WIDE_CONFIGS[0]
-    from triton.runtime.errors import OutOfResources
-    from triton.testing import do_bench
-
-    best, best_ms = WIDE_CONFIGS[0], float("inf")
-    for cfg in WIDE_CONFIGS:
-        try:
-            ms = do_bench(lambda cfg=cfg: launch(cfg), warmup=5, rep=20)
-        except OutOfResources:
-            continue
-        if ms < best_ms:
-            best, best_ms = cfg, ms
-    _tuned[key] = best
-    return best
 
 
 # ---------------------------------------------------------------------------- attention
