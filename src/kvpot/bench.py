@@ -608,7 +608,6 @@ def _bench_hip_attention(config: BenchConfig, run, model_config, dtype, results,
     import torch
     from tqdm.auto import tqdm
 
-    from kvpot.methods.infinitehip import HipRuntime
     from kvpot.positions import Rope
     from kvpot.shapes import head_dim, rotary
     from kvpot.sparse import MaskCache
@@ -616,12 +615,9 @@ def _bench_hip_attention(config: BenchConfig, run, model_config, dtype, results,
     heads, kv_heads, d = model_config.num_attention_heads, model_config.num_key_value_heads, head_dim(model_config)
     device, scale = config.device, d ** -0.5
     method = run.method
-    plans, last = method.plans(model_config.num_hidden_layers, getattr(model_config, "max_position_embeddings", None))
-    index = min(method.early_layers, len(plans) - 1)
-    from kvpot.methods.infinitehip import DEFAULT_GPU_CACHE
-
-    cache_tokens = (method.gpu_cache_tokens or DEFAULT_GPU_CACHE) if method.offload else None
-    runtime = HipRuntime(plans, last, method.refresh, Rope(rotary(config.shape, device)), method.kernels, cache_tokens)
+    runtime = method.runtime(model_config.num_hidden_layers, getattr(model_config, "max_position_embeddings", None),
+                             Rope(rotary(config.shape, device)))
+    index = min(method.early_layers, len(runtime.plans) - 1)
     period = math.lcm(*method.refresh)
     generator = torch.Generator(device=device).manual_seed(config.seed + 1)
     cuda = device.startswith("cuda")

@@ -10,8 +10,9 @@ activations whatever the context. kvpot's reading:
 - The stage scan reads a few representative keys per chunk and reads them from host memory (the
   paper's unified-memory path); the final attention, which reads every selected key and value,
   goes through the GPU cache.
-- After each decoding step the keys the attention used are brought into the cache, evicting the
-  least recently used slots; the step's hits are counted on the device (no host synchronisation).
+- After a decoding step that made a new selection, the keys the attention used are brought into
+  the cache, evicting the least recently used slots; between refreshes only the newest key is new,
+  so only it is brought in. Hits are counted on the device (no host synchronisation).
   Prefill reads through the cache without updating it (each query block of a chunk uses a
   different set, and the chunk's own keys are read once).
 
@@ -82,7 +83,7 @@ class GpuKvCache:
     def touch_newest(self, token: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """A step whose selection did not change reads the last step's keys, all cached by then (no
         victim is ever in the read set while it holds at most half the slots), plus the newest key:
-        count that, and cache the newest key. A handful of launches instead of `touch`'s ~90."""
+        count that, and cache the newest key: no top-k over the whole read set."""
         self.set_size += 1
         self.used += self.set_size
         self.hits += self.set_size - 1
@@ -114,11 +115,6 @@ class GpuKvCache:
         self.stamp.index_fill_(0, target, self.tick)
         self.stamp[self.slots:].fill_(torch.iinfo(torch.long).max)
         fetch(keys, values, self.keys, self.values, tokens, torch.where(miss, target, -1))
-
-    def hit_rate(self) -> float | None:
-        """Hits / reads over the decoding steps so far (reads the device counters: synchronises)."""
-        used = int(self.used)
-        return None if used == 0 else int(self.hits) / used
 
 
 def used_tokens(sink_count: int, starts: torch.Tensor, ends: torch.Tensor, chunk: int, window_start: int,

@@ -18,7 +18,7 @@ RELEASE_SINK = 256
 RELEASE_WINDOW = 1024
 RELEASE_KEEP = (32768, 8192, 2048)
 RELEASE_EARLY_KEEP = 4096  # the last stage keeps more in the first layers
-DEFAULT_GPU_CACHE = 32768  # offloading: GPU-cached entries per layer (2 GiB over 32 layers of llama3-8b)
+DEFAULT_GPU_CACHE = 32768  # offloading: GPU-cached entries per layer (128 MiB a layer for llama3-8b in bf16)
 
 
 def _ints(value, what: str) -> tuple[int, ...] | None:
@@ -182,10 +182,15 @@ class InfiniteHiP(Method):
         return plans, last
 
     # ------------------------------------------------------------------ engine hooks
+    def runtime(self, num_layers: int, max_positions: int | None, rope: Rope) -> HipRuntime:
+        """The per-layer sparse attention and its decoding state, for a model of `num_layers` layers."""
+        plans, last = self.plans(num_layers, max_positions)
+        gpu_cache = (self.gpu_cache_tokens or DEFAULT_GPU_CACHE) if self.offload else None
+        return HipRuntime(plans, last, self.refresh, rope, self.kernels, gpu_cache)
+
     def begin(self, cache, setup: Setup) -> None:
-        plans, last = self.plans(len(cache.layers), getattr(setup.config, "max_position_embeddings", None))
-        cache.attention = HipRuntime(plans, last, self.refresh, cache.rope, self.kernels,
-                                     (self.gpu_cache_tokens or DEFAULT_GPU_CACHE) if self.offload else None)
+        max_positions = getattr(setup.config, "max_position_embeddings", None)
+        cache.attention = self.runtime(len(cache.layers), max_positions, cache.rope)
         cache.host_storage = self.offload
 
     def before_forward(self, cache, step: Step) -> None:
@@ -282,9 +287,9 @@ class HipRuntime:
     def offload_stats(self) -> dict | None:
         """Decoding reads served by the GPU caches: hits, reads and the hit rate, over every layer
         and step so far (synchronises with the device); None without offloading."""
-        caches = [c for c in self.gpu_caches if c is not None]
         if self.gpu_cache_tokens is None:
             return None
+        caches = [c for c in self.gpu_caches if c is not None]
         hits, used = sum(int(c.hits) for c in caches), sum(int(c.used) for c in caches)
         return {"hits": hits, "reads": used, "hit_rate": hits / used if used else None,
                 "gpu_cache_tokens": self.gpu_cache_tokens}
