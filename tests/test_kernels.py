@@ -95,10 +95,15 @@ def inputs(n, q, kv, g, d, dtype, seed):
     return query, keys, values
 
 
+SCHEDULES = {"fused": {"stepwise": False}, "stepwise": {"stepwise": True},
+             "stepwise-narrow": {"stepwise": True, "block_c": 16}}
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("prune_rope", ["relative", "chunk", "absolute"])
 @pytest.mark.parametrize("shared", [True, False])
 @pytest.mark.parametrize("shape", SHAPES, ids=IDS)
-def test_stage_scan_matches_the_halving_search(shape, prune_rope, shared):
+def test_stage_scan_matches_the_halving_search(shape, prune_rope, shared, schedule):
     from kvpot.kernels.hip import stage_scan
 
     _, n, q, kv, g, d, chunks, _ = shape
@@ -122,16 +127,18 @@ def test_stage_scan_matches_the_halving_search(shape, prune_rope, shared):
     scorer = _Scorer(grouped, rows_valid, keys, plan, positions.clamp(max=n - 1), rotate)
     scorer.begin_stage(starts < ends)
     ref_rep, ref_score = scorer.search(starts, ends, chunk)
-    rep, score = stage_scan(scorer.rotated, rows_valid, keys, starts, ends, chunk, prune_rope, shared, cos, sin)
+    rep, score = stage_scan(scorer.rotated, rows_valid, keys, starts, ends, chunk, prune_rope, shared, cos, sin,
+                            **SCHEDULES[schedule])
     valid = starts < ends
     assert torch.equal(rep[valid], ref_rep[valid])
     assert torch.equal(score.isinf(), ref_score.isinf())
     torch.testing.assert_close(score[valid], ref_score[valid], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("schedule", ["fused", "stepwise"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", SHAPES[:2], ids=IDS[:2])
-def test_stage_scan_in_half_precision_agrees_where_the_search_is_not_a_near_tie(shape, dtype):
+def test_stage_scan_in_half_precision_agrees_where_the_search_is_not_a_near_tie(shape, dtype, schedule):
     """bf16/fp16 rotate in float32 in the kernel and in the input dtype in the reference, so a
     near-tie between two halves may go either way; nearly every representative must agree and
     the scores of agreeing ones must match to the dtype's precision."""
@@ -153,7 +160,8 @@ def test_stage_scan_in_half_precision_agrees_where_the_search_is_not_a_near_tie(
     scorer = _Scorer(grouped, positions < n, keys, plan, positions.clamp(max=n - 1), rotator(cos, sin))
     scorer.begin_stage(starts < ends)
     ref_rep, ref_score = scorer.search(starts, ends, chunk)
-    rep, score = stage_scan(scorer.rotated, positions < n, keys, starts, ends, chunk, "relative", True, cos, sin)
+    rep, score = stage_scan(scorer.rotated, positions < n, keys, starts, ends, chunk, "relative", True, cos, sin,
+                            **SCHEDULES[schedule])
     same = rep == ref_rep
     assert same.float().mean() >= 0.9
     torch.testing.assert_close(score[same], ref_score[same], rtol=2e-2, atol=2e-1)

@@ -34,11 +34,9 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _key_scores(Q, K, COS, SIN, idx, side, offs_c, c_ok, rows, row_ok, b, s, N,
-                stride_qh, stride_qb, stride_qm, stride_kh, stride_kn, stride_t, KV: tl.constexpr,
-                SHARED: tl.constexpr, STYLE: tl.constexpr, HALF: tl.constexpr, IEEE: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Scores [BLOCK_C] of keys `idx`: max over valid rows (and over KV heads when SHARED)."""
+def _probe(q1, q2, K, COS, SIN, idx, side, offs_c, c_ok, row_ok, h, N, stride_kh, stride_kn, stride_t,
+           STYLE: tl.constexpr, HALF: tl.constexpr, IEEE: tl.constexpr):
+    """Scores [BLOCK_C] of keys `idx` of head `h` against query halves q1/q2 [BLOCK_M, HALF]: max over valid rows."""
     dh = tl.arange(0, HALF)
     key = tl.minimum(tl.maximum(idx, 0), N - 1)  # empty ranges point anywhere: keep loads in bounds
     if STYLE == 0:  # absolute: the key at its own position
@@ -52,23 +50,34 @@ def _key_scores(Q, K, COS, SIN, idx, side, offs_c, c_ok, rows, row_ok, b, s, N,
     cos2 = tl.load(COS + t_ptr + HALF, mask=c_ok[:, None], other=0.0).to(tl.float32)
     sin1 = tl.load(SIN + t_ptr, mask=c_ok[:, None], other=0.0).to(tl.float32)
     sin2 = tl.load(SIN + t_ptr + HALF, mask=c_ok[:, None], other=0.0).to(tl.float32)
+    k_ptr = K + h * stride_kh + key[:, None] * stride_kn + dh[None, :]
+    k1 = tl.load(k_ptr, mask=c_ok[:, None], other=0.0).to(tl.float32)  # [BLOCK_C, HALF]
+    k2 = tl.load(k_ptr + HALF, mask=c_ok[:, None], other=0.0).to(tl.float32)
+    r1 = (k1 * cos1 - k2 * sin1).to(q1.dtype)  # rotate_half: (-x2, x1)
+    r2 = (k2 * cos2 + k1 * sin2).to(q1.dtype)
+    if IEEE:
+        sc = tl.dot(q1, tl.trans(r1), input_precision="ieee") + tl.dot(q2, tl.trans(r2), input_precision="ieee")
+    else:
+        sc = tl.dot(q1, tl.trans(r1)) + tl.dot(q2, tl.trans(r2))  # [BLOCK_M, BLOCK_C]
+    sc = tl.where(row_ok[:, None], sc, float("-inf"))
+    return tl.max(sc, axis=0)
+
+
+@triton.jit
+def _key_scores(Q, K, COS, SIN, idx, side, offs_c, c_ok, rows, row_ok, b, s, N,
+                stride_qh, stride_qb, stride_qm, stride_kh, stride_kn, stride_t, KV: tl.constexpr,
+                SHARED: tl.constexpr, STYLE: tl.constexpr, HALF: tl.constexpr, IEEE: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Scores [BLOCK_C] of keys `idx`: max over valid rows (and over KV heads when SHARED)."""
+    dh = tl.arange(0, HALF)
     best = tl.full([BLOCK_C], float("-inf"), tl.float32)
     for i in range(KV if SHARED else 1):  # a loop over KV heads (KV is a compile-time constant)
         h = i if SHARED else s
-        k_ptr = K + h * stride_kh + key[:, None] * stride_kn + dh[None, :]
-        k1 = tl.load(k_ptr, mask=c_ok[:, None], other=0.0).to(tl.float32)  # [BLOCK_C, HALF]
-        k2 = tl.load(k_ptr + HALF, mask=c_ok[:, None], other=0.0).to(tl.float32)
-        r1 = (k1 * cos1 - k2 * sin1).to(Q.dtype.element_ty)  # rotate_half: (-x2, x1)
-        r2 = (k2 * cos2 + k1 * sin2).to(Q.dtype.element_ty)
         q_ptr = Q + h * stride_qh + b * stride_qb + rows[:, None] * stride_qm + dh[None, :]
         q1 = tl.load(q_ptr, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HALF]
         q2 = tl.load(q_ptr + HALF, mask=row_ok[:, None], other=0.0)
-        if IEEE:
-            sc = tl.dot(q1, tl.trans(r1), input_precision="ieee") + tl.dot(q2, tl.trans(r2), input_precision="ieee")
-        else:
-            sc = tl.dot(q1, tl.trans(r1)) + tl.dot(q2, tl.trans(r2))  # [BLOCK_M, BLOCK_C]
-        sc = tl.where(row_ok[:, None], sc, float("-inf"))
-        best = tl.maximum(best, tl.max(sc, axis=0))
+        best = tl.maximum(best, _probe(q1, q2, K, COS, SIN, idx, side, offs_c, c_ok, row_ok, h, N,
+                                       stride_kh, stride_kn, stride_t, STYLE, HALF, IEEE))
     return best
 
 
@@ -119,14 +128,96 @@ def _scan_kernel(
     tl.store(SCORE + base + offs_c, tl.where(valid, final, float("-inf")), mask=c_ok)
 
 
+@triton.jit
+def _scan_step_kernel(
+    Q,  # [KV, B, M, D] rotated queries of each block (M = group heads x block rows)
+    K,  # [KV, N, D] un-rotated keys
+    COS, SIN,  # [P, D] RoPE table
+    STARTS, ENDS,  # [S, B, C] int64 candidate ranges [start, end) (read by the first step)
+    LR_IN, LR_OUT,  # [2, S, B, C] int64: each search's (left, right) before / after this step's decision
+    SC_IN, SC_OUT,  # [HP, S, B, C, 2] float32: each head's scores of the last / this step's two probes
+    ROWS_VALID,  # [B, R] int8: 1 where the block's row is a real query
+    N, B, C, M, R, S, C_PER,  # C_PER: candidates per program along grid axis 1 (a multiple of BLOCK_C)
+    stride_qh, stride_qb, stride_qm, stride_kh, stride_kn, stride_t,
+    HP: tl.constexpr,  # heads whose scores one selection takes the max of (KV heads when shared, else 1)
+    FIRST: tl.constexpr, LAST: tl.constexpr,  # the first step reads STARTS/ENDS; the last probes `left` only
+    STYLE: tl.constexpr, HALF: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """One halving step of every search, for one (selection, block, head) and a span of candidates.
+
+    The head's queries are loaded once and stay resident while the program walks its candidates;
+    the decision between halves needs every head's score of the previous step, so steps are
+    separate launches (see `stage_scan`).
+    """
+    pid = tl.program_id(0)
+    hp = pid % HP
+    b = (pid // HP) % B
+    s = pid // (HP * B)
+    h = s * HP + hp  # shared: S == 1, the program's head; per head: HP == 1, the selection's head
+    dh = tl.arange(0, HALF)
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    row_ok = row_ok & (tl.load(ROWS_VALID + b * R + rows % R, mask=row_ok, other=0) != 0)
+    q_ptr = Q + h * stride_qh + b * stride_qb + rows[:, None] * stride_qm + dh[None, :]
+    q1 = tl.load(q_ptr, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HALF], resident for the whole span
+    q2 = tl.load(q_ptr + HALF, mask=row_ok[:, None], other=0.0)
+    base = (s * B + b) * C
+    lo = tl.program_id(1) * C_PER
+    for c0 in range(lo, tl.minimum(lo + C_PER, C), BLOCK_C):
+        offs_c = c0 + tl.arange(0, BLOCK_C)
+        c_ok = offs_c < C
+        if FIRST:
+            left = tl.load(STARTS + base + offs_c, mask=c_ok, other=0)
+            right = tl.load(ENDS + base + offs_c, mask=c_ok, other=0)
+        else:  # the previous step's decision, from every head's scores (the same in every head's program)
+            left = tl.load(LR_IN + base + offs_c, mask=c_ok, other=0)
+            right = tl.load(LR_IN + S * B * C + base + offs_c, mask=c_ok, other=0)
+            score_l = tl.full([BLOCK_C], float("-inf"), tl.float32)
+            score_r = tl.full([BLOCK_C], float("-inf"), tl.float32)
+            for i in range(HP):
+                at = SC_IN + 2 * (i * S * B * C + base + offs_c)
+                score_l = tl.maximum(score_l, tl.load(at, mask=c_ok, other=float("-inf")))
+                score_r = tl.maximum(score_r, tl.load(at + 1, mask=c_ok, other=float("-inf")))
+            active = right - left > 1
+            center = (left + right) // 2
+            go_left = score_l >= score_r
+            right = tl.where(active & go_left, center, right)
+            left = tl.where(active & (score_l < score_r), center, left)
+        if hp == 0:
+            tl.store(LR_OUT + base + offs_c, left, mask=c_ok)
+            tl.store(LR_OUT + S * B * C + base + offs_c, right, mask=c_ok)
+        out = SC_OUT + 2 * (hp * S * B * C + base + offs_c)
+        if LAST:  # the representative is `left`; its score is the range's
+            final = _probe(q1, q2, K, COS, SIN, left, 0, offs_c, c_ok, row_ok, h, N, stride_kh, stride_kn,
+                           stride_t, STYLE, HALF, IEEE)
+            tl.store(out, final, mask=c_ok)
+        else:
+            center = (left + right) // 2
+            probe_l = _probe(q1, q2, K, COS, SIN, (left + center) // 2, 0, offs_c, c_ok, row_ok, h, N,
+                             stride_kh, stride_kn, stride_t, STYLE, HALF, IEEE)
+            probe_r = _probe(q1, q2, K, COS, SIN, (center + right) // 2, 1, offs_c, c_ok, row_ok, h, N,
+                             stride_kh, stride_kn, stride_t, STYLE, HALF, IEEE)
+            tl.store(out, probe_l, mask=c_ok)
+            tl.store(out + 1, probe_r, mask=c_ok)
+
+
 def stage_scan(queries: torch.Tensor, rows_valid: torch.Tensor, keys: torch.Tensor, starts: torch.Tensor,
                ends: torch.Tensor, chunk: int, style: str, shared: bool, cos: torch.Tensor,
-               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+               sin: torch.Tensor, stepwise: bool | None = None,
+               block_c: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Representatives and scores of candidate ranges; the kernel form of `sparse.halving_search`.
 
     queries [kv, g, B, R, d] already rotated for the stage; rows_valid [B, R]; keys [kv, n, d]
     un-rotated; starts/ends [s, B, C] long; cos/sin [P, d]. Returns rep [s, B, C] long and score
     [s, B, C] float32.
+
+    Two schedules compute the same thing. Few query rows per block (decoding) run the whole search
+    in one launch, each program looping over the KV heads at every step. Wide blocks (prefill: a
+    group's heads x 64 rows) would then reload their queries for every head at every step (~18 GB
+    of L2 traffic per 2,048-query chunk at 1M keys), so they run `stepwise`: one launch per halving
+    step, each program holding one head's queries while it walks its candidates, the steps meeting
+    through per-head score buffers. `stepwise` (default: rows >= 64) and `block_c` (candidates per
+    tile) override the choice, for tests and tuning.
     """
     kv, g, b, r, d = queries.shape
     s, _, c = starts.shape
@@ -135,25 +226,67 @@ def stage_scan(queries: torch.Tensor, rows_valid: torch.Tensor, keys: torch.Tens
     if keys.stride(-1) != 1:
         keys = keys.contiguous()
     starts, ends = starts.contiguous(), ends.contiguous()
+    valid_rows = rows_valid.to(torch.int8).contiguous()
+    block_m = max(16, triton.next_power_of_2(m))
+    steps = max(0, math.ceil(math.log2(chunk)))
+    ieee = q.dtype == torch.float32
+    strides = (q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), cos.stride(0))
+    if stepwise is None:
+        stepwise = m >= 64
+    if stepwise:
+        return _stepwise_scan(q, keys, cos, sin, starts, ends, valid_rows, r, steps, style, shared, block_m,
+                              block_c, strides)
     rep = torch.empty_like(starts)
     score = torch.empty(starts.shape, dtype=torch.float32, device=starts.device)
-    block_m = max(16, triton.next_power_of_2(m))
-    block_c = 64
-    if s * b * triton.cdiv(c, block_c) < 264:  # few blocks (decoding): narrower tiles, more programs
-        block_c = 16
+    if block_c is None:
+        block_c = 64
+        if s * b * triton.cdiv(c, block_c) < 264:  # few blocks (decoding): narrower tiles, more programs
+            block_c = 16
     grid = (s * b, triton.cdiv(c, block_c))
     _scan_kernel[grid](
-        q, keys, cos, sin, starts, ends, rows_valid.to(torch.int8).contiguous(), rep, score,
-        keys.shape[1], b, c, m, r,
-        q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), cos.stride(0),
-        KV=kv, STEPS=max(0, math.ceil(math.log2(chunk))), SHARED=shared, STYLE=STYLES[style], HALF=d // 2,
-        IEEE=q.dtype == torch.float32, BLOCK_M=block_m, BLOCK_C=block_c,
-        num_warps=8 if block_m >= 128 else 4,
+        q, keys, cos, sin, starts, ends, valid_rows, rep, score, keys.shape[1], b, c, m, r, *strides,
+        KV=kv, STEPS=steps, SHARED=shared, STYLE=STYLES[style], HALF=d // 2, IEEE=ieee, BLOCK_M=block_m,
+        BLOCK_C=block_c, num_warps=8 if block_m >= 128 else 4,
         # pipelining the head loop overlaps the heads' key loads; with wide blocks (prefill) or float32
         # its buffers outgrow shared memory (434 KB asked for on an H100), and many programs hide latency
-        num_stages=1 if block_m >= 128 or q.dtype == torch.float32 else 3,
+        num_stages=1 if block_m >= 128 or ieee else 3,
     )
     return rep, score
+
+
+def _stepwise_scan(q, keys, cos, sin, starts, ends, valid_rows, r, steps, style, shared, block_m, block_c,
+                   strides):
+    """`stage_scan` as steps + 1 launches of `_scan_step_kernel` (q [KV, B, M, D])."""
+    kv, b, m, d = q.shape
+    s, _, c = starts.shape
+    hp = kv if shared else 1
+    if block_c is None:
+        block_c = 32 if block_m >= 256 else 64  # keeps two probes' [BLOCK_M, BLOCK_C] scores in registers
+    programs = s * b * hp
+    tiles = triton.cdiv(c, block_c)
+    # split the candidates until the GPU has a few programs per multiprocessor
+    splits = max(1, min(tiles, triton.cdiv(4 * _multiprocessors(q.device), programs)))
+    per = triton.cdiv(tiles, splits) * block_c
+    splits = triton.cdiv(c, per)
+    lr = torch.empty(2, 2, s, b, c, dtype=torch.long, device=q.device)  # ping-pong (left, right)
+    sc = torch.empty(2, hp, s, b, c, 2, dtype=torch.float32, device=q.device)  # ping-pong probe scores
+    ieee = q.dtype == torch.float32
+    for t in range(steps + 1):
+        _scan_step_kernel[(programs, splits)](
+            q, keys, cos, sin, starts, ends, lr[(t + 1) % 2], lr[t % 2], sc[(t + 1) % 2], sc[t % 2], valid_rows,
+            keys.shape[1], b, c, m, r, s, per, *strides,
+            HP=hp, FIRST=t == 0, LAST=t == steps, STYLE=STYLES[style], HALF=d // 2, IEEE=ieee, BLOCK_M=block_m,
+            BLOCK_C=block_c, num_warps=8 if block_m >= 128 else 4, num_stages=1 if ieee else 2,
+        )
+    rep = lr[steps % 2, 0]
+    score = sc[steps % 2, :, :, :, :, 0].amax(0)  # [s, B, C]: max over the selection's heads
+    return rep, score.masked_fill(starts >= ends, float("-inf"))
+
+
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # Triton's interpreter has none; a nominal few so that candidate splitting runs in tests
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 # ---------------------------------------------------------------------------- attention
