@@ -66,6 +66,23 @@ def test_state_reuse_matches_one_shot_and_leaves_state_unchanged():
     assert one_shot.token_ids == reused.token_ids
 
 
+def test_a_handed_over_state_decodes_the_same_without_a_copy_and_is_then_spent():
+    model = build("llama3")
+    torch.manual_seed(5)
+    context, question = torch.randint(3, VOCAB, (90,)), torch.randint(3, VOCAB, (5,))
+    engine = kvpot.Engine(model, method=kvpot.StreamingLLM(sinks=4, window=40, chunk_size=16))
+    state = engine.prefill_ids(context)
+    kept = engine.generate_ids(question_ids=question, state=state, max_new_tokens=10)
+    cache = state.cache
+    handed = engine.generate_ids(question_ids=question, state=state, max_new_tokens=10, keep_state=False)
+    assert handed.token_ids == kept.token_ids
+    layer = cache.layers[0]
+    assert state.cache is None
+    assert int(layer.positions[..., : layer.n].max()) > context.numel() + question.numel()  # decoded in place
+    with pytest.raises(kvpot.KvpotError, match="spent"):
+        engine.generate_ids(question_ids=question, state=state, max_new_tokens=2)
+
+
 def test_score_ids_equals_the_full_forward_loss():
     """With Full, chunked scoring equals the cross-entropy of one whole-sequence forward."""
     import kvpot.scoring as scoring

@@ -3,7 +3,8 @@
 # vs dense SDPA at 128K/512K/1M (decode over a refresh period; prefill = one 2,048-query chunk), the PyTorch
 # reference path at 128K for comparison, and end-to-end llama3.2-1b at 1M.
 # Run from the repository root:  OUT=/tmp/out bash benchmarks/infinitehip-kernels-h100/run.sh [PARTS]
-# PARTS (default "tests attention reference e2e"; also "offload") picks what runs.
+# PARTS (default "tests attention reference e2e"; also "offload", "sweep" (stage-1 scan schedules) and
+# "e2e8b" (llama3-8b at 512K, offloaded)) picks what runs.
 set -uo pipefail
 parts=${1:-tests attention reference e2e}
 export PYTHONPATH=$PWD/src
@@ -12,6 +13,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 if [[ $parts == *tests* ]]; then
   timeout 300 python -m pytest -q -n 8 -p no:cacheprovider -rf tests/test_kernels.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tail -n 40 > "$out/tests.txt"
   tail -n 5 "$out/tests.txt"
+fi
+if [[ $parts == *sweep* ]]; then
+  timeout 200 python benchmarks/infinitehip-kernels-h100/scan_sweep.py "$out/scan-sweep.json" 2>&1 | tail -n 10
 fi
 if [[ $parts == *attention* ]]; then
   timeout 300 python -m kvpot bench attention --shape llama3-8b --method infinitehip --lengths 128k,512k,1m \

@@ -470,7 +470,7 @@ def _bench_decode(config: BenchConfig, model, runs, results, progress) -> None:
     warm = min(WARMUP_TOKENS, config.lengths[0])
     for run in runs:
         state = engines[run.label].prefill_ids(_tokens(vocab, warm, config.seed + 2, config.device), question)
-        engines[run.label].generate_ids(state=state, max_new_tokens=min(count, 8), ignore_eos=True)
+        engines[run.label].generate_ids(state=state, max_new_tokens=min(count, 8), ignore_eos=True, keep_state=False)
 
     def floor_steps(steps: int) -> list[float]:
         times = []
@@ -494,7 +494,9 @@ def _bench_decode(config: BenchConfig, model, runs, results, progress) -> None:
             prefill = state.stats.prefill_seconds
             _reset_peak(config.device)
             timer = _StepTimer(config.device)
-            result = engine.generate_ids(state=state, max_new_tokens=count, ignore_eos=True, on_token=timer)
+            # decode in the state's own cache (no copy of a 1M-entry cache) unless the profiler needs it again
+            result = engine.generate_ids(state=state, max_new_tokens=count, ignore_eos=True, on_token=timer,
+                                         keep_state=config.profile)
             stats = result.stats
             steps = timer.steps()
         extra = {}

@@ -73,9 +73,11 @@ class ScoreResult:
 
 @dataclass
 class State:
-    """A prefilled (and compressed) context. `Engine.generate(state=...)` copies it, never consumes it."""
+    """A prefilled (and compressed) context. `Engine.generate(state=...)` copies it, so it can be
+    asked again, unless `keep_state=False` hands it over (no copy: the way to decode from a cache
+    that takes most of the memory; the state is then spent)."""
 
-    cache: PotCache
+    cache: PotCache | None
     next_position: int  # original position of the next token in the stream
     last_logits: torch.Tensor  # [vocab] logits after the last prefilled token
     method_config: dict
@@ -175,9 +177,13 @@ class Engine:
         state: State | None = None,
         on_text: Callable[[str], None] | None = None,
         progress: bool = False,
+        keep_state: bool = True,
         **sampling,
     ) -> Result:
-        """Answer `question` about `context` (or about a prefilled `state`). Strings in, string out."""
+        """Answer `question` about `context` (or about a prefilled `state`). Strings in, string out.
+
+        `keep_state=False` decodes in the state's own cache instead of a copy (half the memory of a
+        long context; the state cannot be asked again)."""
         if state is None and not context:
             raise KvpotError("the context is empty; give some text to read (or a prefilled state).")
         if state is not None and context:
@@ -191,6 +197,7 @@ class Engine:
             state=state,
             on_token=printer,
             progress=progress,
+            keep_state=keep_state,
             **sampling,
         )
         if printer:
@@ -234,12 +241,14 @@ class Engine:
         top_p: float = 1.0,
         seed: int | None = None,
         ignore_eos: bool = False,
+        keep_state: bool = True,
     ) -> Result:
         """Generate up to `max_new_tokens` after the context (or `state`) and the question.
 
         Greedy by default (`temperature=0`; otherwise sampling with `top_p`, seeded by `seed`),
         stopping at the model's end-of-sequence tokens unless `ignore_eos` (benchmarks decode a
-        fixed count). `token_ids` of the result are the new tokens only.
+        fixed count). `token_ids` of the result are the new tokens only. A `state` is copied first
+        unless `keep_state=False`, which decodes in its cache and spends it.
         """
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise KvpotError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}.")
@@ -253,7 +262,7 @@ class Engine:
         else:
             if input_ids is not None:
                 raise KvpotError("give either input_ids or a prefilled state, not both.")
-            run = self._resume(state, question_ids, progress)
+            run = self._resume(state, question_ids, progress, keep_state)
         return self._decode(run, max_new_tokens, on_token, temperature, top_p, seed, ignore_eos)
 
     @torch.no_grad()
@@ -312,14 +321,20 @@ class Engine:
         policy = make_policy(self.method.positions)
         return PotCache(self.model.config.num_hidden_layers, self.rope, policy, capacity_hint=hint)
 
-    def _resume(self, state: State, question_ids, progress: bool) -> _Run:
+    def _resume(self, state: State, question_ids, progress: bool, keep: bool = True) -> _Run:
+        if state.cache is None:
+            raise KvpotError("this state was spent by generate(..., keep_state=False); prefill again, or pass "
+                             "keep_state=True to ask a state more than once.")
         if state.method_config != self.method.config():
             raise KvpotError(
                 f"this state was prefilled with {state.method_config}, but the engine now runs "
                 f"{self.method.config()}; prefill again with the current method."
             )
         question = _as_ids(question_ids, self.device, "question_ids")
-        run = _Run(state.cache.clone(), state.next_position, dataclasses.replace(state.stats), state.last_logits)
+        cache = state.cache.clone() if keep else state.cache
+        if not keep:
+            state.cache = None  # spent: decoding appends to (and compresses) this cache
+        run = _Run(cache, state.next_position, dataclasses.replace(state.stats), state.last_logits)
         run.stats.question_tokens = question.numel()
         self._begin(run.cache, question if question.numel() else None)
         if question.numel():
