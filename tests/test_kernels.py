@@ -334,10 +334,13 @@ def test_offloaded_and_resident_runs_produce_the_same_tokens(gpu_cache_tokens, r
         assert layer.keys.device.type == "cpu" and layer.keys.is_pinned()
     offloaded = engine.generate_ids(state=state, max_new_tokens=12)
     assert offloaded.token_ids == resident.token_ids
+    report = offloaded.stats.method["offload"]  # 11 decoding forwards, every layer's reads counted
+    assert report["reads"] > 0 and 0 <= report["hits"] <= report["reads"]
     runtime = state.cache.attention
     assert runtime.offload_stats()["reads"] == 0  # the state is not consumed: its copy decoded
-    again = engine.generate_ids(state=state, max_new_tokens=12)
+    again = engine.generate_ids(state=state, max_new_tokens=12, keep_state=False)
     assert again.token_ids == resident.token_ids
+    assert again.stats.method["offload"] == report  # decoded in the state's own cache: the same reads
     stats = [c for c in runtime.gpu_caches if c is not None]
     assert stats and all(c.keys.shape[1] == gpu_cache_tokens for c in stats)
 

@@ -9,28 +9,34 @@ set -uo pipefail
 parts=${1:-tests attention reference e2e}
 export PYTHONPATH=$PWD/src
 out=${OUT:?set OUT}
+has() { [[ " $parts " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-if [[ $parts == *tests* ]]; then
+if has tests; then
   timeout 300 python -m pytest -q -n 8 -p no:cacheprovider -rf tests/test_kernels.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tail -n 40 > "$out/tests.txt"
   tail -n 5 "$out/tests.txt"
 fi
-if [[ $parts == *sweep* ]]; then
+if has sweep; then
   timeout 200 python benchmarks/infinitehip-kernels-h100/scan_sweep.py "$out/scan-sweep.json" 2>&1 | tail -n 10
 fi
-if [[ $parts == *attention* ]]; then
+if has attention; then
   timeout 300 python -m kvpot bench attention --shape llama3-8b --method infinitehip --lengths 128k,512k,1m \
     --block 2048 --device cuda --out "$out/attention" 2>&1 | grep -v "it/s\|run/s" | tail -n 20
 fi
-if [[ $parts == *reference* ]]; then
+if has reference; then
   timeout 240 python -m kvpot bench attention --shape llama3-8b --method infinitehip:kernels=torch --lengths 128k \
     --block 2048 --device cuda --out "$out/attention-torch" 2>&1 | grep -v "it/s\|run/s" | tail -n 12
 fi
-if [[ $parts == *e2e* ]]; then
+if has e2e; then
   timeout 280 python -m kvpot bench decode --shape llama3.2-1b --method infinitehip --lengths 1m --decode-steps 32 \
     --device cuda --out "$out/e2e-1b" 2>&1 | grep -v "it/s\|run/s" | tail -n 12
 fi
-if [[ $parts == *offload* ]]; then
-  timeout 300 python -m kvpot bench attention --shape llama3-8b --method infinitehip:offload=true --lengths 128k,1m \
+if has offload; then
+  timeout 300 python -m kvpot bench attention --shape llama3-8b --method infinitehip:offload=true --lengths ${OFFLOAD_LENGTHS:-128k,1m} \
     --block 2048 --device cuda --out "$out/attention-offload" 2>&1 | grep -v "it/s\|run/s" | tail -n 12
+fi
+if has e2e8b; then  # weights are random (built from the config); the KV cache lives in pinned host memory
+  timeout ${E2E8B_TIMEOUT:-560} python -m kvpot bench decode --shape llama3-8b --method infinitehip:offload=true \
+    --lengths ${E2E8B_LENGTH:-512k} --decode-steps 32 --no-floor --device cuda --out "$out/e2e-8b" 2>&1 \
+    | grep -v "it/s\|run/s" | tail -n 12
 fi
 rm -f "$out"/*/*.png

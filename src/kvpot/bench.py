@@ -516,6 +516,7 @@ def _bench_decode(config: BenchConfig, model, runs, results, progress) -> None:
             "max_kv_entries": None if stats is None else stats.max_kv_entries,
             "kv_cache_bytes": None if stats is None else stats.max_kv_entries * kv_bytes,
             "final_kv_entries": None if stats is None else stats.final_kv_entries,
+            "method_report": None if stats is None else stats.method,
             **extra,
         }
 

@@ -45,6 +45,7 @@ class Stats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     peak_memory_bytes: int | None = None
+    method: dict | None = None  # what the method reports about the generation (`Method.report`)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -475,6 +476,7 @@ class Engine:
         stats.max_kv_entries = run.cache.max_entries
         stats.final_kv_entries = max(run.cache.lengths())
         stats.peak_memory_bytes = self._peak_memory()
+        stats.method = self.method.report(run.cache)
         text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else None
         return Result(text, tokens, stats)
 

@@ -123,6 +123,11 @@ class Method:
         """Update scores and evict after a forward; True if anything was evicted."""
         return False
 
+    def report(self, cache: PotCache) -> dict | None:
+        """What the method measured over a generation, for `Stats.method` (InfiniteHiP: the GPU
+        cache's hit rate when offloading); None when it has nothing to say."""
+        return None
+
     # ---- helpers shared by the CLI and `kvpot methods` ----
     @classmethod
     def parameters(cls) -> list[dataclasses.Field]:

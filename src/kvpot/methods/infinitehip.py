@@ -201,6 +201,9 @@ class InfiniteHiP(Method):
             cache.attention.step += 1
         return False
 
+    def report(self, cache) -> dict | None:
+        return {"offload": cache.attention.offload_stats()} if self.offload else None
+
 
 class HipRuntime:
     """The sparse attention a `PotCache` calls instead of dense attention, with its decoding state."""
