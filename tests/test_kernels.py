@@ -96,7 +96,8 @@ def inputs(n, q, kv, g, d, dtype, seed):
 
 
 SCHEDULES = {"fused": {"stepwise": False}, "stepwise": {"stepwise": True},
-             "stepwise-narrow": {"stepwise": True, "block_c": 16}}
+             "stepwise-narrow": {"stepwise": True, "block_c": 16},
+             "stepwise-keys-rotated": {"stepwise": True, "turn": False}}
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
@@ -135,7 +136,7 @@ def test_stage_scan_matches_the_halving_search(shape, prune_rope, shared, schedu
     torch.testing.assert_close(score[valid], ref_score[valid], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("schedule", ["fused", "stepwise"])
+@pytest.mark.parametrize("schedule", ["fused", "stepwise", "stepwise-keys-rotated"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", SHAPES[:2], ids=IDS[:2])
 def test_stage_scan_in_half_precision_agrees_where_the_search_is_not_a_near_tie(shape, dtype, schedule):

@@ -720,7 +720,7 @@ def _device_breakdown(fn, device: str, per: int) -> dict | None:
         if not str(getattr(e, "device_type", "")).endswith("CUDA"):
             continue
         count += 1
-        if "_scan_kernel" in e.name:
+        if "_scan_kernel" in e.name or "_scan_step_kernel" in e.name:
             kind = "scan"
         elif "_attention_kernel" in e.name or "_merge_kernel" in e.name:
             kind = "attention"

@@ -64,6 +64,37 @@ def _probe(q1, q2, K, COS, SIN, idx, side, offs_c, c_ok, row_ok, h, N, stride_kh
 
 
 @triton.jit
+def _probe_turned(qa, qb, K, idx, c_ok, row_ok, h, N, stride_kh, stride_kn, HALF: tl.constexpr,
+                  IEEE: tl.constexpr):
+    """Scores [BLOCK_C] of un-rotated keys `idx` against queries already turned by the keys' rotation
+    (`_turn`): the same numbers as `_probe` at one shared position, with no per-key RoPE work."""
+    dh = tl.arange(0, HALF)
+    key = tl.minimum(tl.maximum(idx, 0), N - 1)
+    k_ptr = K + h * stride_kh + key[:, None] * stride_kn + dh[None, :]
+    k1 = tl.load(k_ptr, mask=c_ok[:, None], other=0.0).to(qa.dtype)  # [BLOCK_C, HALF]
+    k2 = tl.load(k_ptr + HALF, mask=c_ok[:, None], other=0.0).to(qa.dtype)
+    if IEEE:
+        sc = tl.dot(qa, tl.trans(k1), input_precision="ieee") + tl.dot(qb, tl.trans(k2), input_precision="ieee")
+    else:
+        sc = tl.dot(qa, tl.trans(k1)) + tl.dot(qb, tl.trans(k2))  # [BLOCK_M, BLOCK_C]
+    sc = tl.where(row_ok[:, None], sc, float("-inf"))
+    return tl.max(sc, axis=0)
+
+
+@triton.jit
+def _turn(q1, q2, COS, SIN, pos, stride_t, HALF: tl.constexpr):
+    """Queries q' with q'.k = q.rot(k, pos) for every key k: rot(k) = (k1 c1 - k2 s1, k2 c2 + k1 s2), so
+    q'1 = q1 c1 + q2 s2 and q'2 = q2 c2 - q1 s1 (the cos/sin row of `pos`, scaled variants included)."""
+    dh = tl.arange(0, HALF)
+    c1 = tl.load(COS + pos * stride_t + dh).to(tl.float32)[None, :]
+    c2 = tl.load(COS + pos * stride_t + HALF + dh).to(tl.float32)[None, :]
+    s1 = tl.load(SIN + pos * stride_t + dh).to(tl.float32)[None, :]
+    s2 = tl.load(SIN + pos * stride_t + HALF + dh).to(tl.float32)[None, :]
+    a, b = q1.to(tl.float32), q2.to(tl.float32)
+    return (a * c1 + b * s2).to(q1.dtype), (b * c2 - a * s1).to(q1.dtype)
+
+
+@triton.jit
 def _key_scores(Q, K, COS, SIN, idx, side, offs_c, c_ok, rows, row_ok, b, s, N,
                 stride_qh, stride_qb, stride_qm, stride_kh, stride_kn, stride_t, KV: tl.constexpr,
                 SHARED: tl.constexpr, STYLE: tl.constexpr, HALF: tl.constexpr, IEEE: tl.constexpr,
@@ -141,6 +172,7 @@ def _scan_step_kernel(
     stride_qh, stride_qb, stride_qm, stride_kh, stride_kn, stride_t,
     HP: tl.constexpr,  # heads whose scores one selection takes the max of (KV heads when shared, else 1)
     FIRST: tl.constexpr, LAST: tl.constexpr,  # the first step reads STARTS/ENDS; the last probes `left` only
+    TURN: tl.constexpr,  # relative style: turn the queries once by each side's rotation, keys stay raw
     STYLE: tl.constexpr, HALF: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """One halving step of every search, for one (selection, block, head) and a span of candidates.
@@ -161,6 +193,9 @@ def _scan_step_kernel(
     q_ptr = Q + h * stride_qh + b * stride_qb + rows[:, None] * stride_qm + dh[None, :]
     q1 = tl.load(q_ptr, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HALF], resident for the whole span
     q2 = tl.load(q_ptr + HALF, mask=row_ok[:, None], other=0.0)
+    if TURN:  # left probes sit at position 0, right ones at 1: rotate two query copies, not every key
+        ql1, ql2 = _turn(q1, q2, COS, SIN, 0, stride_t, HALF)
+        qr1, qr2 = _turn(q1, q2, COS, SIN, 1, stride_t, HALF)
     base = (s * B + b) * C
     lo = tl.program_id(1) * C_PER
     for c0 in range(lo, tl.minimum(lo + C_PER, C), BLOCK_C):
@@ -188,23 +223,32 @@ def _scan_step_kernel(
             tl.store(LR_OUT + S * B * C + base + offs_c, right, mask=c_ok)
         out = SC_OUT + 2 * (hp * S * B * C + base + offs_c)
         if LAST:  # the representative is `left`; its score is the range's
-            final = _probe(q1, q2, K, COS, SIN, left, 0, offs_c, c_ok, row_ok, h, N, stride_kh, stride_kn,
-                           stride_t, STYLE, HALF, IEEE)
+            if TURN:
+                final = _probe_turned(ql1, ql2, K, left, c_ok, row_ok, h, N, stride_kh, stride_kn, HALF, IEEE)
+            else:
+                final = _probe(q1, q2, K, COS, SIN, left, 0, offs_c, c_ok, row_ok, h, N, stride_kh, stride_kn,
+                               stride_t, STYLE, HALF, IEEE)
             tl.store(out, final, mask=c_ok)
         else:
             center = (left + right) // 2
-            probe_l = _probe(q1, q2, K, COS, SIN, (left + center) // 2, 0, offs_c, c_ok, row_ok, h, N,
-                             stride_kh, stride_kn, stride_t, STYLE, HALF, IEEE)
-            probe_r = _probe(q1, q2, K, COS, SIN, (center + right) // 2, 1, offs_c, c_ok, row_ok, h, N,
-                             stride_kh, stride_kn, stride_t, STYLE, HALF, IEEE)
+            if TURN:
+                probe_l = _probe_turned(ql1, ql2, K, (left + center) // 2, c_ok, row_ok, h, N, stride_kh,
+                                        stride_kn, HALF, IEEE)
+                probe_r = _probe_turned(qr1, qr2, K, (center + right) // 2, c_ok, row_ok, h, N, stride_kh,
+                                        stride_kn, HALF, IEEE)
+            else:
+                probe_l = _probe(q1, q2, K, COS, SIN, (left + center) // 2, 0, offs_c, c_ok, row_ok, h, N,
+                                 stride_kh, stride_kn, stride_t, STYLE, HALF, IEEE)
+                probe_r = _probe(q1, q2, K, COS, SIN, (center + right) // 2, 1, offs_c, c_ok, row_ok, h, N,
+                                 stride_kh, stride_kn, stride_t, STYLE, HALF, IEEE)
             tl.store(out, probe_l, mask=c_ok)
             tl.store(out + 1, probe_r, mask=c_ok)
 
 
 def stage_scan(queries: torch.Tensor, rows_valid: torch.Tensor, keys: torch.Tensor, starts: torch.Tensor,
                ends: torch.Tensor, chunk: int, style: str, shared: bool, cos: torch.Tensor,
-               sin: torch.Tensor, stepwise: bool | None = None,
-               block_c: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               sin: torch.Tensor, stepwise: bool | None = None, block_c: int | None = None,
+               turn: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Representatives and scores of candidate ranges; the kernel form of `sparse.halving_search`.
 
     queries [kv, g, B, R, d] already rotated for the stage; rows_valid [B, R]; keys [kv, n, d]
@@ -216,8 +260,10 @@ def stage_scan(queries: torch.Tensor, rows_valid: torch.Tensor, keys: torch.Tens
     group's heads x 64 rows) would then reload their queries for every head at every step (~18 GB
     of L2 traffic per 2,048-query chunk at 1M keys), so they run `stepwise`: one launch per halving
     step, each program holding one head's queries while it walks its candidates, the steps meeting
-    through per-head score buffers. `stepwise` (default: rows >= 64) and `block_c` (candidates per
-    tile) override the choice, for tests and tuning.
+    through per-head score buffers. In the relative style every left probe sits at position 0 and
+    every right one at 1, so the stepwise schedule rotates two copies of the queries once instead of
+    every key it reads (`turn`). `stepwise` (default: rows >= 64), `block_c` (candidates per tile)
+    and `turn` (default: relative style) override the choices, for tests and tuning.
     """
     kv, g, b, r, d = queries.shape
     s, _, c = starts.shape
@@ -234,8 +280,11 @@ def stage_scan(queries: torch.Tensor, rows_valid: torch.Tensor, keys: torch.Tens
     if stepwise is None:
         stepwise = m >= 64
     if stepwise:
+        # four resident float32 query copies of 256 rows would ask for 272 KB of shared memory on an H100
+        fits = not (ieee and block_m >= 256)
+        turn = style == "relative" and fits if turn is None else turn and style == "relative"
         return _stepwise_scan(q, keys, cos, sin, starts, ends, valid_rows, r, steps, style, shared, block_m,
-                              block_c, strides)
+                              block_c, turn, strides)
     rep = torch.empty_like(starts)
     score = torch.empty(starts.shape, dtype=torch.float32, device=starts.device)
     if block_c is None:
@@ -254,7 +303,7 @@ def stage_scan(queries: torch.Tensor, rows_valid: torch.Tensor, keys: torch.Tens
     return rep, score
 
 
-def _stepwise_scan(q, keys, cos, sin, starts, ends, valid_rows, r, steps, style, shared, block_m, block_c,
+def _stepwise_scan(q, keys, cos, sin, starts, ends, valid_rows, r, steps, style, shared, block_m, block_c, turn,
                    strides):
     """`stage_scan` as steps + 1 launches of `_scan_step_kernel` (q [KV, B, M, D])."""
     kv, b, m, d = q.shape
@@ -275,7 +324,7 @@ def _stepwise_scan(q, keys, cos, sin, starts, ends, valid_rows, r, steps, style,
         _scan_step_kernel[(programs, splits)](
             q, keys, cos, sin, starts, ends, lr[(t + 1) % 2], lr[t % 2], sc[(t + 1) % 2], sc[t % 2], valid_rows,
             keys.shape[1], b, c, m, r, s, per, *strides,
-            HP=hp, FIRST=t == 0, LAST=t == steps, STYLE=STYLES[style], HALF=d // 2, IEEE=ieee, BLOCK_M=block_m,
+            HP=hp, FIRST=t == 0, LAST=t == steps, TURN=turn, STYLE=STYLES[style], HALF=d // 2, IEEE=ieee, BLOCK_M=block_m,
             BLOCK_C=block_c, num_warps=8 if block_m >= 128 else 4, num_stages=1 if ieee else 2,
         )
     rep = lr[steps % 2, 0]
