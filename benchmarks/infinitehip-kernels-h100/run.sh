@@ -3,7 +3,7 @@
 # vs dense SDPA at 128K/512K/1M (decode over a refresh period; prefill = one 2,048-query chunk), the PyTorch
 # reference path at 128K for comparison, and end-to-end llama3.2-1b at 1M.
 # Run from the repository root:  OUT=/tmp/out bash benchmarks/infinitehip-kernels-h100/run.sh [PARTS]
-# PARTS (default "tests attention reference e2e"; also "offload", "sweep" (stage-1 scan schedules) and
+# PARTS (default "tests attention reference e2e"; also "offload", "sweep" (prefill scan/attention tiles) and
 # "e2e8b" (llama3-8b at 512K, offloaded)) picks what runs.
 set -uo pipefail
 parts=${1:-tests attention reference e2e}
@@ -16,7 +16,7 @@ if has tests; then
   tail -n 5 "$out/tests.txt"
 fi
 if has sweep; then
-  timeout 200 python benchmarks/infinitehip-kernels-h100/scan_sweep.py "$out/scan-sweep.json" 2>&1 | tail -n 10
+  timeout 200 python benchmarks/infinitehip-kernels-h100/prefill_sweep.py "$out/prefill-sweep.json" 2>&1 | tail -n 10
 fi
 if has attention; then
   timeout 300 python -m kvpot bench attention --shape llama3-8b --method infinitehip --lengths 128k,512k,1m \

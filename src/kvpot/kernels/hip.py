@@ -248,7 +248,7 @@ def _scan_step_kernel(
 def stage_scan(queries: torch.Tensor, rows_valid: torch.Tensor, keys: torch.Tensor, starts: torch.Tensor,
                ends: torch.Tensor, chunk: int, style: str, shared: bool, cos: torch.Tensor,
                sin: torch.Tensor, stepwise: bool | None = None, block_c: int | None = None,
-               turn: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               turn: bool | None = None, warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Representatives and scores of candidate ranges; the kernel form of `sparse.halving_search`.
 
     queries [kv, g, B, R, d] already rotated for the stage; rows_valid [B, R]; keys [kv, n, d]
@@ -262,8 +262,8 @@ def stage_scan(queries: torch.Tensor, rows_valid: torch.Tensor, keys: torch.Tens
     step, each program holding one head's queries while it walks its candidates, the steps meeting
     through per-head score buffers. In the relative style every left probe sits at position 0 and
     every right one at 1, so the stepwise schedule rotates two copies of the queries once instead of
-    every key it reads (`turn`). `stepwise` (default: rows >= 64), `block_c` (candidates per tile)
-    and `turn` (default: relative style) override the choices, for tests and tuning.
+    every key it reads (`turn`). `stepwise` (default: rows >= 64), `block_c` (candidates per tile),
+    `turn` (default: relative style) and `warps` (stepwise) override the choices, for tests and tuning.
     """
     kv, g, b, r, d = queries.shape
     s, _, c = starts.shape
@@ -284,7 +284,7 @@ def stage_scan(queries: torch.Tensor, rows_valid: torch.Tensor, keys: torch.Tens
         fits = not (ieee and block_m >= 256)
         turn = style == "relative" and fits if turn is None else turn and style == "relative"
         return _stepwise_scan(q, keys, cos, sin, starts, ends, valid_rows, r, steps, style, shared, block_m,
-                              block_c, turn, strides)
+                              block_c, turn, warps, strides)
     rep = torch.empty_like(starts)
     score = torch.empty(starts.shape, dtype=torch.float32, device=starts.device)
     if block_c is None:
@@ -304,13 +304,13 @@ def stage_scan(queries: torch.Tensor, rows_valid: torch.Tensor, keys: torch.Tens
 
 
 def _stepwise_scan(q, keys, cos, sin, starts, ends, valid_rows, r, steps, style, shared, block_m, block_c, turn,
-                   strides):
+                   warps, strides):
     """`stage_scan` as steps + 1 launches of `_scan_step_kernel` (q [KV, B, M, D])."""
     kv, b, m, d = q.shape
     s, _, c = starts.shape
     hp = kv if shared else 1
     if block_c is None:
-        block_c = 32 if block_m >= 256 else 64  # keeps two probes' [BLOCK_M, BLOCK_C] scores in registers
+        block_c = 64  # measured on an H100 at 1M keys, benchmarks/infinitehip-kernels-h100
     programs = s * b * hp
     tiles = triton.cdiv(c, block_c)
     # split the candidates until the GPU has a few programs per multiprocessor
@@ -325,7 +325,7 @@ def _stepwise_scan(q, keys, cos, sin, starts, ends, valid_rows, r, steps, style,
             q, keys, cos, sin, starts, ends, lr[(t + 1) % 2], lr[t % 2], sc[(t + 1) % 2], sc[t % 2], valid_rows,
             keys.shape[1], b, c, m, r, s, per, *strides,
             HP=hp, FIRST=t == 0, LAST=t == steps, TURN=turn, STYLE=STYLES[style], HALF=d // 2, IEEE=ieee, BLOCK_M=block_m,
-            BLOCK_C=block_c, num_warps=8 if block_m >= 128 else 4, num_stages=1 if ieee else 2,
+            BLOCK_C=block_c, num_warps=warps or (8 if block_m >= 128 else 4), num_stages=1 if ieee else 2,
         )
     rep = lr[steps % 2, 0]
     score = sc[steps % 2, :, :, :, :, 0].amax(0)  # [s, B, C]: max over the selection's heads
@@ -500,7 +500,7 @@ def sparse_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
                      starts: torch.Tensor, ends: torch.Tensor, chunk: int, window_start: torch.Tensor,
                      window_width: int, sink: int, rows: int, streaming: bool, cos: torch.Tensor,
                      sin: torch.Tensor, splits: int | None = None, offset: int | None = None,
-                     memo: dict | None = None, gpu_cache=None) -> torch.Tensor:
+                     memo: dict | None = None, gpu_cache=None, block_m: int | None = None) -> torch.Tensor:
     """Attention of the last `q` queries over sinks + selected ranges + window; kernel form of
     `sparse._final_attention`.
 
@@ -512,7 +512,8 @@ def sparse_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     GPU). `memo` (a dict kept with the selection) caches the per-range position offsets, which
     only change when the selection does (decoding reuses them between refreshes). With `gpu_cache`
     (a `kvpot.offload.GpuKvCache`), keys/values are in pinned host memory and each key is read from
-    the GPU cache when it holds it, else over the bus. Returns [h, q, d].
+    the GPU cache when it holds it, else over the bus. `block_m` (query rows per program) overrides
+    the tile, for tests and tuning. Returns [h, q, d].
     """
     h, q, d = query.shape
     kv, n = keys.shape[0], keys.shape[1]
@@ -536,7 +537,8 @@ def sparse_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
         keys, values = keys.contiguous(), values.contiguous()
     seg2 = sink + c * chunk
     total = seg2 + window_width
-    block_m = 16 if m <= 16 else 64
+    if block_m is None:
+        block_m = 16 if m <= 16 else 64
     tiles = triton.cdiv(m, block_m)
     block_n = 64
     programs = b * kv * tiles
@@ -562,7 +564,7 @@ def sparse_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
         values.stride(1), cos.stride(0), out.stride(0), out.stride(1), out.stride(2), out.stride(3),
         kg.stride(0) if gpu_cache is not None else 0, kg.stride(1) if gpu_cache is not None else 0,
         CH=chunk, CACHED=gpu_cache is not None, SHARED=s == 1, STREAMING=streaming, HALF=d // 2, SPLIT=splits > 1,
-        IEEE=query.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
+        IEEE=query.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4 if block_m <= 64 else 8,
     )
     if splits > 1:
         merged = torch.empty(b, kv, m, d, dtype=query.dtype, device=query.device)
