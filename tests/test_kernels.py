@@ -350,6 +350,28 @@ def test_offloaded_and_resident_runs_produce_the_same_tokens(gpu_cache_tokens, r
     assert stats and all(c.keys.shape[1] == gpu_cache_tokens for c in stats)
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="page-locking host memory needs CUDA")
+def test_host_buffers_are_page_locked_at_their_exact_size_and_unlocked_when_freed():
+    """Offloaded caches take exactly their size (torch's pinned cache would round 1 GiB + 2 MiB up to
+    2 GiB); a kernel reads them in place; freeing unlocks them, so the same pages lock again."""
+    from kvpot.kernels.hip import fetch
+    from kvpot.offload import host_empty
+
+    for _ in range(3):  # a page still locked after its tensor died would make the next lock fail
+        keys = host_empty((2, 1000, 64), torch.float16)
+        values = host_empty((2, 1000, 64), torch.float16)
+        assert keys.untyped_storage().nbytes() == 2 * 1000 * 64 * 2 and keys.is_pinned()
+        keys.copy_(torch.randn(2, 1000, 64).half())
+        values.copy_(torch.randn(2, 1000, 64).half())
+        gpu_k = torch.zeros(2, 8, 64, dtype=torch.float16, device=DEVICE)
+        gpu_v = torch.zeros_like(gpu_k)
+        tokens = torch.tensor([0, 999, 500], device=DEVICE)
+        fetch(keys, values, gpu_k, gpu_v, tokens, torch.tensor([3, 0, 7], device=DEVICE))
+        assert torch.equal(gpu_k[:, [3, 0, 7]].cpu(), keys[:, [0, 999, 500]])
+        assert torch.equal(gpu_v[:, [3, 0, 7]].cpu(), values[:, [0, 999, 500]])
+        del keys, values
+
+
 def test_read_counts_between_refreshes_match_a_full_touch():
     """`touch_newest` counts what `touch` would count for the same read set (the last one plus the
     newest key), and leaves the same keys cached."""

@@ -48,13 +48,12 @@ class PotLayer(CacheLayerMixin):
         self.batch, self.kv_heads, self.head_dim = b, kv_heads, head_dim
         self.dtype, self.device = key_states.dtype, key_states.device
         capacity = max(self.cache.capacity_hint, 1)
-        # offloading (InfiniteHiP): entries live in pinned host memory, which kernels read directly
-        store = ({"device": "cpu", "pin_memory": True} if self.cache.host_storage and self.device.type == "cuda"
-                 else {"device": self.device})
-        self.keys = torch.empty(b, kv_heads, capacity, head_dim, dtype=self.dtype, **store)
-        self.values = torch.empty(b, kv_heads, capacity, value_states.shape[-1], dtype=value_states.dtype, **store)
-        self.positions = torch.empty(b, kv_heads, capacity, dtype=torch.long, **store)
-        self.rope_positions = torch.empty_like(self.positions, pin_memory=self.positions.is_pinned())
+        # offloading (InfiniteHiP): entries live in page-locked host memory, which kernels read directly
+        host = self.cache.host_storage and self.device.type == "cuda"
+        self.keys = _empty((b, kv_heads, capacity, head_dim), self.dtype, self.device, host)
+        self.values = _empty((b, kv_heads, capacity, value_states.shape[-1]), value_states.dtype, self.device, host)
+        self.positions = _empty((b, kv_heads, capacity), torch.long, self.device, host)
+        self.rope_positions = _empty((b, kv_heads, capacity), torch.long, self.device, host)
         self.is_initialized = True
 
     def update(
@@ -108,11 +107,11 @@ class PotLayer(CacheLayerMixin):
         # cache that decodes one more token does not ask for twice its memory
         step = self.capacity if self.capacity < 65536 else self.capacity // 8
         new_capacity = max(size, self.capacity + step)
-        self.keys = _grow(self.keys, new_capacity, self.n)
-        self.values = _grow(self.values, new_capacity, self.n)
-        self.positions = _grow(self.positions, new_capacity, self.n)
-        self.rope_positions = _grow(self.rope_positions, new_capacity, self.n)
-        self.scores = {k: _grow(v, new_capacity, self.n) for k, v in self.scores.items()}
+        self.keys = _grow(self.keys, new_capacity, self.n, self.device)
+        self.values = _grow(self.values, new_capacity, self.n, self.device)
+        self.positions = _grow(self.positions, new_capacity, self.n, self.device)
+        self.rope_positions = _grow(self.rope_positions, new_capacity, self.n, self.device)
+        self.scores = {k: _grow(v, new_capacity, self.n, self.device) for k, v in self.scores.items()}
 
     def attention_keys(self) -> torch.Tensor:
         """Keys [b, kv_heads, n, d] rotated at their current positions."""
@@ -185,8 +184,9 @@ class PotLayer(CacheLayerMixin):
         if self.is_initialized:
             twin.batch, twin.kv_heads, twin.head_dim = self.batch, self.kv_heads, self.head_dim
             twin.dtype, twin.device = self.dtype, self.device
-            twin.keys, twin.values = _copy(self.keys), _copy(self.values)
-            twin.positions, twin.rope_positions = _copy(self.positions), _copy(self.rope_positions)
+            twin.keys, twin.values = _copy(self.keys, self.device), _copy(self.values, self.device)
+            twin.positions = _copy(self.positions, self.device)
+            twin.rope_positions = _copy(self.rope_positions, self.device)
             twin.scores = {k: v.clone() for k, v in self.scores.items()}
             twin.is_initialized = True
         return twin
@@ -199,16 +199,29 @@ def _clone_state(value):
     return value
 
 
-def _copy(buf: torch.Tensor) -> torch.Tensor:
-    """A copy that stays in pinned memory when `buf` is (kernels read pinned host memory directly)."""
-    if not buf.is_pinned():
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, host: bool) -> torch.Tensor:
+    """A buffer on `device`, or with `host`, in page-locked host memory of exactly its size."""
+    if not host:
+        return torch.empty(shape, dtype=dtype, device=device)
+    from kvpot.offload import host_empty
+
+    return host_empty(shape, dtype)
+
+
+def _on_host(buf: torch.Tensor, device: torch.device) -> bool:
+    """Whether a layer on `device` keeps `buf` in host memory (offloading)."""
+    return buf.device.type == "cpu" and device.type == "cuda"
+
+
+def _copy(buf: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A copy that stays in page-locked memory when `buf` is (kernels read it directly)."""
+    if not _on_host(buf, device):
         return buf.clone()
-    return torch.empty_like(buf, pin_memory=True).copy_(buf)
+    return _empty(tuple(buf.shape), buf.dtype, buf.device, True).copy_(buf)
 
 
-def _grow(buf: torch.Tensor, capacity: int, used: int) -> torch.Tensor:
-    new = torch.empty(*buf.shape[:2], capacity, *buf.shape[3:], dtype=buf.dtype, device=buf.device,
-                      pin_memory=buf.is_pinned())
+def _grow(buf: torch.Tensor, capacity: int, used: int, device: torch.device) -> torch.Tensor:
+    new = _empty((*buf.shape[:2], capacity, *buf.shape[3:]), buf.dtype, buf.device, _on_host(buf, device))
     new[:, :, :used] = buf[:, :, :used]
     return new
 
