@@ -36,7 +36,8 @@ if has offload; then
 fi
 if has e2e8b; then  # weights are random (built from the config); the KV cache lives in pinned host memory
   timeout ${E2E8B_TIMEOUT:-560} python -m kvpot bench decode --shape llama3-8b --method infinitehip:offload=true \
-    --lengths ${E2E8B_LENGTH:-512k} --decode-steps 32 --no-floor --device cuda --out "$out/e2e-8b" 2>&1 \
-    | grep -v "it/s\|run/s" | tail -n 12
+    --lengths ${E2E8B_LENGTH:-512k} --decode-steps 32 --no-floor --device cuda --out "$out/e2e-8b" \
+    > "$out/e2e-8b.log" 2>&1
+  echo "exit $?"; grep -v "it/s\|run/s" "$out/e2e-8b.log" | tail -n 12; free -g | head -2
 fi
 rm -f "$out"/*/*.png
