@@ -490,7 +490,9 @@ def _bench_decode(config: BenchConfig, model, runs, results, progress) -> None:
             steps, stats, prefill = floor_steps(config.warmup_steps + config.decode_steps), None, None
         else:
             engine = engines[entry.label]
-            state = engine.prefill_ids(_tokens(vocab, length, config.seed + length, config.device), question)
+            # a long context takes minutes to read: show its progress under the bench's bar
+            state = engine.prefill_ids(_tokens(vocab, length, config.seed + length, config.device), question,
+                                       progress=progress)
             prefill = state.stats.prefill_seconds
             _reset_peak(config.device)
             timer = _StepTimer(config.device)
