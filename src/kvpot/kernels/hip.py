@@ -55,10 +55,16 @@ def _probe(q1, q2, K, COS, SIN, idx, side, offs_c, c_ok, row_ok, h, N, stride_kh
     k2 = tl.load(k_ptr + HALF, mask=c_ok[:, None], other=0.0).to(tl.float32)
     r1 = (k1 * cos1 - k2 * sin1).to(q1.dtype)  # rotate_half: (-x2, x1)
     r2 = (k2 * cos2 + k1 * sin2).to(q1.dtype)
+    return _best_row(q1, q2, r1, r2, row_ok, IEEE)
+
+
+@triton.jit
+def _best_row(q1, q2, k1, k2, row_ok, IEEE: tl.constexpr):
+    """max over valid rows of q . k, the head split in halves: q1/q2 [BLOCK_M, HALF], k1/k2 [BLOCK_C, HALF]."""
     if IEEE:
-        sc = tl.dot(q1, tl.trans(r1), input_precision="ieee") + tl.dot(q2, tl.trans(r2), input_precision="ieee")
+        sc = tl.dot(q1, tl.trans(k1), input_precision="ieee") + tl.dot(q2, tl.trans(k2), input_precision="ieee")
     else:
-        sc = tl.dot(q1, tl.trans(r1)) + tl.dot(q2, tl.trans(r2))  # [BLOCK_M, BLOCK_C]
+        sc = tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))  # [BLOCK_M, BLOCK_C]
     sc = tl.where(row_ok[:, None], sc, float("-inf"))
     return tl.max(sc, axis=0)
 
@@ -73,12 +79,7 @@ def _probe_turned(qa, qb, K, idx, c_ok, row_ok, h, N, stride_kh, stride_kn, HALF
     k_ptr = K + h * stride_kh + key[:, None] * stride_kn + dh[None, :]
     k1 = tl.load(k_ptr, mask=c_ok[:, None], other=0.0).to(qa.dtype)  # [BLOCK_C, HALF]
     k2 = tl.load(k_ptr + HALF, mask=c_ok[:, None], other=0.0).to(qa.dtype)
-    if IEEE:
-        sc = tl.dot(qa, tl.trans(k1), input_precision="ieee") + tl.dot(qb, tl.trans(k2), input_precision="ieee")
-    else:
-        sc = tl.dot(qa, tl.trans(k1)) + tl.dot(qb, tl.trans(k2))  # [BLOCK_M, BLOCK_C]
-    sc = tl.where(row_ok[:, None], sc, float("-inf"))
-    return tl.max(sc, axis=0)
+    return _best_row(qa, qb, k1, k2, row_ok, IEEE)
 
 
 @triton.jit
