@@ -28,6 +28,10 @@ import triton.language as tl
 
 STYLES = {"absolute": 0, "relative": 1, "chunk": 2}
 LOG2E = 1.4426950408889634
+# `do_not_specialize` below names the integer arguments that change as decoding goes on (context
+# length, range counts, offsets). Triton would otherwise specialise each kernel on such a value being
+# 1 or a multiple of 16 and compile a new variant mid-generation: a 1.8 s stall at the first context
+# length divisible by 16 in a llama3-8b run. They only bound masks and loops; the hint buys nothing.
 
 
 # ---------------------------------------------------------------------------- stage scan
@@ -113,7 +117,7 @@ def _key_scores(Q, K, COS, SIN, idx, side, offs_c, c_ok, rows, row_ok, b, s, N,
     return best
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "C"])
 def _scan_kernel(
     Q,  # [KV, B, M, D] rotated queries of each block (M = group heads x block rows)
     K,  # [KV, N, D] un-rotated keys
@@ -160,7 +164,7 @@ def _scan_kernel(
     tl.store(SCORE + base + offs_c, tl.where(valid, final, float("-inf")), mask=c_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "C", "C_PER"])
 def _scan_step_kernel(
     Q,  # [KV, B, M, D] rotated queries of each block (M = group heads x block rows)
     K,  # [KV, N, D] un-rotated keys
@@ -342,7 +346,7 @@ def _multiprocessors(device: torch.device) -> int:
 # ---------------------------------------------------------------------------- attention
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "C", "offset", "SEG2", "TOTAL", "PER_SPLIT"])
 def _attention_kernel(
     Q,  # [B, KV, M, D] un-rotated queries (M = group heads x block rows; row m is query m % R)
     K, V,  # [KV, N, D] keys (un-rotated) and values
@@ -584,7 +588,7 @@ def sparse_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
 # ---------------------------------------------------------------------------- offloading
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["L"])
 def _fetch_kernel(
     K, V,  # [KV, N, D] keys and values in pinned host memory (read over the bus)
     KG, VG,  # [KV, SLOTS, D] the GPU cache
