@@ -27,7 +27,6 @@ import triton
 import triton.language as tl
 
 STYLES = {"absolute": 0, "relative": 1, "chunk": 2}
-LOG2E = 1.4426950408889634
 # `do_not_specialize` below names the integer arguments that change as decoding goes on (context
 # length, range counts, offsets). Triton would otherwise specialise each kernel on such a value being
 # 1 or a multiple of 16 and compile a new variant mid-generation: a 1.8 s stall at the first context
