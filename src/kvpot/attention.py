@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 
 from kvpot.errors import KvpotError
+from kvpot.kernels import sdpa
 
 ATTENTION_NAME = "kvpot"
 
@@ -88,9 +88,9 @@ def kvpot_attention(
         output = kvpot_cache.attention(layer, kvpot_cache.rope.unscale(query), key, value, scaling)
         return output.transpose(1, 2).contiguous(), None
     query = layer.rotate_queries(query)
-    output = attend(query, key, value, scaling)  # [b, heads, q, d]
+    output, lse = attend_with_lse(query, key, value, scaling)  # [b, heads, q, d], [b, heads, q] | None
     if kvpot_cache.request is not None:
-        layer.observation = observe(query, key, kvpot_cache.request, scaling)
+        layer.observation = observe(query, key, kvpot_cache.request, scaling, lse)
     return output.transpose(1, 2).contiguous(), None
 
 
@@ -150,11 +150,18 @@ def _refuse_unsupported(attention_mask, dropout, cache, kwargs) -> None:
 
 
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Causal (lower-right aligned) GQA attention of `q` new rows over `n` keys, bounded memory.
+    """Causal (lower-right aligned) GQA attention of `q` new rows over `n` keys: [b, heads, q, d]."""
+    return attend_with_lse(query, key, value, scaling)[0]
 
-    On CUDA in half precision SDPA's fused kernels never materialise the scores, so one call is
-    made. Elsewhere the math path would materialise `[heads, q, n]`; the query rows are then taken
-    in slices so each slice stays under `MAX_BLOCK_ELEMENTS`.
+
+def attend_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float):
+    """`attend`, plus each row's log-sum-exp [b, heads, q] float32 when the kernel gives it (else None).
+
+    On CUDA in half precision: the chunk split into its cached prefix and its own keys on cuDNN's
+    kernels (`kvpot.kernels.sdpa`, as fast as transformers' one-shot causal forward), or where that
+    is not available one SDPA call with a lower-right bias; neither materialises the scores. Elsewhere
+    the math path would materialise `[heads, q, n]`; the query rows are then taken in slices so
+    each slice stays under `MAX_BLOCK_ELEMENTS`.
     """
     b, heads, q, _ = query.shape
     n = key.shape[-2]
@@ -162,36 +169,32 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling:
         # Decoding: GQA-native SDPA. (Folding each group's heads into query rows without
         # enable_gqa measured 8x slower on an H100: 11.6 ms vs 1.38 ms per layer at 1M keys,
         # benchmarks/bench-h100/attention-after.)
-        return F.scaled_dot_product_attention(query, key, value, scale=scaling, enable_gqa=True)
-    fused = query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
-    rows = q if fused else max(1, MAX_BLOCK_ELEMENTS // (b * heads * n))
+        return F.scaled_dot_product_attention(query, key, value, scale=scaling, enable_gqa=True), None
+    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
+        if sdpa.split_ok(query.device, query.dtype, query.shape[-1]):
+            return sdpa.split_attention(query, key, value, scaling)
+        return sdpa.lower_right(query, key, value, scaling), None
+    rows = max(1, MAX_BLOCK_ELEMENTS // (b * heads * n))
     outputs = []
     for start in range(0, q, rows):
         stop = min(q, start + rows)
         visible = n - q + stop  # keys the last row of this slice may see
-        mask = causal_lower_right(stop - start, visible)
-        outputs.append(
-            F.scaled_dot_product_attention(
-                query[:, :, start:stop],
-                key[:, :, :visible],
-                value[:, :, :visible],
-                attn_mask=mask,
-                scale=scaling,
-                enable_gqa=True,
-            )
-        )
-    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+        outputs.append(sdpa.lower_right(query[:, :, start:stop], key[:, :, :visible], value[:, :, :visible], scaling))
+    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)), None
 
 
 def observe(
-    query: torch.Tensor, key: torch.Tensor, request: AttentionRequest, scaling: float
+    query: torch.Tensor, key: torch.Tensor, request: AttentionRequest, scaling: float,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention probabilities of the requested query rows over all `n` keys, reduced.
 
-    query [b, heads, q, d] (rotated), key [b, kv_heads, n, d] (rotated). Softmax in float32 with
-    the same causal rule as `attend`. Returns float32 `[b, kv_heads, n]` (or `[b, heads, n]` for
-    head_reduce="none"). Rows are processed in slices, so at most `MAX_BLOCK_ELEMENTS` scores
-    exist at once.
+    query [b, heads, q, d] (rotated), key [b, kv_heads, n, d] (rotated). Probabilities in float32
+    with the same causal rule as `attend`. `lse` [b, heads, q], the rows' log-sum-exp from the
+    attention kernel, turns each score into its probability directly (`exp(s - lse)`, no softmax
+    pass); requests normalised over the cached entries only compute their own. Returns float32
+    `[b, kv_heads, n]` (or `[b, heads, n]` for head_reduce="none"). Rows are processed in slices,
+    so at most `MAX_BLOCK_ELEMENTS` scores exist at once.
     """
     b, heads, q, d = query.shape
     kv_heads, n = key.shape[1], key.shape[2]
@@ -200,29 +203,49 @@ def observe(
     count = stop - start
     if count <= 0:
         raise KvpotError(f"observation rows {request.rows} select no query row of {q}.")
-    keys = key.float()
-    grouped = query[:, :, start:stop].float().view(b, kv_heads, group, count, d)
+    grouped = query[:, :, start:stop].reshape(b, kv_heads, group, count, d)
     per_head = torch.zeros(b, kv_heads, group, n, dtype=torch.float32, device=query.device)
     cached = n - q  # entries that existed before this forward
     if request.over == "cached":
         n_seen = cached if request.keys is None else min(request.keys, cached)
         if n_seen == 0:
             return _reduce_heads(per_head, request.head_reduce, b, heads)  # nothing cached yet
-        keys = keys[:, :, :n_seen]
+        keys, lse = key[:, :, :n_seen], None
     else:
-        n_seen = n
+        n_seen, keys = n, key
+    if lse is not None:
+        lse = lse[:, :, start:stop].reshape(b, kv_heads, group, count, 1)
     step = max(1, MAX_BLOCK_ELEMENTS // (b * heads * n))
     own = torch.arange(cached, max(cached, n_seen), device=query.device)  # this forward's keys: causal
     for lo in range(0, count, step):
         hi = min(count, lo + step)
-        logits = torch.einsum("bkgrd,bknd->bkgrn", grouped[:, :, :, lo:hi], keys) * scaling
+        logits = _scores(grouped[:, :, :, lo:hi], keys, scaling)  # [b, kv, g, rows, n_seen] float32
         if own.numel():  # every row sees all cached keys; only the forward's own keys need a mask
             rows = torch.arange(start + lo, start + hi, device=query.device)
             logits[..., cached:].masked_fill_(own[None, :] > (cached + rows)[:, None], float("-inf"))
-        per_head[..., :n_seen] += logits.softmax(dim=-1).sum(dim=3)  # [b, kv, g, n_seen]
+        if lse is None:
+            probs = logits.softmax(dim=-1)
+        else:
+            probs = logits.sub_(lse[:, :, :, lo:hi]).exp_()
+        per_head[..., :n_seen] += probs.sum(dim=3)  # [b, kv, g, n_seen]
     if request.row_reduce == "mean":
         per_head /= count
     return _reduce_heads(per_head, request.head_reduce, b, heads)
+
+
+def _scores(grouped: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Scaled scores [b, kv, g, r, n] float32 of query rows grouped [b, kv, g, r, d] over keys [b, kv, n, d].
+
+    Half-precision CUDA inputs multiply on the tensor cores with float32 results (the products of
+    two half-precision numbers are exact in float32, so this is the float32 product up to summation
+    order); elsewhere both sides are cast to float32.
+    """
+    b, kv, g, r, d = grouped.shape
+    if grouped.is_cuda and grouped.dtype in (torch.float16, torch.bfloat16):
+        flat = grouped.reshape(b * kv, g * r, d)
+        logits = torch.bmm(flat, keys.reshape(b * kv, -1, d).transpose(1, 2), out_dtype=torch.float32)
+        return logits.mul_(scaling).view(b, kv, g, r, -1)
+    return torch.einsum("bkgrd,bknd->bkgrn", grouped.float(), keys.float()) * scaling
 
 
 def _reduce_heads(probs: torch.Tensor, how: str, b: int, heads: int) -> torch.Tensor:

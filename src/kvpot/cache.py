@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import weakref
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -36,7 +37,7 @@ class PotLayer(CacheLayerMixin):
 
     def __init__(self, cache: PotCache, layer_idx: int):
         super().__init__()
-        self.cache = cache
+        self.cache = cache  # held weakly: see the property
         self.layer_idx = layer_idx
         self.n = 0
         self.n_new = 0  # entries appended by the forward in progress (the last `n_new`)
@@ -54,6 +55,16 @@ class PotLayer(CacheLayerMixin):
         self.length: torch.Tensor | None = None  # [1] long: live entries, the step's token included
         self.slot: torch.Tensor | None = None  # [1] long: where the step's token was written
         self.query_position: torch.Tensor | None = None  # [1] long: the RoPE position of the step's query
+
+    # The cache holds its layers; a layer refers back to its cache weakly, so a dropped cache (with
+    # gigabytes of buffers) is freed at once by reference counting rather than at the next collection.
+    @property
+    def cache(self) -> PotCache:
+        return self._cache()
+
+    @cache.setter
+    def cache(self, cache: PotCache) -> None:
+        self._cache = weakref.ref(cache)
 
     # ---- transformers' CacheLayerMixin surface ----
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -317,7 +328,7 @@ class PotCache(Cache):
         self.request = None  # kvpot.attention.AttentionRequest | None
         self.max_entries = 0
         self.method_state: dict = {}
-        self.linked: PotCache | None = None  # a second cache whose entries count with ours (CItruS)
+        self.linked = None  # a second cache whose entries count with ours (CItruS); held weakly
         # A method's replacement of dense attention (InfiniteHiP): called by the kvpot attention
         # function as attention(layer, query, keys, values, scaling) -> [b, heads, q, d].
         self.attention = None
@@ -343,6 +354,15 @@ class PotCache(Cache):
         if copy is None:
             copy = self._pending_copies[device] = positions.to(device)
         return copy
+
+    @property
+    def linked(self) -> PotCache | None:
+        return None if self._linked is None else self._linked()
+
+    @linked.setter
+    def linked(self, other: PotCache | None) -> None:
+        # weak both ways: two linked caches would otherwise keep each other (and their buffers) alive
+        self._linked = None if other is None else weakref.ref(other)
 
     def note_entries(self, n: int) -> None:
         """Record that a layer holds `n` entries; with a linked cache, the two count together."""
