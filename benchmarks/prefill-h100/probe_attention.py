@@ -148,12 +148,26 @@ def chunk(q, n):
 
 
 def observation(q, n):
+    """H2O's all-rows observation and CItruS' (normalised over the cached keys): the Triton kernels
+    (`kvpot.kernels.observe`) against the PyTorch path (scores materialised, softmax)."""
+    from kvpot import attention
+
     query, key, value = tensors(q, n)
-    request = AttentionRequest(rows=None, row_reduce="sum", head_reduce="mean")
     _, lse = attend_with_lse(query, key, value, SCALE)
-    emit(case="observe", q=q, n=n, attend_ms=try_time(lambda: attend_with_lse(query, key, value, SCALE)),
-         observe_softmax_ms=try_time(lambda: observe(query, key, request, SCALE)),
-         observe_lse_ms=try_time(lambda: observe(query, key, request, SCALE, lse)))
+    h2o = AttentionRequest(rows=None, row_reduce="sum", head_reduce="mean")
+    citrus = AttentionRequest(rows=None, row_reduce="mean", head_reduce="mean", over="cached")
+    row = {"case": "observe", "q": q, "n": n,
+           "attend_ms": try_time(lambda: attend_with_lse(query, key, value, SCALE)),
+           "h2o_kernel_ms": try_time(lambda: observe(query, key, h2o, SCALE, lse)),
+           "citrus_kernel_ms": try_time(lambda: observe(query, key, citrus, SCALE, lse))}
+    kernel_ok = attention._kernel_ok
+    attention._kernel_ok = lambda query: False
+    try:
+        row["h2o_pytorch_ms"] = try_time(lambda: observe(query, key, h2o, SCALE, lse))
+        row["citrus_pytorch_ms"] = try_time(lambda: observe(query, key, citrus, SCALE, lse))
+    finally:
+        attention._kernel_ok = kernel_ok
+    emit(**row)
 
 
 if __name__ == "__main__":

@@ -213,6 +213,13 @@ def observe(
         keys, lse = key[:, :, :n_seen], None
     else:
         n_seen, keys = n, key
+    if request.head_reduce == "mean" and (lse is not None or request.over == "cached") and _kernel_ok(query):
+        from kvpot.kernels.observe import observe_columns
+
+        columns = observe_columns(query, key, start, stop, scaling, lse, n_keys=n_seen)  # [1, kv, n_seen]
+        observed = torch.zeros(b, kv_heads, n, dtype=torch.float32, device=query.device)
+        observed[..., :n_seen] = columns / (group * (count if request.row_reduce == "mean" else 1))
+        return observed
     if lse is not None:
         lse = lse[:, :, start:stop].reshape(b, kv_heads, group, count, 1)
     step = max(1, MAX_BLOCK_ELEMENTS // (b * heads * n))
@@ -231,6 +238,17 @@ def observe(
     if request.row_reduce == "mean":
         per_head /= count
     return _reduce_heads(per_head, request.head_reduce, b, heads)
+
+
+def _kernel_ok(query: torch.Tensor) -> bool:
+    """Whether the Triton observation kernels (`kvpot.kernels.observe`) take this query."""
+    from kvpot import kernels
+
+    if not kernels.available(query.device):
+        return False
+    from kvpot.kernels.observe import supports
+
+    return supports(query)
 
 
 def _scores(grouped: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
