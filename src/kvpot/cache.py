@@ -221,7 +221,8 @@ class PotLayer(CacheLayerMixin):
             buf = getattr(self, name)
             idx = keep.unsqueeze(-1).expand(-1, -1, -1, buf.shape[-1])
             buf[:, :, :k] = torch.gather(buf[:, :, : self.n], 2, idx)
-        for buf in (self.positions, self.rope_positions, *self.scores.values()):
+        renumbered = self.cache.policy.renumbers
+        for buf in (self.positions, *(() if renumbered else (self.rope_positions,)), *self.scores.values()):
             buf[:, :, :k] = torch.gather(buf[:, :, : self.n], 2, keep)
         if self.rotated is not None:  # entries up to the first one that moved keep their rotation
             moved = keep != torch.arange(k, device=keep.device)

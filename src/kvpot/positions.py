@@ -37,6 +37,7 @@ class PositionPolicy:
     name = ""
     stores_rotated = False  # True when positions never change, so keys are rotated once
     raw_keys = False  # True when the method's own attention applies RoPE (InfiniteHiP)
+    renumbers = False  # True when `after_select` rewrites every kept entry's position (no need to gather them)
 
     def new_positions(self, layer: PotLayer, original: torch.Tensor) -> torch.Tensor:
         """RoPE positions [b, kv_heads, q] for `q` tokens about to be appended to `layer`."""
@@ -58,6 +59,7 @@ class Rank(PositionPolicy):
     """Entries are numbered 0..n-1 in original order; new tokens continue from n."""
 
     name = "shift"
+    renumbers = True
 
     def new_positions(self, layer: PotLayer, original: torch.Tensor) -> torch.Tensor:
         q = original.shape[-1]

@@ -39,7 +39,7 @@ def _columns_kernel(
     OUT,  # [KV, N] float32: sum over the group's heads and the rows of each key's probability
     R, N, G, ROW0, CACHED, scale,  # scale: softmax scale * log2(e)
     stride_qh, stride_qr, stride_kh, stride_kn, stride_lh,
-    CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, IEEE: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     kv = tl.program_id(1)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -55,7 +55,10 @@ def _columns_kernel(
         q = tl.load(Q + head[:, None] * stride_qh + (ROW0 + row)[:, None] * stride_qr + dd[None, :],
                     mask=ok[:, None], other=0.0)
         lse = tl.load(LSE + head * stride_lh + row, mask=ok, other=float("inf"))
-        s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, BLOCK_N] float32
+        if IEEE:  # float32 models: full-precision products (the default would round to tf32)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, BLOCK_N] float32
         p = tl.exp2(s - lse[:, None])
         keep = ok[:, None] & col_ok[None, :]
         if CAUSAL:  # the forward's own keys: row i sees key CACHED + j for j <= i
@@ -71,7 +74,7 @@ def _row_lse_kernel(
     LSE,  # [H, R] float32 out: log2-sum-exp of each row over keys [0, N)
     R, N, G, ROW0, scale,
     stride_qh, stride_qr, stride_kh, stride_kn,
-    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     kv = tl.program_id(1)
     folded = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -86,7 +89,10 @@ def _row_lse_kernel(
     for n0 in range(0, N, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         k = tl.load(K + kv * stride_kh + cols[:, None] * stride_kn + dd[None, :], mask=(cols < N)[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale
         s = tl.where((cols < N)[None, :], s, float("-inf"))
         new_top = tl.maximum(top, tl.max(s, axis=1))
         total = total * tl.exp2(top - new_top) + tl.sum(tl.exp2(s - new_top[:, None]), axis=1)
@@ -119,13 +125,14 @@ def observe_columns(query: torch.Tensor, key: torch.Tensor, start: int, stop: in
     if key.stride(-1) != 1:
         key = key.contiguous()
     scale = scaling * LOG2E
+    ieee = query.dtype == torch.float32
     if lse is None:
         n = n if n_keys is None else n_keys
         lse2 = torch.empty(heads, rows, dtype=torch.float32, device=query.device)
         _row_lse_kernel[(triton.cdiv(group * rows, BLOCK_M), kv)](
             query, key, lse2, rows, n, group, start, scale,
             query.stride(0), query.stride(1), key.stride(0), key.stride(1),
-            D=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+            IEEE=ieee, D=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         )
         causal = False
     else:
@@ -135,6 +142,6 @@ def observe_columns(query: torch.Tensor, key: torch.Tensor, start: int, stop: in
     _columns_kernel[(triton.cdiv(n, BLOCK_N), kv)](
         query, key, lse2, out, rows, n, group, start, key.shape[1] - q, scale,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), lse2.stride(0),
-        CAUSAL=causal, D=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        CAUSAL=causal, IEEE=ieee, D=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
     )
     return out[None]

@@ -199,18 +199,29 @@ class EvictionMethod(Method):
             return "steady"
         return "eager"
 
+    # The scores depend on the entry count only (StreamingLLM's sinks + recency), so one selection
+    # serves every layer holding the same count.
+    shared_selection: ClassVar[bool] = False
+
     def after_forward(self, cache: PotCache, step: Step) -> bool:
-        evicted = False
+        evicting: dict[tuple, list] = {}
         for layer in cache.layers:
             self.update_scores(layer, step)
-            if not self.should_evict(layer, step):
-                continue
-            keep = self.keep_count(layer, step)
-            scores = self.scores(layer, step)  # [b, kv_heads | 1, n]
-            chosen = top_indices(scores, keep)  # [b, kv_heads | 1, keep]
-            layer.select(chosen)
-            evicted = True
-        return evicted
+            if self.should_evict(layer, step):
+                keep = self.keep_count(layer, step)
+                evicting.setdefault((layer.n, keep, layer.device), []).append(layer)
+        # Layers with the same counts are selected together: one top-k over [layers, b, heads, n]
+        # instead of one per layer (the chunk loop is launch-bound on a GPU, not compute-bound).
+        for (_, keep, _), layers in evicting.items():
+            if self.shared_selection:
+                chosen = [top_indices(self.scores(layers[0], step), keep)] * len(layers)
+            elif len(layers) == 1:
+                chosen = [top_indices(self.scores(layers[0], step), keep)]
+            else:
+                chosen = top_indices(torch.stack([self.scores(layer, step) for layer in layers]), keep).unbind(0)
+            for layer, keep_indices in zip(layers, chosen):  # [b, kv_heads | 1, keep]
+                layer.select(keep_indices)
+        return bool(evicting)
 
 
 def top_indices(scores: torch.Tensor, keep: int) -> torch.Tensor:

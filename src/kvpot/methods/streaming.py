@@ -27,6 +27,7 @@ class StreamingLLM(EvictionMethod):
     window: int = 1020
     chunk_size: int = 2048  # measured: 512-token chunks are launch-bound on a GPU (benchmarks/prefill-h100)
     positions: str = "shift"
+    shared_selection = True  # sinks + the most recent: the same entries in every layer
 
     def __post_init__(self):
         if not isinstance(self.sinks, int) or self.sinks < 0:
