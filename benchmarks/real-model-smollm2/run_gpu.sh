@@ -40,7 +40,7 @@ print('de-quantized model at', resolve_source(SMOLLM2_135M), '(imports and conve
 
 # The demo of issue 18 on 2 CPU cores of their own (0 and 1; everything else runs on the other cores):
 # `kvpot demo --model smollm2-135m` reads 3x SmolLM2's window with InfiniPot and with StreamingLLM.
-cores=$(nproc)
+cores=$(nproc --all)  # not plain nproc: it obeys OMP_NUM_THREADS=1
 rest=2-$((cores - 1))
 if ! command -v taskset > /dev/null; then taskset() { shift 2; "$@"; }; fi  # no pinning rather than no run
 ( time OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 taskset -c 0,1 timeout "$limit" \

@@ -38,7 +38,7 @@ python -c "import time; t = time.time(); from kvpot.models import SMOLLM2_135M, 
 print('de-quantized model at', resolve_source(SMOLLM2_135M), '(imports and conversion or cache hit: %.1f s)' % (time.time() - t))" >> "$out/machine.txt" 2>&1 || {
   cat "$out/machine.txt"; exit 1; }
 
-cores=$(nproc)
+cores=$(nproc --all)  # not plain nproc: it obeys OMP_NUM_THREADS=1
 rest=2-$((cores - 1))
 if ! command -v taskset > /dev/null; then taskset() { shift 2; "$@"; }; fi
 eval_() {  # eval_ NAME ARGS... : one `kvpot eval passkey` in the background, its log next to its results
