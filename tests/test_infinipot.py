@@ -156,3 +156,17 @@ def test_catalyst_in_the_filling_forward_equals_a_separate_probe(model, monkeypa
     assert fused.stats.max_kv_entries == separate.stats.max_kv_entries <= 64  # the catalyst counts in the pot
     for a, b in zip(fused_kept, separate_kept):
         assert torch.equal(a, b)
+
+
+def test_a_state_prefilled_with_its_question_decodes_without_it_again(model):
+    """`prefill_ids(context, question)` then `generate_ids(state=...)`: the question catalyst (CaP-Q) was
+    read with the context and keeps serving the distillations of decoding; the tokens are those of
+    one `generate_ids(context, question)` call. (This raised 'needs the question' before.)"""
+    torch.manual_seed(3)
+    context, question = torch.randint(3, VOCAB, (POT * 6,)), torch.randint(3, VOCAB, (5,))
+    engine = kvpot.Engine(model, method=InfiniPot(pot_size=POT, catalyst="question"))
+    whole = engine.generate_ids(context, question, max_new_tokens=40, ignore_eos=True)
+    state = engine.prefill_ids(context, question)
+    resumed = engine.generate_ids(state=state, max_new_tokens=40, ignore_eos=True)
+    assert resumed.token_ids == whole.token_ids
+    assert resumed.stats.max_kv_entries <= POT and resumed.stats.compressions > state.stats.compressions

@@ -97,6 +97,9 @@ class InfiniPot(Method):
 
     # ------------------------------------------------------------------ run setup
     def begin(self, cache, setup: Setup) -> None:
+        no_question = setup.question_ids is None or setup.question_ids.numel() == 0
+        if self.catalyst == "question" and no_question and cache.method_state.get(CATALYST) is not None:
+            return  # resuming a state prefilled with its question: the pot keeps distilling with that catalyst
         ids = self._catalyst_ids(setup)
         room = self.pot_size - self.compress_size - (0 if ids is None else ids.numel())
         if room <= 0:
