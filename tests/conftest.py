@@ -89,6 +89,19 @@ def reference_greedy(model, ids: torch.Tensor, new_tokens: int) -> list[int]:
     return out[0, ids.numel() :].tolist()
 
 
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def needs_kernels():
+    """The `pytestmark` of a Triton kernel test module: CUDA, or Triton's interpreter on a CPU."""
+    from kvpot import kernels
+
+    return pytest.mark.skipif(
+        not kernels.available(KERNEL_DEVICE),
+        reason="needs CUDA and Triton (or, on CPU, Triton installed and TRITON_INTERPRET=1)",
+    )
+
+
 def interpreter_runtime_loops() -> None:
     """Triton 3.6's interpreter turns a loop bound that is a runtime int into a 1-element array and
     calls int() on it, which numpy >= 2 refuses; read its one element instead (tests only: compiled

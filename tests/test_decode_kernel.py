@@ -11,17 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import interpreter_runtime_loops, skip_interpreted_bf16
+from conftest import KERNEL_DEVICE, interpreter_runtime_loops, needs_kernels, skip_interpreted_bf16
 
-from kvpot import kernels
 from kvpot.errors import KvpotError
 from kvpot.kernels.decode_reference import decode_attention_reference
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = pytest.mark.skipif(
-    not kernels.available(DEVICE),
-    reason="needs CUDA and Triton (or, on CPU, Triton installed and TRITON_INTERPRET=1)",
-)
+DEVICE = KERNEL_DEVICE
+pytestmark = needs_kernels()
 interpreter_runtime_loops()
 
 # (name, query heads, kv heads, head dim, capacity, live length): GQA ratios 1/3/4/8, ragged tails

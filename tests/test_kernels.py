@@ -12,16 +12,13 @@ import math
 
 import pytest
 import torch
-from conftest import interpreter_runtime_loops, skip_interpreted_bf16
+from conftest import KERNEL_DEVICE, interpreter_runtime_loops, needs_kernels, skip_interpreted_bf16
 
 from kvpot import kernels
 from kvpot.methods.infinitehip.reference import LayerPlan, MaskCache, Stage, _final_attention, _Scorer, prune, refresh_due, sparse_attention
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = pytest.mark.skipif(
-    not kernels.available(DEVICE),
-    reason="needs CUDA and Triton (or, on CPU, Triton installed and TRITON_INTERPRET=1)",
-)
+DEVICE = KERNEL_DEVICE
+pytestmark = needs_kernels()
 interpreter_runtime_loops()
 
 

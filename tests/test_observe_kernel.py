@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import interpreter_runtime_loops
+from conftest import KERNEL_DEVICE, interpreter_runtime_loops, needs_kernels
 
-from kvpot import attention, kernels
+from kvpot import attention
 from kvpot.attention import AttentionRequest, observe
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = pytest.mark.skipif(
-    not kernels.available(DEVICE),
-    reason="needs CUDA and Triton (or, on CPU, Triton installed and TRITON_INTERPRET=1)",
-)
+DEVICE = KERNEL_DEVICE
+pytestmark = needs_kernels()
 interpreter_runtime_loops()
 
 # (name, heads, kv_heads, q, n, d): GQA 1/3/4, row and key counts off the 64-blocks, no cache

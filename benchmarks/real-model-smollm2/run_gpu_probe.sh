@@ -4,6 +4,8 @@
 #     (positions=absolute: kept entries keep their true positions, all < 8,192), Full beside them;
 #   - at 16K, depths 0.7-0.98: how the miss depends on the tokens read after the needle;
 # and CItruS' defaults at 32K, which run_gpu_rest.sh's time limit cut at 18 of 30 samples.
+# `run_gpu_probe.sh SECONDS nuc`: NuC alone (nuc_ratio=1: every KV head keeps the same tokens, so CR-RoPE gives a
+# token the same position in every head and layer) at 7K with and without CR-RoPE, and at 16K.
 # Run from the repository root:  OUT=/tmp/out bash benchmarks/real-model-smollm2/run_gpu_probe.sh [SECONDS]
 set -uo pipefail
 limit=${1:-500}
@@ -20,12 +22,19 @@ eval_() {  # eval_ NAME ARGS... : one `kvpot eval passkey` in the background, it
     "$@" --out "$out/$name" > "$out/$name.log" 2>&1 &
 }
 all=0.1,0.3,0.5,0.7,0.8,0.9,0.95
+if [ "${2:-}" = nuc ]; then
+  eval_ probe-7k-nuc-reset --method infinipot:catalyst=question,nuc_ratio=1 --lengths 7k --depths $all --samples 5
+  eval_ probe-7k-nuc-absolute --method infinipot:catalyst=question,nuc_ratio=1,positions=absolute --lengths 7k \
+    --depths $all --samples 5
+  eval_ probe-16k-nuc-reset --method infinipot:catalyst=question,nuc_ratio=1 --lengths 16k --depths 0.1,0.5,0.9 --samples 10
+else
 eval_ probe-7k-reset --method infinipot:catalyst=question --lengths 7k --depths $all --samples 5
 eval_ probe-7k-absolute --method infinipot:catalyst=question,positions=absolute --lengths 7k --depths $all --samples 5
 eval_ probe-7k-full --method full --lengths 7k --depths $all --samples 5
 eval_ probe-16k-late --method infinipot:catalyst=question --lengths 16k --depths 0.7,0.8,0.85,0.9,0.95,0.98 --samples 5
 eval_ probe-16k-late-generic --method infinipot --lengths 16k --depths 0.7,0.8,0.85,0.9,0.95,0.98 --samples 5
 eval_ default-citrus-32k --method citrus --lengths 32k --depths 0.1,0.5,0.9 --samples 10
+fi
 wait
 echo "evals done after $(( $(date +%s) - started )) s" >> "$out/machine.txt"
 python benchmarks/real-model-smollm2/tables.py "$out" --out "$out/merged" > /dev/null 2>"$out/tables.log"
