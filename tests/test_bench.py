@@ -335,3 +335,12 @@ def test_decode_profile(capsys, tmp_path):
     for row in results["rows"]:
         assert row["profile"]["host_op_seconds"] > 0 and row["profile"]["top_host"]
     assert "## full @ 200 tokens" in (tmp_path / "out" / "profile.md").read_text()
+
+
+def test_machine_record_takes_the_commit_named_by_whoever_copied_the_tree(monkeypatch):
+    from kvpot.bench.common import machine
+
+    monkeypatch.setenv("KVPOT_GIT_COMMIT", "0123456789abcdef")
+    assert machine("cpu")["git_commit"] == "0123456789abcdef"
+    monkeypatch.delenv("KVPOT_GIT_COMMIT")
+    assert machine("cpu")["git_commit"] != "0123456789abcdef"

@@ -4,6 +4,7 @@ ids, the per-(method, length) loop with checkpoints, and the no-cache floor."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -34,11 +35,13 @@ def machine(device: str) -> dict:
         gpu = ", ".join(f"{d}: {torch.cuda.get_device_name(d)}" if len(_cuda(device)) > 1 else
                         torch.cuda.get_device_name(d) for d in _cuda(device))
     return {
-        "cpu": cpu, "cpu_count": __import__("os").cpu_count(), "torch_threads": torch.get_num_threads(),
+        "cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
         "gpu": gpu, "device": device, "platform": platform.platform(),
         "versions": {"kvpot": kvpot.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
                      "python": platform.python_version(), "cuda": torch.version.cuda},
-        "git_commit": _git("rev-parse", "HEAD"),
+        # A copy of the tree made without its git metadata (the GPU machine's) is told its commit by
+        # whoever copied it; its own .git, if any, may be stale.
+        "git_commit": os.environ.get("KVPOT_GIT_COMMIT") or _git("rev-parse", "HEAD"),
         "git_dirty": None if (status := _git("status", "--porcelain", "--untracked-files=no")) is None else bool(status),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
