@@ -108,6 +108,37 @@ def test_kept_entries_keep_their_nuc_and_catalyst_is_never_kept(model):
         assert layer.rope_positions[0, :, : layer.n].tolist() == [list(range(layer.n))] * 2
 
 
+@pytest.mark.parametrize("share", ["layer", "model"])
+def test_shared_selection_gives_each_kept_token_one_position(model, share):
+    """share='layer': a layer's KV heads keep the same tokens, so CR-RoPE gives a token one
+    position per layer; 'model': every layer keeps the same tokens too. The pot bound holds."""
+    torch.manual_seed(11)
+    ids, question = torch.randint(3, VOCAB, (200,)), torch.tensor([90, 91, 92, 93])
+    state = kvpot.Engine(model, method=InfiniPot(pot_size=24, compress_size=12, catalyst="question",
+                                                 share=share)).prefill_ids(ids, question)
+    assert state.stats.max_kv_entries <= 24 and state.stats.compressions >= 10
+    kept = [layer.positions[0, :, : layer.n] for layer in state.cache.layers]
+    for layer, tokens in zip(state.cache.layers, kept):
+        assert torch.equal(tokens, tokens[:1].expand_as(tokens))  # every head holds the same tokens
+        assert layer.rope_positions[0, :, : layer.n].tolist() == [list(range(layer.n))] * tokens.shape[0]
+    if share == "model":
+        assert all(torch.equal(tokens[0], kept[0][0]) for tokens in kept)
+    else:  # per layer: the layers of this random model disagree somewhere
+        assert any(not torch.equal(tokens[0], kept[0][0]) for tokens in kept)
+
+
+def test_shared_selection_ranks_the_mean_over_heads_and_layers():
+    from kvpot.methods.infinipot import select_shared
+
+    nuc = torch.zeros(1, 2, 5)
+    caps = [torch.tensor([[[9.0, 0, 0, 1, 0], [0, 0, 0, 1, 8]]]), torch.tensor([[[0.0, 0, 0, 8, 0], [0, 0, 0, 1, 0]]])]
+    # per head, head 0 of layer 0 would keep token 0 and head 1 token 4; the mean ranks token 3 first
+    assert select_shared(caps, [nuc, nuc], keep=1, nuc_slots=0).tolist() == [[[3]]]
+    assert select_shared(caps[:1], [nuc], keep=2, nuc_slots=0).tolist() == [[[0, 4]]]
+    nuc = torch.tensor([[[0.0, 5, 0, 0, 0]]]).expand(1, 2, 5)  # NuC's pick comes first, then CaP's mean
+    assert select_shared(caps, [nuc, nuc], keep=2, nuc_slots=1).tolist() == [[[1, 3]]]
+
+
 @pytest.mark.parametrize(
     "kwargs, fragment",
     [
@@ -115,6 +146,7 @@ def test_kept_entries_keep_their_nuc_and_catalyst_is_never_kept(model):
         (dict(pot_size=10, nuc_ratio=1.5), "nuc_ratio must be in"),
         (dict(pot_size=0), "pot_size must be a positive"),
         (dict(positions="shift"), "positions must be one of"),
+        (dict(share="heads"), "share must be one of"),
     ],
 )
 def test_bad_parameters_are_refused(kwargs, fragment):

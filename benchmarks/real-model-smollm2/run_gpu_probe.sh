@@ -6,6 +6,9 @@
 # and CItruS' defaults at 32K, which run_gpu_rest.sh's time limit cut at 18 of 30 samples.
 # `run_gpu_probe.sh SECONDS nuc`: NuC alone (nuc_ratio=1: every KV head keeps the same tokens, so CR-RoPE gives a
 # token the same position in every head and layer) at 7K with and without CR-RoPE, and at 16K.
+# `run_gpu_probe.sh SECONDS share`: InfiniPot with `share=layer` (a layer's KV heads keep the same tokens) and
+# `share=model` (every head of every layer does), CaP-Q, at 7K (every depth) and 16K; share=model to 128K and with
+# the generic catalyst; NuC alone at 32K and 64K beside it.
 # Run from the repository root:  OUT=/tmp/out bash benchmarks/real-model-smollm2/run_gpu_probe.sh [SECONDS]
 set -uo pipefail
 limit=${1:-500}
@@ -27,6 +30,17 @@ if [ "${2:-}" = nuc ]; then
   eval_ probe-7k-nuc-absolute --method infinipot:catalyst=question,nuc_ratio=1,positions=absolute --lengths 7k \
     --depths $all --samples 5
   eval_ probe-16k-nuc-reset --method infinipot:catalyst=question,nuc_ratio=1 --lengths 16k --depths 0.1,0.5,0.9 --samples 10
+elif [ "${2:-}" = share ]; then
+  q=infinipot:catalyst=question
+  eval_ share-7k-layer --method $q,share=layer --lengths 7k --depths $all --samples 5
+  eval_ share-7k-model --method $q,share=model --lengths 7k --depths $all --samples 5
+  eval_ share-16k-layer --method $q,share=layer --lengths 16k --depths 0.1,0.5,0.9 --samples 10
+  eval_ share-16k-model --method $q,share=model --lengths 16k --depths 0.1,0.5,0.9 --samples 10
+  eval_ share-16k32k-model-generic --method infinipot:share=model --lengths 16k,32k --depths 0.1,0.5,0.9 --samples 10
+  eval_ share-32k-model --method $q,share=model --lengths 32k --depths 0.1,0.5,0.9 --samples 10
+  eval_ share-64k-model --method $q,share=model --lengths 64k --depths 0.1,0.5,0.9 --samples 5
+  eval_ share-128k-model --method $q,share=model --lengths 128k --depths 0.1,0.5,0.9 --samples 5
+  eval_ nuc-32k64k --method $q,nuc_ratio=1 --lengths 32k,64k --depths 0.1,0.5,0.9 --samples 5
 else
 eval_ probe-7k-reset --method infinipot:catalyst=question --lengths 7k --depths $all --samples 5
 eval_ probe-7k-absolute --method infinipot:catalyst=question,positions=absolute --lengths 7k --depths $all --samples 5

@@ -9,6 +9,7 @@ from kvpot.errors import KvpotError
 from kvpot.methods.base import Method, Setup, Step, check_policy, check_positive
 
 NUC = "nuc"
+SHARE = ("none", "layer", "model")  # which entries rank together: per KV head (Code 1), per layer, whole model
 CATALYST = "infinipot.catalyst"  # key of the tokenized catalyst in cache.method_state
 
 # Table 2's CaP-G, the paper's generic catalyst for instruction-tuned models.
@@ -53,6 +54,13 @@ class InfiniPot(Method):
     after each distillation, new tokens continuing from there; `absolute` is the "w/o Re-RoPE"
     ablation.
 
+    `share` is kvpot's option, not the paper's: with per-head selection (`"none"`, Code 1) CR-RoPE
+    numbers each head's own kept set, so one token takes different positions in different heads
+    and layers. `"layer"` ranks the mean score of a layer's KV heads, so a layer's heads keep the
+    same tokens; `"model"` ranks the mean over every layer too, so every head of every layer keeps
+    the same tokens and each kept token has one position in the whole model. (NuC alone does the
+    same; Sec. 4.4.1 reports that it loses per-head diversity on LongBench.)
+
     Bound: `pot_size` entries per layer and KV head, at every instant of prefill and decoding.
     """
 
@@ -65,6 +73,7 @@ class InfiniPot(Method):
     nuc_ratio: float = 0.5
     catalyst: str | None = "generic"
     positions: str = "reset"
+    share: str = "none"
 
     def __post_init__(self):
         check_positive(self, "pot_size")
@@ -82,6 +91,8 @@ class InfiniPot(Method):
         if self.catalyst in ("", "none", "None"):
             self.catalyst = None
         check_policy(self, ("reset", "absolute"))
+        if self.share not in SHARE:
+            raise KvpotError(f"infinipot: share must be one of {SHARE}, got {self.share!r}.")
 
     @classmethod
     def from_budget(cls, budget: int, **overrides) -> InfiniPot:
@@ -169,13 +180,22 @@ class InfiniPot(Method):
         cap = step.tail_observation
         if cap is None and catalyst is not None:  # the pot filled without a forward that carried it
             cap = step.probe(catalyst, AttentionRequest(rows=None, row_reduce="sum", head_reduce="mean"))
-        for index, layer in enumerate(cache.layers):
-            keep = select(
-                cap[index] if cap is not None else None,
-                layer.score(NUC),
-                self.compress_size,
-                round(float(self.nuc_ratio) * self.compress_size),
+        nuc_slots = round(float(self.nuc_ratio) * self.compress_size)
+        if self.share == "model":
+            keep = select_shared(
+                [cap[i] for i in range(len(cache.layers))] if cap is not None else None,
+                [layer.score(NUC) for layer in cache.layers], self.compress_size, nuc_slots,
             )
+            for layer in cache.layers:
+                layer.select(keep.to(layer.device))  # [b, 1, |C|]: every head alike
+            return
+        for index, layer in enumerate(cache.layers):
+            layer_cap, nuc = cap[index] if cap is not None else None, layer.score(NUC)
+            if self.share == "layer":
+                keep = select_shared([layer_cap] if layer_cap is not None else None, [nuc],
+                                     self.compress_size, nuc_slots)
+            else:
+                keep = select(layer_cap, nuc, self.compress_size, nuc_slots)
             layer.select(keep)
 
 
@@ -205,3 +225,18 @@ def select(cap: torch.Tensor | None, nuc: torch.Tensor, keep: int, nuc_slots: in
         top_nuc = nuc.topk(min(nuc_slots, n), dim=-1).indices
         scores.scatter_(-1, top_nuc, float("inf"))  # Code 1, line 10: above every CaP score
     return scores.topk(keep, dim=-1).indices.sort(dim=-1).values
+
+
+def select_shared(caps: list[torch.Tensor] | None, nucs: list[torch.Tensor], keep: int, nuc_slots: int) -> torch.Tensor:
+    """Indices [b, 1, keep] (ascending) kept by every KV head of the given layers (`share`).
+
+    caps, nucs: one [b, kv_heads, n] tensor per layer, over the same n tokens in every head (true
+    when the heads have always selected together). The scores are averaged over heads and layers
+    (CaP is each head's attention summed over the catalyst's rows, so heads and layers weigh alike),
+    then ranked as `select` ranks one head's.
+    """
+    device = nucs[0].device  # a model split over GPUs: rank on the first layer's device
+    nuc = torch.stack([t.to(device).float().mean(dim=1, keepdim=True) for t in nucs]).mean(dim=0)
+    cap = None if caps is None else torch.stack([t.to(device).float().mean(dim=1, keepdim=True) for t in caps]).mean(dim=0)
+    return select(cap, nuc, keep, nuc_slots)
+
