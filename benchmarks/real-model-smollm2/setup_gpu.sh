@@ -14,7 +14,7 @@ if ! python -c "import gguf" 2>/dev/null; then
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; echo "commit ${KVPOT_GIT_COMMIT:-$(git log -1 --format='%H %cI') (the copy's own git metadata: may be stale)}";
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; echo "commit ${KVPOT_GIT_COMMIT:-$(git log -1 --format='%H %cI') (from the copied git metadata: may be stale)}";
   python -c "import torch, transformers, gguf, accelerate, kvpot; print('torch', torch.__version__, 'transformers',
   transformers.__version__, 'accelerate', accelerate.__version__, 'kvpot', kvpot.__version__)"; } > "$out/machine.txt" 2>&1
 python -c "import time; t = time.time(); from kvpot.models import SMOLLM2_135M, resolve_source
