@@ -5,8 +5,10 @@ each method; then every layer's cache is inspected through its entries' original
 (`PotLayer.positions`): the share of the needle's tokens (the pass-key sentence) still held, per KV
 head, and the share of its digits' tokens. The answer generated from that state is recorded too.
 For methods that evict (H2O, TOVA, StreamingLLM, D2O, InfiniPot, CItruS, SnapKV) this separates
-"the needle was evicted" from "the needle was kept but not used". Writes retention.json and
-retention.md to --out.
+"the needle was evicted" from "the needle was kept but not used". With --trace, methods that
+distill (InfiniPot) also record, after every distillation once the key has been read, the share of
+the key's tokens held (mean over layers and KV heads) and the number of layers holding all of it in
+every head: when the key is lost, not only whether. Writes retention.json and retention.md to --out.
 
     python benchmarks/real-model-smollm2/retention.py --model smollm2-135m --lengths 4k --depths 0.5 \
         --method h2o:heavy=768,recent=768,chunk_size=512 --method d2o:budget=2048 --out DIR
@@ -45,6 +47,26 @@ def retention(cache, span: tuple[int, int], key_span: tuple[int, int] | None) ->
     return rows
 
 
+def trace_distillations(method, span, key_span, log: list) -> None:
+    """Record into `log`, after each of `method.distill`'s calls, what the cache holds of the key.
+    (An instance attribute over the method's own distill: this script's instrument, not kvpot's.)"""
+    method.__dict__.pop("distill", None)
+    if key_span is None or not hasattr(method, "distill"):
+        return
+    inner = method.distill
+
+    def distill(cache, step):
+        inner(cache, step)
+        read = int(cache.layers[0].positions[0, :, : cache.layers[0].n].max()) + 1  # stream tokens read so far
+        if read >= key_span[1]:
+            rows = retention(cache, span, key_span)
+            log.append({"read": read, "key_kept": round(statistics.fmean(statistics.fmean(r["key_kept_by_head"])
+                                                                         for r in rows), 3),
+                        "layers_whole": sum(all(v == 1.0 for v in r["key_kept_by_head"]) for r in rows)})
+
+    method.distill = distill
+
+
 def key_tokens(tokenizer, ids: list[int], span: tuple[int, int], answer: str) -> tuple[int, int] | None:
     """The sub-span of the needle whose tokens spell the pass key (None if not found)."""
     start, end = span
@@ -70,6 +92,7 @@ def main(argv=None) -> int:
     p.add_argument("--samples", type=int, default=1)
     p.add_argument("--seed", type=int, default=0, help="base seed, as in `kvpot eval` (same samples)")
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--trace", action="store_true", help="after every distillation, record what is held of the key")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     runs = build_methods([MethodSpec.parse(m) for m in args.method], None, {})
@@ -85,6 +108,9 @@ def main(argv=None) -> int:
                 span = tuple(x + len(prefix) for x in sample.needle_spans[0])
                 key_span = key_tokens(tokenizer, ids, span, sample.answers[0])
                 for run in runs:
+                    trace: list[dict] = []
+                    if args.trace:
+                        trace_distillations(run.method, span, key_span, trace)
                     engine = Engine(model, tokenizer, method=run.method)
                     with torch.no_grad():
                         state = engine.prefill_ids(ids, sample.question_ids)
@@ -94,6 +120,8 @@ def main(argv=None) -> int:
                     row = {"method": run.spec.text(), "length": length, "depth": depth, "seed": seed,
                            "needle_span": span, "key_span": key_span, "answer": answer,
                            "correct": score(sample, answer) == 1.0, "layers": layers}
+                    if args.trace:
+                        row["trace"] = trace
                     results["rows"].append(row)
                     kept = statistics.fmean(statistics.fmean(r["needle_kept_by_head"]) for r in layers)
                     print(f"{run.spec.text()} {length} depth {depth} seed {seed}: answer {answer!r} "
@@ -120,6 +148,17 @@ def markdown(results: dict) -> str:
                      f"{'yes' if r['correct'] else 'no'} | {needle:.3f} | "
                      f"{'-' if key_mean is None else f'{key_mean:.3f}'} | "
                      f"{'-' if whole is None else f'{whole}/{layers}'} |")
+    traced = [r for r in results["rows"] if "trace" in r]
+    if traced:
+        lines += ["", "The key after each distillation (tokens read: share of its tokens held, mean over layers "
+                  "and heads / layers holding all of it in every head); only where that changes:", ""]
+        for r in traced:
+            changes = [t for i, t in enumerate(r["trace"]) if i == 0 or
+                       (t["key_kept"], t["layers_whole"]) != (r["trace"][i - 1]["key_kept"], r["trace"][i - 1]["layers_whole"])]
+            steps = ", ".join(f"{t['read']:,}: {t['key_kept']:.2f} / {t['layers_whole']}" for t in changes[:12])
+            lines.append(f"- `{r['method']}` {r['length']:,} depth {r['depth']:g} seed {r['seed']} "
+                         f"({len(r['trace'])} distillations after the key): {steps or 'none'}"
+                         f"{' ...' if len(changes) > 12 else ''}")
     lines += ["", "Per layer, needle kept (mean over heads), one column per method row above:", ""]
     if results["rows"]:
         header = "| layer | " + " | ".join(f"{r['method']} d{r['depth']:g} s{r['seed']}" for r in results["rows"]) + " |"

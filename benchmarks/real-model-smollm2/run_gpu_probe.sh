@@ -9,6 +9,8 @@
 # `run_gpu_probe.sh SECONDS share`: InfiniPot with `share=layer` (a layer's KV heads keep the same tokens) and
 # `share=model` (every head of every layer does), CaP-Q, at 7K (every depth) and 16K; share=model to 128K and with
 # the generic catalyst; NuC alone at 32K and 64K beside it.
+# `run_gpu_probe.sh SECONDS trace`: when InfiniPot loses the key (retention.py --trace) with share=model at 32K and
+# 128K and per head at 128K; NuC alone at 128K.
 # Run from the repository root:  OUT=/tmp/out bash benchmarks/real-model-smollm2/run_gpu_probe.sh [SECONDS]
 set -uo pipefail
 limit=${1:-500}
@@ -41,6 +43,20 @@ elif [ "${2:-}" = share ]; then
   eval_ share-64k-model --method $q,share=model --lengths 64k --depths 0.1,0.5,0.9 --samples 5
   eval_ share-128k-model --method $q,share=model --lengths 128k --depths 0.1,0.5,0.9 --samples 5
   eval_ nuc-32k64k --method $q,nuc_ratio=1 --lengths 32k,64k --depths 0.1,0.5,0.9 --samples 5
+elif [ "${2:-}" = trace ]; then
+  q=infinipot:catalyst=question
+  trace_() {  # trace_ NAME ARGS... : retention.py --trace in the background
+    local name=$1; shift
+    taskset -c "$rest" timeout "$limit" python benchmarks/real-model-smollm2/retention.py --model smollm2-135m \
+      --device cuda --trace "$@" --out "$out/$name" > "$out/$name.log" 2>&1 &
+  }
+  trace_ trace-32k-model --method $q,share=model --lengths 32k --depths 0.1,0.5,0.9 --samples 2
+  trace_ trace-128k-model --method $q,share=model --lengths 128k --depths 0.1,0.9 --samples 2
+  trace_ trace-128k-head --method $q --lengths 128k --depths 0.1,0.9 --samples 2
+  trace_ trace-64k-model --method $q,share=model --lengths 64k --depths 0.1 --samples 2
+  eval_ nuc-128k --method $q,nuc_ratio=1 --lengths 128k --depths 0.1,0.5,0.9 --samples 5
+  wait
+  cat "$out"/trace-*/retention.md > "$OUT/summary.md" 2>/dev/null
 else
 eval_ probe-7k-reset --method infinipot:catalyst=question --lengths 7k --depths $all --samples 5
 eval_ probe-7k-absolute --method infinipot:catalyst=question,positions=absolute --lengths 7k --depths $all --samples 5
