@@ -11,6 +11,9 @@
 # the generic catalyst; NuC alone at 32K and 64K beside it.
 # `run_gpu_probe.sh SECONDS trace`: when InfiniPot loses the key (retention.py --trace) with share=model at 32K and
 # 128K and per head at 128K; NuC alone at 128K.
+# `run_gpu_probe.sh SECONDS ending`: does the haystack's last sentence matter? At 32,768 and 131,072 tokens the
+# context ends mid-sentence ("... again. The grass") and at 16,384 with a full stop ("... The sky is blue."); these
+# lengths move the end by a few tokens: 32,770 and 131,074 end with "The grass is green.", 16,376 with "The grass".
 # Run from the repository root:  OUT=/tmp/out bash benchmarks/real-model-smollm2/run_gpu_probe.sh [SECONDS]
 set -uo pipefail
 limit=${1:-500}
@@ -57,6 +60,16 @@ elif [ "${2:-}" = trace ]; then
   eval_ nuc-128k --method $q,nuc_ratio=1 --lengths 128k --depths 0.1,0.5,0.9 --samples 5
   wait
   cat "$out"/trace-*/retention.md > "$OUT/summary.md" 2>/dev/null
+elif [ "${2:-}" = ending ]; then
+  q=infinipot:catalyst=question
+  eval_ end-32770-model --method $q,share=model --lengths 32770 --depths 0.1,0.5,0.9 --samples 10
+  eval_ end-32770-head --method $q --lengths 32770 --depths 0.1,0.5,0.9 --samples 10
+  eval_ end-32770-generic --method infinipot --lengths 32770 --depths 0.1,0.5,0.9 --samples 10
+  eval_ end-16376-model --method $q,share=model --lengths 16376 --depths 0.1,0.5,0.9 --samples 10
+  eval_ end-131074-model --method $q,share=model --lengths 131074 --depths 0.1,0.5,0.9 --samples 5
+  eval_ end-131074-head --method $q --lengths 131074 --depths 0.1,0.5,0.9 --samples 5
+  eval_ end-131074-infinitehip --method infinitehip --lengths 131074 --depths 0.1,0.5,0.9 --samples 5
+  eval_ end-131074-citrus --method citrus:keep=1024,chunk_size=512 --lengths 131074 --depths 0.1,0.5,0.9 --samples 3
 else
 eval_ probe-7k-reset --method infinipot:catalyst=question --lengths 7k --depths $all --samples 5
 eval_ probe-7k-absolute --method infinipot:catalyst=question,positions=absolute --lengths 7k --depths $all --samples 5
