@@ -14,6 +14,8 @@
 # `run_gpu_probe.sh SECONDS ending`: does the haystack's last sentence matter? At 32,768 and 131,072 tokens the
 # context ends mid-sentence ("... again. The grass") and at 16,384 with a full stop ("... The sky is blue."); these
 # lengths move the end by a few tokens: 32,770 and 131,074 end with "The grass is green.", 16,376 with "The grass".
+# `run_gpu_probe.sh SECONDS complete`: the bound-2,048 grid's 64K cells at 10 x 3 (InfiniPot, InfiniteHiP, CItruS)
+# and every other method at 64K and 128K (2 x 3), so each method has a cell at every length.
 # Run from the repository root:  OUT=/tmp/out bash benchmarks/real-model-smollm2/run_gpu_probe.sh [SECONDS]
 set -uo pipefail
 limit=${1:-500}
@@ -70,6 +72,15 @@ elif [ "${2:-}" = ending ]; then
   eval_ end-131074-head --method $q --lengths 131074 --depths 0.1,0.5,0.9 --samples 5
   eval_ end-131074-infinitehip --method infinitehip --lengths 131074 --depths 0.1,0.5,0.9 --samples 5
   eval_ end-131074-citrus --method citrus:keep=1024,chunk_size=512 --lengths 131074 --depths 0.1,0.5,0.9 --samples 3
+elif [ "${2:-}" = complete ]; then
+  d=0.1,0.5,0.9
+  eval_ b2048-infinipot-64k --method infinipot:catalyst=question --lengths 64k --depths $d --samples 10
+  eval_ b2048-infinitehip-64k --method infinitehip --lengths 64k --depths $d --samples 10
+  eval_ b2048-citrus-64k --method citrus:keep=1024,chunk_size=512 --lengths 64k --depths $d --samples 10
+  for m in full snapkv:budget=2048 streaming:window=1532,chunk_size=512 h2o:heavy=768,recent=768,chunk_size=512 \
+           tova:budget=1536,chunk_size=512 d2o:budget=2048; do
+    eval_ "b2048-${m%%:*}-64k128k" --method "$m" --lengths 64k,128k --depths $d --samples 2
+  done
 else
 eval_ probe-7k-reset --method infinipot:catalyst=question --lengths 7k --depths $all --samples 5
 eval_ probe-7k-absolute --method infinipot:catalyst=question,positions=absolute --lengths 7k --depths $all --samples 5
