@@ -15,10 +15,6 @@
 # $OUT/summary.md and $OUT/recall.md (the merged tables, readable without unpacking).
 set -uo pipefail
 limit=${1:-450}
-: "${OUT:?set OUT}"
-out=$OUT/smollm2
-mkdir -p "$out"
-started=$(date +%s)
 source benchmarks/real-model-smollm2/setup_gpu.sh
 
 # The demo of issue 18 on 2 CPU cores of their own (0 and 1; everything else runs on the other cores):
@@ -26,11 +22,7 @@ source benchmarks/real-model-smollm2/setup_gpu.sh
 ( time OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 taskset -c 0,1 timeout "$limit" \
   python -m kvpot demo --model smollm2-135m --device cpu ) > "$out/demo-cpu-2-cores.txt" 2>&1 &
 
-eval_() {  # eval_ NICE NAME TASK ARGS... : one `kvpot eval` in the background, its log next to its results
-  local level=$1 name=$2 task=$3; shift 3
-  taskset -c "$rest" nice -n "$level" timeout "$limit" python -m kvpot eval "$task" --model smollm2-135m \
-    --device cuda --seed 0 --depths 0.1,0.5,0.9 "$@" --out "$out/$name" > "$out/$name.log" 2>&1 &
-}
+eval_() { eval_task "$1" "$2" "$3" --depths 0.1,0.5,0.9 "${@:4}"; }  # eval_ NICE NAME TASK ARGS...
 
 # Tier 1: every method at the same bound of 2,048 entries (Full and InfiniteHiP keep everything; SnapKV and
 # D2O are unbounded while reading the prompt, as in their papers), 10 samples x 3 depths per cell.
@@ -69,13 +61,9 @@ eval_ 8 niah-2 niah --method "${BOUND[streaming]}" --method "${BOUND[h2o]}" --me
   --method "${BOUND[snapkv]}" --method "${BOUND[d2o]}" --lengths 4k,16k,32k --samples 2
 
 wait
-echo "evals done after $(( $(date +%s) - started )) s" >> "$out/machine.txt"
-python benchmarks/real-model-smollm2/tables.py "$out" --out "$out/merged" > /dev/null 2>"$out/tables.log"
-cp "$out/merged/summary.md" "$OUT/summary.md" 2>/dev/null
 cp "$out/demo-cpu-2-cores.txt" "$OUT/demo-cpu-2-cores.txt" 2>/dev/null
 cat "$out"/recall-*/recall.md > "$OUT/recall.md" 2>/dev/null
-tail -n 2 "$out"/*.log > "$out/log-tails.txt" 2>&1
-tar -czf "$OUT/smollm2-gpu.tar.gz" -C "$OUT" smollm2 && rm -rf "$out"
+pack_results
 tail -n 16 "$OUT/demo-cpu-2-cores.txt" 2>/dev/null
-cat "$OUT/summary.md" "$OUT/recall.md" 2>/dev/null | head -c 8000
-ls -la "$OUT"; echo "total $(( $(date +%s) - started )) s"
+head -c 8000 "$OUT/recall.md" 2>/dev/null
+ls -la "$OUT"

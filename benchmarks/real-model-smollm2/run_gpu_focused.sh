@@ -15,17 +15,9 @@
 # $OUT/summary.md and $OUT/recall.md (the merged tables, readable without unpacking).
 set -uo pipefail
 limit=${1:-200}
-: "${OUT:?set OUT}"
-out=$OUT/smollm2
-mkdir -p "$out"
-started=$(date +%s)
 source benchmarks/real-model-smollm2/setup_gpu.sh
 
-eval_() {  # eval_ NAME ARGS... : one `kvpot eval passkey` in the background, its log next to its results
-  local name=$1; shift
-  taskset -c "$rest" timeout "$limit" python -m kvpot eval passkey --model smollm2-135m \
-    --device cuda --seed 0 --depths 0.1,0.5,0.9 "$@" --out "$out/$name" > "$out/$name.log" 2>&1 &
-}
+eval_() { eval_task 0 "$1" passkey --depths 0.1,0.5,0.9 "${@:2}"; }  # eval_ NAME ARGS...
 infinipot=infinipot:catalyst=question
 eval_ b2048-infinipot-16k --method $infinipot --lengths 16k --samples 10
 eval_ b2048-infinipot-32k --method $infinipot --lengths 32k --samples 10
@@ -40,10 +32,4 @@ eval_ b2048-snapkv-4k16k --method snapkv:budget=2048 --lengths 4k,16k --samples 
 eval_ b2048-d2o-4k16k --method d2o:budget=2048 --lengths 4k,16k --samples 5
 eval_ b2048-full-4k16k --method full --lengths 4k,16k --samples 5
 wait
-echo "evals done after $(( $(date +%s) - started )) s" >> "$out/machine.txt"
-python benchmarks/real-model-smollm2/tables.py "$out" --out "$out/merged" > /dev/null 2>"$out/tables.log"
-cp "$out/merged/summary.md" "$OUT/summary.md" 2>/dev/null
-tail -n 2 "$out"/*.log > "$out/log-tails.txt" 2>&1
-tar -czf "$OUT/smollm2-gpu.tar.gz" -C "$OUT" smollm2 && rm -rf "$out"
-cat "$OUT/summary.md" 2>/dev/null | head -c 6000
-echo "total $(( $(date +%s) - started )) s"
+pack_results 6000

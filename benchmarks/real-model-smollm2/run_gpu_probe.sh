@@ -19,18 +19,10 @@
 # Run from the repository root:  OUT=/tmp/out bash benchmarks/real-model-smollm2/run_gpu_probe.sh [SECONDS]
 set -uo pipefail
 limit=${1:-500}
-: "${OUT:?set OUT}"
-out=$OUT/smollm2
-mkdir -p "$out"
-started=$(date +%s)
 source benchmarks/real-model-smollm2/setup_gpu.sh
 rest=0-$((cores - 1))
 
-eval_() {  # eval_ NAME ARGS... : one `kvpot eval passkey` in the background, its log next to its results
-  local name=$1; shift
-  taskset -c "$rest" timeout "$limit" python -m kvpot eval passkey --model smollm2-135m --device cuda --seed 0 \
-    "$@" --out "$out/$name" > "$out/$name.log" 2>&1 &
-}
+eval_() { eval_task 0 "$1" passkey "${@:2}"; }  # eval_ NAME ARGS...
 all=0.1,0.3,0.5,0.7,0.8,0.9,0.95
 if [ "${2:-}" = nuc ]; then
   eval_ probe-7k-nuc-reset --method infinipot:catalyst=question,nuc_ratio=1 --lengths 7k --depths $all --samples 5
@@ -90,10 +82,4 @@ eval_ probe-16k-late-generic --method infinipot --lengths 16k --depths 0.7,0.8,0
 eval_ default-citrus-32k --method citrus --lengths 32k --depths 0.1,0.5,0.9 --samples 10
 fi
 wait
-echo "evals done after $(( $(date +%s) - started )) s" >> "$out/machine.txt"
-python benchmarks/real-model-smollm2/tables.py "$out" --out "$out/merged" > /dev/null 2>"$out/tables.log"
-cp "$out/merged/summary.md" "$OUT/summary.md" 2>/dev/null
-tail -n 2 "$out"/*.log > "$out/log-tails.txt" 2>&1
-tar -czf "$OUT/smollm2-gpu.tar.gz" -C "$OUT" smollm2 && rm -rf "$out"
-cat "$OUT/summary.md" 2>/dev/null | head -c 8000
-echo "total $(( $(date +%s) - started )) s"
+pack_results

@@ -14,18 +14,10 @@
 # SECONDS (default 420) limits every process. Results: $OUT/smollm2-gpu.tar.gz and $OUT/summary.md.
 set -uo pipefail
 limit=${1:-420}
-: "${OUT:?set OUT}"
-out=$OUT/smollm2
-mkdir -p "$out"
-started=$(date +%s)
 source benchmarks/real-model-smollm2/setup_gpu.sh
 rest=0-$((cores - 1))  # no demo beside this grid: every core
 
-eval_() {  # eval_ NAME TASK ARGS... : one `kvpot eval` in the background, its log next to its results
-  local name=$1 task=$2; shift 2
-  taskset -c "$rest" timeout "$limit" python -m kvpot eval "$task" --model smollm2-135m \
-    --device cuda --seed 0 --depths 0.1,0.5,0.9 "$@" --out "$out/$name" > "$out/$name.log" 2>&1 &
-}
+eval_() { eval_task 0 "$1" "$2" --depths 0.1,0.5,0.9 "${@:3}"; }  # eval_ NAME TASK ARGS...
 infinipot=infinipot:catalyst=question citrus=citrus:keep=1024,chunk_size=512
 # 128K at the bound
 eval_ b2048-infinipot-128k passkey --method $infinipot --lengths 128k --samples 5
@@ -68,10 +60,4 @@ else
   echo "no .whl-kvpress/: kvpress not run" > "$out/kvpress.log"
 fi
 wait
-echo "evals done after $(( $(date +%s) - started )) s" >> "$out/machine.txt"
-python benchmarks/real-model-smollm2/tables.py "$out" --out "$out/merged" > /dev/null 2>"$out/tables.log"
-cp "$out/merged/summary.md" "$OUT/summary.md" 2>/dev/null
-tail -n 2 "$out"/*.log > "$out/log-tails.txt" 2>&1
-tar -czf "$OUT/smollm2-gpu.tar.gz" -C "$OUT" smollm2 && rm -rf "$out"
-cat "$OUT/summary.md" 2>/dev/null | head -c 8000
-echo "total $(( $(date +%s) - started )) s"
+pack_results
