@@ -59,7 +59,7 @@ class InfiniPot(Method):
     and layers. `"layer"` ranks the mean score of a layer's KV heads, so a layer's heads keep the
     same tokens; `"model"` ranks the mean over every layer too, so every head of every layer keeps
     the same tokens and each kept token has one position in the whole model. (NuC alone does the
-    same; Sec. 4.4.1 reports that it loses per-head diversity on LongBench.)
+    same; the paper's Table 3 attributes NuC alone's lower LongBench score to lost per-head diversity.)
 
     Bound: `pot_size` entries per layer and KV head, at every instant of prefill and decoding.
     """
@@ -181,22 +181,17 @@ class InfiniPot(Method):
         if cap is None and catalyst is not None:  # the pot filled without a forward that carried it
             cap = step.probe(catalyst, AttentionRequest(rows=None, row_reduce="sum", head_reduce="mean"))
         nuc_slots = round(float(self.nuc_ratio) * self.compress_size)
-        if self.share == "model":
-            keep = select_shared(
-                [cap[i] for i in range(len(cache.layers))] if cap is not None else None,
-                [layer.score(NUC) for layer in cache.layers], self.compress_size, nuc_slots,
-            )
-            for layer in cache.layers:
-                layer.select(keep.to(layer.device))  # [b, 1, |C|]: every head alike
-            return
-        for index, layer in enumerate(cache.layers):
-            layer_cap, nuc = cap[index] if cap is not None else None, layer.score(NUC)
-            if self.share == "layer":
-                keep = select_shared([layer_cap] if layer_cap is not None else None, [nuc],
-                                     self.compress_size, nuc_slots)
+        layers = cache.layers
+        groups = [range(len(layers))] if self.share == "model" else [[i] for i in range(len(layers))]
+        for group in groups:  # the layers that keep one set of tokens (each alone unless share="model")
+            caps = None if cap is None else [cap[i] for i in group]
+            nucs = [layers[i].score(NUC) for i in group]
+            if self.share == "none":
+                keep = select(None if caps is None else caps[0], nucs[0], self.compress_size, nuc_slots)  # [b, kv_heads, |C|]
             else:
-                keep = select(layer_cap, nuc, self.compress_size, nuc_slots)
-            layer.select(keep)
+                keep = select_shared(caps, nucs, self.compress_size, nuc_slots)  # [b, 1, |C|]: every head alike
+            for i in group:
+                layers[i].select(keep.to(layers[i].device))
 
 
 def text_prompt_ids(text: str, setup: Setup, no_tokenizer: str) -> torch.Tensor:
