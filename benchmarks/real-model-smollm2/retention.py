@@ -47,6 +47,15 @@ def retention(cache, span: tuple[int, int], key_span: tuple[int, int] | None) ->
     return rows
 
 
+def key_held(layers: list[dict]) -> tuple[float | None, int | None]:
+    """(share of the key's tokens held, mean over layers and heads; layers holding all of it in every
+    head) from `retention`'s rows; (None, None) when the key's tokens were not found."""
+    keys = [x["key_kept_by_head"] for x in layers if x["key_kept_by_head"]]
+    if not keys:
+        return None, None
+    return statistics.fmean(statistics.fmean(k) for k in keys), sum(all(v == 1.0 for v in k) for k in keys)
+
+
 def trace_distillations(method, span, key_span, log: list) -> None:
     """Record into `log`, after each of `method.distill`'s calls, what the cache holds of the key.
     (An instance attribute over the method's own distill: this script's instrument, not kvpot's.)"""
@@ -59,10 +68,8 @@ def trace_distillations(method, span, key_span, log: list) -> None:
         inner(cache, step)
         read = int(cache.layers[0].positions[0, :, : cache.layers[0].n].max()) + 1  # stream tokens read so far
         if read >= key_span[1]:
-            rows = retention(cache, span, key_span)
-            log.append({"read": read, "key_kept": round(statistics.fmean(statistics.fmean(r["key_kept_by_head"])
-                                                                         for r in rows), 3),
-                        "layers_whole": sum(all(v == 1.0 for v in r["key_kept_by_head"]) for r in rows)})
+            kept, whole = key_held(retention(cache, span, key_span))
+            log.append({"read": read, "key_kept": round(kept, 3), "layers_whole": whole})
 
     method.distill = distill
 
@@ -140,9 +147,7 @@ def markdown(results: dict) -> str:
              "| --- | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: |"]
     for r in results["rows"]:
         needle = statistics.fmean(statistics.fmean(x["needle_kept_by_head"]) for x in r["layers"])
-        keys = [x["key_kept_by_head"] for x in r["layers"] if x["key_kept_by_head"]]
-        key_mean = statistics.fmean(statistics.fmean(k) for k in keys) if keys else None
-        whole = sum(all(v == 1.0 for v in k) for k in keys) if keys else None
+        key_mean, whole = key_held(r["layers"])
         layers = len(r["layers"])
         lines.append(f"| `{r['method']}` | {r['length']:,} | {r['depth']:g} | {r['seed']} | {r['answer']!r} | "
                      f"{'yes' if r['correct'] else 'no'} | {needle:.3f} | "
