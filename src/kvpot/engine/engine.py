@@ -1,0 +1,442 @@
+"""The engine: chunked prefill, compression after each forward, decoding, statistics.
+
+One forward at a time, the engine announces the original positions of the incoming tokens and
+the attention the method wants observed (`PotCache.begin_forward`), runs the model's decoder with
+`position_ids` all zero and `past_key_values=PotCache`, and then lets the method evict
+(`Method.after_forward`). Nothing in the model is patched: the cache and the registered `kvpot`
+attention function do the work (DESIGN.md, "How a forward pass flows").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from kvpot.attention import AttentionRequest, register
+from kvpot.cache import PotCache
+from kvpot.engine.decoding import MODES, Decoder, decode_eager, resolve_mode
+from kvpot.engine.score import Scoring
+from kvpot.engine.results import Result, ScoreResult, State, Stats, _Run  # noqa: F401 - ScoreResult: public via kvpot
+from kvpot.engine.sampling import _as_ids, _eos_ids, _stopping, _TextStreamer
+from kvpot.errors import KvpotError
+from kvpot.methods import Full, Method, Step
+from kvpot.methods.base import Setup
+from kvpot.models import architecture_of, load_pretrained, rotary_embedding
+from kvpot.models.devices import input_device, model_devices, output_device, peak_memory, reset_peak_memory
+from kvpot.models.devices import synchronize
+from kvpot.positions import make_policy
+from kvpot.rope import Rope
+from kvpot.scoring import token_nll
+from kvpot.engine.state_io import model_fingerprint
+
+# Marker used to split a chat-templated user turn into context and question parts.
+_SPLIT = "\u241ekvpot-question\u241e"
+
+
+class Engine(Scoring):
+    """Runs a Hugging Face causal LM over long inputs with a kvpot method.
+
+    >>> engine = Engine.from_pretrained(path, method=StreamingLLM(sinks=4, window=1020))
+    >>> out = engine.generate(context, question="...", max_new_tokens=64)
+    >>> out.text, out.stats.max_kv_entries
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer=None,
+        method: Method | None = None,
+        chat_template: bool | str = "auto",
+        decode: str = "auto",
+    ):
+        architecture_of(model.config)
+        if chat_template not in (True, False, "auto"):
+            raise KvpotError("chat_template must be True, False or 'auto'.")
+        if decode not in MODES:
+            raise KvpotError(f"decode must be one of {MODES}, got {decode!r}.")
+        self.decode = decode  # kvpot.engine.decoding: "auto" = CUDA graphs on a GPU, eager on a CPU
+        model.set_attn_implementation(register())
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.method = method if method is not None else Full()
+        self.chat_template = chat_template
+        self.rope = Rope(rotary_embedding(model))
+        self.decoder = model.get_decoder()
+        self.head = model.get_output_embeddings()
+        # split by accelerate (device_map), each layer's cache lives on its layer's device (kvpot.models.devices)
+        self._device, self.output_device = input_device(model), output_device(model)
+        self.devices = model_devices(model)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path=None,
+        method: Method | None = None,
+        device: str | None = None,
+        dtype: torch.dtype | None = None,
+        chat_template: bool | str = "auto",
+        decode: str = "auto",
+        device_map: str | dict | None = None,
+        max_memory: dict | None = None,
+        gguf_file: str | None = None,
+    ) -> Engine:
+        """Load a model on `device` (default "cpu"), or split over several by `device_map` ("auto", or a dict
+        module -> device) within `max_memory` ({0: "70GiB", ...}); each layer's cache lives on its device.
+        The model: a Hub id, a local folder, a named model (`kvpot.models.SMOLLM2_135M` or "smollm2-135m"),
+        or a GGUF file (`gguf_file`: a path, or a file name in the folder or Hub repository `name_or_path`),
+        de-quantized once into kvpot's cache."""
+        model, tokenizer = load_pretrained(name_or_path, device=device, dtype=dtype, device_map=device_map,
+                                           max_memory=max_memory, gguf_file=gguf_file)
+        return cls(model, tokenizer, method=method, chat_template=chat_template, decode=decode)
+
+    @property
+    def device(self) -> torch.device:
+        return self._device  # where ids and positions live: the input embedding's execution device
+
+    # ------------------------------------------------------------------ text API
+    def encode(self, context: str | None, question: str | None) -> tuple[list[int], list[int]]:
+        """Token ids of the context and the question, placed as kvpress' pipeline does.
+
+        With a chat template, one user turn holds the context followed by the question; the
+        context part ends where the question starts, and the question part carries the rest of
+        the template (generation prompt included). Without one, the context gets the tokenizer's
+        special tokens (BOS) and the question is appended verbatim.
+        """
+        tok = self._require_tokenizer()
+        if self._use_template():
+            text = tok.apply_chat_template(
+                [{"role": "user", "content": (context or "") + _SPLIT}], add_generation_prompt=True, tokenize=False
+            )
+            head, tail = text.split(_SPLIT)
+            context_ids = tok.encode(head, add_special_tokens=False) if context is not None else []
+            return context_ids, tok.encode((question or "") + tail, add_special_tokens=False)
+        context_ids = tok.encode(context, add_special_tokens=True) if context is not None else []
+        question_ids = tok.encode(question, add_special_tokens=False) if question else []
+        return context_ids, question_ids
+
+    def prefill(self, context: str, progress: bool = False, should_stop: Callable[[], bool] | None = None) -> State:
+        """Read (and compress) `context` once; ask questions of it later with `generate(state=...)`.
+
+        Methods that need the question while reading (InfiniPot with `catalyst="question"`) take
+        `generate(context, question)` instead.
+        """
+        if not context:
+            raise KvpotError("the context is empty; give some text to read.")
+        context_ids, _ = self.encode(context, None)
+        return self.prefill_ids(context_ids, progress=progress, should_stop=should_stop)
+
+    def generate(
+        self,
+        context: str | None = None,
+        question: str | None = None,
+        max_new_tokens: int = 64,
+        state: State | None = None,
+        on_text: Callable[[str], None] | None = None,
+        progress: bool = False,
+        keep_state: bool = True,
+        **sampling,
+    ) -> Result:
+        """Answer `question` about `context` (or about a prefilled `state`). Strings in, string out.
+
+        `keep_state=False` decodes in the state's own cache instead of a copy (half the memory of a
+        long context; the state cannot be asked again)."""
+        if state is None and not context:
+            raise KvpotError("the context is empty; give some text to read (or a prefilled state).")
+        if state is not None and context:
+            raise KvpotError("give either a context or a prefilled state, not both.")
+        context_ids, question_ids = self.encode(context if state is None else None, question)
+        printer = _TextStreamer(self.tokenizer, on_text) if on_text else None
+        result = self.generate_ids(
+            context_ids if state is None else None,
+            question_ids,
+            max_new_tokens=max_new_tokens,
+            state=state,
+            on_token=printer,
+            progress=progress,
+            keep_state=keep_state,
+            **sampling,
+        )
+        if printer:
+            printer.flush()
+        return result
+
+    # ------------------------------------------------------------------ token API
+    @torch.no_grad()
+    def prefill_ids(
+        self, input_ids, question_ids=None, progress: bool = False, _max_new_tokens: int = 0, should_stop=None
+    ) -> State:
+        """Token-level `prefill` of `input_ids` (then `question_ids`); `should_stop` as in `generate_ids`."""
+        context = _as_ids(input_ids, self.device, "input_ids")
+        if context.numel() == 0:
+            raise KvpotError("the context is empty; give at least one token.")
+        question = _as_ids(question_ids, self.device, "question_ids")
+        context, question = self.method.prepare(context, question)
+        total = context.numel() + question.numel()
+        run = _Run(self._new_cache(total + _max_new_tokens), 0, Stats(), should_stop=should_stop)
+        self._begin(run.cache, question)
+        run.stats.context_tokens, run.stats.question_tokens = context.numel(), question.numel()
+        self._reset_peak_memory()
+        started = self._clock()
+        segments = [("context", context)] + ([("question", question)] if question.numel() else [])
+        with tqdm(total=total, unit="tok", desc="prefill", disable=not progress, leave=False) as bar:
+            for index, (phase, ids) in enumerate(segments):
+                self._prefill_segment(run, phase, ids, last=index == len(segments) - 1, bar=bar)
+        run.stats.prefill_seconds = self._clock() - started
+        return self._finish_state(run)
+
+    @torch.no_grad()
+    def generate_ids(
+        self,
+        input_ids=None,
+        question_ids=None,
+        max_new_tokens: int = 64,
+        state: State | None = None,
+        on_token: Callable[[int], None] | None = None,
+        progress: bool = False,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+        keep_state: bool = True,
+        should_stop: Callable[[], bool] | None = None,
+        time_steps: bool = False,
+    ) -> Result:
+        """Generate up to `max_new_tokens` after the context (or `state`) and the question.
+
+        Greedy by default (`temperature=0`; otherwise sampling with `top_p`, seeded by `seed`),
+        stopping at the model's end-of-sequence tokens unless `ignore_eos` (benchmarks decode a
+        fixed count). `token_ids` of the result are the new tokens only. A `state` is copied first
+        unless `keep_state=False`, which decodes in its cache and spends it. `should_stop()` is asked
+        before every prefill forward and after every token delivered: True raises `kvpot.errors.Cancelled`.
+        `time_steps=True` records each step's time in `stats.decode["step_ms"]` (GPU events, no sync).
+        """
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise KvpotError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}.")
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise KvpotError("temperature must be >= 0 and top_p in (0, 1].")
+        if state is None:
+            if input_ids is None:
+                raise KvpotError("give input_ids (the context) or a prefilled state.")
+            state = self.prefill_ids(input_ids, question_ids, progress=progress, _max_new_tokens=max_new_tokens,
+                                     should_stop=should_stop)
+            run = _Run(state.cache, state.next_position, state.stats, state.last_logits)
+        else:
+            if input_ids is not None:
+                raise KvpotError("give either input_ids or a prefilled state, not both.")
+            run = self._resume(state, question_ids, progress, keep_state, should_stop)
+        if should_stop is not None:
+            on_token = _stopping(on_token, should_stop)
+        return self._decode(run, max_new_tokens, on_token, temperature, top_p, seed, ignore_eos, time_steps)
+
+    # ------------------------------------------------------------------ internals
+    def _new_cache(self, total_tokens: int) -> PotCache:
+        bound = self.method.max_entries()
+        hint = bound if bound is not None else total_tokens
+        policy = make_policy(self.method.positions)
+        return PotCache(self.model.config.num_hidden_layers, self.rope, policy, capacity_hint=hint)
+
+    def _resume(self, state: State, question_ids, progress: bool, keep: bool = True, should_stop=None) -> _Run:
+        if state.cache is None:
+            raise KvpotError("this state was spent by generate(..., keep_state=False); prefill again, or pass "
+                             "keep_state=True to ask a state more than once.")
+        if state.method_config != self.method.config():
+            raise KvpotError(
+                f"this state was prefilled with {state.method_config}, but the engine now runs "
+                f"{self.method.config()}; prefill again with the current method."
+            )
+        question = _as_ids(question_ids, self.device, "question_ids")
+        cache = state.cache.clone() if keep else state.cache
+        if not keep:
+            state.cache = None  # spent: decoding appends to (and compresses) this cache
+        run = _Run(cache, state.next_position, dataclasses.replace(state.stats), state.last_logits, should_stop)
+        run.stats.question_tokens = question.numel()
+        self._begin(run.cache, question if question.numel() else None)
+        if question.numel():
+            self._reset_peak_memory()
+            started = self._clock()
+            with tqdm(total=question.numel(), unit="tok", desc="question", disable=not progress, leave=False) as bar:
+                self._prefill_segment(run, "question", question, last=True, bar=bar)
+            run.stats.prefill_seconds += self._clock() - started
+        return run
+
+    def _begin(self, cache: PotCache, question: torch.Tensor | None) -> None:
+        setup = Setup(self.model.config, self.tokenizer, question, self.device)
+        self.method.begin(cache, setup)
+
+    def _prefill_segment(self, run: _Run, phase: str, ids: torch.Tensor, last: bool, bar) -> None:
+        offset, total = 0, ids.numel()
+        while offset < total:
+            run.check()
+            size = self.method.next_chunk(run.cache, total - offset)
+            if size <= 0:
+                raise KvpotError(f"{self.method.name} has no room for the next tokens; check its sizes.")
+            end = offset + size == total
+            step = Step(phase, size, prompt_end=last and end, segment_end=end)
+            self._forward(run, ids[offset : offset + size], step)
+            offset += size
+            bar.update(size)
+
+    def _forward(self, run: _Run, ids: torch.Tensor, step: Step) -> torch.Tensor:
+        """One model forward of `ids` [q] on the cache, then the method's compression.
+
+        Returns the last hidden states [q, hidden] (computed before the compression).
+        """
+        self.method.before_forward(run.cache, step)
+        tail, request = self.method.tail_probe(run.cache, step), self.method.request(step)
+        observation = None
+        if tail is None:
+            hidden = self._run_model(run, ids, request)  # [q, hidden]
+        elif request is not None:
+            raise KvpotError(f"{self.method.name} asked for an observation and a tail probe in one forward.")
+        else:
+            hidden, observation = self._forward_with_tail(run, ids, *tail)
+        token_nll = self._token_nll(run.logits, hidden, ids) if self.method.needs_token_nll else None
+        run.logits = self.head(hidden[-1]).float()  # [vocab]
+        run.next_position += ids.numel()
+        step = dataclasses.replace(step, token_nll=token_nll, tail_observation=observation,
+                                   probe=lambda probe_ids, request, cache=None: self.probe(
+                                       cache if cache is not None else run.cache, run.next_position, probe_ids,
+                                       request))
+        # timed with device events, read once at the end: a sync here would stall the chunk loop
+        begun = self._mark()
+        if self.method.after_forward(run.cache, step):
+            run.stats.compressions += 1
+            run.compress_marks.append((begun, self._mark()))
+        run.cache.begin_forward(None, -1, None)
+        return hidden
+
+    def _forward_with_tail(self, run: _Run, ids: torch.Tensor, tail_ids, request: AttentionRequest):
+        """One forward of `ids` followed by probe tokens `tail_ids`; the probe's entries rolled back.
+
+        Returns the hidden states of `ids` [q, hidden] and, per layer, the probe's attention over
+        the entries before it (cache and `ids`).
+        """
+        tail_ids = _as_ids(tail_ids, self.device, "tail probe ids")
+        q, m = ids.numel(), tail_ids.numel()
+        start, _, _ = slice(*(request.rows or (None, None))).indices(q + m)
+        if m == 0 or start < q:
+            raise KvpotError("a tail probe must observe its own rows only (rows=(-len(ids), None)).")
+        before = [n + q for n in run.cache.lengths()]  # entries the probe may score
+        hidden = self._run_model(run, torch.cat([ids, tail_ids]), request)
+        observation = [layer.observation[..., :n] for layer, n in zip(run.cache.layers, before)]
+        run.cache.truncate(before)
+        return hidden[:q], observation
+
+    def _token_nll(self, previous_logits, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """-log p(x_t | cache) for the forward's tokens [q]; the first uses the previous logits
+        (0 for the very first token of a stream, which nothing predicts)."""
+        nll = torch.zeros(ids.numel(), dtype=torch.float32, device=ids.device)
+        if previous_logits is not None:
+            first = ids[:1].to(previous_logits.device)  # logits live on the head's device
+            nll[0] = torch.nn.functional.cross_entropy(previous_logits.view(1, -1), first).to(nll.device)
+        nll[1:] = token_nll(self.head, hidden[:-1], ids[1:]).to(nll.device)
+        return nll
+
+    def _run_model(self, run: _Run, ids: torch.Tensor, request: AttentionRequest | None) -> torch.Tensor:
+        """The decoder over `ids` [q] at positions `run.next_position...`; last hidden states [q, h]."""
+        q, cache = ids.numel(), run.cache
+        positions = torch.arange(run.next_position, run.next_position + q, device=ids.device)
+        cache.begin_forward(positions, run.next_position + q - 1, request)
+        zeros = torch.zeros(1, q, dtype=torch.long, device=ids.device)  # RoPE is applied by kvpot
+        out = self.decoder(
+            input_ids=ids.view(1, q), past_key_values=cache, position_ids=zeros, use_cache=True, kvpot_cache=cache
+        )
+        return out.last_hidden_state[0]
+
+    @torch.no_grad()
+    def probe(self, cache: PotCache, next_position: int, ids, request: AttentionRequest) -> list[torch.Tensor]:
+        """Run `ids` on top of `cache`, read their attention, then roll their entries back.
+
+        One mechanism for InfiniPot's catalyst prompt, CItruS' instruction and SnapKV-style
+        observation windows (DESIGN.md, "Probes"). The probe tokens take the positions that would
+        follow the cache (`next_position` onwards); their entries count towards the cache's
+        `max_entries` while they exist. Returns, per layer, the observation restricted to the
+        entries that were cached before the probe (`[b, kv_heads, n_layer]`). Rollback leaves the
+        cache bit-for-bit as it was.
+        """
+        ids = _as_ids(ids, self.device, "probe ids")
+        if ids.numel() == 0:
+            raise KvpotError("a probe needs at least one token.")
+        lengths = cache.lengths()
+        run = _Run(cache, next_position, Stats())
+        try:
+            self._run_model(run, ids, request)
+            return [layer.observation[..., :n] for layer, n in zip(cache.layers, lengths)]
+        finally:
+            cache.truncate(lengths)
+            cache.begin_forward(None, -1, None)
+
+    def _finish_state(self, run: _Run) -> State:
+        self._settle(run)
+        run.stats.max_kv_entries = run.cache.max_entries
+        run.stats.final_kv_entries = max(run.cache.lengths())
+        run.stats.peak_memory_by_device, run.stats.peak_memory_bytes = peak_memory(self.devices)
+        fingerprint = model_fingerprint(self.model)
+        return State(run.cache, run.next_position, run.logits, self.method.config(), run.stats, fingerprint)
+
+    def _decode(self, run: _Run, max_new_tokens, on_token, temperature, top_p, seed, ignore_eos,
+                time_steps=False) -> Result:
+        eos = set() if ignore_eos else _eos_ids(self.model)
+        # a model split over several GPUs decodes eagerly: one captured step would span devices
+        mode = resolve_mode(self.decode, self.device) if len(self.devices) <= 1 else "eager"
+        started = self._clock()
+        if mode == "eager" or max_new_tokens == 0:
+            times: list[float] | None = [] if time_steps else None
+            tokens = decode_eager(self, run, max_new_tokens, on_token, temperature, top_p, seed, eos, times)
+            report = {"mode": "eager", "step_ms": times}
+        else:
+            decoder = Decoder(self, run, max_new_tokens, temperature, top_p, seed, eos, mode, time_steps=time_steps)
+            tokens = decoder.generate(on_token)
+            report = {"mode": mode, **decoder.report.to_dict()}
+        stats = run.stats
+        stats.decode_seconds = self._clock() - started
+        self._settle(run)
+        stats.new_tokens = len(tokens)
+        stats.max_kv_entries = run.cache.max_entries
+        stats.final_kv_entries = max(run.cache.lengths())
+        stats.peak_memory_by_device, stats.peak_memory_bytes = peak_memory(self.devices)
+        stats.method = self.method.report(run.cache)
+        stats.decode = report
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else None
+        return Result(text, tokens, stats)
+
+    def _use_template(self) -> bool:
+        has = bool(getattr(self.tokenizer, "chat_template", None))
+        if self.chat_template is True and not has:
+            raise KvpotError("chat_template=True, but this tokenizer has no chat template.")
+        return has and self.chat_template in (True, "auto")
+
+    def _require_tokenizer(self):
+        if self.tokenizer is None:
+            raise KvpotError("this engine has no tokenizer; use generate_ids/prefill_ids with token ids.")
+        return self.tokenizer
+
+    def _mark(self):
+        """A point in time without a sync: a recorded CUDA event, or the host clock on a CPU."""
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _settle(self, run: _Run) -> None:
+        """Add the compressions timed since the last settle to `stats.compress_seconds`."""
+        for begun, ended in run.compress_marks:
+            if isinstance(begun, float):
+                run.stats.compress_seconds += ended - begun
+            else:
+                ended.synchronize()
+                run.stats.compress_seconds += begun.elapsed_time(ended) / 1000
+        run.compress_marks.clear()
+
+    def _clock(self) -> float:
+        synchronize(self.devices)  # a split model: every GPU's work so far
+        return time.perf_counter()
+
+    def _reset_peak_memory(self) -> None:
+        reset_peak_memory(self.devices)
