@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from tqdm.auto import tqdm
@@ -171,21 +171,13 @@ class Engine(Scoring):
         self, input_ids, question_ids=None, progress: bool = False, _max_new_tokens: int = 0, should_stop=None
     ) -> State:
         """Token-level `prefill` of `input_ids` (then `question_ids`); `should_stop` as in `generate_ids`."""
-        context = _as_ids(input_ids, self.device, "input_ids")
-        if context.numel() == 0:
-            raise KvpotError("the context is empty; give at least one token.")
-        question = _as_ids(question_ids, self.device, "question_ids")
-        context, question = self.method.prepare(context, question)
-        total = context.numel() + question.numel()
-        run = _Run(self._new_cache(total + _max_new_tokens), 0, Stats(), should_stop=should_stop)
-        self._begin(run.cache, question)
-        run.stats.context_tokens, run.stats.question_tokens = context.numel(), question.numel()
+        run, segments = self._start(input_ids, question_ids, self._new_cache, _max_new_tokens, should_stop)
         self._reset_peak_memory()
         started = self._clock()
-        segments = [("context", context)] + ([("question", question)] if question.numel() else [])
+        total = run.stats.context_tokens + run.stats.question_tokens
         with tqdm(total=total, unit="tok", desc="prefill", disable=not progress, leave=False) as bar:
-            for index, (phase, ids) in enumerate(segments):
-                self._prefill_segment(run, phase, ids, last=index == len(segments) - 1, bar=bar)
+            for size in self._read(run, segments):
+                bar.update(size)
         run.stats.prefill_seconds = self._clock() - started
         return self._finish_state(run)
 
@@ -241,6 +233,30 @@ class Engine(Scoring):
         return PotCache(self.model.config.num_hidden_layers, self.rope, policy, capacity_hint=hint)
 
     def _resume(self, state: State, question_ids, progress: bool, keep: bool = True, should_stop=None) -> _Run:
+        self.check_state(state)
+        question = _as_ids(question_ids, self.device, "question_ids")
+        cache = state.cache.clone() if keep else state.cache
+        if not keep:
+            state.cache = None  # spent: decoding appends to (and compresses) this cache
+        run = self._resumed(state, cache, question, should_stop)
+        if question.numel():
+            self._reset_peak_memory()
+            started = self._clock()
+            with tqdm(total=question.numel(), unit="tok", desc="question", disable=not progress, leave=False) as bar:
+                for size in self._read(run, [("question", question)]):
+                    bar.update(size)
+            run.stats.prefill_seconds += self._clock() - started
+        return run
+
+    def _resumed(self, state: State, cache: PotCache, question: torch.Tensor, should_stop=None) -> _Run:
+        """A run that continues `state` in `cache` (its copy), its method begun with `question`."""
+        run = _Run(cache, state.next_position, dataclasses.replace(state.stats), state.last_logits, should_stop)
+        run.stats.question_tokens = question.numel()
+        self._begin(run.cache, question if question.numel() else None)
+        return run
+
+    def check_state(self, state: State) -> None:
+        """Refuse a state this engine cannot continue (spent, or read with another method)."""
         if state.cache is None:
             raise KvpotError("this state was spent by generate(..., keep_state=False); prefill again, or pass "
                              "keep_state=True to ask a state more than once.")
@@ -249,26 +265,34 @@ class Engine(Scoring):
                 f"this state was prefilled with {state.method_config}, but the engine now runs "
                 f"{self.method.config()}; prefill again with the current method."
             )
-        question = _as_ids(question_ids, self.device, "question_ids")
-        cache = state.cache.clone() if keep else state.cache
-        if not keep:
-            state.cache = None  # spent: decoding appends to (and compresses) this cache
-        run = _Run(cache, state.next_position, dataclasses.replace(state.stats), state.last_logits, should_stop)
-        run.stats.question_tokens = question.numel()
-        self._begin(run.cache, question if question.numel() else None)
-        if question.numel():
-            self._reset_peak_memory()
-            started = self._clock()
-            with tqdm(total=question.numel(), unit="tok", desc="question", disable=not progress, leave=False) as bar:
-                self._prefill_segment(run, "question", question, last=True, bar=bar)
-            run.stats.prefill_seconds += self._clock() - started
-        return run
 
     def _begin(self, cache: PotCache, question: torch.Tensor | None) -> None:
         setup = Setup(self.model.config, self.tokenizer, question, self.device)
         self.method.begin(cache, setup)
 
-    def _prefill_segment(self, run: _Run, phase: str, ids: torch.Tensor, last: bool, bar) -> None:
+    def _start(self, input_ids, question_ids, new_cache: Callable[[int], PotCache], max_new_tokens: int = 0,
+               should_stop=None) -> tuple[_Run, list[tuple[str, torch.Tensor]]]:
+        """A run that will read `input_ids` (then `question_ids`) into `new_cache(tokens)`, and the
+        segments to read: nothing is read yet (`_read` does it, one forward at a time)."""
+        context = _as_ids(input_ids, self.device, "input_ids")
+        if context.numel() == 0:
+            raise KvpotError("the context is empty; give at least one token.")
+        question = _as_ids(question_ids, self.device, "question_ids")
+        context, question = self.method.prepare(context, question)
+        total = context.numel() + question.numel()
+        run = _Run(new_cache(total + max_new_tokens), 0, Stats(), should_stop=should_stop)
+        self._begin(run.cache, question)
+        run.stats.context_tokens, run.stats.question_tokens = context.numel(), question.numel()
+        segments = [("context", context)] + ([("question", question)] if question.numel() else [])
+        return run, segments
+
+    def _read(self, run: _Run, segments: list[tuple[str, torch.Tensor]]) -> Iterator[int]:
+        """Read `segments` into the run's cache, one model forward per iteration (yields its tokens):
+        the batched scheduler interleaves these forwards with other sequences' decoding steps."""
+        for index, (phase, ids) in enumerate(segments):
+            yield from self._read_segment(run, phase, ids, last=index == len(segments) - 1)
+
+    def _read_segment(self, run: _Run, phase: str, ids: torch.Tensor, last: bool) -> Iterator[int]:
         offset, total = 0, ids.numel()
         while offset < total:
             run.check()
@@ -279,7 +303,7 @@ class Engine(Scoring):
             step = Step(phase, size, prompt_end=last and end, segment_end=end)
             self._forward(run, ids[offset : offset + size], step)
             offset += size
-            bar.update(size)
+            yield size
 
     def _forward(self, run: _Run, ids: torch.Tensor, step: Step) -> torch.Tensor:
         """One model forward of `ids` [q] on the cache, then the method's compression.

@@ -1,0 +1,199 @@
+"""A slot pool: per-layer KV storage with a slot dimension, for many sequences at once.
+
+A bounded method's cache has a size known before it starts (`Method.max_entries()`), so the KV of
+`slots` sequences fits in buffers allocated once, `[slots + 1, kv_heads, capacity, d]` per layer.
+A sequence owns one slot from admission to its end; a freed slot is reused. The last row is
+scratch: padding rows of a batched step (a captured graph has a fixed batch size) write there.
+
+Each slot is seen two ways:
+- as an ordinary `PotCache` (`SlotPool.cache(slot)`) whose layers' buffers are views of the slot's
+  row, so the one-sequence engine (chunked prefill, a method's evictions and distillations, its
+  probes) runs on it unchanged and writes the pool in place; growing past `capacity` is refused;
+- as a row of the batched decoding step (`kvpot.engine.batch`), which appends one token to each of
+  many slots in one forward. Host-side counts (`PotLayer.n`) are the truth between steps; the
+  device-side `lengths` `[layers, slots + 1]` follow them (`sync_lengths`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvpot.cache import PotCache, PotLayer, _clone_state
+from kvpot.errors import KvpotError
+from kvpot.positions import PositionPolicy
+from kvpot.rope import Rope
+
+
+class PoolLayer:
+    """One layer's storage for every slot (row `slots` is scratch)."""
+
+    def __init__(self, rows: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.rows, self.kv_heads, self.capacity, self.head_dim = rows, kv_heads, capacity, head_dim
+        self.dtype, self.device = dtype, device
+        # zeros, not empty: lanes past a slot's length are masked by the attention, but must be finite
+        self.keys = torch.zeros(rows, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros(rows, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.positions = torch.zeros(rows, kv_heads, capacity, dtype=torch.long, device=device)
+        self.rope_positions = torch.zeros(rows, kv_heads, capacity, dtype=torch.long, device=device)
+        self.query_position = torch.zeros(rows, dtype=torch.long, device=device)  # the batched step's query
+        self.scores: dict[str, torch.Tensor] = {}  # name -> [rows, kv_heads, capacity] float32
+        self.probs: torch.Tensor | None = None  # [rows, kv_heads, capacity]: a batched step's observation
+
+    def score(self, name: str) -> torch.Tensor:
+        """Score buffer `name` for every slot, created at zero on first use."""
+        if name not in self.scores:
+            shape = (self.rows, self.kv_heads, self.capacity)
+            self.scores[name] = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        return self.scores[name]
+
+    def observation_buffer(self) -> torch.Tensor:
+        if self.probs is None:
+            self.probs = torch.zeros(self.rows, self.kv_heads, self.capacity, dtype=torch.float32, device=self.device)
+        return self.probs
+
+    @property
+    def nbytes(self) -> int:
+        buffers = (self.keys, self.values, self.positions, self.rope_positions, *self.scores.values())
+        return sum(b.numel() * b.element_size() for b in buffers) + (0 if self.probs is None else self.probs.nbytes)
+
+
+class SlotLayer(PotLayer):
+    """A `PotLayer` whose buffers are one slot's row of a `PoolLayer` (views: writes land in the pool)."""
+
+    def __init__(self, cache: PotCache, layer_idx: int, storage: PoolLayer, row: int):
+        super().__init__(cache, layer_idx)
+        self.storage, self.row = storage, row
+        at = slice(row, row + 1)
+        self.keys, self.values = storage.keys[at], storage.values[at]
+        self.positions, self.rope_positions = storage.positions[at], storage.rope_positions[at]
+        self.batch, self.kv_heads, self.head_dim = 1, storage.kv_heads, storage.head_dim
+        self.dtype, self.device = storage.dtype, storage.device
+        self.is_initialized = True
+
+    # the pool owns the score buffers (a batched step updates them for every slot at once)
+    @property
+    def scores(self) -> dict[str, torch.Tensor]:
+        return {name: buf[self.row : self.row + 1] for name, buf in self.storage.scores.items()}
+
+    @scores.setter
+    def scores(self, value: dict) -> None:
+        if value:  # PotLayer.__init__ and reserve() assign; only the empty dict of __init__ reaches here
+            raise KvpotError("a pool slot's scores live in the pool; they cannot be replaced.")
+
+    def score(self, name: str) -> torch.Tensor:
+        return self.storage.score(name)[self.row : self.row + 1, :, : self.n]
+
+    def reserve(self, size: int) -> None:
+        if size > self.capacity:
+            raise KvpotError(
+                f"this sequence needs {size:,} KV entries per layer and KV head, more than a pool slot holds "
+                f"({self.capacity:,}); give the batch a larger capacity, or use a bounded method."
+            )
+
+
+class SlotPool:
+    """KV storage for `slots` sequences of at most `capacity` entries per layer and KV head."""
+
+    def __init__(self, config, rope: Rope, policy: PositionPolicy, slots: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device):
+        if not isinstance(slots, int) or slots < 1:
+            raise KvpotError(f"a pool needs at least one slot, got {slots!r}.")
+        if not isinstance(capacity, int) or capacity < 1:
+            raise KvpotError(f"a pool slot needs a capacity of at least one entry, got {capacity!r}.")
+        self.rope, self.policy = rope, policy
+        self.slots, self.capacity = slots, capacity
+        self.scratch = slots  # the row padding rows of a batched step write to
+        kv_heads, head_dim = kv_shape(config)
+        self.num_layers = config.num_hidden_layers
+        self.layers = [PoolLayer(slots + 1, kv_heads, capacity, head_dim, dtype, device)
+                       for _ in range(self.num_layers)]
+        self.lengths = torch.zeros(self.num_layers, slots + 1, dtype=torch.long, device=device)
+        self.device = device
+        self.free: list[int] = list(range(slots))  # lowest first: low rows stay dense
+        self.caches: dict[int, PotCache] = {}
+
+    # ------------------------------------------------------------------ slots
+    def acquire(self) -> int | None:
+        """A free slot, or None when every slot is taken."""
+        if not self.free:
+            return None
+        self.free.sort()
+        return self.free.pop(0)
+
+    def release(self, slot: int) -> None:
+        if slot in self.free or not 0 <= slot < self.slots:
+            raise KvpotError(f"slot {slot} is not in use.")
+        self.caches.pop(slot, None)
+        self.lengths[:, slot] = 0
+        self.free.append(slot)
+
+    @property
+    def used(self) -> int:
+        return self.slots - len(self.free)
+
+    def cache(self, slot: int, capacity_hint: int | None = None) -> PotCache:
+        """An empty `PotCache` over slot `slot`'s row (a new sequence starts here)."""
+        cache = PotCache(self.num_layers, self.rope, self.policy, capacity_hint=self.capacity)
+        cache.layers = [SlotLayer(cache, i, storage, slot) for i, storage in enumerate(self.layers)]
+        self.caches[slot] = cache
+        self.lengths[:, slot] = 0
+        return cache
+
+    def load(self, slot: int, source: PotCache) -> PotCache:
+        """Slot `slot` holding a copy of `source`'s entries, scores and method state (a stored document's
+        state, or a cache a method built beside the pool: CItruS' instruction cache). `source` is unchanged."""
+        if source.host_storage:
+            raise KvpotError("a state offloaded to host memory (infinitehip offload=True) cannot decode in a batch.")
+        cache = self.cache(slot)
+        for layer, other in zip(cache.layers, source.layers):
+            n = other.n
+            layer.reserve(n)
+            if n:
+                for name in ("keys", "values", "positions", "rope_positions"):
+                    getattr(layer, name)[:, :, :n] = getattr(other, name)[:, :, :n].to(self.device)
+                for name, buf in other.scores.items():
+                    layer.storage.score(name)[slot : slot + 1, :, :n] = buf[:, :, :n].to(self.device)
+            layer.n, layer.max_rope = n, other.max_rope
+        cache.max_entries = source.max_entries
+        cache.attention = _clone_state(source.attention)
+        cache.method_state = {key: _clone_state(value) for key, value in source.method_state.items()}
+        self.sync_lengths(slot)
+        return cache
+
+    def settle(self, slot: int, cache: PotCache) -> PotCache:
+        """The slot's cache after a run that may have swapped its layers for others (CItruS answers
+        from its instruction cache, `PotCache.adopt`): copied back into the slot's row if so."""
+        if all(isinstance(layer, SlotLayer) and layer.row == slot for layer in cache.layers):
+            self.sync_lengths(slot)
+            return cache
+        settled = self.load(slot, cache)
+        settled.max_entries = max(settled.max_entries, cache.max_entries)
+        return settled
+
+    def sync_lengths(self, slot: int) -> None:
+        """Device-side counts of `slot` from the host's (after work outside the batched step)."""
+        counts = [layer.n for layer in self.caches[slot].layers]
+        self.lengths[:, slot] = torch.tensor(counts, dtype=torch.long).to(self.device, non_blocking=True)
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers) + self.lengths.nbytes
+
+
+def kv_shape(config) -> tuple[int, int]:
+    """(KV heads, head dim) of a model's attention layers, from its config."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return kv_heads, head_dim
+
+
+def slot_nbytes(config, capacity: int, dtype: torch.dtype, scores: int = 1, observed: bool = True) -> int:
+    """Bytes one slot takes in a pool: keys and values, two position arrays (int64), `scores` float32
+    score arrays and, with `observed`, the batched step's observation row."""
+    kv_heads, head_dim = kv_shape(config)
+    element = torch.empty((), dtype=dtype).element_size()
+    per_entry = 2 * head_dim * element + 2 * 8 + 4 * scores + (4 if observed else 0)
+    return config.num_hidden_layers * kv_heads * capacity * per_entry
