@@ -78,8 +78,10 @@ def kvpot_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     _refuse_unsupported(attention_mask, dropout, kvpot_cache, kwargs)
-    layer = kvpot_cache.layers[module.layer_idx]
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if getattr(kvpot_cache, "batched", False):  # one token for each of many pool slots (kvpot.engine.batch)
+        return kvpot_cache.attend(module.layer_idx, query, scaling), None
+    layer = kvpot_cache.layers[module.layer_idx]
     if kvpot_cache.static:  # a fixed-shape decoding step (kvpot.engine.decoding)
         return static_attention(kvpot_cache, layer, query, scaling), None
     if kvpot_cache.attention is not None:  # a method's sparse attention (InfiniteHiP) rotates for itself

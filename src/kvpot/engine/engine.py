@@ -165,6 +165,44 @@ class Engine(Scoring):
             printer.flush()
         return result
 
+    def generate_batch(
+        self,
+        contexts: list[str] | None = None,
+        questions: list[str | None] | None = None,
+        max_new_tokens: int = 64,
+        states: list[State] | None = None,
+        progress: bool = False,
+        slots: int | None = None,
+        capacity: int | None = None,
+        **sampling,
+    ) -> list[Result]:
+        """Answer many prompts at once: each `contexts[i]` with `questions[i]` (or each prefilled
+        `states[i]`), decoded together over a pool of `slots` bounded caches (continuous batching,
+        `kvpot.engine.scheduler`). Results come back in order; each equals what `generate` gives the
+        same prompt alone (greedy). `sampling`: temperature, top_p, seed, ignore_eos, as `generate`."""
+        from kvpot.engine.scheduler import Request, Scheduler, run_all
+
+        if (contexts is None) == (states is None):
+            raise KvpotError("give either contexts or states (one list), not both.")
+        prompts = contexts if contexts is not None else states
+        questions = list(questions) if questions is not None else [None] * len(prompts)
+        if len(questions) != len(prompts):
+            raise KvpotError(f"{len(prompts)} prompts but {len(questions)} questions; give one question per prompt.")
+        requests = []
+        for prompt, question in zip(prompts, questions):
+            if contexts is not None:
+                if not prompt:
+                    raise KvpotError("a context is empty; give some text to read (or prefilled states).")
+                context_ids, question_ids = self.encode(prompt, question)
+                requests.append(Request(context_ids, question_ids, max_new_tokens=max_new_tokens, **sampling))
+            else:
+                _, question_ids = self.encode(None, question)
+                requests.append(Request(None, question_ids, state=prompt, max_new_tokens=max_new_tokens, **sampling))
+        scheduler = Scheduler(self, slots=slots if slots is not None else min(len(requests), 64) or 1,
+                              capacity=capacity)
+        run_all(scheduler, requests, progress=progress)
+        return [request.result(self.tokenizer) for request in requests]
+
     # ------------------------------------------------------------------ token API
     @torch.no_grad()
     def prefill_ids(

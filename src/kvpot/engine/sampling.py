@@ -96,3 +96,46 @@ def _stopping(on_token: Callable[[int], None] | None, should_stop: Callable[[], 
             raise Cancelled("stopped while decoding: should_stop() said so.")
 
     return call
+
+
+# splitmix64's constants as signed int64 (torch has no uint64 arithmetic; products wrap the same way)
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's `>>` is arithmetic: it would copy the sign bit)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def hash_uniform(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Uniform draws in (0, 1) [rows, vocab], a pure function of (seed, counter, token id) per row.
+
+    splitmix64's finaliser over a counter: a request's draws depend on its seed and how many tokens
+    it has drawn, never on which other requests share the batch, and need no generator state, so
+    a captured step replays them."""
+    ids = torch.arange(vocab, device=seeds.device, dtype=torch.long)
+    x = (seeds[:, None] + 1) * _GOLDEN + counters[:, None] * _MIX1 + ids[None, :] * _MIX2
+    x = (x ^ _shift_right(x, 30)) * _MIX1
+    x = (x ^ _shift_right(x, 27)) * _MIX2
+    x = x ^ _shift_right(x, 31)
+    return (_shift_right(x, 11).double() + 0.5).mul_(2.0**-53).float()
+
+
+def pick_rows(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, seeds: torch.Tensor,
+              counters: torch.Tensor, sampling: bool) -> torch.Tensor:
+    """The next token [rows] of each row's logits [rows, vocab], on the device, each row with its own
+    temperature (0: greedy), top_p and seed. Sampling races exponential noise, as `pick_token` does,
+    drawn from `hash_uniform` (no data-dependent shapes; capturable). With `sampling=False` every row
+    is greedy."""
+    greedy = logits.argmax(dim=-1)
+    if not sampling:
+        return greedy
+    probs = (logits / temperature.clamp_min(1e-6)[:, None]).softmax(dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    outside = sorted_probs.cumsum(-1) - sorted_probs > top_p[:, None]
+    probs = torch.zeros_like(probs).scatter(1, order, sorted_probs.masked_fill(outside, 0.0))
+    noise = -hash_uniform(seeds, counters, logits.shape[-1]).log()
+    sampled = (probs / noise).argmax(dim=-1)
+    return torch.where(temperature > 0, sampled, greedy)

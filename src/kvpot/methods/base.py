@@ -77,6 +77,12 @@ class Method:
         """Most KV entries any layer holds per KV head at any instant, or None if unbounded."""
         return None
 
+    def entries_needed(self, context: int, question: int, new_tokens: int) -> int:
+        """Most KV entries per layer and KV head one sequence of these sizes holds at any instant: the
+        bound of a bounded method, else everything it reads and writes (what a pool slot must hold)."""
+        bound = self.max_entries()
+        return bound if bound is not None else context + question + new_tokens
+
     needs_token_nll: ClassVar[bool] = False  # engine fills Step.token_nll (InfiniPot's NuC)
 
     def prefill_chunk(self) -> int:
@@ -141,6 +147,14 @@ class Method:
         """The per-token work of an "append" step, in fixed shapes: whole buffers, the new entry at
         each layer's device-side `slot`, the observation over the whole capacity in `layer.probs`
         (zero past the live entries). H2O accumulates; InfiniPot stores NuC."""
+
+    def batch_append(self, layers: list, rows: torch.Tensor, index: list[torch.Tensor], live: torch.Tensor,
+                     step: Step) -> None:
+        """`decode_append` for a batch of pool slots (`kvpot.engine.batch`), in fixed shapes: `layers` the
+        pool's `PoolLayer`s (buffers `[slots + 1, kv_heads, capacity]`), `rows` [B] each row's slot,
+        `index[l]` [B] where layer l wrote each row's token, `live` [B] 1.0 where the append is the
+        row's whole step (0.0: padding, or a row at its budget whose `after_forward` follows and folds
+        the observation itself), `step.token_nll` [B]; the observation in `layer.probs[:B]`."""
 
     def report(self, cache: PotCache) -> dict | None:
         """What the method measured over a generation, for `Stats.method` (InfiniteHiP: the GPU

@@ -89,6 +89,10 @@ class CItruS(Method):
     def prefill_chunk(self) -> int:
         return self.chunk_size
 
+    def entries_needed(self, context: int, question: int, new_tokens: int) -> int:
+        # the instruction's probe sits on top of the cache while it is read (shared and individual)
+        return self.max_entries() + (question if self.cache != "none" else 0)
+
     def begin(self, cache, setup: Setup) -> None:
         instruction = setup.question_ids
         if instruction is not None and instruction.numel() == 0:

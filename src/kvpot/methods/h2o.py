@@ -58,8 +58,18 @@ class H2O(EvictionMethod):
         for layer in cache.layers:
             layer.scores[SCORE].add_(layer.probs.unsqueeze(0))  # zero past the live entries
 
+    def batch_append(self, layers, rows, index, live, step: Step) -> None:
+        accumulate(layers, SCORE, rows, live)
+
     def keep_count(self, layer, step: Step) -> int:
         return self.heavy + self.recent
 
     def scores(self, layer, step: Step):
         return protect(layer.score(SCORE), recent=self.recent)
+
+
+def accumulate(layers, name: str, rows, live) -> None:
+    """Add each live row's observation to its slot's score `name` (a batched step's H2O/D2O update)."""
+    for layer in layers:
+        probs = layer.observation_buffer()[: rows.numel()]
+        layer.score(name).index_add_(0, rows, probs * live.view(-1, 1, 1))

@@ -155,6 +155,12 @@ class InfiniPot(Method):
             nuc = step.token_nll.view(1, 1, 1).expand(layer.batch, layer.kv_heads, 1)
             layer.scores[NUC].index_copy_(2, layer.slot, nuc)
 
+    def batch_append(self, layers, rows, index, live, step: Step) -> None:
+        nll = step.token_nll[:, None]  # [B, 1]: a token's NuC is the same in every head
+        for layer, at in zip(layers, index):
+            heads = torch.arange(layer.kv_heads, device=rows.device).view(1, -1)
+            layer.score(NUC)[rows[:, None], heads, at[:, None]] = nll.expand(-1, layer.kv_heads)
+
     def after_forward(self, cache, step: Step) -> bool:
         nll = {step.token_nll.device: step.token_nll}  # one copy per device of a model split over GPUs
         for layer in cache.layers:

@@ -25,6 +25,9 @@ class Truncate(Method):
     def __post_init__(self):
         check_positive(self, "budget", "chunk_size")
 
+    def entries_needed(self, context: int, question: int, new_tokens: int) -> int:
+        return min(context, self.budget) + question + new_tokens
+
     def decode_plan(self, cache) -> str:
         return "append"  # nothing is evicted after the truncation
 

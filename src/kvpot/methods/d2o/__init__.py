@@ -9,6 +9,7 @@ from kvpot.methods.d2o.budget import inverse_variance_budgets
 from kvpot.errors import KvpotError
 from kvpot.methods.d2o.merge import nearest_kept, weighted_merge
 from kvpot.methods.base import Method, Step, check_policy, check_positive, top_indices
+from kvpot.methods.h2o import accumulate
 
 SCORE = "d2o"  # accumulated attention per entry (eq. 6)
 BUDGETS = "d2o.budgets"  # per-layer S_l, fixed at the end of the prompt
@@ -108,6 +109,9 @@ class D2O(Method):
     def decode_append(self, cache, step: Step) -> None:
         for layer in cache.layers:
             layer.scores[SCORE].add_(layer.probs.unsqueeze(0))
+
+    def batch_append(self, layers, rows, index, live, step: Step) -> None:
+        accumulate(layers, SCORE, rows, live)
 
     # ------------------------------------------------------------------ budgets
     def layer_budgets(self, cache) -> list[int]:

@@ -1,0 +1,300 @@
+"""Batched decoding: one forward appends a token to each of many pool slots (`kvpot.engine.pool`).
+
+A step takes B rows, each a slot of the pool, feeds each its last token, and through `StepCache`
+(what the model sees as `past_key_values`) writes each row's key and value at its slot's next
+entry; the attention reads every row's live entries with the batched decode kernel (RoPE applied
+on load from stored positions, per-slot lengths read on the device). Then the method's per-token
+work runs for all rows at once (`Method.batch_append`: H2O's accumulation, InfiniPot's NuC) and
+each row's next token is picked on the device with its own sampling parameters.
+
+The step has fixed shapes for a batch size, so on a GPU it is captured once per bucket of batch
+sizes (1, 2, 4, ... up to the pool) as a CUDA graph and replayed; rows past the real batch point at
+the pool's scratch slot. What does not fit one fixed shape stays outside the graph, in the
+scheduler (`kvpot.engine.scheduler`): a row whose method reshapes its cache at this token
+(InfiniPot's distillation, CItruS' chunk eviction, InfiniteHiP's sparse attention) runs the
+one-sequence engine's forward on its slot instead, and a row at its budget (StreamingLLM, H2O,
+TOVA, D2O: "steady") appends in the batch and then evicts through the method's own `after_forward`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvpot.attention import AttentionRequest
+from kvpot.compat import cache_kwargs
+from kvpot.engine.pool import SlotPool
+from kvpot.engine.sampling import pick_rows
+from kvpot.errors import KvpotError
+from kvpot.methods.base import DECODE_STEP, Method, Step
+
+
+class StepLayer(CacheLayerMixin):
+    """One layer of a batched step: appends each row's token to its slot in the pool."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, cache: StepCache, index: int):
+        super().__init__()
+        self.step, self.index = cache, index
+        self.storage = cache.pool.layers[index]
+        self.heads = torch.arange(self.storage.kv_heads, device=cache.pool.device).view(1, -1)
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # the pool is allocated already
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """key/value_states [B, kv_heads, 1, d] (keys un-rotated): written at each row's slot."""
+        step, storage = self.step, self.storage
+        rows, rope = step.rows, step.rope
+        lengths = step.pool.lengths[self.index]
+        index = lengths[rows]  # [B]: the new entry's place in its slot
+        keys = rope.unscale(key_states)
+        if step.policy.stores_rotated:  # absolute: rotated once, at the token's stream position
+            rope_new = step.stream_positions
+            keys = rope.rotate(keys, rope_new.view(-1, 1, 1).expand(-1, storage.kv_heads, 1), step.max_position)
+        else:  # rank policies number entries 0..n-1: the new entry's position is its index
+            rope_new = index
+        at = (rows[:, None], self.heads, index[:, None])  # [B, kv_heads] each
+        storage.keys[at] = keys[:, :, 0]
+        storage.values[at] = value_states[:, :, 0]
+        storage.positions[at] = step.stream_positions[:, None].expand(-1, storage.kv_heads)
+        storage.rope_positions[at] = rope_new[:, None].expand(-1, storage.kv_heads)
+        for score in storage.scores.values():
+            score[at] = 0.0
+        storage.query_position[rows] = rope_new
+        lengths[rows] = index + 1
+        step.appended[self.index] = index
+        return storage.keys, storage.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.storage.capacity + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class StepCache(Cache):
+    """The `past_key_values` of a batched step; the kvpot attention function calls `attend`."""
+
+    batched = True
+
+    def __init__(self, pool: SlotPool):
+        self.pool, self.rope, self.policy = pool, pool.rope, pool.policy
+        self.rows: torch.Tensor | None = None  # [B] long: each row's slot
+        self.stream_positions: torch.Tensor | None = None  # [B] long: each token's position in its stream
+        self.max_position = 0  # host bound of every stream position (sizes RoPE tables without a sync)
+        self.request: AttentionRequest | None = None
+        self.appended: list[torch.Tensor | None] = [None] * pool.num_layers  # per layer [B]: where each row wrote
+        super().__init__(layers=[StepLayer(self, i) for i in range(pool.num_layers)])
+
+    @property
+    def is_compileable(self) -> bool:  # noqa: D401 - transformers' API
+        return False
+
+    def attend(self, index: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Attention of each row's token over its slot: query [B, heads, 1, d] un-rotated -> [B, 1, heads, d]."""
+        storage, rope = self.pool.layers[index], self.rope
+        b, heads, _, d = query.shape
+        query = rope.unscale(query)
+        probs = storage.observation_buffer()[:b] if self.request is not None else None
+        kernel = batch_kernel(query.device, d)
+        lengths = self.pool.lengths[index]
+        if self.policy.stores_rotated:
+            turned = rope.rotate(query, self.stream_positions.view(-1, 1, 1).expand(-1, storage.kv_heads, 1),
+                                 self.max_position)
+            out = kernel(turned[:, :, 0], storage.keys, storage.values, self.rows, lengths, scaling, probs=probs)
+        else:
+            cos, sin = rope.table(storage.capacity + 1, query)
+            out = kernel(query[:, :, 0], storage.keys, storage.values, self.rows, lengths, scaling, cos=cos, sin=sin,
+                         key_positions=storage.rope_positions, query_positions=storage.query_position, probs=probs)
+        return out.view(b, 1, heads, d)
+
+
+def batch_kernel(device: torch.device, head_dim: int):
+    """The batched Triton decode kernel where it runs, else its PyTorch reference (same arguments)."""
+    from kvpot import kernels
+
+    if kernels.available(device) and kernels.supports_head_dim(head_dim):
+        from kvpot.kernels.decode import decode_attention_batch
+
+        return decode_attention_batch
+    from kvpot.kernels.decode_reference import decode_attention_batch_reference
+
+    return decode_attention_batch_reference
+
+
+def batchable_request(request: AttentionRequest | None) -> bool:
+    """Whether the batched kernel's observation (each group's mean probability of the token's attention
+    over every live entry, itself included) is what `request` asks of a one-token forward."""
+    if request is None:
+        return True
+    rows = request.rows in (None, (-1, None), (-1, 0))
+    return rows and request.over == "all" and request.head_reduce == "mean"
+
+
+def batched_method(method: Method) -> bool:
+    """Whether the method's per-token work has a batched form (a method that overrides the
+    one-sequence `decode_append` must override `batch_append` too, or its rows run alone)."""
+    kind = type(method)
+    return kind.decode_append is Method.decode_append or kind.batch_append is not Method.batch_append
+
+
+def buckets(slots: int) -> list[int]:
+    """Batch sizes a step is captured at: powers of two below the pool's size, and the size itself."""
+    sizes, size = [], 1
+    while size < slots:
+        sizes.append(size)
+        size *= 2
+    return sizes + [slots]
+
+
+class BatchDecoder:
+    """The batched decoding step over a pool, with each slot's last token, logits and sampling
+    parameters in device tensors (row `pool.scratch` serves padding rows)."""
+
+    def __init__(self, engine, pool: SlotPool, graphs: bool):
+        self.engine, self.pool, self.method = engine, pool, engine.method
+        device, rows = pool.device, pool.slots + 1
+        vocab = engine.head.weight.shape[0]
+        self.logits = torch.zeros(rows, vocab, dtype=torch.float32, device=device)  # each slot's last logits
+        self.last_token = torch.zeros(rows, dtype=torch.long, device=device)  # the token its next step reads
+        self.next_position = torch.zeros(rows, dtype=torch.long, device=device)  # that token's stream position
+        self.temperature = torch.zeros(rows, dtype=torch.float32, device=device)
+        self.top_p = torch.ones(rows, dtype=torch.float32, device=device)
+        self.seed = torch.zeros(rows, dtype=torch.long, device=device)
+        self.counter = torch.zeros(rows, dtype=torch.long, device=device)  # draws so far (sampling's counter)
+        self.rows = torch.full((pool.slots,), pool.scratch, dtype=torch.long, device=device)
+        self.live = torch.zeros(pool.slots, dtype=torch.float32, device=device)  # 1: the row's append is the whole step
+        self.zeros = torch.zeros(pool.slots, 1, dtype=torch.long, device=device)  # position_ids: RoPE is kvpot's
+        self.cache = StepCache(pool)
+        self.buckets = buckets(pool.slots)
+        self.graphs_on = graphs
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.warm: set[tuple] = set()
+        self.graph_pool = None
+        self.max_position = 0
+        self._tables: tuple = ()
+        self.captures = self.replays = self.steps = 0
+        self.sampling_slots: set[int] = set()  # slots whose request samples (temperature > 0)
+
+    # ------------------------------------------------------------------ per-slot state
+    def start(self, slot: int, logits: torch.Tensor, next_position: int, temperature: float, top_p: float,
+              seed: int, remaining: int) -> None:
+        """A slot begins decoding: its prefill's last logits, the position its first fed token takes."""
+        self.logits[slot].copy_(logits.view(-1))
+        self.next_position[slot] = next_position
+        self.temperature[slot], self.top_p[slot] = temperature, top_p
+        self.seed[slot], self.counter[slot] = seed, 0
+        self.max_position = max(self.max_position, next_position + remaining + 1)
+
+    def pick(self, slots: list[int]) -> None:
+        """Pick each slot's next token from its stored logits (the first token, and after an eager step)."""
+        at = torch.tensor(slots, dtype=torch.long).to(self.pool.device, non_blocking=True)
+        self._pick(at, self.logits[at], any(slot in self.sampling_slots for slot in slots))
+
+    def _pick(self, rows: torch.Tensor, logits: torch.Tensor, sampling: bool) -> None:
+        token = pick_rows(logits, self.temperature[rows], self.top_p[rows], self.seed[rows], self.counter[rows], sampling)
+        self.last_token[rows] = token
+        self.counter[rows] += 1
+
+    def token_nll(self, rows: torch.Tensor) -> torch.Tensor:
+        """-log p(token) under the logits that produced it, per row (InfiniPot's NuC of the fed token)."""
+        return F.cross_entropy(self.logits[rows], self.last_token[rows], reduction="none")
+
+    # ------------------------------------------------------------------ the step
+    def step(self, slots: list[int], live: list[bool], observe: AttentionRequest | None) -> int:
+        """One token for each of `slots` (`live[i]`: the row's step is the append alone; False for steady
+        rows, whose method evicts after it). Returns the batch size it ran at."""
+        count = len(slots)
+        if count == 0:
+            return 0
+        bucket = next(size for size in self.buckets if size >= count)
+        padded = slots + [self.pool.scratch] * (bucket - count)
+        weights = [1.0 if flag else 0.0 for flag in live] + [0.0] * (bucket - count)
+        self.rows[:bucket].copy_(torch.tensor(padded, dtype=torch.long), non_blocking=True)
+        self.live[:bucket].copy_(torch.tensor(weights, dtype=torch.float32), non_blocking=True)
+        sampling = any(slot in self.sampling_slots for slot in slots)
+        self._size_tables()
+        key = (bucket, observe is not None, sampling)
+        if self.graphs_on:
+            self._replay(key, observe)
+        else:
+            self._run(bucket, observe, sampling)
+        self.steps += 1
+        return bucket
+
+    def _size_tables(self) -> None:
+        """RoPE tables big enough for every position this pool will see, before any capture reads them;
+        a table that had to grow makes the captured graphs stale."""
+        like = self.pool.layers[0].keys
+        tables = self.engine.rope.table(max(self.pool.capacity, self.max_position) + 1, like)
+        identity = () if tables is None else tuple(t.data_ptr() for t in tables)
+        if identity != self._tables:
+            self.graphs.clear()
+            self.warm.clear()
+            self._tables = identity
+
+    def _run(self, bucket: int, observe: AttentionRequest | None, sampling: bool) -> None:
+        """The step's body, in fixed shapes (what a graph captures)."""
+        engine, cache, method = self.engine, self.cache, self.method
+        rows, live = self.rows[:bucket], self.live[:bucket]
+        self.pool.lengths[:, self.pool.scratch] = 0  # padding rows write the scratch slot's first entry
+        cache.rows, cache.stream_positions = rows, self.next_position[rows]
+        cache.max_position, cache.request = self.max_position, observe
+        ids = self.last_token[rows].view(bucket, 1)
+        nll = self.token_nll(rows) if method.needs_token_nll else None
+        out = engine.decoder(input_ids=ids, position_ids=self.zeros[:bucket], use_cache=True, kvpot_cache=cache,
+                             **cache_kwargs(engine.decoder, cache))
+        logits = engine.head(out.last_hidden_state[:, -1]).float()  # [bucket, vocab]
+        method.batch_append(self.pool.layers, rows, cache.appended, live, Step("decode", 1, segment_end=True,
+                                                                               token_nll=nll))
+        self.logits[rows] = logits
+        self._pick(rows, logits, sampling)
+        self.next_position[rows] += 1
+        cache.request = None
+
+    def _replay(self, key: tuple, observe: AttentionRequest | None) -> None:
+        bucket, _, sampling = key
+        if key not in self.warm:
+            # the first step of a shape runs uncaptured on a side stream (kernels compile, libraries make
+            # their handles), as capture requires
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._run(bucket, observe, sampling)
+            torch.cuda.current_stream().wait_stream(stream)
+            self.warm.add(key)
+            return
+        if key not in self.graphs:
+            # capture records the step without running it; the host-side effect of a step is the scheduler's
+            graph = torch.cuda.CUDAGraph()
+            if self.graph_pool is None:
+                self.graph_pool = torch.cuda.graph_pool_handle()
+            with torch.cuda.graph(graph, pool=self.graph_pool):
+                self._run(bucket, observe, sampling)
+            self.graphs[key] = graph
+            self.captures += 1
+        self.graphs[key].replay()
+        self.replays += 1
+
+
+def observation_for(method: Method, plans: set[str]) -> AttentionRequest | None:
+    """The observation a batched step must record for rows planned `plans` ("append", "steady")."""
+    requests = [method.decode_request(plan) for plan in sorted(plans)]
+    requests = [r for r in requests if r is not None]
+    if not requests:
+        return None
+    if not all(batchable_request(r) for r in requests):
+        raise KvpotError(f"{method.name}: its decoding observation has no batched form.")
+    return requests[0]
+
+
+__all__ = ["BatchDecoder", "StepCache", "batchable_request", "batched_method", "buckets", "observation_for",
+           "DECODE_STEP"]

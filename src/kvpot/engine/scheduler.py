@@ -1,0 +1,497 @@
+"""Many sequences at once: a step-driven scheduler over a slot pool (continuous batching).
+
+A `Request`'s life is explicit in its `status`: "waiting" (queued, no slot), "prefilling" (its
+context read into its slot, one chunk forward at a time), "decoding" (one token per step, batched
+with every other decoding request), then "finished", "cancelled" or "failed". Callers only feed
+and drain: `submit` queues a request (refused at once when the queue is full or the request can
+never fit a slot), `step` advances everything by one step, `cancel` marks a request to stop at the
+next step boundary. Memory is admitted before work starts: a request takes a slot (fixed-size KV
+buffers allocated with the pool) or waits; nothing it does can take more.
+
+One step:
+1. cancelled requests leave (their slot is freed);
+2. waiting requests take free slots, first come first served;
+3. decoding requests each get one token: most in one batched forward (`kvpot.engine.batch`), those
+   whose method reshapes the cache at this token in the one-sequence engine's forward on their slot,
+   those at their budget evict after the batched forward through the method's own `after_forward`;
+4. prefilling requests read chunks, oldest first, up to `prefill_tokens` tokens (at least one
+   chunk: a method's chunk is part of its definition and is never split); a request whose prompt is
+   read picks its first token;
+5. the new tokens are read back (one synchronisation per step) and delivered: `on_token`, stop at
+   an end-of-sequence or stop token or at `max_new_tokens`, and the slot is freed at once.
+
+A request that fails (a method error, a bad state) fails alone: the others keep their slots.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from kvpot.engine.batch import BatchDecoder, batchable_request, batched_method
+from kvpot.engine.decoding import resolve_mode
+from kvpot.engine.pool import SlotPool, slot_nbytes
+from kvpot.engine.results import Result, State, Stats, _Run
+from kvpot.engine.sampling import _as_ids, _eos_ids
+from kvpot.errors import KvpotError
+from kvpot.methods.base import DECODE_STEP, Step
+from kvpot.models.devices import peak_memory
+
+STATUSES = ("waiting", "prefilling", "decoding", "finished", "cancelled", "failed")
+_ids = itertools.count()
+
+
+class QueueFull(KvpotError):
+    """Every slot is taken and the waiting queue is full: retry later."""
+
+
+@dataclass
+class Request:
+    """One sequence: what to read (token ids, or a prefilled `state` to answer from), what to ask,
+    how to decode, and, as it runs, its life (`status`, `tokens`, `finish_reason`, timings)."""
+
+    context_ids: list[int] | torch.Tensor | None = None
+    question_ids: list[int] | torch.Tensor | None = None
+    state: State | None = None  # a stored document: copied into the slot, the state stays usable
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    on_token: Callable[[Request, int], None] | None = None  # called on the scheduler's thread, per token
+    on_finish: Callable[[Request], None] | None = None
+    id: int = field(default_factory=lambda: next(_ids))
+    # ---- its life (the scheduler's) ----
+    status: str = "waiting"
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" (end of sequence or a stop token), "length", "cancelled", "error"
+    error: str | None = None
+    stats: Stats = field(default_factory=Stats)
+    slot: int | None = None
+    submitted: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    token_times: list[float] = field(default_factory=list)  # when each token was delivered (perf_counter)
+    cancel_requested: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
+            raise KvpotError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}.")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise KvpotError("temperature must be >= 0 and top_p in (0, 1].")
+        if (self.state is None) == (self.context_ids is None):
+            raise KvpotError("a request reads either context_ids or a prefilled state (exactly one).")
+
+    @property
+    def done(self) -> bool:
+        return self.status in ("finished", "cancelled", "failed")
+
+    @property
+    def ttft(self) -> float | None:
+        """Seconds from submission to the first token."""
+        return None if self.first_token_time is None else self.first_token_time - self.submitted
+
+    def result(self, tokenizer=None) -> Result:
+        text = tokenizer.decode(self.tokens, skip_special_tokens=True) if tokenizer is not None else None
+        return Result(text, list(self.tokens), self.stats)
+
+
+@dataclass
+class _Active:
+    """What the scheduler holds for a request with a slot."""
+
+    request: Request
+    run: _Run | None = None
+    reading: Iterator[int] | None = None
+    started: float = 0.0
+    read_started: float = 0.0
+    decode_started: float | None = None
+    eos: frozenset = frozenset()
+
+
+class Scheduler:
+    """Continuous batching of `engine`'s method over a pool of `slots` KV caches.
+
+    slots: sequences decoding at once; None sizes the pool from free GPU memory (`memory_fraction` of
+        what is free, at most `max_slots`), or 8 on a CPU.
+    capacity: KV entries per slot (per layer and KV head); default the method's bound (bounded methods),
+        required for methods whose cache grows with the input (Full, SnapKV, D2O, InfiniteHiP).
+    question_room: question tokens a slot leaves room for where the method's bound counts them (CItruS).
+    max_waiting: requests queued beyond the slots; `submit` raises `QueueFull` past it (None: no limit).
+    prefill_tokens: prompt tokens read per step across requests (at least one chunk per step).
+    decode: "auto" (CUDA graphs on a GPU, fixed-shape steps uncaptured on a CPU), "graph" or "static".
+    """
+
+    def __init__(self, engine, slots: int | None = None, capacity: int | None = None, question_room: int = 512,
+                 max_waiting: int | None = None, prefill_tokens: int = 4096, decode: str = "auto",
+                 max_slots: int = 256, memory_fraction: float = 0.85):
+        if len(engine.devices) > 1:
+            raise KvpotError("batched decoding runs a model on one device; a model split over several GPUs "
+                             "(device_map) decodes one sequence at a time with Engine.generate.")
+        if not isinstance(prefill_tokens, int) or prefill_tokens < 1:
+            raise KvpotError(f"prefill_tokens must be a positive integer, got {prefill_tokens!r}.")
+        if max_waiting is not None and max_waiting < 0:
+            raise KvpotError(f"max_waiting must be >= 0, got {max_waiting!r}.")
+        mode = resolve_mode(decode, engine.device)
+        if mode == "eager":
+            raise KvpotError("batched decoding runs fixed-shape steps: decode must be 'auto', 'graph' or 'static'.")
+        self.engine, self.method = engine, engine.method
+        self.capacity = self._capacity(capacity, question_room)
+        dtype = engine.head.weight.dtype
+        slots = self._slots(slots, max_slots, memory_fraction, dtype)
+        config = engine.model.config
+        self.pool = SlotPool(config, engine.rope, _policy(engine), slots, self.capacity, dtype, engine.device)
+        self.decoder = BatchDecoder(engine, self.pool, graphs=mode == "graph")
+        self.mode = mode
+        self.max_waiting, self.prefill_tokens = max_waiting, prefill_tokens
+        self.waiting: deque[Request] = deque()
+        self.active: dict[int, _Active] = {}  # slot -> its request
+        self.eos = frozenset(_eos_ids(engine.model))
+        rope_dynamic = engine.rope.dynamic and not self.pool.policy.stores_rotated
+        self.batched = batched_method(self.method) and not rope_dynamic and not self.pool.policy.raw_keys
+        self.steady_ok = batchable_request(self.method.decode_request("steady"))
+        self.append_ok = batchable_request(self.method.decode_request("append"))
+        self.report = {"steps": 0, "batched_rows": 0, "eager_rows": 0, "steady_rows": 0, "prefill_forwards": 0}
+
+    # ------------------------------------------------------------------ sizing
+    def _capacity(self, capacity: int | None, question_room: int) -> int:
+        needed = self.method.entries_needed(0, question_room, 0) if self.method.max_entries() is not None else None
+        if capacity is None:
+            if needed is None:
+                raise KvpotError(f"{self.method.name} keeps a cache that grows with the input; give the batch a "
+                                 "capacity (KV entries per sequence: prompt + new tokens).")
+            return needed
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise KvpotError(f"capacity must be a positive integer, got {capacity!r}.")
+        return capacity
+
+    def _slots(self, slots: int | None, max_slots: int, fraction: float, dtype: torch.dtype) -> int:
+        if slots is not None:
+            if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+                raise KvpotError(f"slots must be a positive integer, got {slots!r}.")
+            return slots
+        device = self.engine.device
+        if device.type != "cuda":
+            return min(8, max_slots)
+        per_slot = self.slot_bytes(dtype)
+        free, _ = torch.cuda.mem_get_info(device)
+        fits = int(free * fraction) // per_slot
+        if fits < 1:
+            raise KvpotError(f"one slot of {self.capacity:,} entries takes {per_slot / 2**30:.2f} GiB and only "
+                             f"{free / 2**30:.2f} GiB of GPU memory is free; lower the capacity or free memory.")
+        return min(fits, max_slots)
+
+    def slot_bytes(self, dtype: torch.dtype | None = None) -> int:
+        """Bytes one slot takes (KV, positions, two score arrays, the observation row, its logits)."""
+        dtype = dtype or self.engine.head.weight.dtype
+        vocab = self.engine.head.weight.shape[0]
+        return slot_nbytes(self.engine.model.config, self.capacity, dtype, scores=2) + 4 * vocab
+
+    # ------------------------------------------------------------------ feeding and draining
+    def submit(self, request: Request) -> Request:
+        """Queue `request`. Raises `QueueFull` when the slots and the queue are full, `KvpotError` when it
+        can never run here (too long for a slot, a state read with another method)."""
+        if request.status != "waiting" or request.submitted is not None:
+            raise KvpotError("this request was submitted already; make a new Request.")
+        self._check_fits(request)
+        if self.max_waiting is not None and len(self.waiting) >= self.max_waiting and not self.pool.free:
+            raise QueueFull(f"all {self.pool.slots} slots are busy and {len(self.waiting)} requests wait "
+                            f"(max_waiting {self.max_waiting}); retry later.")
+        request.submitted = time.perf_counter()
+        self.waiting.append(request)
+        return request
+
+    def _check_fits(self, request: Request) -> None:
+        if request.state is not None:
+            self.engine.check_state(request.state)
+            context = max(request.state.cache.lengths())  # what the state holds counts as its context
+        else:
+            context = len(_as_ids(request.context_ids, torch.device("cpu"), "context_ids"))
+            if context == 0:
+                raise KvpotError("the context is empty; give at least one token.")
+        question = len(_as_ids(request.question_ids, torch.device("cpu"), "question_ids"))
+        needed = self.method.entries_needed(context, question, request.max_new_tokens)
+        if needed > self.capacity:
+            raise KvpotError(f"this request needs {needed:,} KV entries per layer and KV head, more than a slot "
+                             f"holds ({self.capacity:,}); shorten it or give the batch a larger capacity.")
+
+    def cancel(self, request: Request) -> None:
+        """Stop `request` at the next step boundary (safe from any thread)."""
+        request.cancel_requested = True
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.active
+
+    @property
+    def decoding(self) -> int:
+        return sum(1 for a in self.active.values() if a.request.status == "decoding")
+
+    @property
+    def prefilling(self) -> int:
+        return sum(1 for a in self.active.values() if a.request.status == "prefilling")
+
+    def run(self) -> None:
+        """Step until every submitted request is done."""
+        while not self.idle:
+            self.step()
+
+    # ------------------------------------------------------------------ one step
+    @torch.no_grad()
+    def step(self) -> list[Request]:
+        """Advance every request by one step; returns the requests that ended in it."""
+        ended: list[Request] = []
+        self._drop_cancelled(ended)
+        self._admit(ended)
+        fresh = self._decode(ended)
+        fresh += self._prefill(ended)
+        self._deliver(fresh, ended)
+        self.report["steps"] += 1
+        return ended
+
+    def _drop_cancelled(self, ended: list[Request]) -> None:
+        for request in [r for r in self.waiting if r.cancel_requested]:
+            self.waiting.remove(request)
+            self._end(request, "cancelled", "cancelled", ended)
+        for active in [a for a in self.active.values() if a.request.cancel_requested]:
+            self._end(active.request, "cancelled", "cancelled", ended)
+
+    def _admit(self, ended: list[Request]) -> None:
+        while self.waiting and self.pool.free:
+            request = self.waiting.popleft()
+            slot = self.pool.acquire()
+            request.slot, request.status = slot, "prefilling"
+            active = self.active[slot] = _Active(request, started=time.perf_counter())
+            active.eos = frozenset() if request.ignore_eos else self.eos
+            active.eos = active.eos | frozenset(request.stop_token_ids)
+            try:
+                self._begin_read(active)
+            except KvpotError as err:
+                self._fail(request, err, ended)
+
+    def _begin_read(self, active: _Active) -> None:
+        """Start reading the request's prompt into its slot (nothing is read until `_prefill`)."""
+        engine, request, slot = self.engine, active.request, active.request.slot
+        if request.state is None:
+            run, segments = engine._start(request.context_ids, request.question_ids,
+                                          lambda _tokens: self.pool.cache(slot))
+        else:
+            question = _as_ids(request.question_ids, engine.device, "question_ids")
+            cache = self.pool.load(slot, request.state.cache)
+            run = engine._resumed(request.state, cache, question)
+            segments = [("question", question)] if question.numel() else []
+        active.run, active.reading = run, engine._read(run, segments)
+        active.read_started = time.perf_counter()
+
+    def _prefill(self, ended: list[Request]) -> list[int]:
+        """Read chunks of prefilling requests, oldest first, within the step's token budget; returns the
+        slots whose prompt was read (their first token is picked)."""
+        budget, done = self.prefill_tokens, []
+        for slot, active in sorted(self.active.items(), key=lambda item: item[1].started):
+            if active.request.status != "prefilling":
+                continue
+            try:
+                while budget > 0:
+                    size = next(active.reading, None)
+                    if size is None:
+                        self._start_decoding(active)
+                        done.append(slot)
+                        break
+                    budget -= size
+                    self.report["prefill_forwards"] += 1
+            except KvpotError as err:
+                self._fail(active.request, err, ended)
+            if budget <= 0:
+                break
+        for slot in done:
+            if self.active[slot].request.max_new_tokens == 0:
+                self._end(self.active[slot].request, "finished", "length", ended)
+        return [slot for slot in done if slot in self.active]
+
+    def _start_decoding(self, active: _Active) -> None:
+        request, run, slot = active.request, active.run, active.request.slot
+        run.cache = self.pool.settle(slot, run.cache)
+        run.stats.prefill_seconds += time.perf_counter() - active.read_started
+        request.status = "decoding"
+        active.decode_started = time.perf_counter()
+        if request.max_new_tokens == 0:
+            return
+        seed = request.seed if request.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        self.decoder.start(slot, run.logits, run.next_position, request.temperature, request.top_p, seed,
+                           request.max_new_tokens)
+        if request.temperature > 0:
+            self.decoder.sampling_slots.add(slot)
+        self.decoder.pick([slot])
+
+    def _plan(self, active: _Active) -> str:
+        cache = active.run.cache
+        if not self.batched or cache.attention is not None:
+            return "eager"
+        plan = self.method.decode_plan(cache)
+        if plan == "steady" and not self.steady_ok or plan == "append" and not self.append_ok:
+            return "eager"
+        return plan
+
+    def _decode(self, ended: list[Request]) -> list[int]:
+        """One token for every decoding request; returns the slots that got one."""
+        decoding = [(slot, a) for slot, a in sorted(self.active.items()) if a.request.status == "decoding"]
+        plans = {slot: self._plan(active) for slot, active in decoding}
+        stepped = []
+        for slot, active in decoding:  # rows whose method reshapes the cache at this token: alone
+            if plans[slot] == "eager":
+                try:
+                    self._eager_step(slot, active)
+                    stepped.append(slot)
+                except KvpotError as err:
+                    self._fail(active.request, err, ended)
+        batch = [(slot, active) for slot, active in decoding if plans[slot] != "eager"]
+        if batch:
+            slots = [slot for slot, _ in batch]
+            live = [plans[slot] == "append" for slot in slots]
+            observe = self.method.decode_request("steady" if not all(live) else "append")
+            try:
+                self.decoder.step(slots, live, observe)
+            except Exception as err:  # noqa: BLE001 - a failed batched forward fails its rows, not the server
+                for _, active in batch:
+                    self._fail(active.request, err, ended)
+                return stepped
+            for row, (slot, active) in enumerate(batch):
+                self._appended(active)
+                if plans[slot] == "steady":
+                    try:
+                        self._evict(row, slot, active)
+                    except KvpotError as err:
+                        self._fail(active.request, err, ended)
+                        continue
+                stepped.append(slot)
+            self.report["batched_rows"] += len(batch)
+        return stepped
+
+    def _appended(self, active: _Active) -> None:
+        """The host mirror of a batched append (the device did it)."""
+        cache, run = active.run.cache, active.run
+        rank = not cache.policy.stores_rotated
+        for layer in cache.layers:
+            layer.n += 1
+            layer.n_new = 1
+            if rank:
+                layer.max_rope = layer.n - 1
+        cache.note_entries(max(layer.n for layer in cache.layers))
+        run.next_position += 1
+
+    def _evict(self, row: int, slot: int, active: _Active) -> None:
+        """A row at its budget: the method's own eviction, with the batched step's observation."""
+        cache = active.run.cache
+        for layer in cache.layers:
+            probs = layer.storage.probs
+            layer.observation = None if probs is None else probs[row : row + 1, :, : layer.n]
+        if self.method.after_forward(cache, DECODE_STEP):
+            active.run.stats.compressions += 1
+        for layer in cache.layers:
+            layer.observation = None
+        self.pool.sync_lengths(slot)
+        self.report["steady_rows"] += 1
+
+    def _eager_step(self, slot: int, active: _Active) -> None:
+        """The one-sequence engine's forward on this slot (a distillation, a chunk eviction, a sparse
+        attention), fed the slot's last token; then its next token is picked."""
+        run, decoder = active.run, self.decoder
+        run.logits = decoder.logits[slot].clone()
+        self.engine._forward(run, decoder.last_token[slot : slot + 1].clone(), Step("decode", 1, segment_end=True))
+        decoder.logits[slot].copy_(run.logits)
+        decoder.next_position[slot] = run.next_position
+        self.pool.sync_lengths(slot)
+        decoder.pick([slot])
+        self.report["eager_rows"] += 1
+
+    def _deliver(self, slots: list[int], ended: list[Request]) -> None:
+        """Read the new tokens back (one synchronisation) and hand them to their requests."""
+        if not slots:
+            return
+        at = torch.tensor(slots, dtype=torch.long).to(self.pool.device, non_blocking=True)
+        tokens = self.decoder.last_token[at].tolist()
+        now = time.perf_counter()
+        for slot, token in zip(slots, tokens):
+            active = self.active.get(slot)
+            if active is None:
+                continue
+            request = active.request
+            request.tokens.append(token)
+            request.token_times.append(now)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            if request.on_token is not None:
+                try:
+                    request.on_token(request, token)
+                except Exception as err:  # noqa: BLE001 - a consumer's error ends its own request only
+                    self._fail(request, err, ended)
+                    continue
+            if token in active.eos:
+                self._end(request, "finished", "stop", ended)
+            elif len(request.tokens) >= request.max_new_tokens:
+                self._end(request, "finished", "length", ended)
+
+    # ------------------------------------------------------------------ endings
+    def _fail(self, request: Request, error: Exception, ended: list[Request]) -> None:
+        request.error = f"{type(error).__name__}: {error}" if not isinstance(error, KvpotError) else str(error)
+        self._end(request, "failed", "error", ended)
+
+    def _end(self, request: Request, status: str, reason: str, ended: list[Request]) -> None:
+        if request.done:
+            return
+        request.status, request.finish_reason = status, reason
+        request.finished_time = time.perf_counter()
+        active = self.active.pop(request.slot, None) if request.slot is not None else None
+        if active is not None:
+            self._close_stats(active)
+            self.decoder.sampling_slots.discard(request.slot)
+            self.pool.release(request.slot)
+        ended.append(request)
+        if request.on_finish is not None:
+            request.on_finish(request)
+
+    def _close_stats(self, active: _Active) -> None:
+        run, request = active.run, active.request
+        if run is None:
+            return
+        stats = run.stats
+        self.engine._settle(run)
+        stats.new_tokens = len(request.tokens)
+        stats.max_kv_entries = run.cache.max_entries
+        stats.final_kv_entries = max(run.cache.lengths())
+        if active.decode_started is not None:
+            stats.decode_seconds = time.perf_counter() - active.decode_started
+        stats.peak_memory_by_device, stats.peak_memory_bytes = peak_memory(self.engine.devices)
+        stats.method = self.method.report(run.cache)
+        stats.decode = {"mode": f"batch-{self.mode}", "slots": self.pool.slots, "capacity": self.capacity}
+        request.stats = stats
+
+
+def run_all(scheduler: Scheduler, requests: list[Request], progress: bool = False) -> list[Request]:
+    """Submit `requests` (as the queue allows) and step until every one is done; a request that
+    fails raises its error afterwards (the others still ran)."""
+    from tqdm.auto import tqdm
+
+    pending = deque(requests)
+    with tqdm(total=len(requests), unit="req", desc="batch", disable=not progress, leave=False) as bar:
+        while pending or not scheduler.idle:
+            while pending and (scheduler.max_waiting is None or len(scheduler.waiting) < scheduler.max_waiting
+                               or scheduler.pool.free):
+                scheduler.submit(pending.popleft())
+            bar.update(len(scheduler.step()))
+    failed = [r for r in requests if r.status == "failed"]
+    if failed:
+        raise KvpotError(f"{len(failed)} of {len(requests)} requests failed; the first: {failed[0].error}")
+    return requests
+
+
+def _policy(engine):
+    from kvpot.positions import make_policy
+
+    return make_policy(engine.method.positions)
