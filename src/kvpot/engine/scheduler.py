@@ -138,9 +138,9 @@ class Scheduler:
             raise KvpotError(f"prefill_tokens must be a positive integer, got {prefill_tokens!r}.")
         if max_waiting is not None and max_waiting < 0:
             raise KvpotError(f"max_waiting must be >= 0, got {max_waiting!r}.")
-        mode = resolve_mode(decode, engine.device)
-        if mode == "eager":
+        if decode == "eager":
             raise KvpotError("batched decoding runs fixed-shape steps: decode must be 'auto', 'graph' or 'static'.")
+        mode = "static" if decode == "auto" and engine.device.type != "cuda" else resolve_mode(decode, engine.device)
         self.engine, self.method = engine, engine.method
         self.capacity = self._capacity(capacity, question_room)
         dtype = engine.head.weight.dtype

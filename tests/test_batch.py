@@ -1,0 +1,234 @@
+"""The batched engine (`kvpot.engine.scheduler`, `batch`, `pool`): many sequences at once.
+
+On a CPU the batched steps run uncaptured (`decode="static"`) with the batched kernel's PyTorch
+reference; the GPU test captures them as CUDA graphs with the Triton kernel. Every request of a
+batch must give the tokens it gets alone (greedy), whatever shares the batch with it: prompts of
+different lengths, more requests than slots (requests join while others decode, slots are reused),
+each method's shape events (distillations, chunk evictions, per-token eviction at the budget).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvpot
+from conftest import VOCAB, build
+from kvpot.engine.scheduler import QueueFull, Request, Scheduler, run_all
+from kvpot.errors import KvpotError
+
+NEW = 24
+LENGTHS = (160, 90, 200, 33, 120)
+
+
+def methods():
+    """name -> (method, slot capacity or None for the method's bound)."""
+    return {
+        "full": (kvpot.Full(chunk_size=64), 256),
+        "truncate": (kvpot.Truncate(budget=96, chunk_size=32), 256),
+        "streaming": (kvpot.StreamingLLM(sinks=4, window=44, chunk_size=16), None),
+        "h2o": (kvpot.H2O(heavy=24, recent=24, chunk_size=16), None),
+        "tova": (kvpot.TOVA(budget=48, chunk_size=16), None),
+        "snapkv": (kvpot.SnapKV(budget=48, window=8, chunk_size=64), 256),
+        "infinipot": (kvpot.InfiniPot(pot_size=64, catalyst=None), None),
+        "infinipot-question": (kvpot.InfiniPot(pot_size=64, catalyst="question"), None),
+        "citrus": (kvpot.CItruS(keep=36, chunk_size=12, cache="none"), None),
+        "citrus-shared": (kvpot.CItruS(keep=36, chunk_size=12, cache="shared"), None),
+        "citrus-individual": (kvpot.CItruS(keep=36, chunk_size=12, cache="individual"), None),
+        "d2o": (kvpot.D2O(budget=40, chunk_size=64), 256),
+        "infinitehip": (kvpot.InfiniteHiP(chunks=(16, 8, 4), keep=(64, 32, 16), sink=4, window=16, query_block=8,
+                                          refresh=(4, 2, 1)), 256),
+    }
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    torch.manual_seed(1)
+    return [(torch.randint(3, VOCAB, (n,)).tolist(), torch.randint(3, VOCAB, (5,)).tolist()) for n in LENGTHS]
+
+
+@pytest.fixture(scope="module", params=["llama3", "qwen3"])
+def model(request):
+    return build(request.param)
+
+
+def alone(model, method, prompts, new=NEW, **kw):
+    engine = kvpot.Engine(model, method=method, decode="eager")
+    return [engine.generate_ids(c, q, max_new_tokens=new, ignore_eos=True, **kw) for c, q in prompts]
+
+
+def batched(model, method, prompts, slots=3, capacity=None, new=NEW, **kw):
+    engine = kvpot.Engine(model, method=method)
+    scheduler = Scheduler(engine, slots=slots, capacity=capacity, decode="static")
+    requests = [Request(c, q, max_new_tokens=new, ignore_eos=True, **kw) for c, q in prompts]
+    run_all(scheduler, requests)
+    return scheduler, requests
+
+
+@pytest.mark.parametrize("name", sorted(methods()))
+def test_each_request_of_a_batch_gets_its_tokens_alone(model, prompts, name, one_thread):
+    method, capacity = methods()[name]
+    expected = alone(model, method, prompts)
+    scheduler, requests = batched(model, method, prompts, capacity=capacity)
+    assert [r.tokens for r in requests] == [e.token_ids for e in expected]
+    assert [r.stats.max_kv_entries for r in requests] == [e.stats.max_kv_entries for e in expected]
+    assert [r.stats.compressions for r in requests] == [e.stats.compressions for e in expected]
+    assert all(r.status == "finished" and r.finish_reason == "length" for r in requests)
+    assert scheduler.pool.used == 0 and scheduler.idle  # every slot came back
+    report = scheduler.report
+    assert report["batched_rows"] + report["eager_rows"] == len(prompts) * (NEW - 1)
+    if name != "infinitehip":  # InfiniteHiP's sparse attention runs each row alone
+        assert report["batched_rows"] > 0
+
+
+@pytest.mark.parametrize("name", ["streaming", "infinipot", "citrus", "h2o"])
+def test_the_bound_holds_in_every_slot_at_every_step(model, prompts, name, one_thread):
+    method, _ = methods()[name]
+    engine = kvpot.Engine(model, method=method)
+    scheduler = Scheduler(engine, slots=2, decode="static")
+    addresses = [layer.keys.data_ptr() for layer in scheduler.pool.layers]
+    requests = [scheduler.submit(Request(c, q, max_new_tokens=NEW, ignore_eos=True)) for c, q in prompts]
+    while not scheduler.idle:
+        scheduler.step()
+        for slot, active in scheduler.active.items():
+            counts = [layer.n for layer in active.run.cache.layers]
+            assert max(counts) <= method.max_entries()
+            # the device-side counts the batched step reads follow the host's
+            assert scheduler.pool.lengths[:, slot].tolist() == counts
+    assert [layer.keys.data_ptr() for layer in scheduler.pool.layers] == addresses  # the pool never grew
+    assert all(r.stats.max_kv_entries <= method.max_entries() for r in requests)
+
+
+def test_many_readers_of_one_state_leave_it_unchanged(model, prompts, one_thread):
+    method = kvpot.InfiniPot(pot_size=64, catalyst=None)
+    engine = kvpot.Engine(model, method=method, decode="eager")
+    state = engine.prefill_ids(prompts[0][0])
+    before = [layer.keys[:, :, : layer.n].clone() for layer in state.cache.layers]
+    questions = [torch.randint(3, VOCAB, (k,)).tolist() for k in (3, 5, 7, 4, 6)]
+    expected = [engine.generate_ids(question_ids=q, state=state, max_new_tokens=NEW, ignore_eos=True).token_ids
+                for q in questions]
+    scheduler = Scheduler(kvpot.Engine(model, method=method), slots=4, decode="static")
+    requests = [Request(None, q, state=state, max_new_tokens=NEW, ignore_eos=True) for q in questions]
+    run_all(scheduler, requests)
+    assert [r.tokens for r in requests] == expected
+    assert all(torch.equal(a, layer.keys[:, :, : layer.n]) for a, layer in zip(before, state.cache.layers))
+
+
+def test_a_cancelled_request_frees_its_slot_and_changes_nothing_else(model, prompts, one_thread):
+    method = kvpot.StreamingLLM(sinks=4, window=44, chunk_size=16)
+    expected = alone(model, method, prompts)
+    engine = kvpot.Engine(model, method=method)
+    scheduler = Scheduler(engine, slots=2, decode="static")
+    requests = [scheduler.submit(Request(c, q, max_new_tokens=NEW, ignore_eos=True)) for c, q in prompts]
+    victim = requests[1]
+    while len(victim.tokens) < 3:
+        scheduler.step()
+    scheduler.cancel(victim)
+    waiting = requests[4]
+    scheduler.cancel(waiting)  # still queued: never takes a slot
+    scheduler.run()
+    assert victim.status == "cancelled" and victim.finish_reason == "cancelled"
+    assert waiting.status == "cancelled" and waiting.tokens == [] and waiting.slot is None
+    for index in (0, 2, 3):
+        assert requests[index].tokens == expected[index].token_ids
+    assert scheduler.pool.used == 0
+
+
+def test_a_failing_request_fails_alone(model, prompts, one_thread):
+    method = kvpot.InfiniPot(pot_size=64, catalyst=None)
+    expected = alone(model, method, prompts)
+    scheduler = Scheduler(kvpot.Engine(model, method=method), slots=3, decode="static")
+
+    def explode(request, token):
+        if len(request.tokens) == 4:
+            raise RuntimeError("the client's callback broke")
+
+    requests = [Request(c, q, max_new_tokens=NEW, ignore_eos=True, on_token=explode if i == 2 else None)
+                for i, (c, q) in enumerate(prompts)]
+    for request in requests:
+        scheduler.submit(request)
+    scheduler.run()
+    assert requests[2].status == "failed" and "callback broke" in requests[2].error
+    assert [requests[i].tokens for i in (0, 1, 3, 4)] == [expected[i].token_ids for i in (0, 1, 3, 4)]
+    assert scheduler.pool.used == 0
+
+
+def test_refusals_are_clear(model, prompts, one_thread):
+    engine = kvpot.Engine(model, method=kvpot.Full(chunk_size=64))
+    with pytest.raises(KvpotError, match="grows with the input"):
+        Scheduler(engine, slots=2)
+    scheduler = Scheduler(engine, slots=1, capacity=100, max_waiting=1, decode="static")
+    with pytest.raises(KvpotError, match="more than a slot holds"):
+        scheduler.submit(Request(prompts[0][0], prompts[0][1], max_new_tokens=8))
+    short = prompts[3]
+    scheduler.submit(Request(short[0], short[1], max_new_tokens=4))
+    scheduler.step()  # takes the slot
+    scheduler.submit(Request(short[0], short[1], max_new_tokens=4))  # waits
+    with pytest.raises(QueueFull, match="retry later"):
+        scheduler.submit(Request(short[0], short[1], max_new_tokens=4))
+    other = kvpot.Engine(model, method=kvpot.InfiniPot(pot_size=64, catalyst=None))
+    state = other.prefill_ids(short[0])
+    with pytest.raises(KvpotError, match="prefilled with"):
+        scheduler.submit(Request(None, short[1], state=state))
+    with pytest.raises(KvpotError, match="exactly one"):
+        Request(short[0], state=state)
+    with pytest.raises(KvpotError, match="max_new_tokens"):
+        Request(short[0], max_new_tokens=-1)
+    with pytest.raises(KvpotError, match="fixed-shape"):
+        Scheduler(engine, slots=1, capacity=100, decode="eager")
+
+
+def test_sampling_depends_on_the_seed_not_on_the_batch(model, prompts, one_thread):
+    method = kvpot.InfiniPot(pot_size=64, catalyst=None)
+    sampling = dict(temperature=0.8, top_p=0.9)
+    engine = kvpot.Engine(model, method=method)
+    alone_run = [Request(*prompts[0], max_new_tokens=NEW, ignore_eos=True, seed=5, **sampling)]
+    run_all(Scheduler(engine, slots=1, decode="static"), alone_run)
+    crowd = [Request(c, q, max_new_tokens=NEW, ignore_eos=True, seed=5 if i == 0 else i, **sampling)
+             for i, (c, q) in enumerate(prompts)]
+    crowd[3] = Request(*prompts[3], max_new_tokens=NEW, ignore_eos=True)  # a greedy row beside sampled ones
+    run_all(Scheduler(engine, slots=3, decode="static"), crowd)
+    assert crowd[0].tokens == alone_run[0].tokens
+    assert crowd[3].tokens == alone(model, method, [prompts[3]])[0].token_ids
+    assert crowd[1].tokens != crowd[2].tokens
+
+
+def test_eos_and_stop_tokens_end_a_request(model, prompts, one_thread):
+    method = kvpot.TOVA(budget=48, chunk_size=16)
+    expected = alone(model, method, prompts[:2])
+    stop = expected[0].token_ids[5]
+    scheduler = Scheduler(kvpot.Engine(model, method=method), slots=2, decode="static")
+    requests = [Request(*prompts[0], max_new_tokens=NEW, stop_token_ids=(stop,), ignore_eos=True),
+                Request(*prompts[1], max_new_tokens=NEW, ignore_eos=True)]
+    run_all(scheduler, requests)
+    first = expected[0].token_ids
+    assert requests[0].tokens == first[: first.index(stop) + 1] and requests[0].finish_reason == "stop"
+    assert requests[1].tokens == expected[1].token_ids
+
+
+def test_generate_batch_answers_texts_in_order(one_thread):
+    engine = kvpot.Engine.from_pretrained(kvpot.REFERENCE_MODEL, method=kvpot.InfiniPot(pot_size=256))
+    contexts = ["The vault code is 4417. " * 20, "Ships leave at dawn. The harbour code is 9021. " * 12]
+    questions = ["What is the vault code?", "What is the harbour code?"]
+    expected = [engine.generate(c, q, max_new_tokens=12).text for c, q in zip(contexts, questions)]
+    results = engine.generate_batch(contexts, questions, max_new_tokens=12)
+    assert [r.text for r in results] == expected
+    with pytest.raises(KvpotError, match="one question per prompt"):
+        engine.generate_batch(contexts, questions[:1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(methods()))
+@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+def test_graph_batches_give_each_request_its_tokens_alone_on_cuda(arch, name, prompts):
+    model = build(arch).cuda()
+    method, capacity = methods()[name]
+    cuda_prompts = [(torch.tensor(c).cuda(), torch.tensor(q).cuda()) for c, q in prompts]
+    expected = alone(model, method, cuda_prompts)
+    engine = kvpot.Engine(model, method=method)
+    scheduler = Scheduler(engine, slots=3, capacity=capacity, decode="graph")
+    requests = [Request(c, q, max_new_tokens=NEW, ignore_eos=True) for c, q in cuda_prompts]
+    run_all(scheduler, requests)
+    assert [r.tokens for r in requests] == [e.token_ids for e in expected]
+    if name != "infinitehip":
+        assert scheduler.decoder.replays > 0
