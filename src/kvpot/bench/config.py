@@ -8,7 +8,7 @@ from pathlib import Path
 from kvpot.errors import KvpotError
 
 
-MODES = ("prefill", "decode", "attention")
+MODES = ("prefill", "decode", "attention", "throughput")
 
 # Baselines measured beside kvpot's methods (kvpot.bench.baselines runs them)
 BASELINES = ("hf", "kvpress")
@@ -68,6 +68,14 @@ class BenchConfig:
     # folder holding transformers 5.2 + kvpress (benchmarks/kvpress-env/make_wheels.sh): the kvpress
     # baseline rows run in a second Python process with it first on PYTHONPATH; None: no kvpress rows
     kvpress_path: Path | None = None
+    # throughput (kvpot.bench.throughput): the workload and the scheduler
+    users: int = 16
+    new_tokens: int = 128
+    document: bool = False  # every user asks about one stored document of each length
+    slots: int | None = None  # sequences decoding at once (None: every user, within free memory)
+    prefill_tokens: int = 2048  # prompt tokens the scheduler reads per step
+    sequential_users: int | None = None  # users the one-at-a-time row serves (None: all)
+    hf_timeout: float = 200.0  # seconds before transformers' continuous batching is stopped
 
     def __post_init__(self):
         from kvpot.models.shapes import get_shape
@@ -85,6 +93,16 @@ class BenchConfig:
                                  ("--floor-chunk", self.floor_chunk, 1), ("--block", self.block, 1)):
             if value < low:
                 raise KvpotError(f"{name} must be at least {low}, got {value}.")
+        for name, value in (("--users", self.users), ("--new-tokens", self.new_tokens),
+                            ("--prefill-tokens", self.prefill_tokens), ("--slots", self.slots or 1),
+                            ("--sequential-users", self.sequential_users or 1)):
+            if value < 1:
+                raise KvpotError(f"{name} must be at least 1, got {value}.")
+        if self.hf_timeout <= 0:
+            raise KvpotError(f"--hf-timeout must be positive, got {self.hf_timeout}.")
+        if self.baselines and self.mode == "throughput" and "kvpress" in self.baselines:
+            raise KvpotError("bench throughput compares with transformers' continuous batching (--baseline hf); "
+                             "kvpress serves one sequence at a time.")
         if self.threads is not None and self.threads < 1:
             raise KvpotError(f"--threads must be at least 1, got {self.threads}.")
         if self.min_time <= 0:

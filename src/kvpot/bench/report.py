@@ -39,6 +39,15 @@ _COLUMNS = {
                ("peak memory", "peak_memory_bytes", None),
                ("KV cache", "kv_cache_bytes", None),
                ("max KV entries", "max_kv_entries", lambda v: f"{v:,}")],
+    "throughput": [("users", "users", lambda v: f"{v:,}"),
+                   ("done", "completed", lambda v: f"{v:,}"),
+                   ("tok/s", "output_tokens_per_second", lambda v: f"{v:,.0f}"),
+                   ("TTFT p50 s", "ttft_p50_seconds", lambda v: f"{v:.2f}"),
+                   ("TTFT p95 s", "ttft_p95_seconds", lambda v: f"{v:.2f}"),
+                   ("ITL p50 ms", "itl_p50_ms", lambda v: f"{v:.1f}"),
+                   ("ITL p99 ms", "itl_p99_ms", lambda v: f"{v:.1f}"),
+                   ("peak memory", "peak_memory_bytes", None),
+                   ("slots", "slots", lambda v: f"{v:,}")],
     "attention": [("cache entries", "cache_entries", lambda v: f"{v:,}"),
                   ("decode µs", "decode_us", lambda v: f"{v:,.1f}"),
                   ("decode µs (graph)", "decode_graph_us", lambda v: f"{v:,.1f}"),
@@ -70,6 +79,11 @@ def summary_markdown(results: dict) -> str:
                    "scoring and eviction time / TTFT; `floor` = chunked forward without any KV cache.",
         "decode": "ms/token = median of per-step times after warm-up steps (one forward + next-token pick); "
                   "`floor` = one-token forward without a cache.",
+        "throughput": "All users' requests arrive together; tok/s = generated tokens / the workload's wall time; "
+                      "TTFT from the workload's start (queueing counts); ITL = gaps between a request's delivered "
+                      "tokens (one-at-a-time rows: per-step GPU times). `[batch]` = kvpot's scheduler, `[one at a "
+                      "time]` = Engine.generate_ids per user in turn, `hf [generate_batch]` = transformers' "
+                      "continuous batching, stopped at --hf-timeout (done < users: unfinished).",
         "attention": "One layer's attention per call (median): decode = 1 query row, prefill = a block of query "
                      "rows, over a cache of `cache entries` per KV head. Methods: kvpot attention over the cache "
                      "each method holds; InfiniteHiP: its sparse attention over the whole cache, decode = mean "
@@ -110,6 +124,8 @@ _PLOTS = {
                 ("memory.png", "peak_memory_bytes", "peak GPU memory (GiB)", 1 / (1 << 30))],
     "decode": [("ms_per_token.png", "ms_per_token", "ms per token (median)", 1.0),
                ("memory.png", "peak_memory_bytes", "peak GPU memory (GiB)", 1 / (1 << 30))],
+    "throughput": [("throughput.png", "output_tokens_per_second", "output tokens per second", 1.0),
+                   ("itl.png", "itl_p99_ms", "inter-token latency p99 (ms)", 1.0)],
     "attention": [("attention_decode.png", "decode_us", "µs per call, 1 query row", 1.0),
                   ("attention_prefill.png", "prefill_us", "µs per call, one query block", 1.0)],
 }

@@ -9,6 +9,7 @@ from kvpot.bench.common import machine
 from kvpot.bench.config import BenchConfig
 from kvpot.bench.decode import bench_decode
 from kvpot.bench.prefill import bench_prefill
+from kvpot.bench.throughput import bench_throughput
 from kvpot.bench.report import plot_names, rich_table, write_reports
 
 
@@ -56,6 +57,8 @@ def run_bench(config: BenchConfig, progress: bool = True, show: bool = True, mod
         bench_prefill(config, model, runs, results, progress)
     elif config.mode == "decode":
         bench_decode(config, model, runs, results, progress)
+    elif config.mode == "throughput":
+        bench_throughput(config, model, runs, results, progress)
     else:
         bench_attention(config, model_config, dtype, runs, results, progress)
     results["complete"] = True

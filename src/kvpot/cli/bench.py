@@ -22,6 +22,8 @@ def register(sub) -> None:
             "             'floor' is the chunked forward without any KV cache (zero attention overhead)\n"
             "  decode     ms per generated token (median of per-step times) after a context of each length\n"
             "  attention  us per call of one layer's attention (dense SDPA vs kvpot) over a cache of each length\n"
+            "  throughput many users at once: output tokens/s, TTFT and inter-token latency of kvpot's batched\n"
+            "             scheduler, the same users one at a time, and (--baseline hf) transformers' continuous batching\n"
             "  shapes     list the shapes (also: --list-shapes)\n"
             "A run that runs out of memory is recorded as OOM and that method's longer lengths are skipped.\n"
             "Writes results.json (raw samples, machine, versions, commit, command), summary.md and PNG plots "
@@ -34,6 +36,10 @@ def register(sub) -> None:
             "  kvpot bench decode --shape llama3-8b --method citrus:chunk_size=256,keep=768 --lengths 32k "
             "--decode-steps 64 --out runs/decode\n"
             "  kvpot bench attention --shape llama3-8b --lengths 32k,128k,1m --out runs/attention\n"
+            "  kvpot bench throughput --shape llama3-8b --method infinipot:pot_size=4096 --users 64 --lengths 4k "
+            "--new-tokens 128 --baseline hf --device cuda --out runs/throughput\n"
+            "  kvpot bench throughput --shape llama3-8b --method infinipot:pot_size=4096 --users 64 --document "
+            "--lengths 128k --new-tokens 256 --device cuda --out runs/document  (one stored document, 64 readers)\n"
             "  kvpot bench prefill --shape llama3-70b --device-map auto --no-floor --method infinipot:pot_size=4096 "
             "--lengths 128k --out runs/70b  (split over every visible GPU)\n"
             "  kvpot bench prefill --shape tiny --method full --method streaming --budget 512 --lengths 1k,4k "
@@ -42,7 +48,7 @@ def register(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("mode", nargs="?", choices=[*MODES, "shapes"], metavar="MODE",
-                   help="prefill, decode, attention, or shapes (list the shapes)")
+                   help="prefill, decode, attention, throughput, or shapes (list the shapes)")
     p.add_argument("--list-shapes", action="store_true", help="list the shapes and exit")
     p.add_argument("--shape", default="tiny", help="model shape (default tiny; `kvpot bench shapes` lists them)")
     p.add_argument("--method", action="append", default=[], metavar=METHOD_METAVAR,
@@ -83,6 +89,20 @@ def register(sub) -> None:
                         "kvpress rows are recorded as skipped")
     p.add_argument("--decode", default="auto", choices=["auto", "graph", "static", "eager"],
                    help="decode: kvpot's decoding path (auto: CUDA graphs on a GPU, eager on a CPU)")
+    t = p.add_argument_group("throughput")
+    t.add_argument("--users", type=int, default=16, help="requests arriving together (default 16)")
+    t.add_argument("--new-tokens", type=int, default=128, help="tokens each request generates, EOS off (default 128)")
+    t.add_argument("--document", action="store_true",
+                   help="every user asks about one stored document of --lengths tokens (read once, timed apart)")
+    t.add_argument("--slots", type=int, default=None,
+                   help="sequences decoding at once (default: every user, within free GPU memory)")
+    t.add_argument("--prefill-tokens", type=int, default=2048,
+                   help="prompt tokens the scheduler reads per step between decoding steps (default 2048)")
+    t.add_argument("--sequential-users", type=int, default=None,
+                   help="users the one-at-a-time row serves (default: all; fewer keeps long runs short)")
+    t.add_argument("--hf-timeout", type=float, default=200.0,
+                   help="seconds before transformers' continuous batching is stopped and recorded unfinished "
+                        "(default 200)")
     p.add_argument("--out", type=Path, default=None, help="folder for results (created; its parent must exist)")
     p.set_defaults(func=run)
 
@@ -102,6 +122,8 @@ def config_from_args(args) -> BenchConfig:
         min_time=args.min_time, threads=args.threads, seed=args.seed, profile=args.profile, decode=args.decode,
         baselines=[b.strip() for item in args.baseline for b in item.split(",") if b.strip()],
         kvpress_path=args.kvpress_path or os.environ.get("KVPOT_KVPRESS_PATH") or None,
+        users=args.users, new_tokens=args.new_tokens, document=args.document, slots=args.slots,
+        prefill_tokens=args.prefill_tokens, sequential_users=args.sequential_users, hf_timeout=args.hf_timeout,
     )
 
 
