@@ -168,6 +168,53 @@ def tiny_dir(tmp_path_factory):
     return path
 
 
+def rope_table(length: int, d: int, dtype: torch.dtype, device=KERNEL_DEVICE) -> tuple[torch.Tensor, torch.Tensor]:
+    """A default-RoPE cos/sin table [length, d] (rotate_half layout) for the decode attention tests."""
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    angles = torch.arange(length, dtype=torch.float64)[:, None] * inv[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(device, dtype), angles.sin().to(device, dtype)
+
+
+# Batched decode attention cases: (name, query heads, kv heads, head dim, capacity, each slot's live
+# length, each batch row's slot). Slots no row names are poisoned whole.
+BATCH_SHAPES = [
+    ("b1-s1-gqa4-d128", 8, 2, 128, 160, [97], [0]),
+    ("b3-s5-gqa1-d64", 8, 8, 64, 130, [130, 7, 1, 77, 40], [2, 0, 3]),  # lengths 1, full and ragged
+    ("shared-slot-gqa8-d64", 16, 2, 64, 200, [50, 173, 3], [1, 0, 1, 2]),  # rows 0 and 2 read slot 1
+    ("empty-slot-gqa4-d128", 8, 2, 128, 100, [0, 64, 99], [1, 0, 2]),  # row 1's slot has no live entry
+    ("padding-rows-gqa8-d128", 16, 2, 128, 96, [31, 0], [0, 1, 1, 1]),  # padding rows on an empty scratch slot
+]
+
+
+def make_batch_inputs(shape, dtype, seed, rope=True, positions_dtype=torch.int64, device=KERNEL_DEVICE):
+    """Fresh inputs for a `BATCH_SHAPES` case: (query, keys, values, rows, lengths, RoPE arguments).
+
+    keys/values are strided views of a wider pool buffer; entries past each slot's length, and every
+    entry of a slot no row names, are poisoned (NaN keys/values, positions far outside the table)."""
+    _, heads, kv, d, capacity, lengths, rows = shape
+    slots, batch = len(lengths), len(rows)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    query = torch.randn(batch, heads, d, generator=gen, device=device).to(dtype)
+    buffer = torch.randn(2, slots, kv, capacity + 5, d, generator=gen, device=device).to(dtype)
+    keys, values = buffer[0, :, :, :capacity], buffer[1, :, :, :capacity]
+    table = 2 * capacity + 16
+    # distinct positions per KV head with gaps, in random order (evictions leave the cache unsorted)
+    positions = torch.stack([torch.randperm(table - 16, generator=gen, device=device)[:capacity]
+                             for _ in range(slots * kv)]).view(slots, kv, capacity)
+    for slot, length in enumerate(lengths):
+        dead = slice(length if slot in rows else 0, None)
+        keys[slot, :, dead] = float("nan")
+        values[slot, :, dead] = float("nan")
+        positions[slot, :, dead] = 10**9  # far outside the table: a masked-off load only
+    query_positions = table - 1 - torch.randint(0, 16, (slots, kv), generator=gen, device=device)
+    extra = {}
+    if rope:
+        cos, sin = rope_table(table, d, dtype, device)
+        extra = dict(cos=cos, sin=sin, key_positions=positions.to(positions_dtype), query_positions=query_positions)
+    return (query, keys, values, torch.tensor(rows, device=device), torch.tensor(lengths, device=device), extra)
+
+
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 

@@ -1,11 +1,14 @@
-"""Plain-PyTorch decode attention over kvpot's bounded cache: the reference `kvpot.kernels.decode`
+"""Plain-PyTorch decode attention over kvpot's bounded cache: the references `kvpot.kernels.decode`
 must match, and the path used where Triton cannot run (CPU).
 
-One new token's query attends to the live entries `[0, length)` of a cache laid out per KV head
-(`PotLayer.keys[0]` etc.). Keys may be stored un-rotated with a RoPE position per entry (the
-`shift`/`reset` policies) — they are rotated here by gathering the table's rows — or already
-rotated (`absolute`, `cos=None`). Nothing here synchronises with the device or sizes a tensor from
-a device value, so it can also be captured in a CUDA graph.
+`decode_attention_reference`: one new token's query attends to the live entries `[0, length)` of a
+cache laid out per KV head (`PotLayer.keys[0]` etc.). `decode_attention_batch_reference`: each of
+B batch rows attends to the live entries of its slot in a pool `[slots, kv_heads, capacity, d]`,
+all rows in batched einsums; it is written independently of the single-sequence one, so each
+checks the other (tests/test_decode_batch_reference.py). Keys may be stored un-rotated with a
+RoPE position per entry (the `shift`/`reset` policies) — they are rotated here by gathering the
+table's rows — or already rotated (`absolute`, `cos=None`). Nothing here synchronises with the
+device or sizes a tensor from a device value, so it can also be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -15,6 +18,41 @@ import torch
 from kvpot.kernels import supports_head_dim
 from kvpot.errors import KvpotError
 
+INTS = (torch.int32, torch.int64)
+
+
+def _check_heads(query, keys, values, kernel: bool) -> None:
+    """query [..., heads, d] and keys/values [..., kv_heads, capacity, d] (the caller checks the ranks)."""
+    heads, d = query.shape[-2:]
+    kv, dk = keys.shape[-3], keys.shape[-1]
+    if dk != d or values.shape != keys.shape:
+        raise KvpotError(f"decode attention needs keys and values of head dim {d} with one capacity; got keys "
+                         f"{tuple(keys.shape)}, values {tuple(values.shape)}")
+    if kv == 0 or heads % kv:
+        raise KvpotError(f"{heads} query heads do not split into groups over {kv} KV heads")
+    if kernel and not supports_head_dim(d):  # the reference takes any head dim
+        raise KvpotError(f"decode attention does not support head dim {d} (supported: 32, 64, 128, 256)")
+
+
+def _check_rope(cos, sin, d: int, key_positions, query_position, positions_shape: tuple) -> bool:
+    """The RoPE table and the key positions (the caller checks the query position's shape): whether RoPE is on."""
+    if (cos is None) != (sin is None):
+        raise KvpotError("decode attention needs both cos and sin, or neither")
+    if cos is None:
+        return False
+    if key_positions is None or query_position is None:
+        raise KvpotError("decode attention with a RoPE table needs key_positions and query_position")
+    if cos.dim() != 2 or cos.shape[1] != d or sin.shape != cos.shape:
+        raise KvpotError(f"RoPE tables must be [positions, {d}]; got {tuple(cos.shape)}, {tuple(sin.shape)}")
+    if tuple(key_positions.shape) != positions_shape:
+        raise KvpotError(f"key_positions must be {list(positions_shape)}; got {tuple(key_positions.shape)}")
+    return True
+
+
+def _check_probs(probs, shape: tuple) -> None:
+    if probs is not None and (tuple(probs.shape) != shape or probs.dtype != torch.float32):
+        raise KvpotError(f"probs must be a float32 {list(shape)} tensor; got {probs.dtype} {tuple(probs.shape)}")
+
 
 def check_decode_inputs(query, keys, values, length, cos, sin, key_positions, query_position, probs,
                         kernel: bool = True) -> None:
@@ -22,30 +60,37 @@ def check_decode_inputs(query, keys, values, length, cos, sin, key_positions, qu
     if query.dim() != 2 or keys.dim() != 3 or values.dim() != 3:
         raise KvpotError(f"decode attention wants query [heads, d] and keys/values [kv_heads, capacity, d]; "
                          f"got {tuple(query.shape)}, {tuple(keys.shape)}, {tuple(values.shape)}")
-    heads, d = query.shape
-    kv, capacity, dk = keys.shape
-    if dk != d or values.shape[:2] != keys.shape[:2] or values.shape[2] != d:
-        raise KvpotError(f"decode attention needs keys and values of head dim {d} with one capacity; got keys "
-                         f"{tuple(keys.shape)}, values {tuple(values.shape)}")
-    if kv == 0 or heads % kv:
-        raise KvpotError(f"{heads} query heads do not split into groups over {kv} KV heads")
-    if kernel and not supports_head_dim(d):  # the reference takes any head dim
-        raise KvpotError(f"decode attention does not support head dim {d} (supported: 32, 64, 128, 256)")
-    if length.numel() != 1 or length.dtype not in (torch.int32, torch.int64):
+    _check_heads(query, keys, values, kernel)
+    kv, capacity, d = keys.shape
+    if length.numel() != 1 or length.dtype not in INTS:
         raise KvpotError("decode attention's `length` must be a one-element int32/int64 tensor")
-    if (cos is None) != (sin is None):
-        raise KvpotError("decode attention needs both cos and sin, or neither")
-    if cos is not None:
-        if key_positions is None or query_position is None:
-            raise KvpotError("decode attention with a RoPE table needs key_positions and query_position")
-        if cos.dim() != 2 or cos.shape[1] != d or sin.shape != cos.shape:
-            raise KvpotError(f"RoPE tables must be [positions, {d}]; got {tuple(cos.shape)}, {tuple(sin.shape)}")
-        if tuple(key_positions.shape) != (kv, capacity):
-            raise KvpotError(f"key_positions must be [{kv}, {capacity}]; got {tuple(key_positions.shape)}")
+    if _check_rope(cos, sin, d, key_positions, query_position, (kv, capacity)):
         if query_position.dim() > 1 or query_position.numel() not in (1, kv):
             raise KvpotError(f"query_position must be a scalar or [{kv}]; got {tuple(query_position.shape)}")
-    if probs is not None and (tuple(probs.shape) != (kv, capacity) or probs.dtype != torch.float32):
-        raise KvpotError(f"probs must be a float32 [{kv}, {capacity}] tensor; got {probs.dtype} {tuple(probs.shape)}")
+    _check_probs(probs, (kv, capacity))
+
+
+def check_decode_batch_inputs(query, keys, values, rows, lengths, cos, sin, key_positions, query_positions, probs,
+                              kernel: bool = True) -> None:
+    """`check_decode_inputs` for the batched entry points: B rows over a pool of S slots."""
+    if query.dim() != 3 or keys.dim() != 4 or values.dim() != 4:
+        raise KvpotError(f"batched decode attention wants query [batch, heads, d] and keys/values "
+                         f"[slots, kv_heads, capacity, d]; got {tuple(query.shape)}, {tuple(keys.shape)}, "
+                         f"{tuple(values.shape)}")
+    _check_heads(query, keys, values, kernel)
+    batch = query.shape[0]
+    slots, kv, capacity, d = keys.shape
+    if tuple(rows.shape) != (batch,) or rows.dtype not in INTS:
+        raise KvpotError(f"batched decode attention's `rows` must be an int64 [{batch}] tensor (one pool slot per "
+                         f"batch row); got {rows.dtype} {tuple(rows.shape)}")
+    if tuple(lengths.shape) != (slots,) or lengths.dtype not in INTS:
+        raise KvpotError(f"batched decode attention's `lengths` must be an int32/int64 [{slots}] tensor (one live "
+                         f"count per slot); got {lengths.dtype} {tuple(lengths.shape)}")
+    if _check_rope(cos, sin, d, key_positions, query_positions, (slots, kv, capacity)):
+        if tuple(query_positions.shape) not in ((slots,), (slots, kv)):
+            raise KvpotError(f"query_positions must be [{slots}] or [{slots}, {kv}] (per slot, or per slot and KV "
+                             f"head); got {tuple(query_positions.shape)}")
+    _check_probs(probs, (batch, kv, capacity))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -92,3 +137,53 @@ def decode_attention_reference(
         probs.copy_(weights.mean(1))
     out = torch.einsum("kgn,knd->kgd", weights, values.float().masked_fill(~live[:, None], 0.0))
     return out.reshape(heads, d).to(query.dtype)
+
+
+def decode_attention_batch_reference(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    rows: torch.Tensor,
+    lengths: torch.Tensor,
+    scaling: float,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+    key_positions: torch.Tensor | None = None,
+    query_positions: torch.Tensor | None = None,
+    probs: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Attention [B, heads, d] (query.dtype) of each batch row's `query` [B, heads, d] over the live
+    entries `[0, lengths[rows[b]])` of its pool slot in `keys`/`values` [S, kv_heads, capacity, d], in
+    float32 — `kvpot.kernels.decode.decode_attention_batch`'s reference and its path on CPU. Rows
+    may share a slot; a slot with no live entry gives an all-zero row (and all-zero probs). With
+    cos/sin [P, d], keys are rotated at `key_positions` [S, kv_heads, capacity] and each row's query
+    at its slot's `query_positions` ([S] or [S, kv_heads]); without, both are taken as already
+    rotated. `probs` [B, kv_heads, capacity] float32, when given, receives per row each KV group's
+    mean attention probabilities (0 past the length). `num_splits` is ignored here. All rows go
+    through batched einsums, with no loop over them."""
+    del num_splits
+    check_decode_batch_inputs(query, keys, values, rows, lengths, cos, sin, key_positions, query_positions, probs,
+                              kernel=False)
+    batch, heads, d = query.shape
+    kv, capacity = keys.shape[1:3]
+    rows = rows.to(keys.device)
+    live = torch.arange(capacity, device=keys.device) < lengths.to(keys.device)[rows][:, None]  # [B, capacity]
+    dead = ~live[:, None, None]  # [B, 1, 1, capacity], against scores [B, kv, g, capacity]
+    q = query.float().view(batch, kv, heads // kv, d)
+    # each row's slot, gathered; entries past the length hold whatever was there (NaN, stale positions):
+    # their scores are overwritten below and their values zeroed, so they never reach a live result
+    k = keys[rows].float()  # [B, kv, capacity, d]
+    if cos is not None:
+        table_cos, table_sin = cos.float(), sin.float()
+        at = torch.where(live[:, None], key_positions[rows].long(), 0)  # [B, kv, capacity]
+        k = _rotate(k, table_cos[at], table_sin[at])
+        at = query_positions[rows].long().reshape(batch, -1).expand(batch, kv)  # [B, kv]
+        q = _rotate(q, table_cos[at][:, :, None], table_sin[at][:, :, None])
+    scores = torch.einsum("bkgd,bknd->bkgn", q, k).mul_(scaling).masked_fill_(dead, float("-inf"))
+    # a slot with no live entry softmaxes a row of -inf (NaN): zero it, as the kernel writes zeros
+    weights = torch.softmax(scores, dim=-1).masked_fill_(dead, 0.0)
+    if probs is not None:
+        probs.copy_(weights.mean(2))
+    v = values[rows].float().masked_fill_(~live[:, None, :, None], 0.0)
+    return torch.einsum("bkgn,bknd->bkgd", weights, v).reshape(batch, heads, d).to(query.dtype)
