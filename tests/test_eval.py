@@ -293,3 +293,21 @@ def test_perplexity_with_prompt_tokens_scores_the_rest_as_generation(capsys, tin
     assert stats["new_tokens"] == 200 - 51 and stats["final_kv_entries"] <= 32  # BOS + 50 prompt tokens
     code, _, err = run(capsys, "eval", "perplexity", "--method", "full", "--prompt-tokens", "0", "--out", str(tmp_path / "x"))
     assert code == 2 and "--prompt-tokens" in err
+
+
+def test_eval_batch_size_gives_the_one_at_a_time_answers(capsys, tiny_dir, tmp_path):
+    """`--batch-size 4`: each method answers its samples decoded together, with the same predictions,
+    scores and KV counts as one at a time (greedy)."""
+    alone, together = tmp_path / "alone", tmp_path / "together"
+    assert run(capsys, *EVAL_ARGS, "--model", str(tiny_dir), "--out", str(alone))[0] == 0
+    assert run(capsys, *EVAL_ARGS, "--model", str(tiny_dir), "--out", str(together), "--batch-size", "4")[0] == 0
+    key = lambda r: (r["method"], r["length"], r["depth"], r["sample"])  # noqa: E731
+    one = {key(r): r for r in read_rows(alone / "results.jsonl")}
+    many = {key(r): r for r in read_rows(together / "results.jsonl")}
+    assert one.keys() == many.keys()
+    for cell, row in one.items():
+        assert many[cell]["prediction"] == row["prediction"] and many[cell]["score"] == row["score"]
+        assert many[cell]["stats"]["max_kv_entries"] == row["stats"]["max_kv_entries"]
+    assert json.loads((together / "config.json").read_text())["config"]["batch_size"] == 4
+    code, _, err = run(capsys, "eval", "passkey", "--method", "full", "--out", str(tmp_path / "x"), "--batch-size", "0")
+    assert code == 2 and "--batch-size" in err

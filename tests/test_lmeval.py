@@ -109,3 +109,13 @@ def test_simple_evaluate_runs_a_local_task_with_a_method(monkeypatch):
     expected = lm.loglikelihood([request("loglikelihood", *pair) for pair in pairs])
     got = [r[0] for r in choice["resps"]]
     assert [g[0] for g in got] == pytest.approx([e[0] for e in expected], abs=1e-4)
+
+
+def test_generate_until_in_batches_gives_the_one_at_a_time_texts():
+    prompts = ["The grass is green. The", "Once upon a time", "Answer: the sky is", "x"]
+    requests = [request("generate_until", text, {"max_gen_toks": 10, "until": ["\n\n"]}) for text in prompts]
+    one = KvpotLM(method="streaming:sinks=4,window=60", device="cpu", batch_size=1).generate_until(requests)
+    lm = KvpotLM(method="streaming:sinks=4,window=60", device="cpu", batch_size=3)
+    assert lm.batch_size == 3
+    assert lm.generate_until(requests) == one
+    assert KvpotLM(method="full", device="cpu", batch_size="auto:4", max_batch_size=8).batch_size == 8

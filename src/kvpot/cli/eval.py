@@ -85,6 +85,9 @@ def register(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="tokens to generate per answer (default: the answer's length + 8; benchmarks: the "
                         "benchmark's own length per task)")
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="samples each method answers together (continuous batching over bounded caches; same "
+                        "greedy answers as one at a time; default 1)")
     p.add_argument("--window", type=int, default=4096,
                    help="perplexity: report mean NLL per window of this many tokens (default 4096)")
     p.add_argument("--prompt-tokens", type=int, default=None,
@@ -114,7 +117,7 @@ def config_from_args(args) -> EvalConfig:
         haystack=args.haystack or ("varied" if perplexity else "repeat"), seed=args.seed,
         max_new_tokens=args.max_new_tokens, window=args.window, prompt_tokens=args.prompt_tokens,
         model=args.model, device=args.device, dtype=args.dtype, device_map=args.device_map,
-        max_memory=args.max_memory, gguf=args.gguf,
+        max_memory=args.max_memory, gguf=args.gguf, batch_size=args.batch_size,
     )
 
 

@@ -172,15 +172,15 @@ class Engine(Scoring):
         max_new_tokens: int = 64,
         states: list[State] | None = None,
         progress: bool = False,
-        slots: int | None = None,
-        capacity: int | None = None,
+        batch_size: int | None = None,
         **sampling,
     ) -> list[Result]:
         """Answer many prompts at once: each `contexts[i]` with `questions[i]` (or each prefilled
-        `states[i]`), decoded together over a pool of `slots` bounded caches (continuous batching,
-        `kvpot.engine.scheduler`). Results come back in order; each equals what `generate` gives the
-        same prompt alone (greedy). `sampling`: temperature, top_p, seed, ignore_eos, as `generate`."""
-        from kvpot.engine.scheduler import Request, Scheduler, run_all
+        `states[i]`), `batch_size` (default: all, at most 64) decoding together over a pool of bounded
+        caches (continuous batching, `kvpot.engine.scheduler`). Results come back in order; each equals
+        what `generate` gives the same prompt alone (greedy). `sampling`: temperature, top_p, seed,
+        ignore_eos, as `generate`; a seeded request samples the same tokens whatever shares its batch."""
+        from kvpot.engine.scheduler import Request, generate_many
 
         if (contexts is None) == (states is None):
             raise KvpotError("give either contexts or states (one list), not both.")
@@ -198,9 +198,10 @@ class Engine(Scoring):
             else:
                 _, question_ids = self.encode(None, question)
                 requests.append(Request(None, question_ids, state=prompt, max_new_tokens=max_new_tokens, **sampling))
-        scheduler = Scheduler(self, slots=slots if slots is not None else min(len(requests), 64) or 1,
-                              capacity=capacity)
-        run_all(scheduler, requests, progress=progress)
+        generate_many(self, requests, batch_size or min(len(requests), 64) or 1, progress=progress)
+        failed = [r for r in requests if r.status == "failed"]
+        if failed:
+            raise KvpotError(f"{len(failed)} of {len(requests)} prompts failed; the first: {failed[0].error}")
         return [request.result(self.tokenizer) for request in requests]
 
     # ------------------------------------------------------------------ token API

@@ -491,6 +491,42 @@ def run_all(scheduler: Scheduler, requests: list[Request], progress: bool = Fals
     return requests
 
 
+def generate_many(engine, requests: list[Request], batch_size: int, progress: bool = False,
+                  decode: str = "auto") -> list[Request]:
+    """Run `requests` through schedulers of `batch_size` slots, `batch_size` requests at a time (offline
+    jobs: evaluation, lm-eval). A method whose cache grows with the input gets slots as large as the
+    longest request of each group needs. Requests that fail are left failed (their `error` says why)."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise KvpotError(f"batch_size must be a positive integer, got {batch_size!r}.")
+    from tqdm.auto import tqdm
+
+    with tqdm(total=len(requests), unit="req", desc="batch", disable=not progress, leave=False) as bar:
+        for start in range(0, len(requests), batch_size):
+            group = requests[start : start + batch_size]
+            capacity = None
+            if engine.method.max_entries() is None:
+                capacity = max(_needed(engine, request) for request in group)
+            scheduler = Scheduler(engine, slots=len(group), capacity=capacity, decode=decode)
+            for request in group:
+                try:
+                    scheduler.submit(request)
+                except KvpotError as err:
+                    request.status, request.finish_reason, request.error = "failed", "error", str(err)
+            scheduler.run()
+            bar.update(len(group))
+    return requests
+
+
+def _needed(engine, request: Request) -> int:
+    """KV entries per layer and KV head `request` needs (for a method without a bound)."""
+    if request.state is not None:
+        context = max(request.state.cache.lengths())
+    else:
+        context = len(_as_ids(request.context_ids, torch.device("cpu"), "context_ids"))
+    question = len(_as_ids(request.question_ids, torch.device("cpu"), "question_ids"))
+    return max(1, engine.method.entries_needed(context, question, request.max_new_tokens))
+
+
 def _policy(engine):
     from kvpot.positions import make_policy
 

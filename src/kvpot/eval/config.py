@@ -106,6 +106,7 @@ class EvalConfig:
     device_map: str | None = None  # split the model over GPUs (accelerate), instead of `device`
     max_memory: str | None = None  # with device_map: "0=70GiB,1=70GiB"
     gguf: str | None = None  # a GGUF file (`--gguf`), alone or inside `model`
+    batch_size: int = 1  # samples decoded together per method (kvpot.engine.scheduler); 1: one at a time
 
     def __post_init__(self):
         from kvpot.tasks import HAYSTACKS, TASKS, task_options
@@ -142,6 +143,11 @@ class EvalConfig:
             raise KvpotError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}.")
         if self.window < 1:
             raise KvpotError(f"--window must be at least 1 token, got {self.window}.")
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise KvpotError(f"--batch-size must be a positive integer, got {self.batch_size!r}.")
+        if self.batch_size > 1 and (self.task == PERPLEXITY or self.device_map is not None):
+            raise KvpotError("--batch-size applies to answering tasks on one device (perplexity reads one text; a "
+                             "model split by --device-map decodes one sequence at a time).")
         if self.prompt_tokens is not None and self.prompt_tokens < 1:
             raise KvpotError(f"--prompt-tokens must be at least 1, got {self.prompt_tokens}.")
         if self.budget is not None and self.budget <= 0:

@@ -41,23 +41,24 @@ def run_task_eval(config: EvalConfig, progress: bool = True, show: bool = True) 
     with open(config.out / "results.jsonl", "w", encoding="utf-8") as results, tqdm(
         total=count * len(runs), unit="run", desc=f"eval {config.task}", disable=not progress
     ) as bar:
-        for case in cases:
-            for run in runs:
-                result = engines[run.label].generate_ids(case.context_ids, case.question_ids,
-                                                         max_new_tokens=case.max_new_tokens)
-                prediction = tokenizer.decode(result.token_ids, skip_special_tokens=True)
-                value = case.score(prediction)
-                row = {
-                    "method": run.label, "method_name": run.spec.name, "method_config": run.method.config(),
-                    **case.row, "answers": case.answers, "prediction": prediction,
-                    "score": value, "correct": value == 1.0, "max_new_tokens": case.max_new_tokens,
-                    "stats": result.stats.to_dict(),
-                }
-                results.write(json.dumps(row) + "\n")
-                results.flush()
-                rows.append(row)
-                bar.set_postfix_str(f"{run.label} @ {len(case.context_ids)} tokens")
-                bar.update()
+        for group in _groups(cases, config.batch_size):
+            answers = {run.label: _answer(engines[run.label], group, config.batch_size) for run in runs}
+            for index, case in enumerate(group):
+                for run in runs:
+                    token_ids, stats = answers[run.label][index]
+                    prediction = tokenizer.decode(token_ids, skip_special_tokens=True)
+                    value = case.score(prediction)
+                    row = {
+                        "method": run.label, "method_name": run.spec.name, "method_config": run.method.config(),
+                        **case.row, "answers": case.answers, "prediction": prediction,
+                        "score": value, "correct": value == 1.0, "max_new_tokens": case.max_new_tokens,
+                        "stats": stats.to_dict(),
+                    }
+                    results.write(json.dumps(row) + "\n")
+                    results.flush()
+                    rows.append(row)
+                    bar.set_postfix_str(f"{run.label} @ {len(case.context_ids)} tokens")
+                    bar.update()
     if suite:
         summary = {**header, **summarize_suite(rows, runs, config, _cost)}
         written = write_suite_reports(summary, config.out)
@@ -70,6 +71,35 @@ def run_task_eval(config: EvalConfig, progress: bool = True, show: bool = True) 
         print_rich(suite_rich_table(summary) if suite else report.eval_rich_table(summary))
         print(f"wrote {config.out}/: " + ", ".join(written))
     return summary
+
+
+def _groups(cases, size: int):
+    """The cases, `size` at a time (they are built lazily: a long context is made when its group runs)."""
+    group = []
+    for case in cases:
+        group.append(case)
+        if len(group) == size:
+            yield group
+            group = []
+    if group:
+        yield group
+
+
+def _answer(engine, group, batch_size: int) -> list[tuple[list[int], object]]:
+    """(token ids, stats) of each case: one at a time, or decoded together (`--batch-size`)."""
+    if batch_size == 1:
+        return [(r.token_ids, r.stats) for r in (engine.generate_ids(case.context_ids, case.question_ids,
+                                                                     max_new_tokens=case.max_new_tokens)
+                                                 for case in group)]
+    from kvpot.engine.scheduler import Request, generate_many
+    from kvpot.errors import KvpotError
+
+    requests = [Request(case.context_ids, case.question_ids, max_new_tokens=case.max_new_tokens) for case in group]
+    generate_many(engine, requests, batch_size)
+    failed = [r for r in requests if r.status == "failed"]
+    if failed:
+        raise KvpotError(f"a sample failed in a batch: {failed[0].error}")
+    return [(r.tokens, r.stats) for r in requests]
 
 
 def task_cases(config: EvalConfig, tokenizer, prefix: list[int]):

@@ -52,7 +52,7 @@ class KvpotLM(LM):
         device: str | None = None,
         dtype: str = "auto",
         greedy_check: bool = True,
-        batch_size: Any = 1,  # lm-eval passes these; requests run one at a time
+        batch_size: Any = 1,  # generate_until requests decode this many at a time (kvpot.engine.scheduler)
         max_batch_size: Any = None,
         **method_params: Any,
     ) -> None:
@@ -77,6 +77,10 @@ class KvpotLM(LM):
         self.tokenizer = tokenizer
         self.engine = Engine(model, tokenizer, method=run.method, chat_template=False)
         self.greedy_check = bool(greedy_check)
+        # lm-eval's "auto" sizes batches by trial; kvpot's slots are sized by the method's bound instead
+        self.batch_size = int(max_batch_size or 64) if str(batch_size).startswith("auto") else int(batch_size)
+        if self.batch_size < 1:
+            raise KvpotError(f"batch_size must be a positive integer or 'auto', got {batch_size!r}.")
         self._device = torch.device(device)
         # What the tokenizer puts before text (BOS, or nothing), as lm-eval's HF model encodes contexts;
         # an empty context, and a rolling text, get lm-eval's prefix token instead: BOS, else EOS.
@@ -133,8 +137,10 @@ class KvpotLM(LM):
         return out
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        out = []
-        for request in tqdm(requests, desc="kvpot generate_until", disable=disable_tqdm):
+        from kvpot.engine.scheduler import Request, generate_many
+
+        jobs = []
+        for request in requests:
             context, gen_kwargs = request.args
             kwargs = dict(gen_kwargs or {})
             until = kwargs.pop("until", None) or []
@@ -142,9 +148,20 @@ class KvpotLM(LM):
             max_new = int(kwargs.pop("max_gen_toks", 256))
             temperature = float(kwargs.pop("temperature", 0.0) or 0.0) if kwargs.pop("do_sample", False) else 0.0
             context_ids = (self.prefix + self._encode(context)) if context else self.start
-            result = self.engine.generate_ids(context_ids, max_new_tokens=max_new, temperature=temperature,
-                                              seed=kwargs.pop("seed", None))
-            text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+            jobs.append((request, until, context_ids, max_new, temperature, kwargs.pop("seed", None)))
+        if self.batch_size > 1:  # decoded together; the same greedy tokens as one at a time
+            batch = [Request(ids, max_new_tokens=new, temperature=temp, seed=seed) for _, _, ids, new, temp, seed in jobs]
+            generate_many(self.engine, batch, self.batch_size, progress=not disable_tqdm)
+            failed = [r for r in batch if r.status == "failed"]
+            if failed:
+                raise KvpotError(f"a generate_until request failed in a batch: {failed[0].error}")
+            tokens = [r.tokens for r in batch]
+        else:
+            tokens = [self.engine.generate_ids(ids, max_new_tokens=new, temperature=temp, seed=seed).token_ids
+                      for _, _, ids, new, temp, seed in tqdm(jobs, desc="kvpot generate_until", disable=disable_tqdm)]
+        out = []
+        for (request, until, *_), token_ids in zip(jobs, tokens):
+            text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
             for stop in until:
                 if stop:
                     text = text.split(stop)[0]
