@@ -232,3 +232,13 @@ def test_graph_batches_give_each_request_its_tokens_alone_on_cuda(arch, name, pr
     assert [r.tokens for r in requests] == [e.token_ids for e in expected]
     if name != "infinitehip":
         assert scheduler.decoder.replays > 0
+
+
+@pytest.mark.parametrize("arch", ["llama3", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("name", ["infinipot", "streaming"])
+def test_every_architecture_batches(arch, name, prompts, one_thread):
+    model = build(arch)
+    method, capacity = methods()[name]
+    expected = alone(model, method, prompts[:3], new=12)
+    _, requests = batched(model, method, prompts[:3], slots=2, capacity=capacity, new=12)
+    assert [r.tokens for r in requests] == [e.token_ids for e in expected]

@@ -21,14 +21,13 @@ Policies (DESIGN.md "Positions"):
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from kvpot.errors import KvpotError
 
-if TYPE_CHECKING:
-    from kvpot.cache import PotLayer
+# Policies read a layer's `n`, `batch`, `kv_heads`, `keys` and write its `rope_positions`; they take the
+# layer as an argument and never import `kvpot.cache` (which imports them), so the two modules have no
+# import circle, not even one for type checkers. "PotLayer" in annotations names `kvpot.cache.PotLayer`.
 
 
 class PositionPolicy:
