@@ -14,7 +14,8 @@ import torch
 
 import kvpot
 from conftest import VOCAB, build
-from kvpot.engine.scheduler import QueueFull, Request, Scheduler, run_all
+from kvpot.engine.offline import run_all
+from kvpot.engine.scheduler import QueueFull, Request, Scheduler
 from kvpot.errors import KvpotError
 
 NEW = 24

@@ -90,7 +90,7 @@ def _kvpot_row(config: BenchConfig, model, run, prompts: dict, kind: str) -> dic
 
 
 def _requests(config: BenchConfig, prompts: dict, state, users: int | None = None):
-    from kvpot.engine.scheduler import Request
+    from kvpot.engine.requests import Request
 
     count = config.users if users is None else users
     if state is not None:
@@ -101,7 +101,9 @@ def _requests(config: BenchConfig, prompts: dict, state, users: int | None = Non
 
 
 def _batched(config: BenchConfig, engine, prompts: dict, state) -> dict:
-    from kvpot.engine.scheduler import Request, Scheduler, run_all
+    from kvpot.engine.offline import run_all
+    from kvpot.engine.requests import Request
+    from kvpot.engine.scheduler import Scheduler
 
     capacity = None
     if engine.method.max_entries() is None:  # a growing cache: each slot holds its whole prompt

@@ -21,8 +21,9 @@ from kvpot.attention import AttentionRequest, register
 from kvpot.cache import PotCache
 from kvpot.engine.decoding import MODES, Decoder, decode_eager, resolve_mode
 from kvpot.engine.score import Scoring
+from kvpot.engine.text import TextApi
 from kvpot.engine.results import Result, ScoreResult, State, Stats, _Run  # noqa: F401 - ScoreResult: public via kvpot
-from kvpot.engine.sampling import _as_ids, _eos_ids, _stopping, _TextStreamer
+from kvpot.engine.sampling import _as_ids, _eos_ids, _stopping
 from kvpot.errors import KvpotError
 from kvpot.methods import Full, Method, Step
 from kvpot.methods.base import Setup
@@ -34,11 +35,9 @@ from kvpot.rope import Rope
 from kvpot.scoring import token_nll
 from kvpot.engine.state_io import model_fingerprint
 
-# Marker used to split a chat-templated user turn into context and question parts.
-_SPLIT = "\u241ekvpot-question\u241e"
 
 
-class Engine(Scoring):
+class Engine(TextApi, Scoring):
     """Runs a Hugging Face causal LM over long inputs with a kvpot method.
 
     >>> engine = Engine.from_pretrained(path, method=StreamingLLM(sinks=4, window=1020))
@@ -97,112 +96,6 @@ class Engine(Scoring):
     @property
     def device(self) -> torch.device:
         return self._device  # where ids and positions live: the input embedding's execution device
-
-    # ------------------------------------------------------------------ text API
-    def encode(self, context: str | None, question: str | None) -> tuple[list[int], list[int]]:
-        """Token ids of the context and the question, placed as kvpress' pipeline does.
-
-        With a chat template, one user turn holds the context followed by the question; the
-        context part ends where the question starts, and the question part carries the rest of
-        the template (generation prompt included). Without one, the context gets the tokenizer's
-        special tokens (BOS) and the question is appended verbatim.
-        """
-        tok = self._require_tokenizer()
-        if self._use_template():
-            text = tok.apply_chat_template(
-                [{"role": "user", "content": (context or "") + _SPLIT}], add_generation_prompt=True, tokenize=False
-            )
-            head, tail = text.split(_SPLIT)
-            context_ids = tok.encode(head, add_special_tokens=False) if context is not None else []
-            return context_ids, tok.encode((question or "") + tail, add_special_tokens=False)
-        context_ids = tok.encode(context, add_special_tokens=True) if context is not None else []
-        question_ids = tok.encode(question, add_special_tokens=False) if question else []
-        return context_ids, question_ids
-
-    def prefill(self, context: str, progress: bool = False, should_stop: Callable[[], bool] | None = None) -> State:
-        """Read (and compress) `context` once; ask questions of it later with `generate(state=...)`.
-
-        Methods that need the question while reading (InfiniPot with `catalyst="question"`) take
-        `generate(context, question)` instead.
-        """
-        if not context:
-            raise KvpotError("the context is empty; give some text to read.")
-        context_ids, _ = self.encode(context, None)
-        return self.prefill_ids(context_ids, progress=progress, should_stop=should_stop)
-
-    def generate(
-        self,
-        context: str | None = None,
-        question: str | None = None,
-        max_new_tokens: int = 64,
-        state: State | None = None,
-        on_text: Callable[[str], None] | None = None,
-        progress: bool = False,
-        keep_state: bool = True,
-        **sampling,
-    ) -> Result:
-        """Answer `question` about `context` (or about a prefilled `state`). Strings in, string out.
-
-        `keep_state=False` decodes in the state's own cache instead of a copy (half the memory of a
-        long context; the state cannot be asked again)."""
-        if state is None and not context:
-            raise KvpotError("the context is empty; give some text to read (or a prefilled state).")
-        if state is not None and context:
-            raise KvpotError("give either a context or a prefilled state, not both.")
-        context_ids, question_ids = self.encode(context if state is None else None, question)
-        printer = _TextStreamer(self.tokenizer, on_text) if on_text else None
-        result = self.generate_ids(
-            context_ids if state is None else None,
-            question_ids,
-            max_new_tokens=max_new_tokens,
-            state=state,
-            on_token=printer,
-            progress=progress,
-            keep_state=keep_state,
-            **sampling,
-        )
-        if printer:
-            printer.flush()
-        return result
-
-    def generate_batch(
-        self,
-        contexts: list[str] | None = None,
-        questions: list[str | None] | None = None,
-        max_new_tokens: int = 64,
-        states: list[State] | None = None,
-        progress: bool = False,
-        batch_size: int | None = None,
-        **sampling,
-    ) -> list[Result]:
-        """Answer many prompts at once: each `contexts[i]` with `questions[i]` (or each prefilled
-        `states[i]`), `batch_size` (default: all, at most 64) decoding together over a pool of bounded
-        caches (continuous batching, `kvpot.engine.scheduler`). Results come back in order; each equals
-        what `generate` gives the same prompt alone (greedy). `sampling`: temperature, top_p, seed,
-        ignore_eos, as `generate`; a seeded request samples the same tokens whatever shares its batch."""
-        from kvpot.engine.scheduler import Request, generate_many
-
-        if (contexts is None) == (states is None):
-            raise KvpotError("give either contexts or states (one list), not both.")
-        prompts = contexts if contexts is not None else states
-        questions = list(questions) if questions is not None else [None] * len(prompts)
-        if len(questions) != len(prompts):
-            raise KvpotError(f"{len(prompts)} prompts but {len(questions)} questions; give one question per prompt.")
-        requests = []
-        for prompt, question in zip(prompts, questions):
-            if contexts is not None:
-                if not prompt:
-                    raise KvpotError("a context is empty; give some text to read (or prefilled states).")
-                context_ids, question_ids = self.encode(prompt, question)
-                requests.append(Request(context_ids, question_ids, max_new_tokens=max_new_tokens, **sampling))
-            else:
-                _, question_ids = self.encode(None, question)
-                requests.append(Request(None, question_ids, state=prompt, max_new_tokens=max_new_tokens, **sampling))
-        generate_many(self, requests, batch_size or min(len(requests), 64) or 1, progress=progress)
-        failed = [r for r in requests if r.status == "failed"]
-        if failed:
-            raise KvpotError(f"{len(failed)} of {len(requests)} prompts failed; the first: {failed[0].error}")
-        return [request.result(self.tokenizer) for request in requests]
 
     # ------------------------------------------------------------------ token API
     @torch.no_grad()
@@ -467,17 +360,6 @@ class Engine(Scoring):
         stats.decode = report
         text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else None
         return Result(text, tokens, stats)
-
-    def _use_template(self) -> bool:
-        has = bool(getattr(self.tokenizer, "chat_template", None))
-        if self.chat_template is True and not has:
-            raise KvpotError("chat_template=True, but this tokenizer has no chat template.")
-        return has and self.chat_template in (True, "auto")
-
-    def _require_tokenizer(self):
-        if self.tokenizer is None:
-            raise KvpotError("this engine has no tokenizer; use generate_ids/prefill_ids with token ids.")
-        return self.tokenizer
 
     def _mark(self):
         """A point in time without a sync: a recorded CUDA event, or the host clock on a CPU."""

@@ -25,82 +25,22 @@ A request that fails (a method error, a bad state) fails alone: the others keep 
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
 from kvpot.engine.batch import BatchDecoder, batchable_request, batched_method
 from kvpot.engine.decoding import resolve_mode
 from kvpot.engine.pool import SlotPool, slot_nbytes
-from kvpot.engine.results import Result, State, Stats, _Run
+from kvpot.engine.requests import QueueFull, Request
+from kvpot.engine.results import _Run
 from kvpot.engine.sampling import _as_ids, _eos_ids
 from kvpot.errors import KvpotError
 from kvpot.methods.base import DECODE_STEP, Step
 from kvpot.models.devices import peak_memory
-
-STATUSES = ("waiting", "prefilling", "decoding", "finished", "cancelled", "failed")
-_ids = itertools.count()
-
-
-class QueueFull(KvpotError):
-    """Every slot is taken and the waiting queue is full: retry later."""
-
-
-@dataclass
-class Request:
-    """One sequence: what to read (token ids, or a prefilled `state` to answer from), what to ask,
-    how to decode, and, as it runs, its life (`status`, `tokens`, `finish_reason`, timings)."""
-
-    context_ids: list[int] | torch.Tensor | None = None
-    question_ids: list[int] | torch.Tensor | None = None
-    state: State | None = None  # a stored document: copied into the slot, the state stays usable
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    ignore_eos: bool = False
-    stop_token_ids: tuple[int, ...] = ()
-    on_token: Callable[[Request, int], None] | None = None  # called on the scheduler's thread, per token
-    on_finish: Callable[[Request], None] | None = None
-    id: int = field(default_factory=lambda: next(_ids))
-    # ---- its life (the scheduler's) ----
-    status: str = "waiting"
-    tokens: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" (end of sequence or a stop token), "length", "cancelled", "error"
-    error: str | None = None
-    stats: Stats = field(default_factory=Stats)
-    slot: int | None = None
-    submitted: float | None = None
-    first_token_time: float | None = None
-    finished_time: float | None = None
-    token_times: list[float] = field(default_factory=list)  # when each token was delivered (perf_counter)
-    cancel_requested: bool = False
-
-    def __post_init__(self):
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
-            raise KvpotError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}.")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise KvpotError("temperature must be >= 0 and top_p in (0, 1].")
-        if (self.state is None) == (self.context_ids is None):
-            raise KvpotError("a request reads either context_ids or a prefilled state (exactly one).")
-
-    @property
-    def done(self) -> bool:
-        return self.status in ("finished", "cancelled", "failed")
-
-    @property
-    def ttft(self) -> float | None:
-        """Seconds from submission to the first token."""
-        return None if self.first_token_time is None else self.first_token_time - self.submitted
-
-    def result(self, tokenizer=None) -> Result:
-        text = tokenizer.decode(self.tokens, skip_special_tokens=True) if tokenizer is not None else None
-        return Result(text, list(self.tokens), self.stats)
-
 
 @dataclass
 class _Active:
@@ -471,60 +411,6 @@ class Scheduler:
         stats.method = self.method.report(run.cache)
         stats.decode = {"mode": f"batch-{self.mode}", "slots": self.pool.slots, "capacity": self.capacity}
         request.stats = stats
-
-
-def run_all(scheduler: Scheduler, requests: list[Request], progress: bool = False) -> list[Request]:
-    """Submit `requests` (as the queue allows) and step until every one is done; a request that
-    fails raises its error afterwards (the others still ran)."""
-    from tqdm.auto import tqdm
-
-    pending = deque(requests)
-    with tqdm(total=len(requests), unit="req", desc="batch", disable=not progress, leave=False) as bar:
-        while pending or not scheduler.idle:
-            while pending and (scheduler.max_waiting is None or len(scheduler.waiting) < scheduler.max_waiting
-                               or scheduler.pool.free):
-                scheduler.submit(pending.popleft())
-            bar.update(len(scheduler.step()))
-    failed = [r for r in requests if r.status == "failed"]
-    if failed:
-        raise KvpotError(f"{len(failed)} of {len(requests)} requests failed; the first: {failed[0].error}")
-    return requests
-
-
-def generate_many(engine, requests: list[Request], batch_size: int, progress: bool = False,
-                  decode: str = "auto") -> list[Request]:
-    """Run `requests` through schedulers of `batch_size` slots, `batch_size` requests at a time (offline
-    jobs: evaluation, lm-eval). A method whose cache grows with the input gets slots as large as the
-    longest request of each group needs. Requests that fail are left failed (their `error` says why)."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise KvpotError(f"batch_size must be a positive integer, got {batch_size!r}.")
-    from tqdm.auto import tqdm
-
-    with tqdm(total=len(requests), unit="req", desc="batch", disable=not progress, leave=False) as bar:
-        for start in range(0, len(requests), batch_size):
-            group = requests[start : start + batch_size]
-            capacity = None
-            if engine.method.max_entries() is None:
-                capacity = max(_needed(engine, request) for request in group)
-            scheduler = Scheduler(engine, slots=len(group), capacity=capacity, decode=decode)
-            for request in group:
-                try:
-                    scheduler.submit(request)
-                except KvpotError as err:
-                    request.status, request.finish_reason, request.error = "failed", "error", str(err)
-            scheduler.run()
-            bar.update(len(group))
-    return requests
-
-
-def _needed(engine, request: Request) -> int:
-    """KV entries per layer and KV head `request` needs (for a method without a bound)."""
-    if request.state is not None:
-        context = max(request.state.cache.lengths())
-    else:
-        context = len(_as_ids(request.context_ids, torch.device("cpu"), "context_ids"))
-    question = len(_as_ids(request.question_ids, torch.device("cpu"), "question_ids"))
-    return max(1, engine.method.entries_needed(context, question, request.max_new_tokens))
 
 
 def _policy(engine):

@@ -91,7 +91,8 @@ def _answer(engine, group, batch_size: int) -> list[tuple[list[int], object]]:
         return [(r.token_ids, r.stats) for r in (engine.generate_ids(case.context_ids, case.question_ids,
                                                                      max_new_tokens=case.max_new_tokens)
                                                  for case in group)]
-    from kvpot.engine.scheduler import Request, generate_many
+    from kvpot.engine.offline import generate_many
+    from kvpot.engine.requests import Request
     from kvpot.errors import KvpotError
 
     requests = [Request(case.context_ids, case.question_ids, max_new_tokens=case.max_new_tokens) for case in group]

@@ -137,7 +137,8 @@ class KvpotLM(LM):
         return out
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        from kvpot.engine.scheduler import Request, generate_many
+        from kvpot.engine.offline import generate_many
+        from kvpot.engine.requests import Request
 
         jobs = []
         for request in requests:

@@ -1,0 +1,76 @@
+"""A request's life in the batched engine (`kvpot.engine.scheduler`): what it asks and how it runs.
+
+`status` moves "waiting" (queued, no slot) -> "prefilling" (its prompt read into its slot) ->
+"decoding" (one token per step) -> "finished" | "cancelled" | "failed"; `finish_reason` says why it
+ended ("stop": an end-of-sequence or stop token, "length", "cancelled", "error").
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from kvpot.engine.results import Result, State, Stats
+from kvpot.errors import KvpotError
+
+STATUSES = ("waiting", "prefilling", "decoding", "finished", "cancelled", "failed")
+_ids = itertools.count()  # request ids, unique in the process
+
+
+class QueueFull(KvpotError):
+    """Every slot is taken and the waiting queue is full: retry later."""
+
+
+@dataclass
+class Request:
+    """One sequence: what to read (token ids, or a prefilled `state` to answer from), what to ask,
+    how to decode, and, as it runs, its life (`status`, `tokens`, `finish_reason`, timings)."""
+
+    context_ids: list[int] | torch.Tensor | None = None
+    question_ids: list[int] | torch.Tensor | None = None
+    state: State | None = None  # a stored document: copied into the slot, the state stays usable
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    on_token: Callable[[Request, int], None] | None = None  # called on the scheduler's thread, per token
+    on_finish: Callable[[Request], None] | None = None
+    id: int = field(default_factory=lambda: next(_ids))
+    # ---- its life (the scheduler's) ----
+    status: str = "waiting"
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" (end of sequence or a stop token), "length", "cancelled", "error"
+    error: str | None = None
+    stats: Stats = field(default_factory=Stats)
+    slot: int | None = None
+    submitted: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    token_times: list[float] = field(default_factory=list)  # when each token was delivered (perf_counter)
+    cancel_requested: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
+            raise KvpotError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}.")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise KvpotError("temperature must be >= 0 and top_p in (0, 1].")
+        if (self.state is None) == (self.context_ids is None):
+            raise KvpotError("a request reads either context_ids or a prefilled state (exactly one).")
+
+    @property
+    def done(self) -> bool:
+        return self.status in ("finished", "cancelled", "failed")
+
+    @property
+    def ttft(self) -> float | None:
+        """Seconds from submission to the first token."""
+        return None if self.first_token_time is None else self.first_token_time - self.submitted
+
+    def result(self, tokenizer=None) -> Result:
+        text = tokenizer.decode(self.tokens, skip_special_tokens=True) if tokenizer is not None else None
+        return Result(text, list(self.tokens), self.stats)
