@@ -125,3 +125,22 @@ def test_bad_batch_inputs_raise_clear_errors():
     check("probs must be a float32", probs=torch.zeros(3, 2, 64, dtype=torch.float16))
     with pytest.raises(KvpotError, match="head dim 48"):  # the kernel's limit, not the reference's
         check_decode_batch_inputs(q[..., :48], k[..., :48], v[..., :48], rows, lengths, None, None, None, None, None)
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 2], ids=["row-by-row", "two-rows"])
+def test_chunks_of_rows_give_what_one_chunk_gives(monkeypatch, chunk_rows):
+    """Large pools go through in chunks of rows (CHUNK_ELEMENTS): the same outputs and probs, the last
+    chunk short when the batch does not divide."""
+    from kvpot.kernels import decode_reference
+
+    shape = BATCH_SHAPES[2]
+    _, heads, kv, d, capacity, lengths, rows = shape
+    query, keys, values, row_t, length_t, extra = make_batch_inputs(shape, torch.float16, seed=3, device=DEVICE)
+    whole_probs = torch.empty(len(rows), kv, capacity)
+    whole = decode_attention_batch_reference(query, keys, values, row_t, length_t, 0.125, probs=whole_probs, **extra)
+    monkeypatch.setattr(decode_reference, "CHUNK_ELEMENTS", chunk_rows * kv * capacity * d)
+    probs = torch.full((len(rows), kv, capacity), float("nan"))
+    out = decode_attention_batch_reference(query, keys, values, row_t, length_t, 0.125, probs=probs, **extra)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out, whole)  # float16's tolerance: a matmul over fewer rows may round apart
+    torch.testing.assert_close(probs, whole_probs, rtol=1e-6, atol=1e-7)

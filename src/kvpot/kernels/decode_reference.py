@@ -19,6 +19,7 @@ from kvpot.kernels import supports_head_dim
 from kvpot.errors import KvpotError
 
 INTS = (torch.int32, torch.int64)
+CHUNK_ELEMENTS = 1 << 21  # float32 elements of gathered keys per chunk of batch rows (8 MB)
 
 
 def _check_heads(query, keys, values, kernel: bool) -> None:
@@ -98,6 +99,17 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+def _rotate_at(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """`_rotate(x, cos[at], sin[at])` with three temporaries of x's size instead of seven: on CPU a
+    batch's keys are large, and every fresh buffer of that size costs page faults."""
+    half = x.shape[-1] // 2
+    c, s = cos[at], sin[at]
+    out = x * c
+    out[..., :half].addcmul_(x[..., half:], s[..., :half], value=-1)  # rotate_half: (-x2, x1)
+    out[..., half:].addcmul_(x[..., :half], s[..., half:])
+    return out
+
+
 def decode_attention_reference(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -160,11 +172,30 @@ def decode_attention_batch_reference(
     cos/sin [P, d], keys are rotated at `key_positions` [S, kv_heads, capacity] and each row's query
     at its slot's `query_positions` ([S] or [S, kv_heads]); without, both are taken as already
     rotated. `probs` [B, kv_heads, capacity] float32, when given, receives per row each KV group's
-    mean attention probabilities (0 past the length). `num_splits` is ignored here. All rows go
-    through batched einsums, with no loop over them."""
+    mean attention probabilities (0 past the length). `num_splits` is ignored here. Rows go
+    through batched einsums, in chunks sized from the shapes alone."""
     del num_splits
     check_decode_batch_inputs(query, keys, values, rows, lengths, cos, sin, key_positions, query_positions, probs,
                               kernel=False)
+    batch, heads, d = query.shape
+    kv, capacity = keys.shape[1:3]
+    # rows go in chunks whose gathered slots stay near CHUNK_ELEMENTS (one chunk for most batches): on
+    # CPU, every buffer past glibc's mmap threshold is a fresh mapping that faults in page by page,
+    # which made one big gather slower than a loop over the rows
+    step = max(1, CHUNK_ELEMENTS // (kv * capacity * d))
+    if batch <= step:
+        return _attend_rows(query, keys, values, rows, lengths, scaling, cos, sin, key_positions, query_positions,
+                            probs)
+    out = query.new_empty(batch, heads, d)
+    for lo in range(0, batch, step):
+        part = slice(lo, lo + step)
+        out[part] = _attend_rows(query[part], keys, values, rows[part], lengths, scaling, cos, sin, key_positions,
+                                 query_positions, None if probs is None else probs[part])
+    return out
+
+
+def _attend_rows(query, keys, values, rows, lengths, scaling, cos, sin, key_positions, query_positions, probs):
+    """`decode_attention_batch_reference` on checked inputs, every row at once."""
     batch, heads, d = query.shape
     kv, capacity = keys.shape[1:3]
     rows = rows.to(keys.device)
@@ -176,8 +207,7 @@ def decode_attention_batch_reference(
     k = keys[rows].float()  # [B, kv, capacity, d]
     if cos is not None:
         table_cos, table_sin = cos.float(), sin.float()
-        at = torch.where(live[:, None], key_positions[rows].long(), 0)  # [B, kv, capacity]
-        k = _rotate(k, table_cos[at], table_sin[at])
+        k = _rotate_at(k, table_cos, table_sin, torch.where(live[:, None], key_positions[rows].long(), 0))
         at = query_positions[rows].long().reshape(batch, -1).expand(batch, kv)  # [B, kv]
         q = _rotate(q, table_cos[at][:, :, None], table_sin[at][:, :, None])
     scores = torch.einsum("bkgd,bknd->bkgn", q, k).mul_(scaling).masked_fill_(dead, float("-inf"))
