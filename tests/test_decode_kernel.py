@@ -1,4 +1,5 @@
-"""The Triton decode attention kernel against its PyTorch reference, over a named list of shapes.
+"""The Triton decode attention kernel against its PyTorch references, over named lists of shapes:
+one sequence (`decode_attention`) and B batch rows over a pool of slots (`decode_attention_batch`).
 
 Runs on CUDA; on a CPU machine with Triton installed, `TRITON_INTERPRET=1 pytest tests/test_decode_kernel.py`
 runs the same kernels in Triton's interpreter (small capacities; CUDA adds long ones). Elsewhere the
@@ -11,10 +12,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import KERNEL_DEVICE, interpreter_runtime_loops, needs_kernels, skip_interpreted_bf16
+from conftest import (
+    BATCH_SHAPES,
+    KERNEL_DEVICE,
+    interpreter_runtime_loops,
+    make_batch_inputs,
+    needs_kernels,
+    rope_table,
+    skip_interpreted_bf16,
+)
 
 from kvpot.errors import KvpotError
-from kvpot.kernels.decode_reference import decode_attention_reference
+from kvpot.kernels.decode_reference import decode_attention_batch_reference, decode_attention_reference
 
 DEVICE = KERNEL_DEVICE
 pytestmark = needs_kernels()
@@ -36,14 +45,18 @@ if DEVICE == "cuda":  # long caches only where they run fast
         ("gqa1-d64-16k", 16, 16, 64, 16384, 9999),
     ]
 IDS = [s[0] for s in SHAPES]
+if DEVICE == "cuda":  # BATCH_SHAPES (conftest) plus long pools: 16 rows over 8 slots, lengths 0 to full
+    BATCH_SHAPES = BATCH_SHAPES + [
+        ("llama3-8b-b16-4k", 32, 8, 128, 4096, [4096, 1, 3001, 0, 64, 2047, 517, 4000],
+         [0, 1, 2, 3, 4, 5, 6, 7, 7, 6, 5, 4, 2, 2, 3, 3]),
+        ("gqa4-d64-b5-16k", 16, 4, 64, 16384, [9999, 16384, 130, 0, 1], [1, 0, 2, 4, 4]),
+    ]
+BATCH_IDS = [s[0] for s in BATCH_SHAPES]
+# the parametrisation of the kernel-against-reference comparisons, one sequence and batched alike
+WITH_PROBS = pytest.mark.parametrize("with_probs", [False, True], ids=["out", "probs"])
+ROPE = pytest.mark.parametrize("rope", [True, False], ids=["rope-on-load", "pre-rotated"])
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
-
-
-def rope_table(length: int, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    angles = torch.arange(length, dtype=torch.float64)[:, None] * inv[None, :]
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().to(DEVICE, dtype), angles.sin().to(DEVICE, dtype)
 
 
 def make_inputs(shape, dtype, seed, rope=True, positions_dtype=torch.int64):
@@ -81,9 +94,9 @@ def check_probs(probs: torch.Tensor, ref: torch.Tensor, length: int, dtype: torc
     assert float(l1.max()) < (1e-5 if dtype == torch.float32 else 2e-2)
 
 
-@pytest.mark.parametrize("with_probs", [False, True], ids=["out", "probs"])
-@pytest.mark.parametrize("rope", [True, False], ids=["rope-on-load", "pre-rotated"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@WITH_PROBS
+@ROPE
+@DTYPES
 @pytest.mark.parametrize("shape", SHAPES, ids=IDS)
 def test_decode_attention_matches_the_reference(shape, dtype, rope, with_probs):
     from kvpot.kernels.decode import decode_attention
@@ -186,6 +199,20 @@ def test_bad_inputs_raise_clear_errors():
             decode_attention(q, k, v, n.cpu(), 0.1)
 
 
+def capture(step):
+    """Warm `step` up on a side stream (compiling its kernels), then capture it in a CUDA graph:
+    (graph, the captured output)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -205,14 +232,7 @@ def test_one_captured_graph_serves_every_length_and_position(dtype):
     def step():
         return decode_attention(query, keys, values, n, 0.088, probs=probs, **extra)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm up outside the capture
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture(step)
     gen = torch.Generator(device=DEVICE).manual_seed(3)
     for length in (1, 63, 64, 1000, 3001, 4096):
         n.fill_(length)
@@ -224,3 +244,137 @@ def test_one_captured_graph_serves_every_length_and_position(dtype):
         ref = decode_attention_reference(query, keys, values, n, 0.088, probs=ref_probs, **extra)
         assert rel_error(out, ref) < TOLERANCE[dtype], length
         check_probs(probs, ref_probs, length, dtype)
+
+
+def check_batch(out, ref, probs, ref_probs, lengths, rows, dtype) -> None:
+    """The batched kernel's outputs (and probs) against the reference's, row by row where it matters:
+    rows whose slot has no live entry are exact zeros."""
+    assert rel_error(out, ref) < TOLERANCE[dtype]
+    for b, slot in enumerate(rows):
+        if lengths[slot] == 0:
+            assert (out[b] == 0).all(), f"row {b} over an empty slot"
+            assert probs is None or (probs[b] == 0).all(), f"probs of row {b} over an empty slot"
+        elif probs is not None:
+            check_probs(probs[b], ref_probs[b], lengths[slot], dtype)
+
+
+@WITH_PROBS
+@ROPE
+@DTYPES
+@pytest.mark.parametrize("shape", BATCH_SHAPES, ids=BATCH_IDS)
+def test_decode_attention_batch_matches_the_reference(shape, dtype, rope, with_probs):
+    from kvpot.kernels.decode import decode_attention_batch
+
+    skip_interpreted_bf16(dtype)
+    _, heads, kv, d, capacity, lengths, rows = shape
+    query, keys, values, row_t, length_t, extra = make_batch_inputs(shape, dtype, seed=capacity + len(rows) + d,
+                                                                    rope=rope)
+    scaling = d**-0.5
+    ref_probs = torch.empty(len(rows), kv, capacity, device=DEVICE) if with_probs else None
+    ref = decode_attention_batch_reference(query, keys, values, row_t, length_t, scaling, probs=ref_probs, **extra)
+    assert not ref.isnan().any()
+    probs = torch.full((len(rows), kv, capacity), float("nan"), device=DEVICE) if with_probs else None
+    out = decode_attention_batch(query, keys, values, row_t, length_t, scaling, probs=probs, **extra)
+    assert out.shape == (len(rows), heads, d) and out.dtype == dtype
+    check_batch(out, ref, probs, ref_probs, lengths, rows, dtype)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 10**6], ids=["one-split", "three-splits", "more-splits-than-blocks"])
+@pytest.mark.parametrize("shape", [BATCH_SHAPES[1], BATCH_SHAPES[3]], ids=[BATCH_IDS[1], BATCH_IDS[3]])
+def test_every_split_count_gives_the_same_batch_attention(shape, num_splits):
+    """Explicit split counts over a batch, with int32 lengths/positions and one query position per slot."""
+    from kvpot.kernels.decode import decode_attention_batch
+
+    _, heads, kv, d, capacity, lengths, rows = shape
+    query, keys, values, row_t, length_t, extra = make_batch_inputs(shape, torch.float32, seed=num_splits % 89,
+                                                                    positions_dtype=torch.int32)
+    extra["query_positions"] = extra["query_positions"][:, 0].clone()  # [S]: one position per slot
+    length_t = length_t.to(torch.int32)
+    ref_probs = torch.empty(len(rows), kv, capacity, device=DEVICE)
+    ref = decode_attention_batch_reference(query, keys, values, row_t, length_t, 0.3, probs=ref_probs, **extra)
+    probs = torch.full((len(rows), kv, capacity), float("nan"), device=DEVICE)
+    out = decode_attention_batch(query, keys, values, row_t, length_t, 0.3, probs=probs, num_splits=num_splits,
+                                 **extra)
+    check_batch(out, ref, probs, ref_probs, lengths, rows, torch.float32)
+
+
+def test_batch_rows_give_what_one_sequence_gives():
+    """Each row of a batch equals `decode_attention` on its slot alone (one kernel, two entry points)."""
+    from kvpot.kernels.decode import decode_attention, decode_attention_batch
+
+    shape = BATCH_SHAPES[2]
+    _, heads, kv, d, capacity, lengths, rows = shape
+    query, keys, values, row_t, length_t, extra = make_batch_inputs(shape, torch.float32, seed=21)
+    out = decode_attention_batch(query, keys, values, row_t, length_t, 0.2, **extra)
+    for b, slot in enumerate(rows):
+        single = decode_attention(query[b], keys[slot], values[slot], length_t[slot], 0.2, cos=extra["cos"],
+                                  sin=extra["sin"], key_positions=extra["key_positions"][slot],
+                                  query_position=extra["query_positions"][slot])
+        torch.testing.assert_close(out[b], single, rtol=1e-6, atol=1e-6)
+
+
+def test_batch_splits_come_from_shapes_and_fill_the_device():
+    """About two programs per multiprocessor in all: many batch rows need fewer splits (at least one)."""
+    from kvpot.kernels.common import multiprocessors
+    from kvpot.kernels.decode import default_splits
+
+    device = torch.device(DEVICE)
+    sms = multiprocessors(device)
+    one = default_splits(8, 32, 1 << 20, device)
+    assert one == default_splits(8, 32, 1 << 20, device, batch=1) == -(-2 * sms // 8)
+    assert default_splits(8, 32, 1 << 20, device, batch=2) == -(-2 * sms // 16)
+    assert default_splits(8, 32, 1 << 20, device, batch=4 * sms) == 1
+    assert default_splits(8, 32, 64, device) == 1  # at most one split per block of the capacity
+
+
+def test_bad_batch_inputs_raise_clear_errors():
+    from kvpot.kernels.decode import decode_attention_batch
+
+    q, k, v = torch.randn(3, 8, 64, device=DEVICE), torch.randn(4, 2, 64, 64, device=DEVICE), torch.randn(
+        4, 2, 64, 64, device=DEVICE)
+    rows, lengths = torch.tensor([0, 1, 1], device=DEVICE), torch.tensor([3, 5, 0, 64], device=DEVICE)
+    with pytest.raises(KvpotError, match="`rows` must be an int64"):
+        decode_attention_batch(q, k, v, rows[:2], lengths, 0.1)
+    with pytest.raises(KvpotError, match="head dim 48"):
+        decode_attention_batch(q[..., :48], k[..., :48], v[..., :48], rows, lengths, 0.1)
+    with pytest.raises(KvpotError, match="last dimension must be contiguous"):
+        decode_attention_batch(q, k.transpose(2, 3), v, rows, lengths, 0.1)
+    with pytest.raises(KvpotError, match="num_splits"):
+        decode_attention_batch(q, k, v, rows, lengths, 0.1, num_splits=0)
+    if DEVICE == "cuda":
+        with pytest.raises(KvpotError, match="on the cache's device"):
+            decode_attention_batch(q, k, v, rows.cpu(), lengths, 0.1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a CUDA device")
+def test_one_captured_batch_graph_serves_every_row_length_and_position():
+    """Capture one batched decode step (RoPE on load + probs), then change `rows`, the lengths and the
+    positions in place and replay: each replay matches the reference."""
+    from kvpot.kernels.decode import decode_attention_batch
+
+    lengths, rows = [4096, 1, 3001, 0, 64, 2047, 517, 4000], [0, 1, 2, 3, 4, 5, 6, 7, 7, 6, 5, 4]
+    shape = ("graph", 32, 8, 128, 4096, lengths, rows)
+    query, keys, values, row_t, length_t, extra = make_batch_inputs(shape, torch.bfloat16, seed=13)
+    keys.copy_(torch.randn_like(keys))  # every entry valid: lengths move over the whole capacity
+    values.copy_(torch.randn_like(values))
+    positions, at = extra["key_positions"], extra["query_positions"]
+    probs = torch.empty(len(rows), 8, 4096, device=DEVICE)
+
+    def step():
+        return decode_attention_batch(query, keys, values, row_t, length_t, 0.088, probs=probs, **extra)
+
+    graph, out = capture(step)
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    for _ in range(4):
+        new_lengths = torch.randint(0, 4097, (8,), generator=gen, device=DEVICE)
+        new_lengths[0] = 0  # always one empty slot
+        length_t.copy_(new_lengths)
+        row_t.copy_(torch.randint(0, 8, (len(rows),), generator=gen, device=DEVICE))
+        positions.copy_(torch.randint(0, 8000, positions.shape, generator=gen, device=DEVICE))
+        at.copy_(8100 + torch.randint(0, 90, at.shape, generator=gen, device=DEVICE))
+        probs.fill_(float("nan"))
+        graph.replay()
+        ref_probs = torch.empty_like(probs)
+        ref = decode_attention_batch_reference(query, keys, values, row_t, length_t, 0.088, probs=ref_probs, **extra)
+        check_batch(out, ref, probs, ref_probs, length_t.tolist(), row_t.tolist(), torch.bfloat16)

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["SPLITS"])
+@triton.jit(do_not_specialize=["ROWS", "SPLITS"])  # ROWS: batch rows x heads, varies with the batch
 def _merge_kernel(
     PART,  # [SPLITS, ROWS, D] float32 normalised partial outputs
     LSE,  # [SPLITS, ROWS] float32 log2-sum-exp of each split's scores (-inf: the split saw no key)

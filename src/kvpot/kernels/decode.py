@@ -1,20 +1,26 @@
 """Triton decode attention over kvpot's bounded cache (issue 16: decoding at the memory-bandwidth limit).
 
-One new token's query `[heads, d]` attends to the live entries `[0, length)` of one layer's cache,
-`keys`/`values` `[kv_heads, capacity, d]` (views of `PotLayer.keys[0]`/`values[0]`).
-`kvpot.kernels.decode_reference` is the PyTorch reference this must match (tests/test_decode_kernel.py).
+`decode_attention_batch`: each of B batch rows holds one new token's query `[heads, d]` and
+attends to the live entries `[0, lengths[s])` of its pool slot `s = rows[b]` in one layer's pool,
+`keys`/`values` `[slots, kv_heads, capacity, d]`. `decode_attention` is the single-sequence case
+(B = 1 row over one slot: a cache view `[kv_heads, capacity, d]` of `PotLayer.keys[0]`/`values[0]`),
+run by the same kernels. `kvpot.kernels.decode_reference` holds the PyTorch references these must
+match (tests/test_decode_kernel.py).
 
 - GQA-native: the `g` query heads of a KV group are the rows of one program's tile, so each key and
-  value is read once per split, not once per query head.
+  value is read once per split and batch row, not once per query head.
+- Slots are read in place: each program loads its row's slot from `rows` and that slot's length
+  from `lengths` on the device; several rows may name one slot, and a slot with no live entry
+  gives an all-zero output row (and all-zero probs).
 - RoPE on load: un-rotated keys (`shift`/`reset` policies) are rotated while loading, from each
   entry's position in `key_positions` and the model's cos/sin table, and the query is rotated at
-  `query_position` inside the kernel, so the cache is never re-rotated or copied. `cos=None`:
-  keys and query are already rotated (`absolute`).
-- Split-K (FlashDecoding): the grid is (KV heads x row tiles, splits), sized from tensor shapes and
-  the SM count only. Each program reads `length` from the device and takes its share of the live
-  range, so every split has work whatever the length, programs whose share is empty write an empty
-  partial (log-sum-exp -inf), and nothing synchronises with the host: one step can be captured
-  in a CUDA graph and replayed as `length` and the positions change in place.
+  its slot's query position inside the kernel, so the cache is never re-rotated or copied.
+  `cos=None`: keys and queries are already rotated (`absolute`).
+- Split-K (FlashDecoding): the grid is (batch rows x KV heads x row tiles, splits), sized from tensor
+  shapes and the SM count only. Each program reads its length from the device and takes its share
+  of the live range, so every split has work whatever the length, programs whose share is empty
+  write an empty partial (log-sum-exp -inf), and nothing synchronises with the host: one step can
+  be captured in a CUDA graph and replayed as `rows`, the lengths and the positions change in place.
 - `probs` (H2O/TOVA scores): the main kernel also writes the scaled logits, the merge the
   log-sum-exp of each head, and `_probs_kernel` each group's mean probability per entry.
 """
@@ -27,53 +33,80 @@ import triton.language as tl
 
 from kvpot.errors import KvpotError
 from kvpot.kernels.common import merge, multiprocessors
-from kvpot.kernels.decode_reference import check_decode_inputs, decode_attention_reference
+from kvpot.kernels.decode_reference import (
+    check_decode_batch_inputs,
+    check_decode_inputs,
+    decode_attention_batch_reference,
+    decode_attention_reference,
+)
 
-__all__ = ["decode_attention", "decode_attention_reference", "default_splits"]
+__all__ = [
+    "decode_attention",
+    "decode_attention_batch",
+    "decode_attention_batch_reference",
+    "decode_attention_reference",
+    "default_splits",
+]
 
 BLOCK_N = 64  # entries per loop step
 BLOCK_J = 128  # entries per program of the probabilities kernel
 
 
-@triton.jit(do_not_specialize=["N", "G", "SPLITS"])
+@triton.jit
+def _slot_length(ROWS, LENGTHS, b, stride_r, stride_len, N):
+    """Batch row `b`'s pool slot (int64: offsets into a pool can pass 2**31) and its live count."""
+    slot = tl.load(ROWS + b * stride_r).to(tl.int64)
+    return slot, tl.minimum(tl.load(LENGTHS + slot * stride_len).to(tl.int32), N)
+
+
+# stride_os, stride_ls grow with the batch: unspecialised, so a new batch size never compiles again
+@triton.jit(do_not_specialize=["N", "G", "KV", "SPLITS", "stride_os", "stride_ls"])
 def _decode_kernel(
-    Q,  # [H, D] new token's queries, un-rotated when ROPE (H = KV * G)
-    K, V,  # [KV, N, D] cache views; the last stride is 1
-    LENGTH,  # [] int32/int64: entries [0, LENGTH) are live
+    Q,  # [B, H, D] one new token's queries per batch row, un-rotated when ROPE (H = KV * G)
+    K, V,  # [S, KV, N, D] pool buffers; the last stride is 1
+    ROWS,  # [B] int32/int64: each batch row's pool slot
+    LENGTHS,  # [S] int32/int64: slot s has live entries [0, LENGTHS[s])
     COS, SIN,  # [P, D] RoPE table (ROPE)
-    KPOS,  # [KV, N] int32/int64 RoPE position of each entry (ROPE)
-    QPOS,  # [] or [KV] int: the query's RoPE position, per KV head when stride_qp != 0 (ROPE)
-    OUT,  # [SPLITS, H, D] float32 partials (SPLIT) or [H, D] in the output dtype
-    LSE,  # [SPLITS, H] float32 log2-sum-exp of each split's scores (SPLIT, or PROBS with one split)
-    LOGITS,  # [H, N] float32 scores in log2 units (PROBS)
-    N, G, SPLITS, scale,
-    stride_qh, stride_kh, stride_kn, stride_vh, stride_vn, stride_ph, stride_pn, stride_qp, stride_t,
-    stride_os, stride_oh, stride_ls,
+    KPOS,  # [S, KV, N] int32/int64 RoPE position of each entry (ROPE)
+    QPOS,  # [S] or [S, KV] int: each slot's query position, per KV head when stride_qk != 0 (ROPE)
+    OUT,  # [SPLITS, B * H, D] float32 partials (SPLIT) or [B * H, D] in the output dtype
+    LSE,  # [SPLITS, B * H] float32 log2-sum-exp of each split's scores (SPLIT, or PROBS with one split)
+    LOGITS,  # [B * H, N] float32 scores in log2 units (PROBS)
+    N, G, KV, SPLITS, scale,
+    stride_qb, stride_qh, stride_r, stride_len,
+    stride_ks, stride_kh, stride_kn, stride_vs, stride_vh, stride_vn,
+    stride_ps, stride_ph, stride_pn, stride_qs, stride_qk, stride_t,
+    stride_os, stride_or, stride_ls,
     ROPE: tl.constexpr, PROBS: tl.constexpr, SPLIT: tl.constexpr, HALF: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     tiles = tl.cdiv(G, BLOCK_M)
     pid = tl.program_id(0)
     split = tl.program_id(1)
-    h = pid // tiles  # KV head
+    b = (pid // (KV * tiles)).to(tl.int64)  # batch row
+    h = pid // tiles % KV  # KV head
+    slot, n = _slot_length(ROWS, LENGTHS, b, stride_r, stride_len, N)
     rows = (pid % tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < G
     head = h * G + rows  # each row's query head
+    out_row = b * (KV * G) + head  # its row of OUT, LSE and LOGITS
     dh = tl.arange(0, HALF)
     dd = tl.arange(0, 2 * HALF)
-    n = tl.minimum(tl.load(LENGTH).to(tl.int32), N)
+    K += slot * stride_ks + h * stride_kh
+    V += slot * stride_vs + h * stride_vh
 
     # the query rotated at its position (once per program), scaled for exp2, in the keys' dtype
-    q_ptr = Q + head[:, None] * stride_qh + dh[None, :]
+    q_ptr = Q + b * stride_qb + head[:, None] * stride_qh + dh[None, :]
     q1 = tl.load(q_ptr, mask=row_ok[:, None], other=0.0).to(tl.float32)  # [BLOCK_M, HALF]
     q2 = tl.load(q_ptr + HALF, mask=row_ok[:, None], other=0.0).to(tl.float32)
     if ROPE:
-        qt = tl.load(QPOS + h * stride_qp) * stride_t + dh
+        qt = tl.load(QPOS + slot * stride_qs + h * stride_qk) * stride_t + dh
         c1 = tl.load(COS + qt).to(tl.float32)[None, :]
         c2 = tl.load(COS + qt + HALF).to(tl.float32)[None, :]
         s1 = tl.load(SIN + qt).to(tl.float32)[None, :]
         s2 = tl.load(SIN + qt + HALF).to(tl.float32)[None, :]
         q1, q2 = q1 * c1 - q2 * s1, q2 * c2 + q1 * s2  # rotate_half: (-x2, x1)
+        KPOS += slot * stride_ps + h * stride_ph
     qk = scale * 1.4426950408889634
     q1 = (q1 * qk).to(K.dtype.element_ty)
     q2 = (q2 * qk).to(K.dtype.element_ty)
@@ -88,71 +121,77 @@ def _decode_kernel(
     for start in range(lo, hi, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         live = j < hi
-        k_ptr = K + h * stride_kh + j[:, None] * stride_kn + dh[None, :]
+        k_ptr = K + j[:, None] * stride_kn + dh[None, :]
         k1 = tl.load(k_ptr, mask=live[:, None], other=0.0)  # [BLOCK_N, HALF]
         k2 = tl.load(k_ptr + HALF, mask=live[:, None], other=0.0)
         if ROPE:
-            pos = tl.load(KPOS + h * stride_ph + j * stride_pn, mask=live, other=0)
+            pos = tl.load(KPOS + j * stride_pn, mask=live, other=0)
             kt = pos[:, None] * stride_t + dh[None, :]
             kc1 = tl.load(COS + kt, mask=live[:, None], other=0.0).to(tl.float32)
             kc2 = tl.load(COS + kt + HALF, mask=live[:, None], other=0.0).to(tl.float32)
             ks1 = tl.load(SIN + kt, mask=live[:, None], other=0.0).to(tl.float32)
             ks2 = tl.load(SIN + kt + HALF, mask=live[:, None], other=0.0).to(tl.float32)
-            a, b = k1.to(tl.float32), k2.to(tl.float32)
-            k1 = (a * kc1 - b * ks1).to(K.dtype.element_ty)
-            k2 = (b * kc2 + a * ks2).to(K.dtype.element_ty)
+            a, c = k1.to(tl.float32), k2.to(tl.float32)
+            k1 = (a * kc1 - c * ks1).to(K.dtype.element_ty)
+            k2 = (c * kc2 + a * ks2).to(K.dtype.element_ty)
         if IEEE:
             sc = tl.dot(q1, tl.trans(k1), input_precision="ieee") + tl.dot(q2, tl.trans(k2), input_precision="ieee")
         else:
             sc = tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))  # [BLOCK_M, BLOCK_N], log2 units
         sc = tl.where(live[None, :], sc, float("-inf"))
         if PROBS:
-            tl.store(LOGITS + head[:, None] * N + j[None, :], sc, mask=row_ok[:, None] & live[None, :])
+            tl.store(LOGITS + out_row[:, None] * N + j[None, :], sc, mask=row_ok[:, None] & live[None, :])
         m_new = tl.maximum(m_i, tl.max(sc, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(sc - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(V + h * stride_vh + j[:, None] * stride_vn + dd[None, :], mask=live[:, None], other=0.0)
+        v = tl.load(V + j[:, None] * stride_vn + dd[None, :], mask=live[:, None], other=0.0)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(V.dtype.element_ty), v, input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(V.dtype.element_ty), v)
         m_i = m_new
 
+    # a slot with no live entry (l_i == 0) writes zeros and log-sum-exp -inf
     safe = tl.where(l_i > 0, l_i, 1.0)
-    o_ptr = OUT + split * stride_os + head[:, None] * stride_oh + dd[None, :]
+    o_ptr = OUT + split * stride_os + out_row[:, None] * stride_or + dd[None, :]
     tl.store(o_ptr, (acc / safe[:, None]).to(OUT.dtype.element_ty), mask=row_ok[:, None])
     if SPLIT or PROBS:
         lse = tl.where(l_i > 0, m_i + tl.log2(safe), float("-inf"))
-        tl.store(LSE + split * stride_ls + head, lse, mask=row_ok)
+        tl.store(LSE + split * stride_ls + out_row, lse, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["N", "G"])
+@triton.jit(do_not_specialize=["N", "G", "KV"])
 def _probs_kernel(
-    LOGITS,  # [H, N] float32 scores in log2 units (entries < LENGTH written)
-    LSE,  # [H] float32 each head's log2-sum-exp over the live entries
-    PROBS,  # [KV, N] float32 out: mean over the group's heads of the probabilities, 0 past LENGTH
-    LENGTH, N, G, stride_pk, stride_pn,
+    LOGITS,  # [B * H, N] float32 scores in log2 units (entries below the row's length written)
+    LSE,  # [B * H] float32 each head's log2-sum-exp over the live entries
+    PROBS,  # [B, KV, N] float32 out: mean over the group's heads of the probabilities, 0 past the length
+    ROWS, LENGTHS,  # [B] each batch row's pool slot, [S] each slot's live count
+    N, G, KV, stride_r, stride_len, stride_pb, stride_pk, stride_pn,
     BLOCK_G: tl.constexpr, BLOCK_J: tl.constexpr,
 ):
-    h = tl.program_id(0)
+    pid = tl.program_id(0)
+    b = (pid // KV).to(tl.int64)  # batch row
+    h = pid % KV  # KV head
     j = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
-    n = tl.minimum(tl.load(LENGTH).to(tl.int32), N)
+    _, n = _slot_length(ROWS, LENGTHS, b, stride_r, stride_len, N)
     r = tl.arange(0, BLOCK_G)
     r_ok = r < G
-    head = h * G + r
+    out_row = b * (KV * G) + h * G + r
     live = j < n
-    lse = tl.load(LSE + head, mask=r_ok, other=0.0)
-    logit = tl.load(LOGITS + head[:, None] * N + j[None, :], mask=r_ok[:, None] & live[None, :],
+    lse = tl.load(LSE + out_row, mask=r_ok, other=0.0)
+    logit = tl.load(LOGITS + out_row[:, None] * N + j[None, :], mask=r_ok[:, None] & live[None, :],
                     other=float("-inf"))
-    mean = tl.sum(tl.exp2(logit - lse[:, None]), axis=0) / G
-    tl.store(PROBS + h * stride_pk + j * stride_pn, tl.where(live, mean, 0.0), mask=j < N)
+    mean = tl.sum(tl.exp2(logit - lse[:, None]), axis=0) / G  # NaN only where nothing is live: not stored
+    tl.store(PROBS + b * stride_pb + h * stride_pk + j * stride_pn, tl.where(live, mean, 0.0), mask=j < N)
 
 
-def default_splits(kv_heads: int, heads: int, capacity: int, device: torch.device) -> int:
-    """Splits per (KV head, row tile): about two programs per multiprocessor, at most one per block of
-    the capacity. Never depends on the live length, so a captured graph stays valid as it grows."""
-    programs = kv_heads * triton.cdiv(heads // kv_heads, _block_m(heads // kv_heads))
+def default_splits(kv_heads: int, heads: int, capacity: int, device: torch.device, batch: int = 1) -> int:
+    """Splits per (batch row, KV head, row tile): about two programs per multiprocessor in all, at
+    least one split and at most one per block of the capacity. With many batch rows the rows fill
+    the device and one split suffices. Never depends on the live lengths, so a captured graph
+    stays valid as they grow."""
+    programs = batch * kv_heads * triton.cdiv(heads // kv_heads, _block_m(heads // kv_heads))
     return max(1, min(triton.cdiv(capacity, BLOCK_N), triton.cdiv(2 * multiprocessors(device), programs)))
 
 
@@ -167,6 +206,95 @@ def _stages(d: int, keys: torch.Tensor, cos: torch.Tensor | None) -> int:
     if cos is not None:
         per_stage += 2 * BLOCK_N * d * cos.element_size()
     return max(1, min(3, (160 * 1024) // per_stage))
+
+
+def _rope_arguments(keys, lengths, cos, sin, key_positions, query_positions):
+    """The RoPE tensors and strides of `_decode_kernel` (placeholders and zero strides without a table)."""
+    if cos is None:
+        return (keys, keys, lengths, lengths), (0, 0, 0, 0, 0, 0)
+    if cos.stride(1) != 1 or sin.stride() != cos.stride():
+        raise KvpotError("decode attention wants cos/sin tables with contiguous rows and equal strides")
+    per_head = query_positions.dim() == 2  # [S, KV]; [S] is one position for all of a slot's heads
+    strides = (*key_positions.stride(), query_positions.stride(0), query_positions.stride(1) if per_head else 0,
+               cos.stride(0))
+    return (cos, sin, key_positions, query_positions), strides
+
+
+def decode_attention_batch(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    rows: torch.Tensor,
+    lengths: torch.Tensor,
+    scaling: float,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+    key_positions: torch.Tensor | None = None,
+    query_positions: torch.Tensor | None = None,
+    probs: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Attention [B, heads, d] (query.dtype) of each batch row's `query` [B, heads, d] over the live
+    entries `[0, lengths[rows[b]])` of its pool slot in `keys`/`values` [S, kv_heads, capacity, d]
+    (any strides but the last).
+
+    `rows` [B] int64 and `lengths` [S] int32/int64 live on the device; several rows may name one slot
+    (e.g. padding rows pointing at a scratch slot), and a slot with no live entry gives an all-zero
+    row. With cos/sin [P, d] (the model's table, attention scaling included), keys are rotated
+    while loading at `key_positions` [S, kv_heads, capacity] and each row's query at its slot's
+    `query_positions` ([S] or [S, kv_heads]); without, both are taken as already rotated. `probs`
+    [B, kv_heads, capacity] float32, when given, receives per row each KV group's mean attention
+    probabilities over the live entries (0 past the length). `num_splits` overrides the split-K
+    count (default: `default_splits`, from shapes and the SM count). No host synchronisation and
+    no allocation sized from device values: safe to capture in a CUDA graph.
+    """
+    check_decode_batch_inputs(query, keys, values, rows, lengths, cos, sin, key_positions, query_positions, probs)
+    if keys.stride(-1) != 1 or values.stride(-1) != 1:
+        raise KvpotError("decode attention reads keys/values rows in place: their last dimension must be contiguous")
+    given = (query, values, rows, lengths, cos, sin, key_positions, query_positions, probs)
+    if any(t is not None and t.device != keys.device for t in given):
+        raise KvpotError(f"decode attention needs every tensor on the cache's device ({keys.device})")
+    if num_splits is not None and num_splits < 1:
+        raise KvpotError(f"num_splits must be at least 1, got {num_splits}")
+    batch, heads, d = query.shape
+    _, kv, capacity, _ = keys.shape
+    g = heads // kv
+    device = query.device
+    out = torch.empty(batch, heads, d, dtype=query.dtype, device=device)
+    if batch == 0:  # nothing to launch (a grid of zero programs)
+        return out
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    block_m = _block_m(g)
+    tiles = triton.cdiv(g, block_m)
+    blocks = triton.cdiv(capacity, BLOCK_N)
+    splits = min(blocks, num_splits) if num_splits is not None else default_splits(kv, heads, capacity, device, batch)
+    flat = out.view(batch * heads, d)  # the merge and the kernels index rows b * heads + head
+    lse_final = torch.empty(batch * heads, dtype=torch.float32, device=device) if probs is not None else None
+    logits = torch.empty(batch * heads, capacity, dtype=torch.float32, device=device) if probs is not None else out
+    if splits > 1:
+        part = torch.empty(splits, batch * heads, d, dtype=torch.float32, device=device)
+        lse = torch.empty(splits, batch * heads, dtype=torch.float32, device=device)
+    else:  # one split: the kernel writes the output (and the log-sum-exp probs need) itself
+        part, lse = flat.unsqueeze(0), lse_final if lse_final is not None else out
+    tables, rope_strides = _rope_arguments(keys, lengths, cos, sin, key_positions, query_positions)
+    _decode_kernel[(batch * kv * tiles, splits)](
+        query, keys, values, rows, lengths, *tables, part, lse, logits, capacity, g, kv, splits, scaling,
+        query.stride(0), query.stride(1), rows.stride(0), lengths.stride(0),
+        *keys.stride()[:3], *values.stride()[:3], *rope_strides,
+        part.stride(0), part.stride(1), batch * heads,
+        ROPE=cos is not None, PROBS=probs is not None, SPLIT=splits > 1, HALF=d // 2,
+        IEEE=keys.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        num_warps=4, num_stages=_stages(d, keys, cos),
+    )
+    if splits > 1:
+        merge(part, lse, flat, lse_final)
+    if probs is not None:
+        _probs_kernel[(batch * kv, triton.cdiv(capacity, BLOCK_J))](
+            logits, lse_final, probs, rows, lengths, capacity, g, kv, rows.stride(0), lengths.stride(0),
+            *probs.stride(), BLOCK_G=max(2, triton.next_power_of_2(g)), BLOCK_J=BLOCK_J,
+        )
+    return out
 
 
 def decode_attention(
@@ -185,61 +313,24 @@ def decode_attention(
     """Attention [heads, dv] (query.dtype) of one token's `query` [heads, d] over entries
     `[0, length)` of `keys`/`values` [kv_heads, capacity, d] (any strides but the last).
 
-    `length`: [] int32/int64 on the device, >= 1. With cos/sin [P, d] (the model's table, attention
-    scaling included), keys are rotated while loading at `key_positions` [kv_heads, capacity] and
-    the query at `query_position` ([] or [kv_heads]); without, both are taken as already rotated.
+    `length`: [] int32/int64 on the device (0 gives zeros). With cos/sin [P, d] (the model's table,
+    attention scaling included), keys are rotated while loading at `key_positions` [kv_heads,
+    capacity] and the query at `query_position` ([] or [kv_heads]); without, both are taken as
+    already rotated.
     `probs` [kv_heads, capacity] float32, when given, receives each KV group's mean attention
     probabilities over the live entries (0 past `length`). `num_splits` overrides the split-K
     count (default: `default_splits`, from shapes and the SM count). No host synchronisation and
     no allocation sized from device values: safe to capture in a CUDA graph.
+
+    The batch of one row over one slot: `decode_attention_batch` on views, so one kernel serves both.
     """
     check_decode_inputs(query, keys, values, length, cos, sin, key_positions, query_position, probs)
-    if keys.stride(-1) != 1 or values.stride(-1) != 1:
-        raise KvpotError("decode attention reads keys/values rows in place: their last dimension must be contiguous")
-    given = (query, values, length, cos, sin, key_positions, query_position, probs)
-    if any(t is not None and t.device != keys.device for t in given):
-        raise KvpotError(f"decode attention needs every tensor on the cache's device ({keys.device})")
-    if num_splits is not None and num_splits < 1:
-        raise KvpotError(f"num_splits must be at least 1, got {num_splits}")
-    heads, d = query.shape
-    kv, capacity, _ = keys.shape
-    g = heads // kv
-    device = query.device
-    if query.stride(-1) != 1:
-        query = query.contiguous()
-    block_m = _block_m(g)
-    tiles = triton.cdiv(g, block_m)
-    blocks = triton.cdiv(capacity, BLOCK_N)
-    splits = min(blocks, num_splits) if num_splits is not None else default_splits(kv, heads, capacity, device)
-    out = torch.empty(heads, d, dtype=query.dtype, device=device)
-    lse_final = torch.empty(heads, dtype=torch.float32, device=device) if probs is not None else None
-    logits = torch.empty(heads, capacity, dtype=torch.float32, device=device) if probs is not None else out
-    if splits > 1:
-        part = torch.empty(splits, heads, d, dtype=torch.float32, device=device)
-        lse = torch.empty(splits, heads, dtype=torch.float32, device=device)
-    else:  # one split: the kernel writes the output (and the log-sum-exp probs need) itself
-        part, lse = out.unsqueeze(0), lse_final if lse_final is not None else out
-    rope = cos is not None
-    if rope:
-        stride_qp = 0 if query_position.numel() == 1 else query_position.stride(0)
-        tables = (cos, sin, key_positions, query_position)
-        rope_strides = (key_positions.stride(0), key_positions.stride(1), stride_qp, cos.stride(0))
-        if cos.stride(1) != 1 or sin.stride() != cos.stride():
-            raise KvpotError("decode attention wants cos/sin tables with contiguous rows and equal strides")
-    else:
-        tables, rope_strides = (keys, keys, length, length), (0, 0, 0, 0)
-    _decode_kernel[(kv * tiles, splits)](
-        query, keys, values, length, *tables, part, lse, logits, capacity, g, splits, scaling,
-        query.stride(0), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), *rope_strides,
-        part.stride(0), part.stride(1), heads,
-        ROPE=rope, PROBS=probs is not None, SPLIT=splits > 1, HALF=d // 2, IEEE=keys.dtype == torch.float32,
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, num_warps=4, num_stages=_stages(d, keys, cos),
+    if query_position is not None:  # [] -> [S = 1]; [kv_heads] -> [1, kv_heads]
+        query_position = query_position.reshape(1) if query_position.numel() == 1 else query_position[None]
+    rows = torch.zeros(1, dtype=torch.int64, device=keys.device)  # the one row reads slot 0
+    out = decode_attention_batch(
+        query[None], keys[None], values[None], rows, length.reshape(1), scaling, cos, sin,
+        None if key_positions is None else key_positions[None], query_position,
+        None if probs is None else probs[None], num_splits,
     )
-    if splits > 1:
-        merge(part, lse, out, lse_final)
-    if probs is not None:
-        _probs_kernel[(kv, triton.cdiv(capacity, BLOCK_J))](
-            logits, lse_final, probs, length, capacity, g, probs.stride(0), probs.stride(1),
-            BLOCK_G=max(2, triton.next_power_of_2(g)), BLOCK_J=BLOCK_J,
-        )
-    return out
+    return out[0]
