@@ -41,6 +41,9 @@ class StepLayer(CacheLayerMixin):
         self.step, self.index = cache, index
         self.storage = cache.pool.layers[index]
         self.heads = torch.arange(self.storage.kv_heads, device=cache.pool.device).view(1, -1)
+        # a device scalar: writing a Python float through advanced indexing copies it from the host,
+        # which a CUDA graph capture refuses
+        self.zero = torch.zeros((), dtype=torch.float32, device=cache.pool.device)
         self.is_initialized = True
 
     def lazy_initialization(self, key_states, value_states) -> None:  # the pool is allocated already
@@ -64,7 +67,7 @@ class StepLayer(CacheLayerMixin):
         storage.positions[at] = step.stream_positions[:, None].expand(-1, storage.kv_heads)
         storage.rope_positions[at] = rope_new[:, None].expand(-1, storage.kv_heads)
         for score in storage.scores.values():
-            score[at] = 0.0
+            score[at] = self.zero
         storage.query_position[rows] = rope_new
         lengths[rows] = index + 1
         step.appended[self.index] = index
