@@ -243,3 +243,18 @@ def test_every_architecture_batches(arch, name, prompts, one_thread):
     expected = alone(model, method, prompts[:3], new=12)
     _, requests = batched(model, method, prompts[:3], slots=2, capacity=capacity, new=12)
     assert [r.tokens for r in requests] == [e.token_ids for e in expected]
+
+
+@pytest.mark.parametrize("name", ["infinipot", "infinipot-question", "full", "d2o", "citrus"])
+def test_a_small_prefill_budget_changes_no_token(model, prompts, name, one_thread):
+    """`prefill_tokens` caps forwards of chunk-invariant methods (InfiniPot, Full, D2O) and only spreads
+    other methods' chunks over more steps: the tokens stay those of one request alone."""
+    method, capacity = methods()[name]
+    expected = alone(model, method, prompts[:3], new=12)
+    engine = kvpot.Engine(model, method=method)
+    scheduler = Scheduler(engine, slots=2, capacity=capacity, prefill_tokens=16, decode="static")
+    requests = [Request(c, q, max_new_tokens=12, ignore_eos=True) for c, q in prompts[:3]]
+    run_all(scheduler, requests)
+    assert [r.tokens for r in requests] == [e.token_ids for e in expected]
+    if method.chunk_invariant:
+        assert scheduler.report["prefill_forwards"] >= sum(len(c) + len(q) for c, q in prompts[:3]) // 16

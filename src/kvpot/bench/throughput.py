@@ -115,6 +115,8 @@ def _batched(config: BenchConfig, engine, prompts: dict, state) -> dict:
     warm = [Request(random_tokens(vocab, WARMUP_PROMPT, config.seed + index, config.device), q, max_new_tokens=4,
                     ignore_eos=True) for index, q in enumerate(prompts["questions"][: scheduler.pool.slots])]
     run_all(scheduler, warm)
+    scheduler.report = dict.fromkeys(scheduler.report, 0)  # the timed workload's counts alone
+    captured = scheduler.decoder.captures
     requests = _requests(config, prompts, state)
     before = reset_peak(config.devices)
     synchronize(config.devices)
@@ -128,7 +130,8 @@ def _batched(config: BenchConfig, engine, prompts: dict, state) -> dict:
             "memory_before_bytes": before, "slots": scheduler.pool.slots, "capacity": scheduler.capacity,
             "slot_bytes": scheduler.slot_bytes(), "pool_bytes": scheduler.pool.nbytes,
             "prefill_tokens_per_step": scheduler.prefill_tokens, "scheduler": dict(scheduler.report),
-            "graphs": {"captures": scheduler.decoder.captures, "replays": scheduler.decoder.replays},
+            "graphs": {"captures": scheduler.decoder.captures, "captured_in_warmup": captured,
+                       "replays": scheduler.decoder.replays},
             "max_kv_entries": max(r.stats.max_kv_entries for r in requests)}
 
 

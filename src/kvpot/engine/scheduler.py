@@ -97,7 +97,8 @@ class Scheduler:
         self.batched = batched_method(self.method) and not rope_dynamic and not self.pool.policy.raw_keys
         self.steady_ok = batchable_request(self.method.decode_request("steady"))
         self.append_ok = batchable_request(self.method.decode_request("append"))
-        self.report = {"steps": 0, "batched_rows": 0, "eager_rows": 0, "steady_rows": 0, "prefill_forwards": 0}
+        self.report = {"steps": 0, "batched_rows": 0, "eager_rows": 0, "steady_rows": 0, "prefill_forwards": 0,
+                       "decode_seconds": 0.0, "prefill_seconds": 0.0, "deliver_seconds": 0.0}
 
     # ------------------------------------------------------------------ sizing
     def _capacity(self, capacity: int | None, question_room: int) -> int:
@@ -187,12 +188,20 @@ class Scheduler:
     def step(self) -> list[Request]:
         """Advance every request by one step; returns the requests that ended in it."""
         ended: list[Request] = []
+        begun = time.perf_counter()
         self._drop_cancelled(ended)
         self._admit(ended)
         fresh = self._decode(ended)
+        decoded = time.perf_counter()
         fresh += self._prefill(ended)
+        read = time.perf_counter()
         self._deliver(fresh, ended)
-        self.report["steps"] += 1
+        report = self.report
+        report["steps"] += 1
+        # host wall time per phase: launches, Python, and (deliver) the wait for the device
+        report["decode_seconds"] += decoded - begun
+        report["prefill_seconds"] += read - decoded
+        report["deliver_seconds"] += time.perf_counter() - read
         return ended
 
     def _drop_cancelled(self, ended: list[Request]) -> None:
@@ -238,6 +247,7 @@ class Scheduler:
                 continue
             try:
                 while budget > 0:
+                    active.run.max_chunk = budget
                     size = next(active.reading, None)
                     if size is None:
                         self._start_decoding(active)

@@ -84,6 +84,10 @@ class Method:
         return bound if bound is not None else context + question + new_tokens
 
     needs_token_nll: ClassVar[bool] = False  # engine fills Step.token_nll (InfiniPot's NuC)
+    # Reading a segment in smaller forwards than `next_chunk` asks changes nothing but speed (no eviction
+    # depends on where a forward ends): the batched scheduler then caps forwards at its per-step budget,
+    # so users already decoding wait for at most that many prompt tokens between their tokens.
+    chunk_invariant: ClassVar[bool] = False
 
     def prefill_chunk(self) -> int:
         """Tokens per prefill forward; activations are bounded by it."""

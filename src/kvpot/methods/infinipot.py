@@ -68,6 +68,8 @@ class InfiniPot(Method):
     paper = "Kim et al. 2024, InfiniPot: Infinite Context Processing on Memory-Constrained LLMs"
     bound = "pot_size (cache + chunk + catalyst)"
     needs_token_nll = True
+    # the pot distills when full, wherever forwards end; a token's NuC uses the logits before it either way
+    chunk_invariant = True
     pot_size: int = 2048
     compress_size: int | None = None
     nuc_ratio: float = 0.5

@@ -21,6 +21,7 @@ class Truncate(Method):
     bound = "budget + question tokens + generated tokens"
     budget: int = 2048
     chunk_size: int = 2048
+    chunk_invariant = True  # nothing is evicted while reading
 
     def __post_init__(self):
         check_positive(self, "budget", "chunk_size")

@@ -65,6 +65,7 @@ class D2O(Method):
     layer_budget: bool = True
     chunk_size: int = 2048
     positions: str = "absolute"
+    chunk_invariant = True  # the prompt's column sums add up over forwards; eviction waits for its end
 
     def __post_init__(self):
         if not 0.0 < float(self.ratio) <= 1.0:
