@@ -246,7 +246,8 @@ class Scheduler:
             if active.request.status != "prefilling":
                 continue
             try:
-                while budget > 0:
+                # a forward's cost is mostly the weights' read: a sliver of budget left is not worth one
+                while budget > 0 and (budget == self.prefill_tokens or budget >= self.prefill_tokens // 4):
                     active.run.max_chunk = budget
                     size = next(active.reading, None)
                     if size is None:
@@ -257,7 +258,7 @@ class Scheduler:
                     self.report["prefill_forwards"] += 1
             except KvpotError as err:
                 self._fail(active.request, err, ended)
-            if budget <= 0:
+            if budget < self.prefill_tokens // 4:
                 break
         for slot in done:
             if self.active[slot].request.max_new_tokens == 0:
