@@ -258,3 +258,21 @@ def test_a_small_prefill_budget_changes_no_token(model, prompts, name, one_threa
     assert [r.tokens for r in requests] == [e.token_ids for e in expected]
     if method.chunk_invariant:
         assert scheduler.report["prefill_forwards"] >= sum(len(c) + len(q) for c, q in prompts[:3]) // 16
+
+
+@pytest.mark.gpu
+def test_graphs_survive_a_longer_request_growing_the_rope_table(prompts):
+    """A request at a far later stream position grows the RoPE table (absolute positions): the captured
+    graphs are dropped with their memory pool and captured again, and tokens stay those alone."""
+    model = build("llama3").cuda()
+    method, capacity = methods()["snapkv"]
+    engine = kvpot.Engine(model, method=method)
+    scheduler = Scheduler(engine, slots=2, capacity=5000, decode="graph")
+    short = [(torch.tensor(c).cuda(), torch.tensor(q).cuda()) for c, q in prompts[:2]]
+    run_all(scheduler, [Request(c, q, max_new_tokens=NEW, ignore_eos=True) for c, q in short])
+    torch.manual_seed(3)
+    long = [(torch.randint(3, VOCAB, (4500,)).cuda(), torch.tensor(prompts[0][1]).cuda())]
+    expected = alone(model, method, long)
+    requests = [Request(c, q, max_new_tokens=NEW, ignore_eos=True) for c, q in long]
+    run_all(scheduler, requests)
+    assert requests[0].tokens == expected[0].token_ids

@@ -237,11 +237,15 @@ class BatchDecoder:
         """RoPE tables big enough for every position this pool will see, before any capture reads them;
         a table that had to grow makes the captured graphs stale."""
         like = self.pool.layers[0].keys
-        tables = self.engine.rope.table(max(self.pool.capacity, self.max_position) + 1, like)
+        # rank policies rotate by entry index (below the capacity); absolute ones by stream position
+        needed = max(self.pool.capacity, self.max_position if self.pool.policy.stores_rotated else 0)
+        tables = self.engine.rope.table(needed + 1, like)
         identity = () if tables is None else tuple(t.data_ptr() for t in tables)
         if identity != self._tables:
             self.graphs.clear()
             self.warm.clear()
+            # the graphs' private memory pool goes with its last graph: capture into a new one
+            self.graph_pool = None
             self._tables = identity
 
     def _run(self, bucket: int, observe: AttentionRequest | None, sampling: bool) -> None:
