@@ -27,6 +27,7 @@ import time
 from kvpot.bench.common import IdTokenizer, checkpoint, free_memory, mark_oom, peak_memory, random_tokens, \
     reset_peak, synchronize
 from kvpot.bench.config import BenchConfig
+from kvpot.errors import KvpotError
 
 WARMUP_PROMPT = 256  # warm-up prompts: long enough for one chunk of every method, short enough to cost nothing
 
@@ -52,6 +53,8 @@ def bench_throughput(config: BenchConfig, model, runs, results, progress) -> Non
                         row.update(_hf_guarded(config, model, prompts))
                     else:
                         row.update(_kvpot_row(config, model, entry, prompts, kind))
+                except KvpotError as err:  # a method that cannot run this workload: say why, go on
+                    row["error"] = str(err)
                 except Exception as err:  # noqa: BLE001 - only out-of-memory errors are recorded
                     mark_oom(row, err)
                 free_memory(config.devices)

@@ -34,6 +34,7 @@ import torch
 
 from kvpot.engine.batch import BatchDecoder, batchable_request, batched_method
 from kvpot.engine.decoding import resolve_mode
+from kvpot.engine.evict import batch_evictable, evict_rows
 from kvpot.engine.pool import SlotPool, slot_nbytes
 from kvpot.engine.requests import QueueFull, Request
 from kvpot.engine.results import _Run
@@ -312,17 +313,42 @@ class Scheduler:
                 for _, active in batch:
                     self._fail(active.request, err, ended)
                 return stepped
+            steady = []
             for row, (slot, active) in enumerate(batch):
                 self._appended(active)
                 if plans[slot] == "steady":
-                    try:
-                        self._evict(row, slot, active)
-                    except KvpotError as err:
-                        self._fail(active.request, err, ended)
-                        continue
+                    steady.append((row, slot, active))
                 stepped.append(slot)
+            self._evict_steady(steady, ended)
             self.report["batched_rows"] += len(batch)
-        return stepped
+        return [slot for slot in stepped if slot in self.active]
+
+    def _evict_steady(self, steady: list[tuple[int, int, _Active]], ended: list[Request]) -> None:
+        """Rows at their budget evict back to it: together where the method's eviction is the base
+        class's (slots at the same counts in one pass per layer), else one slot at a time."""
+        if not steady:
+            return
+        self.report["steady_rows"] += len(steady)
+        if batch_evictable(self.method):
+            groups: dict[tuple, list] = {}
+            for item in steady:
+                groups.setdefault(tuple(item[2].run.cache.lengths()), []).append(item)
+            for group in groups.values():
+                try:
+                    evict_rows(self.method, self.pool, [a.run.cache for _, _, a in group], [r for r, _, _ in group],
+                               [s for _, s, _ in group])
+                except KvpotError as err:
+                    for _, _, active in group:
+                        self._fail(active.request, err, ended)
+                    continue
+                for _, _, active in group:
+                    active.run.stats.compressions += 1
+            return
+        for row, slot, active in steady:
+            try:
+                self._evict(row, slot, active)
+            except KvpotError as err:
+                self._fail(active.request, err, ended)
 
     def _appended(self, active: _Active) -> None:
         """The host mirror of a batched append (the device did it)."""
@@ -347,7 +373,6 @@ class Scheduler:
         for layer in cache.layers:
             layer.observation = None
         self.pool.sync_lengths(slot)
-        self.report["steady_rows"] += 1
 
     def _eager_step(self, slot: int, active: _Active) -> None:
         """The one-sequence engine's forward on this slot (a distillation, a chunk eviction, a sparse

@@ -1,0 +1,76 @@
+"""Per-token eviction for many pool slots at once (the batched engine's "steady" rows).
+
+A method at its budget (StreamingLLM, H2O, TOVA) appends each generated token and evicts back to the
+same count. One slot at a time that is ~15 small kernels per layer and slot; here the slots at the
+same counts go together: per layer, their entries are gathered into a `RowsView` that looks to the
+method like one `PotLayer` with a batch of rows, the method's own `update_scores`, `keep_count` and
+`scores` run on it unchanged, one top-k selects for every row, and the kept entries (keys, values,
+positions, scores) are written back to the pool in place. A method whose `after_forward` is not
+`EvictionMethod`'s (D2O's merges, CItruS) keeps the one-slot path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvpot.methods.base import DECODE_STEP, EvictionMethod, top_indices
+
+
+def batch_evictable(method) -> bool:
+    """Whether the method's eviction after a decoding step is `EvictionMethod`'s, so it can run batched."""
+    return isinstance(method, EvictionMethod) and type(method).after_forward is EvictionMethod.after_forward
+
+
+class RowsView:
+    """Layer `storage` of several slots (`rows`), all holding `n` entries, as one batched layer."""
+
+    def __init__(self, storage, rows: torch.Tensor, n: int, observation: torch.Tensor | None):
+        self.storage, self.rows, self.n = storage, rows, n
+        self.batch, self.kv_heads, self.device = rows.numel(), storage.kv_heads, storage.device
+        self.observation = observation  # [B, kv_heads, n]: each row's step observation
+        self.gathered: dict[str, torch.Tensor] = {}  # score name -> [B, kv_heads, n] (written back after)
+
+    def score(self, name: str) -> torch.Tensor:
+        if name not in self.gathered:
+            self.gathered[name] = self.storage.score(name)[self.rows, :, : self.n]
+        return self.gathered[name]
+
+
+def evict_rows(method: EvictionMethod, pool, caches: list, batch_rows: list[int], slots: list[int]) -> None:
+    """Evict every layer of `slots` (their caches `caches`, rows `batch_rows` of the step just run) back to
+    the method's keep count, as `method.after_forward(cache, DECODE_STEP)` would for each alone."""
+    device = pool.device
+    rows = torch.tensor(slots, dtype=torch.long).to(device, non_blocking=True)
+    picks = torch.tensor(batch_rows, dtype=torch.long).to(device, non_blocking=True)
+    renumbers = pool.policy.renumbers
+    for index, storage in enumerate(pool.layers):
+        n = caches[0].layers[index].n  # the same in every slot of the group
+        probs = storage.probs
+        view = RowsView(storage, rows, n, None if probs is None else probs[picks, :, :n])
+        method.update_scores(view, DECODE_STEP)
+        if n <= (keep := method.keep_count(view, DECODE_STEP)):
+            _write_scores(view, rows, n)
+            continue
+        chosen = top_indices(method.scores(view, DECODE_STEP), keep).expand(len(slots), storage.kv_heads, -1)
+        for name in ("keys", "values"):
+            buf = getattr(storage, name)
+            at = chosen.unsqueeze(-1).expand(-1, -1, -1, buf.shape[-1])
+            buf[rows, :, :keep] = torch.gather(buf[rows, :, :n], 2, at)
+        # rank policies renumber 0..keep-1, which the first `keep` entries already hold
+        for buf in (storage.positions, *(() if renumbers else (storage.rope_positions,))):
+            buf[rows, :, :keep] = torch.gather(buf[rows, :, :n], 2, chosen)
+        for name, values in view.gathered.items():
+            storage.score(name)[rows, :, :keep] = torch.gather(values, 2, chosen)
+        pool.lengths[index, rows] = keep
+        for cache in caches:
+            layer = cache.layers[index]
+            layer.n, layer.n_new = keep, 0
+            layer.rotated_valid = 0  # a CPU layer's rotated copy no longer matches its entries
+            if not pool.policy.stores_rotated:
+                layer.max_rope = keep - 1
+
+
+def _write_scores(view: RowsView, rows: torch.Tensor, n: int) -> None:
+    """Scores updated without an eviction (a layer below its keep count) go back as they are."""
+    for name, values in view.gathered.items():
+        view.storage.score(name)[rows, :, :n] = values
