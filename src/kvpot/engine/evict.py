@@ -70,6 +70,20 @@ def evict_rows(method: EvictionMethod, pool, caches: list, batch_rows: list[int]
                 layer.max_rope = keep - 1
 
 
+def evict_one(method, pool, cache, row: int, slot: int) -> bool:
+    """One slot at its budget: the method's own `after_forward`, with row `row`'s observation of the
+    step just run (D2O's merges, any method without the batched form). True if it evicted."""
+    for layer in cache.layers:
+        probs = layer.storage.probs
+        layer.observation = None if probs is None else probs[row : row + 1, :, : layer.n]
+    try:
+        return method.after_forward(cache, DECODE_STEP)
+    finally:
+        for layer in cache.layers:
+            layer.observation = None
+        pool.sync_lengths(slot)
+
+
 def _write_scores(view: RowsView, rows: torch.Tensor, n: int) -> None:
     """Scores updated without an eviction (a layer below its keep count) go back as they are."""
     for name, values in view.gathered.items():

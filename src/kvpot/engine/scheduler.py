@@ -34,13 +34,13 @@ import torch
 
 from kvpot.engine.batch import BatchDecoder, batchable_request, batched_method
 from kvpot.engine.decoding import resolve_mode
-from kvpot.engine.evict import batch_evictable, evict_rows
+from kvpot.engine.evict import batch_evictable, evict_one, evict_rows
 from kvpot.engine.pool import SlotPool, slot_nbytes
 from kvpot.engine.requests import QueueFull, Request
 from kvpot.engine.results import _Run
 from kvpot.engine.sampling import _as_ids, _eos_ids
 from kvpot.errors import KvpotError
-from kvpot.methods.base import DECODE_STEP, Step
+from kvpot.methods.base import Step
 from kvpot.models.devices import peak_memory
 
 @dataclass
@@ -346,7 +346,8 @@ class Scheduler:
             return
         for row, slot, active in steady:
             try:
-                self._evict(row, slot, active)
+                if evict_one(self.method, self.pool, active.run.cache, row, slot):
+                    active.run.stats.compressions += 1
             except KvpotError as err:
                 self._fail(active.request, err, ended)
 
@@ -361,18 +362,6 @@ class Scheduler:
                 layer.max_rope = layer.n - 1
         cache.note_entries(max(layer.n for layer in cache.layers))
         run.next_position += 1
-
-    def _evict(self, row: int, slot: int, active: _Active) -> None:
-        """A row at its budget: the method's own eviction, with the batched step's observation."""
-        cache = active.run.cache
-        for layer in cache.layers:
-            probs = layer.storage.probs
-            layer.observation = None if probs is None else probs[row : row + 1, :, : layer.n]
-        if self.method.after_forward(cache, DECODE_STEP):
-            active.run.stats.compressions += 1
-        for layer in cache.layers:
-            layer.observation = None
-        self.pool.sync_lengths(slot)
 
     def _eager_step(self, slot: int, active: _Active) -> None:
         """The one-sequence engine's forward on this slot (a distillation, a chunk eviction, a sparse
