@@ -43,6 +43,9 @@ def evict_rows(method: EvictionMethod, pool, caches: list, batch_rows: list[int]
     rows = torch.tensor(slots, dtype=torch.long).to(device, non_blocking=True)
     picks = torch.tensor(batch_rows, dtype=torch.long).to(device, non_blocking=True)
     renumbers = pool.policy.renumbers
+    # slots are handed out lowest first, so a group is usually a run of neighbours: then plain slices
+    # (strided copies at the memory's speed) replace advanced indexing (an index computed per element)
+    span = slice(slots[0], slots[-1] + 1) if slots == list(range(slots[0], slots[-1] + 1)) else None
     for index, storage in enumerate(pool.layers):
         n = caches[0].layers[index].n  # the same in every slot of the group
         probs = storage.probs
@@ -55,12 +58,12 @@ def evict_rows(method: EvictionMethod, pool, caches: list, batch_rows: list[int]
         for name in ("keys", "values"):
             buf = getattr(storage, name)
             at = chosen.unsqueeze(-1).expand(-1, -1, -1, buf.shape[-1])
-            buf[rows, :, :keep] = torch.gather(buf[rows, :, :n], 2, at)
+            _put(buf, rows, span, keep, torch.gather(_take(buf, rows, span, n), 2, at))
         # rank policies renumber 0..keep-1, which the first `keep` entries already hold
         for buf in (storage.positions, *(() if renumbers else (storage.rope_positions,))):
-            buf[rows, :, :keep] = torch.gather(buf[rows, :, :n], 2, chosen)
+            _put(buf, rows, span, keep, torch.gather(_take(buf, rows, span, n), 2, chosen))
         for name, values in view.gathered.items():
-            storage.score(name)[rows, :, :keep] = torch.gather(values, 2, chosen)
+            _put(storage.score(name), rows, span, keep, torch.gather(values, 2, chosen))
         pool.lengths[index, rows] = keep
         for cache in caches:
             layer = cache.layers[index]
@@ -68,6 +71,18 @@ def evict_rows(method: EvictionMethod, pool, caches: list, batch_rows: list[int]
             layer.rotated_valid = 0  # a CPU layer's rotated copy no longer matches its entries
             if not pool.policy.stores_rotated:
                 layer.max_rope = keep - 1
+
+
+def _take(buf: torch.Tensor, rows: torch.Tensor, span: slice | None, n: int) -> torch.Tensor:
+    """The first `n` entries of the rows' slots: a view when they are neighbours, else a gathered copy."""
+    return buf[span, :, :n] if span is not None else buf[rows, :, :n]
+
+
+def _put(buf: torch.Tensor, rows: torch.Tensor, span: slice | None, keep: int, kept: torch.Tensor) -> None:
+    if span is not None:
+        buf[span, :, :keep].copy_(kept)
+    else:
+        buf[rows, :, :keep] = kept
 
 
 def evict_one(method, pool, cache, row: int, slot: int) -> bool:
