@@ -247,9 +247,12 @@ class Scheduler:
             if active.request.status != "prefilling":
                 continue
             try:
-                # a forward's cost is mostly the weights' read: a sliver of budget left is not worth one
-                while budget > 0 and (budget == self.prefill_tokens or budget >= self.prefill_tokens // 4):
-                    active.run.max_chunk = budget
+                # a forward costs at least the weights' read: a sliver of budget left is not worth one.
+                # Forwards are capped at the whole budget, not at what is left of it: a cap that followed
+                # the remainder would cut a method's chunks out of step with its own cycle (InfiniPot's
+                # pot) and double its forwards for good; a step may so read up to one forward past it.
+                while budget >= max(1, self.prefill_tokens // 4):
+                    active.run.max_chunk = self.prefill_tokens
                     size = next(active.reading, None)
                     if size is None:
                         self._start_decoding(active)
