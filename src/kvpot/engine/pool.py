@@ -197,3 +197,42 @@ def slot_nbytes(config, capacity: int, dtype: torch.dtype, scores: int = 1, obse
     element = torch.empty((), dtype=dtype).element_size()
     per_entry = 2 * head_dim * element + 2 * 8 + 4 * scores + (4 if observed else 0)
     return config.num_hidden_layers * kv_heads * capacity * per_entry
+
+
+def slot_bytes(engine, capacity: int, dtype: torch.dtype | None = None) -> int:
+    """Bytes one slot of `capacity` entries takes for `engine`'s model: KV, positions, two score arrays,
+    the observation row, and the slot's last logits (float32)."""
+    dtype = dtype or engine.head.weight.dtype
+    vocab = engine.head.weight.shape[0]
+    return slot_nbytes(engine.model.config, capacity, dtype, scores=2) + 4 * vocab
+
+
+def slot_capacity(method, capacity: int | None, question_room: int) -> int:
+    """Entries per slot: `capacity` if given, else the method's bound (with room for a question where the
+    bound counts it); a method whose cache grows with the input needs it given."""
+    if capacity is None:
+        if method.max_entries() is None:
+            raise KvpotError(f"{method.name} keeps a cache that grows with the input; give the batch a "
+                             "capacity (KV entries per sequence: prompt + new tokens).")
+        return method.entries_needed(0, question_room, 0)
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+        raise KvpotError(f"capacity must be a positive integer, got {capacity!r}.")
+    return capacity
+
+
+def slot_count(engine, capacity: int, slots: int | None, max_slots: int, fraction: float, dtype: torch.dtype) -> int:
+    """`slots` if given, else as many as fit in `fraction` of the GPU's free memory (at most `max_slots`),
+    or 8 on a CPU."""
+    if slots is not None:
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+            raise KvpotError(f"slots must be a positive integer, got {slots!r}.")
+        return slots
+    if engine.device.type != "cuda":
+        return min(8, max_slots)
+    per_slot = slot_bytes(engine, capacity, dtype)
+    free, _ = torch.cuda.mem_get_info(engine.device)
+    fits = int(free * fraction) // per_slot
+    if fits < 1:
+        raise KvpotError(f"one slot of {capacity:,} entries takes {per_slot / 2**30:.2f} GiB and only "
+                         f"{free / 2**30:.2f} GiB of GPU memory is free; lower the capacity or free memory.")
+    return min(fits, max_slots)

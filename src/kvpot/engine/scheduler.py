@@ -35,7 +35,7 @@ import torch
 from kvpot.engine.batch import BatchDecoder, batchable_request, batched_method
 from kvpot.engine.decoding import resolve_mode
 from kvpot.engine.evict import batch_evictable, evict_one, evict_rows
-from kvpot.engine.pool import SlotPool, slot_nbytes
+from kvpot.engine.pool import SlotPool, slot_bytes, slot_capacity, slot_count
 from kvpot.engine.requests import QueueFull, Request
 from kvpot.engine.results import _Run
 from kvpot.engine.sampling import _as_ids, _eos_ids
@@ -83,9 +83,9 @@ class Scheduler:
             raise KvpotError("batched decoding runs fixed-shape steps: decode must be 'auto', 'graph' or 'static'.")
         mode = "static" if decode == "auto" and engine.device.type != "cuda" else resolve_mode(decode, engine.device)
         self.engine, self.method = engine, engine.method
-        self.capacity = self._capacity(capacity, question_room)
+        self.capacity = slot_capacity(self.method, capacity, question_room)
         dtype = engine.head.weight.dtype
-        slots = self._slots(slots, max_slots, memory_fraction, dtype)
+        slots = slot_count(engine, self.capacity, slots, max_slots, memory_fraction, dtype)
         config = engine.model.config
         self.pool = SlotPool(config, engine.rope, _policy(engine), slots, self.capacity, dtype, engine.device)
         self.decoder = BatchDecoder(engine, self.pool, graphs=mode == "graph")
@@ -98,42 +98,13 @@ class Scheduler:
         self.batched = batched_method(self.method) and not rope_dynamic and not self.pool.policy.raw_keys
         self.steady_ok = batchable_request(self.method.decode_request("steady"))
         self.append_ok = batchable_request(self.method.decode_request("append"))
+        self.pending: list[tuple] = []  # staged tokens: (slots, requests, tokens, event), delivered next step
         self.report = {"steps": 0, "batched_rows": 0, "eager_rows": 0, "steady_rows": 0, "prefill_forwards": 0,
                        "decode_seconds": 0.0, "prefill_seconds": 0.0, "deliver_seconds": 0.0}
 
-    # ------------------------------------------------------------------ sizing
-    def _capacity(self, capacity: int | None, question_room: int) -> int:
-        needed = self.method.entries_needed(0, question_room, 0) if self.method.max_entries() is not None else None
-        if capacity is None:
-            if needed is None:
-                raise KvpotError(f"{self.method.name} keeps a cache that grows with the input; give the batch a "
-                                 "capacity (KV entries per sequence: prompt + new tokens).")
-            return needed
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-            raise KvpotError(f"capacity must be a positive integer, got {capacity!r}.")
-        return capacity
-
-    def _slots(self, slots: int | None, max_slots: int, fraction: float, dtype: torch.dtype) -> int:
-        if slots is not None:
-            if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
-                raise KvpotError(f"slots must be a positive integer, got {slots!r}.")
-            return slots
-        device = self.engine.device
-        if device.type != "cuda":
-            return min(8, max_slots)
-        per_slot = self.slot_bytes(dtype)
-        free, _ = torch.cuda.mem_get_info(device)
-        fits = int(free * fraction) // per_slot
-        if fits < 1:
-            raise KvpotError(f"one slot of {self.capacity:,} entries takes {per_slot / 2**30:.2f} GiB and only "
-                             f"{free / 2**30:.2f} GiB of GPU memory is free; lower the capacity or free memory.")
-        return min(fits, max_slots)
-
     def slot_bytes(self, dtype: torch.dtype | None = None) -> int:
         """Bytes one slot takes (KV, positions, two score arrays, the observation row, its logits)."""
-        dtype = dtype or self.engine.head.weight.dtype
-        vocab = self.engine.head.weight.shape[0]
-        return slot_nbytes(self.engine.model.config, self.capacity, dtype, scores=2) + 4 * vocab
+        return slot_bytes(self.engine, self.capacity, dtype)
 
     # ------------------------------------------------------------------ feeding and draining
     def submit(self, request: Request) -> Request:
@@ -169,7 +140,7 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.active
+        return not self.waiting and not self.active and not self.pending
 
     @property
     def decoding(self) -> int:
@@ -190,19 +161,19 @@ class Scheduler:
         """Advance every request by one step; returns the requests that ended in it."""
         ended: list[Request] = []
         begun = time.perf_counter()
+        self._deliver(ended)  # the previous step's tokens: the device ran ahead while the host came back here
+        delivered = time.perf_counter()
         self._drop_cancelled(ended)
         self._admit(ended)
-        fresh = self._decode(ended)
+        self._stage(self._decode(ended))
         decoded = time.perf_counter()
-        fresh += self._prefill(ended)
-        read = time.perf_counter()
-        self._deliver(fresh, ended)
+        self._stage(self._prefill(ended))
         report = self.report
         report["steps"] += 1
-        # host wall time per phase: launches, Python, and (deliver) the wait for the device
-        report["decode_seconds"] += decoded - begun
-        report["prefill_seconds"] += read - decoded
-        report["deliver_seconds"] += time.perf_counter() - read
+        # host wall time per phase: launches and Python, and (deliver) the wait for the device
+        report["deliver_seconds"] += delivered - begun
+        report["decode_seconds"] += decoded - delivered
+        report["prefill_seconds"] += time.perf_counter() - decoded
         return ended
 
     def _drop_cancelled(self, ended: list[Request]) -> None:
@@ -378,32 +349,50 @@ class Scheduler:
         decoder.pick([slot])
         self.report["eager_rows"] += 1
 
-    def _deliver(self, slots: list[int], ended: list[Request]) -> None:
-        """Read the new tokens back (one synchronisation) and hand them to their requests."""
+    def _stage(self, slots: list[int]) -> None:
+        """Copy the new tokens of `slots` towards the host without waiting for them: they are handed
+        over at the start of the next step, so the device works on this step's remaining forwards (a
+        prefill chunk) while the host returns, delivers and launches the next one."""
         if not slots:
             return
         at = torch.tensor(slots, dtype=torch.long).to(self.pool.device, non_blocking=True)
-        tokens = self.decoder.last_token[at].tolist()
-        now = time.perf_counter()
-        for slot, token in zip(slots, tokens):
-            active = self.active.get(slot)
-            if active is None:
-                continue
-            request = active.request
-            request.tokens.append(token)
-            request.token_times.append(now)
-            if request.first_token_time is None:
-                request.first_token_time = now
-            if request.on_token is not None:
-                try:
-                    request.on_token(request, token)
-                except Exception as err:  # noqa: BLE001 - a consumer's error ends its own request only
-                    self._fail(request, err, ended)
+        tokens = self.decoder.last_token[at]
+        event = None
+        if tokens.is_cuda:
+            tokens = tokens.to("cpu", non_blocking=True)  # pinned by torch for a non-blocking copy
+            event = torch.cuda.Event()
+            event.record()
+        self.pending.append((slots, [self.active[slot].request for slot in slots], tokens, event))
+
+    def _deliver(self, ended: list[Request]) -> None:
+        """Hand the staged tokens to their requests: `on_token`, then an end at an end-of-sequence or
+        stop token or at `max_new_tokens` (which frees the slot at once)."""
+        pending, self.pending = self.pending, []
+        for slots, requests, tokens, event in pending:
+            if event is not None:
+                event.synchronize()
+            now = time.perf_counter()
+            for slot, request, token in zip(slots, requests, tokens.tolist()):
+                active = self.active.get(slot)
+                if active is None or active.request is not request or request.done:
                     continue
-            if token in active.eos:
-                self._end(request, "finished", "stop", ended)
-            elif len(request.tokens) >= request.max_new_tokens:
-                self._end(request, "finished", "length", ended)
+                self._hand_over(active, request, token, now, ended)
+
+    def _hand_over(self, active: _Active, request: Request, token: int, now: float, ended: list[Request]) -> None:
+        request.tokens.append(token)
+        request.token_times.append(now)
+        if request.first_token_time is None:
+            request.first_token_time = now
+        if request.on_token is not None:
+            try:
+                request.on_token(request, token)
+            except Exception as err:  # noqa: BLE001 - a consumer's error ends its own request only
+                self._fail(request, err, ended)
+                return
+        if token in active.eos:
+            self._end(request, "finished", "stop", ended)
+        elif len(request.tokens) >= request.max_new_tokens:
+            self._end(request, "finished", "length", ended)
 
     # ------------------------------------------------------------------ endings
     def _fail(self, request: Request, error: Exception, ended: list[Request]) -> None:
