@@ -140,5 +140,5 @@ def test_modules_stay_small():
 
 def test_the_top_level_holds_only_the_core():
     top = sorted(p.stem for p in ROOT.glob("*.py"))
-    assert top == ["__init__", "__main__", "attention", "cache", "errors", "positions", "reporting", "rope",
+    assert top == ["__init__", "__main__", "attention", "cache", "compat", "errors", "positions", "reporting", "rope",
                    "scoring"]
