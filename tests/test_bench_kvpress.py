@@ -25,6 +25,8 @@ FAKE_KVPRESS = '''
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from kvpot.compat import cache_from_kwargs  # the cache's keyword: past_key_values, or cache from transformers 5.24
+
 __version__ = "0.0-test"
 
 
@@ -33,7 +35,7 @@ class _Press:
     compression_ratio: float = 0.0
 
     def hook(self, module, args, kwargs, output):
-        cache, q_len = kwargs["past_key_values"], kwargs["hidden_states"].shape[1]
+        cache, q_len = cache_from_kwargs(kwargs), kwargs["hidden_states"].shape[1]
         layer = cache.layers[module.layer_idx]
         if layer.keys.shape[2] != q_len:  # only the prefill forward (the cache holds just its tokens)
             return output

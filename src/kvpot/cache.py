@@ -311,7 +311,7 @@ def _grow(buf: torch.Tensor, capacity: int, used: int, device: torch.device) -> 
 
 
 class PotCache(Cache):
-    """The cache kvpot's engine hands to the model (`past_key_values=`).
+    """The cache kvpot's engine hands to the model (`kvpot.compat.cache_kwargs`).
 
     Besides the entries, it carries what the attention function needs for the forward in
     progress: the original positions of the incoming tokens (`pending_positions`) and the

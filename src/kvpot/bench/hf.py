@@ -11,6 +11,7 @@ import statistics
 import time
 
 from kvpot.bench.common import SdpaFloor, peak_memory, reset_peak, synchronize
+from kvpot.compat import cache_kwargs
 
 
 def _prefill(model, ids, question, device: str):
@@ -23,8 +24,8 @@ def _prefill(model, ids, question, device: str):
     cache = DynamicCache()
     for part in (ids, question):
         if part.numel():
-            logits = model(input_ids=part.view(1, -1), past_key_values=cache, use_cache=True,
-                           logits_to_keep=1).logits[0, -1]
+            logits = model(input_ids=part.view(1, -1), use_cache=True, logits_to_keep=1,
+                           **cache_kwargs(model, cache)).logits[0, -1]
     synchronize(device)
     return cache, logits, time.perf_counter() - started
 
@@ -55,8 +56,8 @@ def hf_decode_row(model, ids, question, steps: int, warmup: int, device: str) ->
         for _ in range(warmup + steps):
             begun = time.perf_counter()
             token = int(logits.argmax())  # the read-back generate does for its stopping criteria
-            logits = model(input_ids=torch.tensor([[token]], device=device), past_key_values=cache,
-                           use_cache=True).logits[0, -1]
+            logits = model(input_ids=torch.tensor([[token]], device=device), use_cache=True,
+                           **cache_kwargs(model, cache)).logits[0, -1]
             synchronize(device)
             times.append(time.perf_counter() - begun)
     entries = cache.get_seq_length()

@@ -5,7 +5,7 @@ rows in a second interpreter whose PYTHONPATH puts a folder holding transformers
 (`benchmarks/kvpress-env/make_wheels.sh`; `kvpot.bench.kvpress.run_kvpress` launches this module).
 This module therefore imports only what works under transformers 5.2: torch, transformers, kvpress,
 and kvpot's light modules (`kvpot.models.shapes` for the random-weight model, `kvpot.bench.common`
-for the token ids), never the engine.
+for the token ids, `kvpot.compat` for the name the cache is passed under), never the engine.
 
 The protocol follows kvpress' own `KVPressTextGenerationPipeline`:
 
@@ -30,6 +30,8 @@ import json
 import statistics
 import sys
 import time
+
+from kvpot.compat import cache_kwargs
 
 PRESSES = {  # our name -> kvpress class name (defaults of each press are kvpress' own)
     "snapkv": "SnapKVPress",
@@ -108,11 +110,12 @@ def prefill(model, press, context, question, length: int):
     _sync(device)
     started = time.perf_counter()
     with press(model):
-        model.model(input_ids=context.view(1, -1), past_key_values=cache)
+        model.model(input_ids=context.view(1, -1), **cache_kwargs(model.model, cache))
     _sync(device)
     context_seconds = time.perf_counter() - started
     position_ids = torch.arange(length, length + question.numel(), device=context.device).unsqueeze(0)
-    out = model(input_ids=question.view(1, -1), past_key_values=cache, position_ids=position_ids, logits_to_keep=1)
+    out = model(input_ids=question.view(1, -1), position_ids=position_ids, logits_to_keep=1,
+                **cache_kwargs(model, cache))
     token = out.logits[0, -1].argmax()
     _sync(device)
     return cache, token, context_seconds, time.perf_counter() - started - context_seconds
@@ -134,8 +137,8 @@ def answer(model, press, context, question, max_new_tokens: int, eos_ids=()) -> 
         tokens.append(int(token))
         if tokens[-1] in eos_ids or step == max_new_tokens - 1:
             break
-        out = model(input_ids=token.view(1, 1), past_key_values=cache,
-                    position_ids=torch.tensor([[position + step]], device=token.device))
+        out = model(input_ids=token.view(1, 1), position_ids=torch.tensor([[position + step]], device=token.device),
+                    **cache_kwargs(model, cache))
         token = out.logits[0, -1].argmax()
     return tokens, kept
 
@@ -148,8 +151,8 @@ def decode(model, cache, token, position: int, steps: int) -> list[float]:
     times = []
     for i in range(steps):
         started = time.perf_counter()
-        out = model(input_ids=token.view(1, 1), past_key_values=cache,
-                    position_ids=torch.tensor([[position + i]], device=token.device))
+        out = model(input_ids=token.view(1, 1), position_ids=torch.tensor([[position + i]], device=token.device),
+                    **cache_kwargs(model, cache))
         token = out.logits[0, -1].argmax()
         _sync(device)
         times.append(time.perf_counter() - started)

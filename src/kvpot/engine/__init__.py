@@ -1,10 +1,16 @@
 """kvpot's engine: one model, one method, contexts read in chunks into a bounded cache.
 
-- `engine.py`: `Engine`, one sequence at a time (prefill, generate, probes, scoring);
-- `batch.py`: `BatchEngine`, many sequences at once over a slot pool (`pool.py`), driven step by
-  step by a `Scheduler` (`scheduler.py`) that the server and the evaluation runner feed and drain;
+One sequence at a time:
+- `engine.py`: `Engine` (prefill, generate, probes); `text.py` its text face, `score.py` scoring;
 - `decoding.py`: fixed-shape decoding steps captured as CUDA graphs; `sampling.py`: token picking;
 - `results.py`: what runs hand back; `state_io.py`: prefilled states on disk.
+
+Many sequences at once (continuous batching over bounded caches):
+- `pool.py`: `SlotPool`, per-layer KV with a slot dimension (a slot is also an ordinary `PotCache`);
+- `batch.py`: `BatchDecoder`, one forward appending a token to many slots (graphs per batch size);
+- `evict.py`: per-token eviction for many slots at once;
+- `requests.py`: `Request`, one sequence's life; `scheduler.py`: `Scheduler`, the step-driven loop that
+  the server and the evaluation runner feed and drain; `offline.py`: lists of requests run to the end.
 """
 
 from kvpot.engine.engine import Engine

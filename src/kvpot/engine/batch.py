@@ -1,7 +1,7 @@
 """Batched decoding: one forward appends a token to each of many pool slots (`kvpot.engine.pool`).
 
 A step takes B rows, each a slot of the pool, feeds each its last token, and through `StepCache`
-(what the model sees as `past_key_values`) writes each row's key and value at its slot's next
+(what the model is handed as its cache) writes each row's key and value at its slot's next
 entry; the attention reads every row's live entries with the batched decode kernel (RoPE applied
 on load from stored positions, per-slot lengths read on the device). Then the method's per-token
 work runs for all rows at once (`Method.batch_append`: H2O's accumulation, InfiniPot's NuC) and
@@ -84,7 +84,7 @@ class StepLayer(CacheLayerMixin):
 
 
 class StepCache(Cache):
-    """The `past_key_values` of a batched step; the kvpot attention function calls `attend`."""
+    """The cache a batched step hands the model; the kvpot attention function calls `attend`."""
 
     batched = True
 

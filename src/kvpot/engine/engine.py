@@ -2,7 +2,7 @@
 
 One forward at a time, the engine announces the original positions of the incoming tokens and
 the attention the method wants observed (`PotCache.begin_forward`), runs the model's decoder with
-`position_ids` all zero and `past_key_values=PotCache`, and then lets the method evict
+`position_ids` all zero and the `PotCache` as its cache (`kvpot.compat`), and then lets the method evict
 (`Method.after_forward`). Nothing in the model is patched: the cache and the registered `kvpot`
 attention function do the work (DESIGN.md, "How a forward pass flows").
 """
@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 
 from kvpot.attention import AttentionRequest, register
 from kvpot.cache import PotCache
+from kvpot.compat import cache_kwargs
 from kvpot.engine.decoding import MODES, Decoder, decode_eager, resolve_mode
 from kvpot.engine.score import Scoring
 from kvpot.engine.text import TextApi
@@ -301,9 +302,8 @@ class Engine(TextApi, Scoring):
         positions = torch.arange(run.next_position, run.next_position + q, device=ids.device)
         cache.begin_forward(positions, run.next_position + q - 1, request)
         zeros = torch.zeros(1, q, dtype=torch.long, device=ids.device)  # RoPE is applied by kvpot
-        out = self.decoder(
-            input_ids=ids.view(1, q), past_key_values=cache, position_ids=zeros, use_cache=True, kvpot_cache=cache
-        )
+        out = self.decoder(input_ids=ids.view(1, q), position_ids=zeros, use_cache=True, kvpot_cache=cache,
+                           **cache_kwargs(self.decoder, cache))
         return out.last_hidden_state[0]
 
     @torch.no_grad()
