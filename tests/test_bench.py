@@ -344,3 +344,32 @@ def test_machine_record_takes_the_commit_named_by_whoever_copied_the_tree(monkey
     assert machine("cpu")["git_commit"] == "0123456789abcdef"
     monkeypatch.delenv("KVPOT_GIT_COMMIT")
     assert machine("cpu")["git_commit"] != "0123456789abcdef"
+
+
+def test_throughput_batch_one_at_a_time_and_transformers(capsys, tmp_path):
+    """`bench throughput` on `tiny`: every user answered by kvpot batched, one at a time and transformers'
+    continuous batching, with the rates, latencies and plots; a method that cannot run is a row's error."""
+    out = tmp_path / "out"
+    code, stdout, err = run(capsys, "bench", "throughput", "--shape", "tiny", "--device", "cpu", "--out", str(out),
+                            "--method", "infinipot:pot_size=128", "--method", "citrus", "--budget", "128",
+                            "--users", "3", "--lengths", "96", "--new-tokens", "4", "--question-tokens", "4",
+                            "--baseline", "hf", "--hf-timeout", "120", "--document")
+    assert code == 0, err
+    results = json.loads((out / "results.json").read_text())
+    rows = {row["method"]: row for row in results["rows"]}
+    assert set(rows) == {"infinipot [batch]", "infinipot [one at a time]", "citrus [batch]",
+                         "citrus [one at a time]", "hf [generate_batch]"}
+    for name in ("infinipot [batch]", "infinipot [one at a time]", "hf [generate_batch]"):
+        row = rows[name]
+        assert row["completed"] == row["requests"] == 3 and row["output_tokens"] == 12, name
+        assert row["output_tokens_per_second"] > 0 and row["ttft_p50_seconds"] > 0 and row["itl_p99_ms"] >= 0
+    batch = rows["infinipot [batch]"]
+    assert batch["slots"] == 3 and batch["max_kv_entries"] <= 128 and batch["document_prefill_seconds"] > 0
+    assert batch["scheduler"]["batched_rows"] > 0
+    # CItruS' shared cache needs the question while a document is read: recorded, the run goes on
+    assert "needs the instruction" in rows["citrus [batch]"]["error"]
+    summary = (out / "summary.md").read_text()
+    assert "| infinipot [batch] | 96 | 3 | 3 |" in summary and "| hf [generate_batch] | 96 | 3 | 3 |" in summary
+    assert "kvpot bench throughput" in stdout
+    assert_png(out / "throughput.png")
+    assert_png(out / "itl.png")
