@@ -173,6 +173,11 @@ def test_config_validation_and_sizes(tmp_path):
         ServeConfig(state_disk=100)
     with pytest.raises(KvpotError, match="--max-context-tokens"):
         ServeConfig(max_context_tokens=0)
+    for field, value in (("max_slots", 0), ("slot_capacity", -5), ("method_slots", 0), ("prefill_tokens", 0)):
+        with pytest.raises(KvpotError, match=f"--{field.replace('_', '-')} must be a positive integer"):
+            ServeConfig(**{field: value})
+    with pytest.raises(KvpotError, match="--kv-memory-fraction"):
+        ServeConfig(kv_memory_fraction=1.5)
     config = ServeConfig(state_dir=tmp_path / "new" / "dir")
     assert config.state_dir.is_dir() and config.host == "127.0.0.1"
 
@@ -184,6 +189,8 @@ def test_config_validation_and_sizes(tmp_path):
     (["--state-disk", "1GiB"], "--state-disk needs --state-dir"),
     (["--port", "70000"], "--port must be in 0..65535"),
     (["--max-queue", "-1"], "--max-queue must be >= 0"),
+    (["--max-slots", "0"], "--max-slots must be a positive integer"),
+    (["--prefill-tokens", "0"], "--prefill-tokens must be a positive integer"),
 ])
 def test_serve_command_refuses_bad_flags_in_one_line(argv, fragment, capsys):
     from kvpot.cli import main
@@ -199,3 +206,61 @@ def test_the_app_refuses_a_configuration_naming_another_method():
 
     with pytest.raises(KvpotError, match="names the method 'streaming:window=30'"):
         create_app(_engine(window=60), ServeConfig(method="streaming:window=30"))
+
+
+def test_histogram_buckets_are_cumulative_with_sum_and_count():
+    from kvpot.serve.metrics import Histogram
+
+    h = Histogram((1, 2, 4))
+    for value in (0.5, 1, 3, 3, 10):
+        h.observe(value)
+    h.observe(2, times=2)
+    lines = h.lines("x", "help")
+    assert lines[2:] == ['kvpot_x_bucket{le="1"} 2', 'kvpot_x_bucket{le="2"} 4', 'kvpot_x_bucket{le="4"} 6',
+                         'kvpot_x_bucket{le="+Inf"} 7', "kvpot_x_sum 21.5", "kvpot_x_count 7"]
+
+
+def test_a_method_without_memory_for_its_pool_gets_a_429_and_admission_counts_places():
+    """Another method's pool is made while memory allows; when it does not, a 429 says so. A pool admits
+    its slots plus --max-queue, then refuses with Retry-After; leaving gives the place back."""
+    import asyncio
+
+    from kvpot.serve.metrics import Metrics
+    from kvpot.serve.protocol import ApiError
+    from kvpot.serve.worker import Worker
+
+    class FakeScheduler:
+        def __init__(self, slots):
+            self.pool = type("P", (), {"slots": slots, "free": list(range(slots))})()
+            self.capacity, self.idle, self.waiting, self.active = 64, True, [], {}
+
+        def slot_bytes(self):
+            return 1
+
+    made = []
+
+    def make_pool(engine, spec, slots):
+        if spec != "default":
+            raise KvpotError("one slot of 64 entries takes 9.00 GiB and only 1.00 GiB of GPU memory is free")
+        made.append(spec)
+        return FakeScheduler(2)
+
+    engine = _engine(window=60)
+    worker = Worker(ServeConfig(method="streaming:window=60", max_queue=1), Metrics(), make_pool)
+    try:
+        pool = asyncio.run(worker.pool(engine, "default", default=True))
+        other = _engine(window=30)
+        with pytest.raises(ApiError) as refused:
+            asyncio.run(worker.pool(other, "streaming:window=30"))
+        assert refused.value.status == 429 and "no GPU memory for a pool" in refused.value.message
+        tickets = [worker.admit(pool) for _ in range(3)]  # 2 slots + 1 in the queue
+        with pytest.raises(ApiError) as busy:
+            worker.admit(pool)
+        assert busy.value.status == 429 and int(busy.value.headers["Retry-After"]) >= 1
+        assert (worker.running, worker.waiting, worker.rejected) == (2, 1, 2)
+        tickets[0].release()
+        tickets[0].release()  # twice: counted once
+        assert (worker.running, worker.waiting) == (2, 0)
+        worker.admit(pool)
+    finally:
+        worker.shutdown()

@@ -76,10 +76,12 @@ def _prompts(config: BenchConfig, model, length: int) -> dict:
     return {"document": None, "contexts": contexts, "questions": questions}
 
 
-def _kvpot_row(config: BenchConfig, model, run, prompts: dict, kind: str) -> dict:
+def _kvpot_row(config: BenchConfig, model, run, prompts: dict, kind: str, tokenizer=None) -> dict:
+    """`tokenizer`: the one a method's own prompt (InfiniPot's catalyst) is encoded with; `bench serve`
+    passes its server's, so both rows read the same tokens."""
     from kvpot.engine import Engine
 
-    engine = Engine(model, IdTokenizer(model.config.vocab_size), method=run.method, chat_template=False,
+    engine = Engine(model, tokenizer or IdTokenizer(model.config.vocab_size), method=run.method, chat_template=False,
                     decode=config.decode)
     extra, state = {}, None
     if prompts["document"] is not None:
@@ -110,7 +112,9 @@ def _batched(config: BenchConfig, engine, prompts: dict, state) -> dict:
 
     capacity = None
     if engine.method.max_entries() is None:  # a growing cache: each slot holds its whole prompt
-        capacity = prompts["contexts"][0].numel() + config.question_tokens + config.new_tokens
+        # the longest prompt: `bench serve`'s prompts from text differ in length from user to user
+        capacity = max(c.numel() + q.numel() for c, q in zip(prompts["contexts"], prompts["questions"])) + \
+            config.new_tokens
     scheduler = Scheduler(engine, slots=config.slots or None, capacity=capacity, max_slots=config.users,
                           prefill_tokens=config.prefill_tokens, decode=config.decode)
     # warm-up of the same batch sizes: kernels compile and each bucket's graph is captured, untimed

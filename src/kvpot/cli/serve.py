@@ -20,7 +20,8 @@ def register(subparsers) -> None:
         description=(
             "Serve /v1/chat/completions, /v1/completions and /v1/models (OpenAI's API, streaming included) "
             "plus /v1/documents: upload a long text once, then ask about it with document_id; its compressed "
-            "KV state is kept (in memory, spilled to --state-dir) instead of being read again. Binds "
+            "KV state is kept (in memory, spilled to --state-dir) instead of being read again. Many users are "
+            "served at once: their requests decode together over bounded KV caches (continuous batching). Binds "
             "127.0.0.1 unless --host says otherwise. Needs the serve extra: pip install 'kvpot[serve]'."
         ),
         epilog=(
@@ -42,7 +43,27 @@ def register(subparsers) -> None:
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model's name)")
     p.add_argument("--chat-template", default="auto", choices=["auto", "on", "off"],
                    help="use the tokenizer's chat template for chat requests (auto: if it has one)")
-    p.add_argument("--max-queue", type=int, default=8, help="requests waiting behind the running one (429 beyond)")
+    b = p.add_argument_group(
+        "many users at once",
+        "Requests decode together in a pool of slots (one bounded KV cache each, allocated at start); new ones "
+        "are read between decode steps. Memory per slot: the startup log and GET /health ('pools') say it "
+        "for the loaded model (e.g. llama3-8b shape, bf16, InfiniPot pot 4,096: 0.5 GiB).")
+    b.add_argument("--max-slots", type=int, default=None,
+                   help="requests decoding at once (default: as many as --kv-memory-fraction of the free GPU "
+                        "memory holds, at most 256; 8 on a CPU)")
+    b.add_argument("--kv-memory-fraction", type=float, default=0.7,
+                   help="share of the GPU memory free after loading that the slots may take when --max-slots "
+                        "is not given (default 0.7; the rest holds stored states and other methods' pools)")
+    b.add_argument("--max-queue", type=int, default=64,
+                   help="requests waiting for a slot; beyond, 429 with Retry-After (default 64)")
+    b.add_argument("--prefill-tokens", type=int, default=2048,
+                   help="prompt tokens read per step between decode steps: lower keeps streams smoother while a "
+                        "long prompt or document is read, higher reads it sooner (default 2048)")
+    b.add_argument("--method-slots", type=int, default=4,
+                   help="slots of the pool made for a document read with another method (default 4)")
+    b.add_argument("--slot-capacity", type=int, default=None,
+                   help="KV entries per slot for methods whose cache grows with the input (full, snapkv, d2o, "
+                        "infinitehip; default: the model's window); bounded methods use their bound")
     p.add_argument("--max-context-tokens", type=int, default=1 << 20, help="largest prompt in tokens (413 beyond)")
     p.add_argument("--max-body-bytes", default="64MiB", help="largest request body (413 beyond; default 64MiB)")
     p.add_argument("--max-tokens-limit", type=int, default=8192, help="largest max_tokens a request may ask")
@@ -74,7 +95,9 @@ def run(args) -> int:
         max_tokens_limit=args.max_tokens_limit, state_memory=parse_bytes(args.state_memory, "--state-memory"),
         state_dir=args.state_dir,
         state_disk=None if args.state_disk is None else parse_bytes(args.state_disk, "--state-disk"),
-        cache_min_tokens=args.cache_min_tokens,
+        cache_min_tokens=args.cache_min_tokens, max_slots=args.max_slots,
+        kv_memory_fraction=args.kv_memory_fraction, method_slots=args.method_slots,
+        prefill_tokens=args.prefill_tokens, slot_capacity=args.slot_capacity,
     )
     from kvpot.serve.service import build_method
 

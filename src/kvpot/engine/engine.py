@@ -104,15 +104,34 @@ class Engine(TextApi, Scoring):
         self, input_ids, question_ids=None, progress: bool = False, _max_new_tokens: int = 0, should_stop=None
     ) -> State:
         """Token-level `prefill` of `input_ids` (then `question_ids`); `should_stop` as in `generate_ids`."""
-        run, segments = self._start(input_ids, question_ids, self._new_cache, _max_new_tokens, should_stop)
         self._reset_peak_memory()
+        reading = self.prefill_steps(input_ids, question_ids, _max_new_tokens, should_stop)
+        with tqdm(unit="tok", desc="prefill", disable=not progress, leave=False) as bar:
+            while True:
+                try:
+                    bar.update(next(reading))
+                except StopIteration as done:
+                    return done.value
+
+    def prefill_steps(self, input_ids, question_ids=None, _max_new_tokens: int = 0, should_stop=None,
+                      max_chunk: int | None = None) -> Iterator[int]:
+        """`prefill_ids` one model forward per iteration (yields the tokens it read; returns the `State`):
+        a server interleaves these forwards with other sequences' decoding steps. `max_chunk` caps a
+        forward's tokens where the method's result does not depend on its chunking."""
+        with torch.no_grad():
+            run, segments = self._start(input_ids, question_ids, self._new_cache, _max_new_tokens, should_stop)
+        run.max_chunk = max_chunk
         started = self._clock()
-        total = run.stats.context_tokens + run.stats.question_tokens
-        with tqdm(total=total, unit="tok", desc="prefill", disable=not progress, leave=False) as bar:
-            for size in self._read(run, segments):
-                bar.update(size)
+        reading = self._read(run, segments)
+        while True:
+            with torch.no_grad():  # per forward: the caller's code between them runs as it likes
+                size = next(reading, None)
+            if size is None:
+                break
+            yield size
         run.stats.prefill_seconds = self._clock() - started
-        return self._finish_state(run)
+        with torch.no_grad():
+            return self._finish_state(run)
 
     @torch.no_grad()
     def generate_ids(

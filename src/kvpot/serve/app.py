@@ -13,7 +13,6 @@ import contextlib
 import hmac
 import json
 import logging
-import threading
 import time
 import uuid
 
@@ -37,8 +36,9 @@ def create_app(engine, config) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        await service.start()  # the method's slots are allocated before the first request
         yield
-        service.scheduler.shutdown()
+        await asyncio.to_thread(service.worker.shutdown)
 
     app = FastAPI(title="kvpot", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.service = service
@@ -63,12 +63,14 @@ def create_app(engine, config) -> FastAPI:
     # ---------------------------------------------------------------- plain routes
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": service.model_name, "queue_depth": service.scheduler.waiting,
-                "running": service.scheduler.running}
+        used, slots = service.worker.slots()
+        return {"status": "ok", "model": service.model_name, "queue_depth": service.worker.waiting,
+                "running": service.worker.running, "slots_used": used, "slots": slots,
+                "pools": [pool.describe() for pool in list(service.worker.pools.values())]}
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(service.metrics.render(service.scheduler, service.store),
+        return PlainTextResponse(service.metrics.render(service.worker, service.store),
                                  media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
@@ -88,9 +90,8 @@ def create_app(engine, config) -> FastAPI:
         engine = service.engine_for(body.method)  # a bad method is a 400 before anything is queued
         ids, _ = await asyncio.to_thread(_locked, service, engine.encode, body.text, None)
         service.check_length(len(ids))
-        ticket = service.scheduler.admit()
-        future = service.scheduler.submit(ticket, lambda: service.read_document(ids, body.method, ticket.cancel))
-        return await _until_done(request, future, ticket)
+        ticket = service.worker.admit_read()
+        return await _until_done(request, service.read_document(ids, body.method, ticket), ticket)
 
     @app.get("/v1/documents")
     async def list_documents():
@@ -226,38 +227,35 @@ async def _prepare(service: Service, body, chat: bool) -> tuple[Job, object]:
     key = entry.key if document else None
     if not document and len(prompt.context_ids) >= service.config.cache_min_tokens:
         key = service.key_for(engine, prompt.context_ids)
-    job = Job(spec, prompt, limit, body.temperature, body.top_p, body.seed, stops, key, document)
+    job = Job(spec, prompt, limit, body.temperature, body.top_p, body.seed, stops, key, document, body.ignore_eos)
     return job, engine
 
 
 async def _respond(request: Request, service: Service, body, job: Job, chat: bool):
-    ticket = service.scheduler.admit()
+    pool = await service.pool_for(job)
+    ticket = service.worker.admit(pool)  # a 429 here, before any stream starts
     ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     if not body.stream:
-        future = service.scheduler.submit(ticket, lambda: service.answer(job, ticket.cancel))
-        outcome = await _until_done(request, future, ticket)
+        outcome = await _until_done(request, service.answer(job, ticket), ticket)
         choice = ({"index": 0, "message": {"role": "assistant", "content": outcome.text},
                    "finish_reason": outcome.finish_reason, "logprobs": None} if chat else
                   {"index": 0, "text": outcome.text, "finish_reason": outcome.finish_reason, "logprobs": None})
         return {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": service.model_name, "choices": [choice], "usage": _usage(outcome),
                 "kvpot": _extra(outcome, job)}
-    loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
-    job.emit = lambda piece: loop.call_soon_threadsafe(queue.put_nowait, ("text", piece))
+    job.emit = lambda piece: queue.put_nowait(("text", piece))
 
-    def run():
+    async def run():
         try:
-            outcome = service.answer(job, ticket.cancel)
-            loop.call_soon_threadsafe(queue.put_nowait, ("done", outcome))
+            queue.put_nowait(("done", await service.answer(job, ticket)))
         except Exception as err:  # handed to the stream, which reports it as an error event
-            loop.call_soon_threadsafe(queue.put_nowait, ("error", err))
-            if isinstance(err, Cancelled):
-                raise  # the scheduler counts it
+            queue.put_nowait(("error", err))
+        finally:
+            ticket.release()
 
-    future = service.scheduler.submit(ticket, run)
-    future.add_done_callback(lambda f: f.cancelled() or f.exception())  # reported through the queue
+    task = asyncio.create_task(run())
     kind = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(delta: str | None, finish: str | None = None, role: bool = False) -> str:
@@ -285,7 +283,7 @@ async def _respond(request: Request, service: Service, body, job: Job, chat: boo
                     err = value if isinstance(value, ApiError) else (
                         ApiError(499, "cancelled") if isinstance(value, Cancelled) else
                         ApiError(500, f"internal error ({type(value).__name__}: {value})".splitlines()[0]))
-                    if err.status == 500:
+                    if err.status == 500 and not isinstance(value, ApiError):
                         log.error("internal error while streaming", exc_info=value)
                     yield _sse(err.body())
                     return
@@ -298,29 +296,31 @@ async def _respond(request: Request, service: Service, body, job: Job, chat: boo
                     yield "data: [DONE]\n\n"
                     return
         finally:
-            ticket.cancel.set()  # the client left (or the stream ended): stop whatever still runs
+            if not task.done():
+                ticket.stop()  # the client left: its request ends at the next step and frees its slot
 
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _until_done(request: Request, future, ticket):
-    """Await a queued job; if the client disconnects meanwhile, cancel it."""
-    watcher = asyncio.create_task(_watch_disconnect(request, ticket.cancel))
+async def _until_done(request: Request, work, ticket):
+    """Await `work` (a coroutine); if the client disconnects meanwhile, stop it. Frees the ticket."""
+    watcher = asyncio.create_task(_watch_disconnect(request, ticket))
     try:
-        return await future
+        return await work
     except Cancelled:
         raise ApiError(499, "the request was cancelled (the client went away).") from None
     finally:
         watcher.cancel()
+        ticket.release()
 
 
-async def _watch_disconnect(request: Request, cancel: threading.Event) -> None:
+async def _watch_disconnect(request: Request, ticket) -> None:
     """Wait for the client to go away (the body is read already, so the next message is that)."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
-            cancel.set()
+            ticket.stop()
             return
 
 

@@ -35,7 +35,12 @@ class ServeConfig:
     chat_template: str = "auto"  # auto, on, off
     served_model_name: str | None = None  # the id /v1/models lists; default: the model's name
     api_key: str | None = None  # requests must carry `Authorization: Bearer <key>`
-    max_queue: int = 8  # requests waiting behind the running one; beyond: 429
+    max_queue: int = 64  # requests waiting beyond a pool's slots (and documents waiting to be read); beyond: 429
+    max_slots: int | None = None  # sequences decoding at once with the server's method; None: what fits
+    kv_memory_fraction: float = 0.7  # of the GPU memory free after loading, for the method's slots (max_slots None)
+    method_slots: int = 4  # slots of the pool made for another method (a document read with it)
+    prefill_tokens: int = 2048  # prompt tokens read per step between decode steps (chunked prefill)
+    slot_capacity: int | None = None  # KV entries per slot for methods whose cache grows with the input
     max_context_tokens: int = 1 << 20  # prompt tokens (context + question); beyond: 413
     max_body_bytes: int = 64 * 1024**2  # request bodies beyond: 413
     max_tokens_limit: int = 8192  # largest max_tokens a request may ask for
@@ -47,10 +52,16 @@ class ServeConfig:
 
     def __post_init__(self):
         for name in ("max_context_tokens", "max_body_bytes", "max_tokens_limit", "default_max_tokens",
-                     "state_memory", "cache_min_tokens"):
+                     "state_memory", "cache_min_tokens", "method_slots", "prefill_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise KvpotError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}.")
+        for name in ("max_slots", "slot_capacity"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise KvpotError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}.")
+        if not 0 < self.kv_memory_fraction <= 1:
+            raise KvpotError(f"--kv-memory-fraction must be in (0, 1], got {self.kv_memory_fraction!r}.")
         if self.max_queue < 0:
             raise KvpotError(f"--max-queue must be >= 0, got {self.max_queue}.")
         if not 0 <= self.port <= 65535:

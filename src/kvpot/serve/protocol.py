@@ -71,6 +71,7 @@ class Sampling(_Body):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     document_id: str | None = None  # kvpot: answer from a stored document's state
+    ignore_eos: bool = False  # kvpot (as vLLM): generate max_tokens even past an end-of-sequence token
 
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -1,12 +1,19 @@
-"""What the server does with an engine: read documents, answer requests (on the generation thread).
+"""What the server does with an engine: read documents, answer requests (README, *Serving*).
 
 One model is loaded; an `Engine` per method configuration shares it (documents may be read with
-another method than the server's default). Everything that touches torch runs on the scheduler's
-single thread; the HTTP side only tokenizes and looks things up.
+another method than the server's default), and each method that answers requests has a pool of
+slots (`kvpot.engine.Scheduler`) on the generation thread (`kvpot.serve.worker`). The HTTP side
+tokenizes, looks things up, admits and awaits; every torch call runs on the generation thread.
+
+A request's way: admitted to its method's pool (or 429); its context's state found in the store
+(a document, or a conversation's context kept earlier), or read (a context of `--cache-min-tokens`
+or more is read into a state and kept; a shorter one is read in the request's slot); then it joins
+the pool's batch, and its tokens come back one per step, detokenized here (stop strings included).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
@@ -19,7 +26,7 @@ from kvpot.serve.metrics import Metrics
 from kvpot.serve.prompt import Prompt, TextStream
 from kvpot.serve.protocol import ApiError
 from kvpot.serve.store import StateStore, state_key
-from kvpot.serve.worker import Scheduler
+from kvpot.serve.worker import Pool, Ticket, Worker
 from kvpot.engine.state_io import model_fingerprint
 
 log = logging.getLogger("kvpot.serve")
@@ -45,7 +52,8 @@ class Job:
     stops: list[str]
     key: str | None  # the state to answer from or to store; None: read the context for this request only
     document: bool  # the key names an uploaded document (it must exist)
-    emit: object = None  # callable(str) for streamed text, from the generation thread
+    ignore_eos: bool = False
+    emit: object = None  # callable(str) for streamed text, on the event loop
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -60,8 +68,7 @@ class Outcome:
     prefill_seconds: float
 
 
-class _StopString(Exception):
-    """Raised from on_token when a stop string completed: decoding ends there."""
+_END = object()
 
 
 class Service:
@@ -76,19 +83,35 @@ class Service:
         self.engines = {_config_key(engine.method.config()): engine}
         self.engines_lock = threading.Lock()
         self.store = StateStore(config.state_memory, config.state_dir, config.state_disk)
-        self.scheduler = Scheduler(config.max_queue)
         self.metrics = Metrics()
-        # fast tokenizers refuse concurrent use from two threads ("Already borrowed"): the HTTP side
-        # encodes while the generation thread decodes
+        # fast tokenizers refuse concurrent use from two threads ("Already borrowed"): the event loop
+        # detokenizes while worker threads encode
         self.tokenizer_lock = threading.Lock()
+        self.worker = Worker(config, self.metrics, self._make_scheduler)
+        self.default_pool: Pool | None = None  # made by `start`
         found = self.store.scan(model_fingerprint(engine.model))
         if found:
             log.info("found %d stored states in %s", found, config.state_dir)
 
+    async def start(self) -> None:
+        """Make the default method's pool (its memory is taken before the first request)."""
+        self.default_pool = await self.worker.pool(self.default, self.default_spec, default=True)
+
+    def _make_scheduler(self, engine, spec: str, slots: int | None):
+        from kvpot.engine.scheduler import Scheduler
+
+        capacity = None
+        if engine.method.max_entries() is None:  # a cache that grows with the input: slots hold a window
+            capacity = self.config.slot_capacity or engine.model.config.max_position_embeddings
+        decode = engine.decode if engine.decode in ("graph", "static") else "auto"
+        return Scheduler(engine, slots=slots, capacity=capacity, prefill_tokens=self.config.prefill_tokens,
+                         decode=decode, max_slots=self.config.max_slots or 256,
+                         memory_fraction=self.config.kv_memory_fraction)
+
     # ---------------------------------------------------------------- engines and keys
     def engine_for(self, spec: str | None):
         """The engine running `spec` (the default one for None); a bad spec is a 400."""
-        if spec is None:
+        if spec is None or spec == self.default_spec:
             return self.default
         try:
             method = build_method(spec)
@@ -113,99 +136,155 @@ class Service:
             raise ApiError(413, f"the prompt has {tokens:,} tokens; this server reads at most "
                                 f"{self.config.max_context_tokens:,} (--max-context-tokens).", code="context_too_long")
 
-    # ---------------------------------------------------------------- generation thread
-    def read_document(self, text_ids: list[int], spec: str | None, cancel: threading.Event) -> dict:
+    async def pool_for(self, job: Job) -> Pool:
+        engine = self.engine_for(job.spec)
+        return await self.worker.pool(engine, job.spec, default=engine is self.default)
+
+    # ---------------------------------------------------------------- documents
+    async def read_document(self, text_ids: list[int], spec: str | None, ticket: Ticket) -> dict:
         engine = self.engine_for(spec)
         key = self.key_for(engine, text_ids)
         spec_text = spec or self.default_spec
-        entry = self.store.promote(key)
+        entry = await self.worker.call(lambda: self.store.promote(key))
         if entry is not None:  # the same text with the same method was read already
             return {**entry.describe(), "reused": True}
-        state = self._run(lambda: engine.prefill_ids(text_ids, should_stop=cancel.is_set))
-        self.metrics.add(prefill_tokens=len(text_ids), prefill_seconds=state.stats.prefill_seconds)
+        state = await self._read(engine, text_ids, ticket)
         try:
-            entry = self.store.put(key, state, "document", spec_text)
+            entry = await self.worker.call(lambda: self.store.put(key, state, "document", spec_text))
         except KvpotError as err:
             raise ApiError(413, str(err), code="state_too_large") from None
         return {**entry.describe(), "reused": False}
 
-    def answer(self, job: Job, cancel: threading.Event) -> Outcome:
-        engine = self.engine_for(job.spec if job.spec != self.default_spec else None)
-        stream = TextStream(engine.tokenizer, job.stops, self.tokenizer_lock)
-        pieces: list[str] = []
-        tokens: list[int] = []
-        first: list[float] = []
+    async def _read(self, engine, ids: list[int], ticket: Ticket):
+        """`ids` read into a state between the batch's steps, one forward per turn."""
+        steps = lambda: engine.prefill_steps(ids, should_stop=ticket.cancel.is_set,  # noqa: E731
+                                             max_chunk=self.config.prefill_tokens)
+        state = await self._engine_call(self.worker.read(steps, ticket))
+        self.metrics.add(prefill_tokens=len(ids), prefill_seconds=state.stats.prefill_seconds)
+        return state
 
-        def on_token(token: int) -> None:
-            if not first:
-                first.append(time.perf_counter() - job.started)
-            tokens.append(token)
-            piece = stream.push(token)
-            if piece:
-                pieces.append(piece)
-                if job.emit:
-                    job.emit(piece)
-            if stream.stopped:
-                raise _StopString
-
-        sampling = dict(max_new_tokens=job.max_tokens, on_token=on_token, should_stop=cancel.is_set,
-                        temperature=job.temperature, top_p=job.top_p, seed=job.seed)
-        prompt, state, cached, read = job.prompt, None, 0, 0.0
+    # ---------------------------------------------------------------- answers
+    async def answer(self, job: Job, ticket: Ticket) -> Outcome:
+        """Run `job` in its pool (`ticket` admitted it there) and collect its text; `job.emit` streams it."""
+        engine = self.engine_for(job.spec)
+        state, cached, read = None, 0, 0.0
         if job.key is not None:
-            state = self._run(lambda: self.store.get(job.key, engine))
+            state = await self._engine_call(self.worker.call(lambda: self.store.get(job.key, engine)))
             if state is None and job.document:
                 raise ApiError(404, f"document doc-{job.key} is no longer stored (evicted or deleted); upload it "
                                     "again.", param="document_id", code="document_not_found")
             if state is None:
-                state = self._run(lambda: engine.prefill_ids(prompt.context_ids, should_stop=cancel.is_set))
+                state = await self._read(engine, job.prompt.context_ids, ticket)
                 read = state.stats.prefill_seconds
-                self.metrics.add(prefill_tokens=len(prompt.context_ids), prefill_seconds=read)
                 try:
-                    self.store.put(job.key, state, "context", job.spec)
+                    await self.worker.call(lambda: self.store.put(job.key, state, "context", job.spec))
                 except KvpotError:
                     pass  # a context too large to keep is simply read again next time
             else:
                 cached = state.stats.context_tokens
-        context_tokens = state.stats.context_tokens if state is not None else len(prompt.context_ids)
-        try:
-            if state is not None:
-                result = self._run(lambda: engine.generate_ids(question_ids=prompt.question_ids, state=state,
-                                                               **sampling))
-            else:
-                result = self._run(lambda: engine.generate_ids(prompt.context_ids, prompt.question_ids, **sampling))
-                read = result.stats.prefill_seconds
-                self.metrics.add(prefill_tokens=context_tokens + len(prompt.question_ids), prefill_seconds=read)
-            self.metrics.add(decode_seconds=result.stats.decode_seconds)
-        except _StopString:
-            pass
-        tail = stream.finish()
-        if tail:
-            pieces.append(tail)
-            if job.emit:
-                job.emit(tail)
-        # decoding ends early only at an end-of-sequence token (stop strings and cancels raise)
-        eos = len(tokens) < job.max_tokens or _ends_with_eos(engine, tokens)
-        reason = "stop" if stream.stopped or eos else "length"
-        prompt_tokens = context_tokens + len(prompt.question_ids)
-        self.metrics.add(prompt_tokens=prompt_tokens, cached_tokens=cached, generated_tokens=len(tokens))
-        if first:
-            self.metrics.add(ttft_sum=first[0], ttft_count=1)
-        return Outcome("".join(pieces), len(tokens), prompt_tokens, cached, reason, first[0] if first else None, read)
+        context_tokens = state.stats.context_tokens if state is not None else len(job.prompt.context_ids)
+        tokens, finished = await self._generate(job, ticket, engine, state)
+        request, stream = finished
+        if request.status == "failed":
+            raise ApiError(500, f"the generation failed: {request.error}", code="generation_failed")
+        if request.status == "cancelled" and not stream.stopped:
+            raise ApiError(499, "the request was cancelled (the client went away).")
+        if state is None:
+            read = request.stats.prefill_seconds
+            self.metrics.add(prefill_tokens=context_tokens + len(job.prompt.question_ids), prefill_seconds=read)
+        reason = "stop" if stream.stopped or request.finish_reason == "stop" else "length"
+        prompt_tokens = context_tokens + len(job.prompt.question_ids)
+        ttft = None if request.first_token_time is None else request.first_token_time - job.started
+        self.metrics.answered(prompt_tokens, cached, len(tokens), ttft)
+        self.worker.finished(time.perf_counter() - job.started)
+        return Outcome(stream.text, len(tokens), prompt_tokens, cached, reason, ttft, read)
 
-    def _run(self, fn):
-        """Engine errors a request caused become 400s; cancellation passes through."""
+    async def _generate(self, job: Job, ticket: Ticket, engine, state):
+        """Submit the engine request and turn its tokens into text as they come."""
+        from kvpot.engine.requests import Request
+
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        post = _poster(loop, queue)
+        metrics = self.metrics
+        request = Request(context_ids=job.prompt.context_ids if state is None else None,
+                          question_ids=job.prompt.question_ids, state=state, max_new_tokens=job.max_tokens,
+                          temperature=job.temperature, top_p=job.top_p, seed=job.seed, ignore_eos=job.ignore_eos,
+                          on_token=lambda _request, token: (metrics.tick(), post(token)),
+                          on_finish=lambda finished: (metrics.finished(finished), post(_END)))
+        pool = ticket.pool
+        ticket.request = request
+        if ticket.cancel.is_set():
+            request.cancel_requested = True
+        await self._engine_call(self.worker.call(lambda: pool.scheduler.submit(request)))
+        stream = _Collector(engine.tokenizer, job.stops, self.tokenizer_lock, job.emit)
+        tokens = []
+        while True:
+            token = await queue.get()
+            if token is _END:
+                break
+            if stream.stopped:
+                continue  # tokens delivered after a stop string, before the request ended
+            tokens.append(token)
+            stream.push(token)
+            if stream.stopped:
+                ticket.stopped_by_text = True
+                ticket.stop()  # the slot is freed at the next step; the answer is complete now
+        stream.finish()
+        return tokens, (request, stream)
+
+    async def _engine_call(self, awaitable):
+        """Engine errors a request caused become 400s (too long for a slot: 413)."""
         try:
-            return fn()
-        except (Cancelled, ApiError, _StopString):
+            return await awaitable
+        except ApiError:
             raise
+        except Cancelled:
+            raise ApiError(499, "the request was cancelled (the client went away).") from None
         except KvpotError as err:
+            if "more than a slot holds" in str(err):
+                raise ApiError(413, str(err), code="context_too_long") from None
             raise ApiError(400, str(err)) from None
 
 
-def _ends_with_eos(engine, tokens: list[int]) -> bool:
-    from kvpot.engine import _eos_ids
+class _Collector:
+    """A request's text: pieces from `TextStream`, each handed to `emit` as it is ready."""
 
-    return bool(tokens) and tokens[-1] in _eos_ids(engine.model)
+    def __init__(self, tokenizer, stops, lock, emit):
+        self.inner = TextStream(tokenizer, stops, lock)
+        self.emit, self.pieces = emit, []
+
+    @property
+    def stopped(self) -> bool:
+        return self.inner.stopped
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    def push(self, token: int) -> None:
+        self._out(self.inner.push(token))
+
+    def finish(self) -> None:
+        self._out(self.inner.finish())
+
+    def _out(self, piece: str) -> None:
+        if piece:
+            self.pieces.append(piece)
+            if self.emit is not None:
+                self.emit(piece)
+
+
+def _poster(loop, queue: asyncio.Queue):
+    """A callable for the generation thread that puts an item on `queue` in the event loop."""
+
+    def post(item) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: the server is stopping and nobody listens
+            pass
+
+    return post
 
 
 def _config_key(config: dict) -> str:

@@ -1,98 +1,302 @@
-"""One generation at a time on the model's device, behind a bounded queue.
+"""The generation thread: every torch call of the server runs here, in one step-driven loop.
 
-Requests first take a place (`admit`): beyond `max_queue` waiting behind the running one they
-are refused at once (HTTP 429, with a Retry-After estimated from recent run times). Admitted
-work runs on a single thread, in arrival order; each job carries a cancel event that the
-engine polls (`should_stop`), so a client that goes away stops its prefill or decoding, and
-a job cancelled while it waits never starts.
+The HTTP side only feeds and drains. It takes a place first (`admit`: one of a pool's slots or a
+place in its waiting queue, else 429 with Retry-After), then hands work over: `submit` queues a
+`Request` on its method's pool (`kvpot.engine.Scheduler`), `read` queues a long text to read into a
+state (an uploaded document, a conversation's context to keep), `call` runs a small job (a stored
+state loaded or saved). One turn of the loop:
+
+1. the small jobs and submissions, in arrival order;
+2. one step of every pool with work: one batched decode step for all its decoding requests, then
+   new requests' prompts read within the step's token budget (`--prefill-tokens`);
+3. one forward of the oldest text being read (documents are read between decode steps, so the
+   users already decoding keep streaming while a long document is read);
+4. if nothing is left, sleep until something arrives.
+
+Pools: the server's method has one from the start, sized by `--max-slots` or the free GPU memory.
+A request naming a stored state read with another method gets that method's own pool of
+`--method-slots` slots, made while memory allows (idle pools of other methods are dropped to make
+room), else a 429.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
-from kvpot.errors import Cancelled
+from kvpot.errors import Cancelled, KvpotError
 from kvpot.serve.protocol import ApiError
+
+log = logging.getLogger("kvpot.serve")
+
+
+@dataclass
+class Pool:
+    """One method configuration's scheduler, and the requests admitted to it (waiting or running)."""
+
+    key: str
+    spec: str
+    scheduler: object  # kvpot.engine.Scheduler
+    admitted: int = 0
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def slots(self) -> int:
+        return self.scheduler.pool.slots
+
+    def describe(self) -> dict:
+        s = self.scheduler
+        return {"method": self.spec, "slots": self.slots, "slots_used": self.slots - len(s.pool.free),
+                "capacity": s.capacity, "slot_bytes": s.slot_bytes(), "decoding": s.decoding,
+                "prefilling": s.prefilling, "waiting": len(s.waiting)}
 
 
 class Ticket:
-    """A place in the queue and the job's cancel flag."""
+    """An admitted request's place, its cancel flag, and (once submitted) its engine request."""
 
-    def __init__(self, scheduler: Scheduler):
-        self.scheduler = scheduler
+    def __init__(self, worker: Worker | None = None, pool: Pool | None = None):
+        self.worker, self.pool = worker, pool
         self.cancel = threading.Event()
+        self.request = None  # kvpot.engine.Request
         self.released = False
+        self.stopped_by_text = False  # a stop string ended it: not a cancellation
+
+    def stop(self) -> None:
+        """Stop the work at the next step boundary (any thread): the client went away or a stop string ended it."""
+        self.cancel.set()
+        if self.request is not None:
+            self.request.cancel_requested = True
 
     def release(self) -> None:
-        if not self.released:
+        if not self.released and self.worker is not None:
             self.released = True
-            self.scheduler._leave()
+            self.worker._leave(self)
 
 
-class Scheduler:
-    def __init__(self, max_queue: int):
-        self.max_queue = max_queue
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpot-generate")
-        self.lock = threading.Lock()
-        self.pending = 0  # admitted and not finished (waiting + running)
-        self.running = 0
-        self.recent = 2.0  # moving average of a job's seconds, for Retry-After
+@dataclass
+class _Read:
+    steps: Iterator[int]
+    future: Future
+    ticket: Ticket
+
+
+class Worker:
+    def __init__(self, config, metrics, make_pool: Callable[[object, str, int | None], object]):
+        self.config, self.metrics, self.make_pool = config, metrics, make_pool
+        self.pools: dict[str, Pool] = {}
+        self.lock = threading.Lock()  # admission counts, shared with the HTTP side
+        self.wake = threading.Event()
+        self.calls: deque[tuple[Callable, Future]] = deque()
+        self.reads: deque[_Read] = deque()
+        self.reading = 0  # texts admitted to `reads` (queued or being read)
         self.rejected = 0
         self.cancelled = 0
+        self.recent = 2.0  # moving average of a request's seconds (for Retry-After)
+        self.stopping = False
+        self.thread = threading.Thread(target=self._loop, name="kvpot-generate", daemon=True)
+        self.thread.start()
 
+    # ------------------------------------------------------------------ the HTTP side
+    async def call(self, fn: Callable):
+        """`fn()` on the generation thread between steps; the awaitable raises what it raises."""
+        future: Future = Future()
+        if self.stopping:
+            raise ApiError(503, "the server is shutting down.")
+        self.calls.append((fn, future))
+        self.wake.set()
+        return await asyncio.wrap_future(future)
+
+    async def read(self, steps: Callable[[], Iterator[int]], ticket: Ticket):
+        """Run the generator `steps()` one forward per turn of the loop; returns its return value."""
+        future: Future = Future()
+
+        def queue():
+            self.reads.append(_Read(steps(), future, ticket))
+
+        await self.call(queue)
+        return await asyncio.wrap_future(future)
+
+    async def pool(self, engine, spec: str, default: bool = False) -> Pool:
+        """The pool of `engine`'s method (made on the generation thread if it has none yet)."""
+        key = _key(engine)
+        pool = self.pools.get(key)
+        if pool is None:
+            pool = await self.call(lambda: self._make_pool(engine, spec, default))
+        return pool
+
+    def admit(self, pool: Pool) -> Ticket:
+        """A place among the pool's slots or in its queue (`--max-queue` beyond the slots), else 429."""
+        with self.lock:
+            if pool.admitted >= pool.slots + self.config.max_queue:
+                self.rejected += 1
+                waiting = pool.admitted - pool.slots
+                raise ApiError(429, f"the server is busy ({pool.slots} slots taken, {waiting} requests waiting, "
+                                    f"--max-queue {self.config.max_queue}); retry in about {self._retry(pool)} s.",
+                               headers={"Retry-After": str(self._retry(pool))})
+            pool.admitted += 1
+            pool.last_used = time.monotonic()
+        return Ticket(self, pool)
+
+    def admit_read(self) -> Ticket:
+        """A place among the texts waiting to be read (`--max-queue`, plus the one being read), else 429."""
+        with self.lock:
+            if self.reading >= self.config.max_queue + 1:
+                self.rejected += 1
+                retry = max(1, math.ceil(self.recent * self.reading))
+                raise ApiError(429, f"the server is busy ({self.reading} documents being read or waiting); retry "
+                                    f"in about {retry} s.", headers={"Retry-After": str(retry)})
+            self.reading += 1
+        return Ticket(self, None)
+
+    def _leave(self, ticket: Ticket) -> None:
+        with self.lock:
+            if ticket.pool is None:
+                self.reading -= 1
+            else:
+                ticket.pool.admitted -= 1
+            if ticket.cancel.is_set() and not ticket.stopped_by_text:
+                self.cancelled += 1
+
+    def finished(self, seconds: float) -> None:
+        with self.lock:
+            self.recent = 0.8 * self.recent + 0.2 * seconds
+
+    def _retry(self, pool: Pool) -> int:
+        # requests ahead of a newcomer leave at about `slots` per request's time
+        return max(1, math.ceil(self.recent * (1 + max(0, pool.admitted - pool.slots) / pool.slots)))
+
+    # ------------------------------------------------------------------ gauges (any thread)
     @property
     def waiting(self) -> int:
         with self.lock:
-            return self.pending - self.running
+            return sum(max(0, p.admitted - p.slots) for p in self.pools.values()) + max(0, self.reading - 1)
 
-    def admit(self) -> Ticket:
+    @property
+    def running(self) -> int:
         with self.lock:
-            if self.pending >= self.max_queue + 1:
-                self.rejected += 1
-                retry = max(1, math.ceil(self.recent * (self.pending - self.running + 1)))
-                raise ApiError(429, f"the server is busy ({self.pending - self.running} requests waiting, "
-                                    f"--max-queue {self.max_queue}); retry in about {retry} s.",
-                               headers={"Retry-After": str(retry)})
-            self.pending += 1
-        return Ticket(self)
+            return sum(min(p.admitted, p.slots) for p in self.pools.values()) + min(self.reading, 1)
 
-    def _leave(self) -> None:
-        with self.lock:
-            self.pending -= 1
-
-    def submit(self, ticket: Ticket, fn) -> asyncio.Future:
-        """Run `fn()` on the generation thread; the awaitable raises what it raises."""
-
-        def job():
-            with self.lock:
-                self.running += 1
-            started, cancelled = time.perf_counter(), False
-            try:
-                if ticket.cancel.is_set():
-                    raise Cancelled("the client went away before its turn.")
-                return fn()
-            except Cancelled:
-                cancelled = True
-                raise
-            finally:
-                with self.lock:
-                    self.running -= 1
-                    self.cancelled += cancelled
-                    self.recent = 0.8 * self.recent + 0.2 * (time.perf_counter() - started)
-                ticket.release()
-
-        try:
-            future = self.executor.submit(job)
-        except RuntimeError:  # the executor is shut down: the server is stopping
-            ticket.release()
-            raise ApiError(503, "the server is shutting down.") from None
-        # a job cancelled before it started never runs its `finally`: give its place back here
-        future.add_done_callback(lambda f: ticket.release() if f.cancelled() else None)
-        return asyncio.wrap_future(future)
+    def slots(self) -> tuple[int, int]:
+        """(used, total) over every pool."""
+        pools = list(self.pools.values())
+        total = sum(p.slots for p in pools)
+        return total - sum(len(p.scheduler.pool.free) for p in pools), total
 
     def shutdown(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.stopping = True
+        self.wake.set()
+        self.thread.join(timeout=10)
+
+    # ------------------------------------------------------------------ the generation thread
+    def _loop(self) -> None:
+        while not self.stopping:
+            self._run_calls()
+            busy = False
+            for pool in list(self.pools.values()):
+                if not pool.scheduler.idle:
+                    self._step(pool)
+                    busy = True
+            if self.reads:
+                self._advance_read()
+                busy = True
+            if not busy and not self.calls:
+                self.wake.wait(1.0)
+                self.wake.clear()
+        self._abandon()
+
+    def _run_calls(self) -> None:
+        while self.calls:
+            fn, future = self.calls.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as err:  # noqa: BLE001 - handed to the awaiting request
+                future.set_exception(err)
+
+    def _step(self, pool: Pool) -> None:
+        scheduler = pool.scheduler
+        before = scheduler.report["batched_rows"] + scheduler.report["eager_rows"]
+        try:
+            scheduler.step()
+        except Exception as err:  # noqa: BLE001 - a bug in a step fails that pool's requests, not the server
+            log.exception("a batched step failed; its requests end with an error")
+            requests = [a.request for a in scheduler.active.values()] + list(scheduler.waiting)
+            scheduler.waiting.clear()
+            for request in requests:
+                scheduler._fail(request, err, [])
+            return
+        rows = scheduler.report["batched_rows"] + scheduler.report["eager_rows"] - before
+        if rows:
+            self.metrics.batch(rows)
+
+    def _advance_read(self) -> None:
+        read = self.reads[0]
+        try:
+            if read.ticket.cancel.is_set():
+                raise Cancelled("the client went away.")
+            next(read.steps)
+            return
+        except StopIteration as done:
+            read.future.set_result(done.value)
+        except BaseException as err:  # noqa: BLE001 - handed to the awaiting request
+            read.future.set_exception(err)
+        self.reads.popleft()
+
+    def _make_pool(self, engine, spec: str, default: bool) -> Pool:
+        key = _key(engine)
+        if key in self.pools:
+            return self.pools[key]
+        slots = self.config.max_slots if default else self.config.method_slots
+        try:
+            scheduler = self.make_pool(engine, spec, slots)
+        except KvpotError as err:
+            if default:
+                raise
+            self._drop_idle_pools()
+            try:
+                scheduler = self.make_pool(engine, spec, slots)
+            except KvpotError:
+                with self.lock:
+                    self.rejected += 1
+                raise ApiError(429, f"no GPU memory for a pool of method {spec!r} now ({err}); retry later, or ask "
+                                    "with the server's method.", headers={"Retry-After": "30"},
+                               code="no_pool_memory") from None
+        pool = self.pools[key] = Pool(key, spec, scheduler)
+        log.info("pool for %s: %d slots of %d entries (%.1f MiB each)", spec, pool.slots, scheduler.capacity,
+                 scheduler.slot_bytes() / 2**20)
+        return pool
+
+    def _drop_idle_pools(self) -> None:
+        import torch
+
+        for key, pool in list(self.pools.items()):
+            if pool is not next(iter(self.pools.values())) and pool.admitted == 0 and pool.scheduler.idle:
+                del self.pools[key]
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _abandon(self) -> None:
+        """The server stops: whatever still waits gets an error rather than hanging."""
+        for fn, future in self.calls:
+            future.cancel()
+        for read in self.reads:
+            if not read.future.done():
+                read.future.set_exception(ApiError(503, "the server is shutting down."))
+        for pool in self.pools.values():
+            scheduler = pool.scheduler
+            for request in [a.request for a in scheduler.active.values()] + list(scheduler.waiting):
+                scheduler._end(request, "cancelled", "cancelled", [])
+
+
+def _key(engine) -> str:
+    import json
+
+    return json.dumps(engine.method.config(), sort_keys=True, default=str)
