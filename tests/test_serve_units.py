@@ -264,3 +264,30 @@ def test_a_method_without_memory_for_its_pool_gets_a_429_and_admission_counts_pl
         worker.admit(pool)
     finally:
         worker.shutdown()
+
+
+def test_one_at_a_time_pool_for_split_models_answers_cancels_and_fails_alone(one_thread):
+    """The pool of a model split over GPUs (the batched engine refuses one) runs requests whole, in order,
+    with the tokens `generate_ids` gives, the scheduler's endings and callbacks."""
+    from kvpot.engine.requests import Request
+    from kvpot.serve.solo import SoloScheduler
+
+    engine = _engine(window=60)
+    solo = SoloScheduler(engine)
+    prompt = list(range(5, 90))
+    seen, ended = [], []
+    ok = solo.submit(Request(context_ids=prompt, question_ids=[7, 8], max_new_tokens=6, ignore_eos=True,
+                             on_token=lambda r, t: seen.append(t), on_finish=ended.append))
+    gone = solo.submit(Request(context_ids=prompt, max_new_tokens=6))
+    gone.cancel_requested = True
+    bad = solo.submit(Request(context_ids=prompt, max_new_tokens=6, temperature=1.0, top_p=0.5, seed=1))
+    bad.max_new_tokens = -1  # slips past the request's own check: the engine refuses it
+    assert not solo.idle
+    while not solo.idle:
+        solo.step()
+    expected = engine.generate_ids(prompt, [7, 8], 6, ignore_eos=True).token_ids
+    assert ok.tokens == seen == expected and ok.status == "finished" and ok.finish_reason == "length"
+    assert len(ok.token_times) == 6 and ok.first_token_time is not None and ended == [ok]
+    assert gone.status == "cancelled" and not gone.tokens
+    assert bad.status == "failed" and "max_new_tokens" in bad.error
+    assert solo.pool.free == [0] and not solo.active

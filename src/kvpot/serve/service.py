@@ -100,6 +100,10 @@ class Service:
     def _make_scheduler(self, engine, spec: str, slots: int | None):
         from kvpot.engine.scheduler import Scheduler
 
+        if len(engine.devices) > 1:  # a model split over GPUs runs its layers in turn: one request at a time
+            from kvpot.serve.solo import SoloScheduler
+
+            return SoloScheduler(engine)
         capacity = None
         if engine.method.max_entries() is None:  # a cache that grows with the input: slots hold a window
             capacity = self.config.slot_capacity or engine.model.config.max_position_embeddings
