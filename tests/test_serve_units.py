@@ -96,6 +96,11 @@ def test_text_stream_holds_back_possible_stops_and_cuts_at_them():
     assert pieces[:2] == ["", ""]  # "a", "ab" could be the start of "abc": held back
     _, text, _ = run("héllo wörld", [])  # multi-byte characters come out whole
     assert text == "héllo wörld"
+    # decoded a few tokens at a time, the pieces still make the whole text, for text of any bytes
+    random_text = bytes(torch.randint(32, 256, (400,), generator=torch.Generator().manual_seed(0)).tolist())
+    whole = random_text.decode("utf-8", errors="ignore")
+    _, text, _ = run(whole, [])
+    assert text == tok.decode(tok.encode(whole, add_special_tokens=False), skip_special_tokens=True)
 
 
 def test_store_spills_to_disk_reloads_and_finds_states_after_a_restart(tmp_path, one_thread):

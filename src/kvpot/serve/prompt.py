@@ -97,12 +97,27 @@ class TextStream:
         self.tokens: list[int] = []
         self.sent = 0  # characters returned so far
         self.stopped = False
+        # incremental detokenization: only tokens[prefix:] are decoded per token (a whole answer
+        # decoded at every token costs its length squared); the text of tokens[prefix:read] is known
+        self.done_text, self.prefix, self.read = "", 0, 0
+
+    def _text(self) -> str | None:
+        """The text of every token so far, or None while the last tokens end inside a character."""
+        with self.lock:
+            known = self.tokenizer.decode(self.tokens[self.prefix : self.read], skip_special_tokens=True)
+            full = self.tokenizer.decode(self.tokens[self.prefix :], skip_special_tokens=True)
+        if full.endswith("\ufffd"):
+            return None
+        # the window's text is decoded with a little context before it, since a token's text can
+        # depend on its neighbour (a leading space); the context's text is cut off again
+        self.done_text += full[len(known) :]
+        self.prefix, self.read = self.read, len(self.tokens)
+        return self.done_text
 
     def push(self, token: int) -> str:
         self.tokens.append(token)
-        with self.lock:
-            text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
+        text = self._text()
+        if text is None:
             return ""  # an incomplete multi-byte character
         hits = [i for i in (text.find(s, max(0, self.sent - len(s))) for s in self.stops) if i >= 0]
         if hits:
@@ -115,8 +130,9 @@ class TextStream:
         """What is left once generation ended (held-back text that turned out not to be a stop)."""
         if self.stopped:
             return ""
-        with self.lock:
-            text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        with self.lock:  # what is left undecoded (an unfinished character) is decoded as it is
+            text = self.done_text + self.tokenizer.decode(self.tokens[self.prefix :], skip_special_tokens=True)[
+                len(self.tokenizer.decode(self.tokens[self.prefix : self.read], skip_special_tokens=True)) :]
         return self._take(text)
 
     def _take(self, upto: str) -> str:
