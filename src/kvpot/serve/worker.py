@@ -254,16 +254,18 @@ class Worker:
         key = _key(engine)
         if key in self.pools:
             return self.pools[key]
+        import torch
+
         slots = self.config.max_slots if default else self.config.method_slots
         try:
             scheduler = self.make_pool(engine, spec, slots)
-        except KvpotError as err:
+        except (KvpotError, torch.OutOfMemoryError) as err:
             if default:
                 raise
             self._drop_idle_pools()
             try:
                 scheduler = self.make_pool(engine, spec, slots)
-            except KvpotError:
+            except (KvpotError, torch.OutOfMemoryError):
                 with self.lock:
                     self.rejected += 1
                 raise ApiError(429, f"no GPU memory for a pool of method {spec!r} now ({err}); retry later, or ask "
