@@ -41,7 +41,9 @@ class Server:
         # one intra-op thread: on a shared 2-core machine two threads run a tiny model many times slower
         env = {**os.environ, "OMP_NUM_THREADS": "1", "KVPOT_API_KEY": KEY}
         # InfiniPot with its default 2,048-entry pot: the reference model's window
-        argv = [sys.executable, "-m", "kvpot", "serve", "--device", "cpu", "--port", str(self.port),
+        # KVPOT_SERVE_TEST_DEVICE=cuda runs the same tests on a GPU (batched steps as CUDA graphs)
+        device = os.environ.get("KVPOT_SERVE_TEST_DEVICE", "cpu")
+        argv = [sys.executable, "-m", "kvpot", "serve", "--device", device, "--port", str(self.port),
                 "--method", "infinipot",
                 "--state-dir", str(state_dir), "--max-queue", "2", "--cache-min-tokens", "256",
                 "--max-context-tokens", "40000", "--max-body-bytes", "1MiB", "--log-level", "warning", *extra]
@@ -195,7 +197,8 @@ def test_sixteen_concurrent_clients_are_answered_or_told_to_retry(server):
         thread.join(timeout=300)
     assert len(outcomes) == 16
     assert set(outcomes) <= {"answered", "429"}, outcomes
-    assert outcomes.count("answered") >= 10  # 8 slots (a CPU's default) and --max-queue 2 waiting at least
+    slots = server.http("GET", "/health").json()["slots"]  # 8 on a CPU
+    assert outcomes.count("answered") >= min(16, slots + 2)  # the slots and --max-queue 2 waiting at least
     health = server.http("GET", "/health").json()
     assert health["status"] == "ok" and health["queue_depth"] == 0
     assert server.metric("rejected_total") == outcomes.count("429")
@@ -282,7 +285,7 @@ def test_states_survive_a_restart(server, state_dir):
         assert after.choices[0].message.content == before
         # the document's method (infinipot) got a pool of its own next to the server's (streaming)
         pools = {p["method"]: p["slots"] for p in restarted.http("GET", "/health").json()["pools"]}
-        assert pools == {"streaming:window=508": 8, "infinipot": 4}
+        assert set(pools) == {"streaming:window=508", "infinipot"} and pools["infinipot"] == 4
         assert after.usage.prompt_tokens_details.cached_tokens == doc["context_tokens"]
         assert restarted.metric("prefill_tokens_total") == 0
         assert restarted.http("DELETE", f"/v1/documents/{doc['id']}").json()["deleted"]
