@@ -27,6 +27,10 @@ skipped (`"skipped": true`). Model building and warm-up runs are never timed.
     results = run_bench(BenchConfig(mode="prefill", shape="tiny", methods=["full", "streaming"], budget=512,
                                     lengths=[1024, 4096], device="cpu", out="runs/smoke"))
 
+`kvpot bench serve` (`run_serve_bench`, `ServeBenchConfig`; modules `serve*`) measures the same
+figures as `throughput` through an OpenAI-compatible HTTP server: one at `--url`, or kvpot's own
+launched in-process next to the engine on the same tokens (see `kvpot.bench.serve`).
+
 One module per mode (`prefill`, `decode`, `attention`), plus `config` (BenchConfig), `common`
 (machine record, memory, OOM, the run loop), `run` (run_bench), `report` (tables, plots) and
 `shapes` (the table of shapes).
@@ -34,5 +38,7 @@ One module per mode (`prefill`, `decode`, `attention`), plus `config` (BenchConf
 
 from kvpot.bench.config import DEFAULT_LENGTHS, MODES, BenchConfig
 from kvpot.bench.run import run_bench
+from kvpot.bench.serve import run_serve_bench
+from kvpot.bench.serve_config import ServeBenchConfig
 
-__all__ = ["DEFAULT_LENGTHS", "MODES", "BenchConfig", "run_bench"]
+__all__ = ["DEFAULT_LENGTHS", "MODES", "BenchConfig", "ServeBenchConfig", "run_bench", "run_serve_bench"]

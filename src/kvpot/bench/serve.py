@@ -36,10 +36,10 @@ def run_serve_bench(config: ServeBenchConfig, progress: bool = True, show: bool 
     """Run the workload; write results.json, summary.md and plots to `config.out`; return the results."""
     import torch
 
-    from kvpot.bench.serve_client import _openai
+    from kvpot.bench.serve_client import require_openai
     from kvpot.bench.serve_report import plot_names, rich_table, write_reports
 
-    _openai()  # missing: say so before a model is built
+    require_openai()  # missing: say so before a model is built
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     config.out.mkdir(exist_ok=True)
@@ -55,6 +55,9 @@ def run_serve_bench(config: ServeBenchConfig, progress: bool = True, show: bool 
         from rich.console import Console
 
         Console(width=max(120, Console().width)).print(rich_table(results))
+        for row in results["rows"]:
+            if row.get("error"):
+                print(f"kvpot bench serve: {row['method']} @ {row['length']:,} tokens: {row['error']}", file=sys.stderr)
         print(f"wrote {config.out}/: results.json, summary.md, " + ", ".join(plot_names()))
     return results
 
@@ -80,19 +83,32 @@ def _add(results: dict, row: dict, config: ServeBenchConfig, bar) -> None:
 
 
 def _url_rows(config: ServeBenchConfig, results: dict, progress: bool) -> None:
-    upload = upload_text(config.upload_during, config.seed + 31, None) if config.upload_during else None
-    target = None
+    import uuid
+
+    results["prefix"] = prefix = f"{uuid.uuid4().hex[:8]} "  # this run's own prompts (see text_workload)
+    target, warm = None, None
     with _bar(len(config.lengths), progress) as bar:
         for length in config.lengths:
             row = _row(f"{config.served_model or 'server'} [http]", "http", length, config)
             bar.set_postfix_str(f"{config.url} @ {length} tokens")
             try:
-                target = target or _url_target(config, results)
-                row["method"] = f"{target.model} [http]"
-                row.update(_http(config, target, text_workload(config, length), upload))
+                if target is None:
+                    target = _url_target(config, results)
+                    warm = _warm_up(config, target, None)
+                row.update(method=f"{target.model} [http]", warmup_error=warm)
+                upload = _upload(config, length, None, prefix)
+                row.update(_http(config, target, text_workload(config, length, prefix), upload))
             except KvpotError as err:  # nothing listens, no model, ...: one line in the row
                 row["error"] = str(err)
             _add(results, row, config, bar)
+
+
+def _upload(config: ServeBenchConfig, length: int, vocab: int | None, prefix: str = "") -> str | None:
+    """The `--upload-during` document of one length: a text of its own (a server returns a document
+    it has read already at once)."""
+    if not config.upload_during:
+        return None
+    return prefix + upload_text(config.upload_during, config.seed + 31 + length, vocab)
 
 
 def _url_target(config: ServeBenchConfig, results: dict) -> Target:
@@ -118,11 +134,10 @@ def _launched_rows(config: ServeBenchConfig, results: dict, progress: bool) -> N
     bench_config = config.engine_config(results["machine"]["device"], results["devices"])
     workloads = {n: exact_workload(bench_config, model, tokenizer, n, word_level) for n in config.lengths}
     vocab = model.config.vocab_size if word_level else None
-    upload = upload_text(config.upload_during, config.seed + 31, vocab) if config.upload_during else None
     results["methods"] = {run.label: run.describe() for run in runs}
     with _bar(2 * len(runs) * len(config.lengths), progress) as bar:
         for run in runs:
-            http = _served_rows(config, model, tokenizer, run, workloads, upload, vocab, results, bar)
+            http = _served_rows(config, model, tokenizer, run, workloads, vocab, results, bar)
             free_memory(results["devices"])  # the server's slots go before the engine's are made
             for row in http:
                 engine = _engine_row(config, bench_config, model, tokenizer, run, workloads[row["length"]],
@@ -141,48 +156,54 @@ def _model(config: ServeBenchConfig, results: dict):
     from kvpot.models import resolve_device, resolve_dtype, shapes
     from kvpot.models.devices import describe_devices, input_device
 
-    device = resolve_device(config.device)
+    device, dtype = resolve_device(config.device), resolve_dtype(config.dtype)
     torch.manual_seed(config.seed)
     if config.model is not None:
-        from kvpot.engine import Engine
-        from kvpot.models.support import resolve_model
-
-        engine = Engine.from_pretrained(resolve_model(config.model), device=device, dtype=resolve_dtype(config.dtype),
-                                        chat_template=False, decode=config.decode)
-        if engine.tokenizer is None:
-            raise KvpotError(f"{config.model} has no tokenizer; its server needs one to read text.")
-        model, tokenizer, word_level = engine.model, engine.tokenizer, False
+        model, tokenizer = _checkpoint(config, device, dtype)
         results["shape"] = None
     else:
-        model = shapes.build(config.shape, device, resolve_dtype(config.dtype), seed=config.seed)
+        model = shapes.build(config.shape, device, dtype, seed=config.seed)
         tokenizer = word_tokenizer(model.config.vocab_size, model.config.bos_token_id, model.config.eos_token_id)
-        word_level = True
         results["shape"] = shapes.describe(shapes.get_shape(config.shape))
     results["devices"] = describe_devices(model)
     results["machine"] = machine(results["devices"])
     results["machine"]["device"] = str(input_device(model))
     results["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
     results["model_config"] = model.config.to_dict()
-    return model, tokenizer, word_level
+    return model, tokenizer, config.model is None
 
 
-def _served_rows(config, model, tokenizer, run, workloads, upload, vocab, results, bar) -> list[dict]:
+def _checkpoint(config: ServeBenchConfig, device: str, dtype):
+    from kvpot.engine import Engine
+    from kvpot.models.support import resolve_model
+
+    engine = Engine.from_pretrained(resolve_model(config.model), device=device, dtype=dtype, chat_template=False,
+                                    decode=config.decode)
+    if engine.tokenizer is None:
+        raise KvpotError(f"{config.model} has no tokenizer; its server needs one to read text.")
+    return engine.model, engine.tokenizer
+
+
+def _served_rows(config, model, tokenizer, run, workloads, vocab, results, bar) -> list[dict]:
     """The `[http]` rows of one method: its server launched, warmed up, driven at each length."""
-    from kvpot.bench.serve_server import LaunchedServer, accepts
+    from kvpot.bench.serve_server import LaunchedServer, accepts, kvpot_app
     from kvpot.engine import Engine
 
     rows, added = [_row(f"{run.label} [http]", "http", n, config) for n in config.lengths], 0
     try:
         engine = Engine(model, tokenizer, method=run.method, chat_template=False, decode=config.decode)
-        serve_config, server_fields = _serve_config(config, run)
-        with LaunchedServer(engine, serve_config) as server:
-            target = Target(server.url, None, serve_config.served_model_name, True,
-                            {"ignore_eos": True} if accepts("ignore_eos") else {}, config.timeout)
+        serve_config, server_fields = _serve_config(config, run, max(map(_prompt_tokens, workloads.values())))
+        with LaunchedServer(kvpot_app(engine, serve_config)) as server:
+            model_id, _ = connect(server.url, None, None, config.timeout)
+            target = Target(server.url, None, model_id, True, {"ignore_eos": True} if accepts("ignore_eos") else {},
+                            config.timeout)
             server_fields.update(ignore_eos=bool(target.extra), warmup_error=_warm_up(config, target, vocab))
             for row in rows:
                 bar.set_postfix_str(f"{row['method']} @ {row['length']} tokens")
-                row.update(_measured(config, target, workloads[row["length"]], upload, results["devices"]))
-                row.update(server_fields)
+                workload = workloads[row["length"]]
+                upload = _upload(config, row["length"], vocab)
+                row.update(_measured(config, target, workload, upload, results["devices"]))
+                row.update(server_fields, prompt_tokens_sent_mean=_sent_tokens(workload))
                 _add(results, row, config, bar)
                 added += 1
     except KvpotError as err:  # the server could not start: every length left says why
@@ -201,20 +222,30 @@ def _measured(config, target: Target, workload: Workload, upload: str | None, de
     return {**row, "peak_memory_bytes": peak_memory(devices), "memory_before_bytes": before}
 
 
-def _serve_config(config: ServeBenchConfig, run) -> tuple[object, dict]:
-    """kvpot's server for `run`'s method, sized for the workload, and what the rows record of it.
-    Stored contexts are turned off: each user's context is read once, as in the engine row."""
+def _prompt_tokens(workload: Workload) -> int:
+    """The longest prompt a user of `workload` sends, in the server's tokens."""
+    return max(c.numel() + q.numel() for c, q in zip(workload.ids["contexts"], workload.ids["questions"]))
+
+
+def _sent_tokens(workload: Workload) -> float:
+    """Prompt tokens per user as the server should count them (context or document, and question)."""
+    ids = workload.ids
+    return sum(c.numel() + q.numel() for c, q in zip(ids["contexts"], ids["questions"])) / len(ids["questions"])
+
+
+def _serve_config(config: ServeBenchConfig, run, longest: int) -> tuple[object, dict]:
+    """kvpot's server for `run`'s method, sized for prompts up to `longest` tokens, and what the rows
+    record of it. Stored contexts are turned off: each user's context is read once, as in the engine row."""
     from kvpot.bench.serve_server import serve_options
     from kvpot.serve import ServeConfig
 
-    longest = max(config.lengths) + config.question_tokens
     defaults = ServeConfig()
     growing = run.method.max_entries() is None  # a full cache: a slot must hold the whole prompt
     wanted = dict(max_queue=max(defaults.max_queue, config.users), cache_min_tokens=1 << 40,
-                  max_context_tokens=max(defaults.max_context_tokens, 2 * longest),
+                  max_context_tokens=max(defaults.max_context_tokens, longest),
                   max_tokens_limit=max(defaults.max_tokens_limit, config.new_tokens),
                   max_slots=config.slots, prefill_tokens=config.prefill_tokens,
-                  slot_capacity=2 * longest + config.new_tokens if growing else None)
+                  slot_capacity=longest + config.new_tokens if growing else None)
     options, missing = serve_options(**wanted)
     serve_config = ServeConfig(model=config.model, method=_spec(run), served_model_name=config.model or config.shape,
                                **options)

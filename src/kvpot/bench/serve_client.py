@@ -30,7 +30,7 @@ class Target:
     timeout: float
 
 
-def _openai():
+def require_openai():
     try:
         import openai
     except ImportError:
@@ -39,14 +39,14 @@ def _openai():
 
 
 def _client(url: str, api_key: str | None, timeout: float):
-    openai = _openai()
+    openai = require_openai()
     key = api_key or os.environ.get("OPENAI_API_KEY") or "none"  # the client refuses to start without one
     return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=timeout)
 
 
 def one_line(err: BaseException) -> str:
     """An error as one line: `HTTP 503: message` for a server's answer, the cause for a connection."""
-    openai = _openai()
+    openai = require_openai()
     if isinstance(err, openai.APIStatusError):
         text = f"HTTP {err.status_code}: {err.message}"
     elif isinstance(err, openai.APIConnectionError) and err.__cause__ is not None:
@@ -62,7 +62,7 @@ def connect(url: str, api_key: str | None, served_model: str | None, timeout: fl
 
 
 async def _connect(url, api_key, served_model, timeout) -> tuple[str, bool]:
-    openai = _openai()
+    openai = require_openai()
     async with _client(url, api_key, min(timeout, 60.0)) as client:
         try:
             page = await client.models.list()
@@ -119,7 +119,7 @@ def _take(chunk, record: dict, now: float, first: _FirstTokens) -> None:
 
 async def _stream(client, target: Target, messages: list[dict], extra: dict, max_tokens: int, begun: float,
                   record: dict, first: _FirstTokens) -> None:
-    openai = _openai()
+    openai = require_openai()
 
     async def read():
         stream = await client.chat.completions.create(
@@ -153,7 +153,7 @@ async def post_document(client, text: str, timeout: float) -> dict:
 async def _document(client, target: Target, text: str) -> tuple[dict | None, dict]:
     """Upload the shared document once: (extra body naming it, or None where the server has no such
     route, and the row's document fields)."""
-    openai = _openai()
+    openai = require_openai()
     begun = time.perf_counter()
     try:
         answer = await post_document(client, text, target.timeout)
@@ -165,22 +165,23 @@ async def _document(client, target: Target, text: str) -> tuple[dict | None, dic
         raise KvpotError(f"the document upload failed: {one_line(err)}") from None
     return {"document_id": answer["id"]}, {
         "document_route": True, "document_id": answer["id"], "document_context_tokens": answer.get("context_tokens"),
-        "document_upload_seconds": time.perf_counter() - begun}
+        "document_upload_seconds": time.perf_counter() - begun, "document_reused": answer.get("reused")}
 
 
 async def _upload_during(client, text: str, first: _FirstTokens, begun: float, timeout: float) -> dict:
     """Upload another document once every user decodes: its time window and seconds."""
-    openai = _openai()
+    openai = require_openai()
     await first.event.wait()
     start = time.perf_counter() - begun
-    error = None
+    error, answer = None, {}
     try:
-        await post_document(client, text, timeout)
+        answer = await post_document(client, text, timeout)
     except openai.APIError as err:
         error = one_line(err)
     end = time.perf_counter() - begun
     return {"upload_during_seconds": end - start, "upload_window_seconds": [start, end],
-            "upload_during_error": error}
+            "upload_during_error": error, "upload_during_reused": answer.get("reused"),
+            "upload_during_context_tokens": answer.get("context_tokens")}
 
 
 def drive(target: Target, contexts: list[str], questions: list[str], document: str | None, max_tokens: int,
@@ -190,6 +191,8 @@ def drive(target: Target, contexts: list[str], questions: list[str], document: s
 
 
 async def _drive(target, contexts, questions, document, max_tokens, upload) -> dict:
+    # the client's own CPU time: a launched server shares this process (and its GIL) with it
+    cpu = time.thread_time()
     async with _client(target.url, target.api_key, target.timeout) as client:
         extra, fields = {}, {}
         if document is not None:
@@ -206,7 +209,7 @@ async def _drive(target, contexts, questions, document, max_tokens, upload) -> d
         wall = max(r["end_seconds"] for r in records)
         if during is not None:
             fields.update(await during)
-    return {**fields, "records": records, "wall_seconds": wall}
+    return {**fields, "records": records, "wall_seconds": wall, "client_cpu_seconds": time.thread_time() - cpu}
 
 
 def summarize(outcome: dict) -> dict:

@@ -60,12 +60,12 @@ class ServeBenchConfig:
         for name, value, low in (("--users", self.users, 1), ("--new-tokens", self.new_tokens, 1),
                                  ("--prefill-tokens", self.prefill_tokens, 1), ("--slots", self.slots or 1, 1),
                                  ("--upload-during", self.upload_during or 1, 1), ("--threads", self.threads or 1, 1),
-                                 ("--question-tokens", self.question_tokens, 1 if self.document else 0),
+                                 ("--question-tokens", self.question_tokens, 0),
                                  *(("--lengths", n, 1) for n in self.lengths)):
             if value < low:
-                raise KvpotError(f"{name} must be at least {low}, got {value}"
-                                 + (" (with --document the question is all a user sends)." if
-                                    name == "--question-tokens" else "."))
+                raise KvpotError(f"{name} must be at least {low}, got {value}.")
+        if self.document and self.question_tokens < 1:
+            raise KvpotError("with --document a user sends only its question: --question-tokens must be at least 1.")
         if self.timeout <= 0:
             raise KvpotError(f"--timeout must be positive, got {self.timeout}.")
         if self.budget is not None and self.budget <= 0:

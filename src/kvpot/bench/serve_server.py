@@ -1,5 +1,5 @@
 """kvpot's server launched inside this process for `kvpot bench serve`: uvicorn on a free loopback
-port, in a background thread, stopped (and its memory given back) when the block ends."""
+port, in a background thread, stopped when the block ends."""
 
 from __future__ import annotations
 
@@ -21,6 +21,18 @@ def serve_options(**wanted) -> tuple[dict, list[str]]:
     return {k: v for k, v in wanted.items() if k in names}, [k for k in wanted if k not in names]
 
 
+def kvpot_app(engine, serve_config):
+    """kvpot's server app for `engine` (FastAPI and uvicorn are the `serve` extra)."""
+    import importlib.util
+
+    if not all(importlib.util.find_spec(name) for name in ("fastapi", "uvicorn")):
+        raise KvpotError("bench serve launches kvpot's server, which needs FastAPI and uvicorn: "
+                         "pip install 'kvpot[serve]'.")
+    from kvpot.serve import create_app
+
+    return create_app(engine, serve_config)
+
+
 def accepts(field: str) -> bool:
     """Whether kvpot's chat requests have a field (unknown fields are accepted and ignored)."""
     from kvpot.serve.protocol import ChatRequest
@@ -29,24 +41,19 @@ def accepts(field: str) -> bool:
 
 
 class LaunchedServer:
-    """`with LaunchedServer(engine, serve_config) as server:` kvpot's app served at `server.url`."""
+    """`with LaunchedServer(app) as server:` an ASGI app (kvpot's: `kvpot.serve.create_app`) served at
+    `server.url`."""
 
-    def __init__(self, engine, serve_config):
-        self.engine, self.serve_config = engine, serve_config
+    def __init__(self, app):
+        self.app = app
         self.server = self.thread = None
         self.url = None
 
     def __enter__(self) -> LaunchedServer:
-        try:
-            import uvicorn
-        except ImportError:
-            raise KvpotError("bench serve launches kvpot's server, which needs FastAPI and uvicorn: "
-                             "pip install 'kvpot[serve]'.") from None
-        from kvpot.serve import create_app
+        import uvicorn
 
-        app = create_app(self.engine, self.serve_config)
         # port 0: the system picks a free one, read back once the socket is bound (no race with others)
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", access_log=False,
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning", access_log=False,
                                 timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="kvpot-bench-serve", daemon=True)
@@ -69,8 +76,23 @@ class LaunchedServer:
         if self.server is not None:
             self.server.should_exit = True
             self.thread.join(timeout=60)
-        self.server = self.thread = None
+        self.server = self.thread = self.app = None  # the app holds the server's slots: gone with it
+        _forget_endpoints()
         return False
+
+
+def _forget_endpoints() -> None:
+    """Empty FastAPI's module-level caches, which key on endpoint functions: they would keep a stopped
+    app, its server and all the GPU memory of its slots alive for the rest of the process (the engine
+    row, the next method's server)."""
+    import functools
+    import sys
+
+    modules = ("fastapi.dependencies.models", "fastapi.dependencies.utils", "fastapi._compat.v2", "fastapi.routing")
+    for module in filter(None, map(sys.modules.get, modules)):
+        for value in vars(module).values():
+            if isinstance(value, functools._lru_cache_wrapper):
+                value.cache_clear()
 
 
 def _wait_healthy(url: str, deadline: float) -> None:

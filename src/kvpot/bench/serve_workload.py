@@ -28,16 +28,20 @@ WORDS = (
 
 def word_tokenizer(vocab_size: int, bos_id: int | None, eos_id: int | None):
     """A fast tokenizer where `t{i}` is token i, for every id of the model (no chat template)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     backend = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     # WordPiece's decoder puts a space before every token without its (unused) `##` prefix
     backend.decoder = decoders.WordPiece(prefix="##", cleanup=False)
-    special = {name: f"t{index}" for name, index in (("bos_token", bos_id), ("eos_token", eos_id))
+
+    def word(index: int):  # special tokens are matched before splitting: whole words only, or `t1` eats `t10`
+        return AddedToken(f"t{index}", single_word=True, special=True, normalized=False)
+
+    special = {name: word(index) for name, index in (("bos_token", bos_id), ("eos_token", eos_id))
                if index is not None and 0 <= index < vocab_size}
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="t0", **special)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token=word(0), **special)
 
 
 def ids_text(ids) -> str:
@@ -60,12 +64,14 @@ class Workload:
     ids: dict | None = None  # launched: the same prompts as token ids, in `bench throughput`'s form
 
 
-def text_workload(config, length: int) -> Workload:
-    """Words, about `length` tokens per context (a server whose tokenizer is not ours)."""
+def text_workload(config, length: int, prefix: str = "") -> Workload:
+    """Words, about `length` tokens per context (a server whose tokenizer is not ours). `prefix` opens
+    every context and document: a word of its own per run keeps a server's prefix cache (or kvpot's
+    stored states) of an earlier run from answering this one."""
     questions = [" " + words(config.question_tokens, config.seed + 7919 * (user + 1)) for user in range(config.users)]
     if config.document:
-        return Workload([""] * config.users, questions, words(length, config.seed + length))
-    contexts = [words(length, config.seed + length + 104729 * (user + 1)) for user in range(config.users)]
+        return Workload([""] * config.users, questions, prefix + words(length, config.seed + length))
+    contexts = [prefix + words(length, config.seed + length + 104729 * (user + 1)) for user in range(config.users)]
     return Workload(contexts, questions, None)
 
 

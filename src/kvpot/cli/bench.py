@@ -7,7 +7,8 @@ import os
 from pathlib import Path
 
 from kvpot.bench.config import DEFAULT_LENGTHS, MODES, BenchConfig
-from kvpot.cli.args import METHOD_METAVAR, add_device_arguments, parse_lengths
+from kvpot.bench.serve_config import MODE as SERVE_MODE, ServeBenchConfig
+from kvpot.cli.args import METHOD_METAVAR, add_device_arguments, parse_length, parse_lengths
 from kvpot.errors import KvpotError
 
 
@@ -24,6 +25,9 @@ def register(sub) -> None:
             "  attention  us per call of one layer's attention (dense SDPA vs kvpot) over a cache of each length\n"
             "  throughput many users at once: output tokens/s, TTFT and inter-token latency of kvpot's batched\n"
             "             scheduler, the same users one at a time, and (--baseline hf) transformers' continuous batching\n"
+            "  serve      the same figures through an OpenAI-compatible HTTP server: --url drives a running one\n"
+            "             (kvpot's, vLLM's, transformers serve); without --url kvpot's server is launched here for\n"
+            "             each --method on --shape (or --model) and the same tokens also run through the engine directly\n"
             "  shapes     list the shapes (also: --list-shapes)\n"
             "A run that runs out of memory is recorded as OOM and that method's longer lengths are skipped.\n"
             "Writes results.json (raw samples, machine, versions, commit, command), summary.md and PNG plots "
@@ -40,6 +44,10 @@ def register(sub) -> None:
             "--new-tokens 128 --baseline hf --device cuda --out runs/throughput\n"
             "  kvpot bench throughput --shape llama3-8b --method infinipot:pot_size=4096 --users 64 --document "
             "--lengths 128k --new-tokens 256 --device cuda --out runs/document  (one stored document, 64 readers)\n"
+            "  kvpot bench serve --shape llama3-8b --device cuda --method infinipot:pot_size=4096 --users 64 "
+            "--lengths 128k --document --new-tokens 256 --upload-during 32k --out runs/serve\n"
+            "  kvpot bench serve --url http://127.0.0.1:8000 --users 32 --lengths 4k --new-tokens 128 --out runs/vllm  "
+            "(any OpenAI-compatible server; --served-model defaults to the first of /v1/models)\n"
             "  kvpot bench prefill --shape llama3-70b --device-map auto --no-floor --method infinipot:pot_size=4096 "
             "--lengths 128k --out runs/70b  (split over every visible GPU)\n"
             "  kvpot bench prefill --shape tiny --method full --method streaming --budget 512 --lengths 1k,4k "
@@ -47,8 +55,8 @@ def register(sub) -> None:
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("mode", nargs="?", choices=[*MODES, "shapes"], metavar="MODE",
-                   help="prefill, decode, attention, throughput, or shapes (list the shapes)")
+    p.add_argument("mode", nargs="?", choices=[*MODES, SERVE_MODE, "shapes"], metavar="MODE",
+                   help="prefill, decode, attention, throughput, serve, or shapes (list the shapes)")
     p.add_argument("--list-shapes", action="store_true", help="list the shapes and exit")
     p.add_argument("--shape", default="tiny", help="model shape (default tiny; `kvpot bench shapes` lists them)")
     p.add_argument("--method", action="append", default=[], metavar=METHOD_METAVAR,
@@ -103,8 +111,48 @@ def register(sub) -> None:
     t.add_argument("--hf-timeout", type=float, default=200.0,
                    help="seconds before transformers' continuous batching is stopped and recorded unfinished "
                         "(default 200)")
+    _serve_arguments(p)
     p.add_argument("--out", type=Path, default=None, help="folder for results (created; its parent must exist)")
     p.set_defaults(func=run)
+
+
+def _serve_arguments(p) -> None:
+    """`bench serve`: which server, and what its users do beyond the throughput workload's options."""
+    s = p.add_argument_group("serve (also: --users, --lengths, --new-tokens, --question-tokens, --document, "
+                             "--slots, --prefill-tokens)")
+    s.add_argument("--url", default=None, help="a running OpenAI-compatible server, e.g. http://127.0.0.1:8000 "
+                                               "(default: launch kvpot's server in this process)")
+    s.add_argument("--api-key", default=None, help="--url: the server's key (default: $OPENAI_API_KEY)")
+    s.add_argument("--served-model", default=None, help="--url: the model id to request (default: the first one "
+                                                        "GET /v1/models lists)")
+    s.add_argument("--ignore-eos", action="store_true",
+                   help="--url: send ignore_eos=true (vLLM and kvpot honour it; a launched kvpot server is sent it "
+                        "whenever it accepts it)")
+    s.add_argument("--model", default=None,
+                   help="launched server: a checkpoint (path or Hugging Face id) instead of --shape; prompts are "
+                        "then words, lengths approximate")
+    s.add_argument("--upload-during", default=None, metavar="TOKENS",
+                   help="upload another document of TOKENS tokens (e.g. 32k) once every user decodes, and report "
+                        "the inter-token latency while it is read")
+    s.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take (default 600)")
+
+
+def serve_config_from_args(args) -> ServeBenchConfig:
+    from kvpot.methods.spec import parse_assignments
+
+    if args.out is None:
+        raise KvpotError("bench serve needs --out DIR, the folder for results.")
+    if args.device_map or args.max_memory:
+        raise KvpotError("bench serve launches its server on one device (--device); --device-map is not supported.")
+    return ServeBenchConfig(
+        out=args.out, url=args.url, api_key=args.api_key, served_model=args.served_model, ignore_eos=args.ignore_eos,
+        shape=args.shape, model=args.model, methods=list(args.method), budget=args.budget,
+        settings=parse_assignments(args.set), device=args.device, dtype=args.dtype, decode=args.decode,
+        slots=args.slots, prefill_tokens=args.prefill_tokens, threads=args.threads, seed=args.seed,
+        lengths=parse_lengths(args.lengths), users=args.users, new_tokens=args.new_tokens,
+        question_tokens=args.question_tokens, document=args.document,
+        upload_during=None if args.upload_during is None else parse_length(args.upload_during), timeout=args.timeout,
+    )
 
 
 def config_from_args(args) -> BenchConfig:
@@ -134,7 +182,9 @@ def run(args) -> int:
         list_shapes()
         return 0
     if args.mode is None:
-        raise KvpotError("give a mode: prefill, decode, attention or shapes (kvpot bench --help).")
+        raise KvpotError("give a mode: prefill, decode, attention, throughput, serve or shapes (kvpot bench --help).")
+    if args.mode == SERVE_MODE:
+        return _run_serve(args)
     config = config_from_args(args)
     from kvpot.bench import run_bench
 
@@ -143,4 +193,19 @@ def run(args) -> int:
 
         build_methods([MethodSpec.parse(m) for m in config.methods], config.budget, config.settings)
     run_bench(config, progress=True)
+    return 0
+
+
+def _run_serve(args) -> int:
+    config = serve_config_from_args(args)
+    from kvpot.bench.serve_client import require_openai
+
+    require_openai()  # before a model is built
+    if config.methods:  # a typo costs nothing: build the methods before the model
+        from kvpot.methods.spec import MethodSpec, build_methods
+
+        build_methods([MethodSpec.parse(m) for m in config.methods], config.budget, config.settings)
+    from kvpot.bench.serve import run_serve_bench
+
+    run_serve_bench(config, progress=True)
     return 0
