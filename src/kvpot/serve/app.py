@@ -245,7 +245,14 @@ async def _respond(request: Request, service: Service, body, job: Job, chat: boo
                 "model": service.model_name, "choices": [choice], "usage": _usage(outcome),
                 "kvpot": _extra(outcome, job)}
     queue: asyncio.Queue = asyncio.Queue()
-    job.emit = lambda piece: queue.put_nowait(("text", piece))
+    pending: list[str] = []  # text not yet sent; one ("text", None) in the queue stands for all of it
+
+    def emit(piece: str) -> None:
+        pending.append(piece)
+        if len(pending) == 1:
+            queue.put_nowait(("text", None))
+
+    job.emit = emit
 
     async def run():
         try:
@@ -278,6 +285,8 @@ async def _respond(request: Request, service: Service, body, job: Job, chat: boo
                     yield ": keep-alive\n\n"  # a long prefill: keeps proxies (and disconnect detection) alive
                     continue
                 if kind_ == "text":
+                    value = "".join(pending)  # a stream that fell behind sends what came in one chunk
+                    pending.clear()
                     yield chunk(value)
                 elif kind_ == "error":
                     err = value if isinstance(value, ApiError) else (

@@ -88,6 +88,7 @@ class Service:
         # detokenizes while worker threads encode
         self.tokenizer_lock = threading.Lock()
         self.worker = Worker(config, self.metrics, self._make_scheduler)
+        self.outboxes: dict = {}  # event loop -> its Outbox (one in a server; tests may run several)
         self.default_pool: Pool | None = None  # made by `start`
         found = self.store.scan(model_fingerprint(engine.model))
         if found:
@@ -217,10 +218,13 @@ class Service:
         """Submit the engine request and turn its tokens into text as they come."""
         from kvpot.engine.requests import Request
 
-        loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        post = _poster(loop, queue)
+        outbox = self._outbox()
         metrics = self.metrics
+
+        def post(item) -> None:
+            outbox.post(queue, item)
+
         request = Request(context_ids=job.prompt.context_ids if state is None else None,
                           question_ids=job.prompt.question_ids, state=state, max_new_tokens=job.max_tokens,
                           temperature=job.temperature, top_p=job.top_p, seed=job.seed, ignore_eos=job.ignore_eos,
@@ -246,6 +250,15 @@ class Service:
                 ticket.stop()  # the slot is freed at the next step; the answer is complete now
         stream.finish()
         return tokens, (request, stream)
+
+    def _outbox(self) -> Outbox:
+        """The running event loop's outbox, flushed by the worker after each turn."""
+        loop = asyncio.get_running_loop()
+        outbox = self.outboxes.get(loop)
+        if outbox is None:
+            outbox = self.outboxes[loop] = Outbox(loop)
+            self.worker.outboxes.append(outbox)
+        return outbox
 
     async def _engine_call(self, awaitable):
         """Engine errors a request caused become 400s (too long for a slot: 413)."""
@@ -289,16 +302,31 @@ class _Collector:
                 self.emit(piece)
 
 
-def _poster(loop, queue: asyncio.Queue):
-    """A callable for the generation thread that puts an item on `queue` in the event loop."""
+class Outbox:
+    """Items from the generation thread for queues of the event loop, handed over once per turn of the
+    worker's loop (one wake-up of the event loop per step, not one per token and user)."""
 
-    def post(item) -> None:
-        try:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-        except RuntimeError:  # the loop is closed: the server is stopping and nobody listens
-            pass
+    def __init__(self, loop):
+        self.loop, self.items = loop, []
+        self.lock = threading.Lock()
 
-    return post
+    def post(self, queue: asyncio.Queue, item) -> None:
+        with self.lock:
+            self.items.append((queue, item))
+
+    def flush(self) -> None:
+        with self.lock:
+            items, self.items = self.items, []
+        if items:
+            try:
+                self.loop.call_soon_threadsafe(_hand_over, items)
+            except RuntimeError:  # the loop is closed: the server is stopping and nobody listens
+                pass
+
+
+def _hand_over(items: list) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
 
 
 def _config_key(config: dict) -> str:

@@ -100,6 +100,7 @@ class Worker:
         self.cancelled = 0
         self.recent = 2.0  # moving average of a request's seconds (for Retry-After)
         self.stopping = False
+        self.outboxes: list = []  # kvpot.serve.service.Outbox: flushed after every turn
         self.thread = threading.Thread(target=self._loop, name="kvpot-generate", daemon=True)
         self.thread.start()
 
@@ -206,6 +207,8 @@ class Worker:
             if self.reads:
                 self._advance_read()
                 busy = True
+            for outbox in self.outboxes:
+                outbox.flush()
             if not busy and not self.calls:
                 self.wake.wait(1.0)
                 self.wake.clear()
@@ -296,6 +299,8 @@ class Worker:
             scheduler = pool.scheduler
             for request in [a.request for a in scheduler.active.values()] + list(scheduler.waiting):
                 scheduler._end(request, "cancelled", "cancelled", [])
+        for outbox in self.outboxes:
+            outbox.flush()
 
 
 def _key(engine) -> str:
