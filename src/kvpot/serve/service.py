@@ -69,6 +69,7 @@ class Outcome:
 
 
 _END = object()
+_PENDING = object()  # a request's state before the generation thread looked it up (Request needs one of two)
 
 
 class Service:
@@ -182,24 +183,21 @@ class Service:
     async def answer(self, job: Job, ticket: Ticket) -> Outcome:
         """Run `job` in its pool (`ticket` admitted it there) and collect its text; `job.emit` streams it."""
         engine = self.engine_for(job.spec)
-        state, cached, read = None, 0, 0.0
-        if job.key is not None:
-            state = await self._engine_call(self.worker.call(lambda: self.store.get(job.key, engine)))
-            if state is None and job.document:
-                raise ApiError(404, f"document doc-{job.key} is no longer stored (evicted or deleted); upload it "
-                                    "again.", param="document_id", code="document_not_found")
-            if state is None:
-                state = await self._read(engine, job.prompt.context_ids, ticket)
-                read = state.stats.prefill_seconds
-                try:
-                    await self.worker.call(lambda: self.store.put(job.key, state, "context", job.spec))
-                except KvpotError:
-                    pass  # a context too large to keep is simply read again next time
-            else:
-                cached = state.stats.context_tokens
+        queue: asyncio.Queue = asyncio.Queue()
+        request = self._request(job, queue)
+        ticket.request = request
+        if ticket.cancel.is_set():
+            request.cancel_requested = True
+        # the stored state looked up and the request submitted in one turn of the generation thread
+        state = await self._engine_call(self.worker.call(lambda: self._submit_stored(job, engine, request, ticket)))
+        cached, read = (state.stats.context_tokens if state is not None else 0), 0.0
+        if state is None and job.key is not None:  # a long context not stored yet: read, keep, then submit
+            state = await self._read(engine, job.prompt.context_ids, ticket)
+            read = state.stats.prefill_seconds
+            request.state, request.context_ids = state, None
+            await self._engine_call(self.worker.call(lambda: self._keep_and_submit(job, state, request, ticket)))
         context_tokens = state.stats.context_tokens if state is not None else len(job.prompt.context_ids)
-        tokens, finished = await self._generate(job, ticket, engine, state)
-        request, stream = finished
+        tokens, stream = await self._collect(job, ticket, engine, queue)
         if request.status == "failed":
             raise ApiError(500, f"the generation failed: {request.error}", code="generation_failed")
         if request.status == "cancelled" and not stream.stopped:
@@ -214,27 +212,47 @@ class Service:
         self.worker.finished(time.perf_counter() - job.started)
         return Outcome(stream.text, len(tokens), prompt_tokens, cached, reason, ttft, read)
 
-    async def _generate(self, job: Job, ticket: Ticket, engine, state):
-        """Submit the engine request and turn its tokens into text as they come."""
+    def _request(self, job: Job, queue: asyncio.Queue):
+        """The engine request of `job`, its tokens and its end posted to `queue` (through the outbox)."""
         from kvpot.engine.requests import Request
 
-        queue: asyncio.Queue = asyncio.Queue()
-        outbox = self._outbox()
-        metrics = self.metrics
+        outbox, metrics = self._outbox(), self.metrics
 
         def post(item) -> None:
             outbox.post(queue, item)
 
-        request = Request(context_ids=job.prompt.context_ids if state is None else None,
-                          question_ids=job.prompt.question_ids, state=state, max_new_tokens=job.max_tokens,
-                          temperature=job.temperature, top_p=job.top_p, seed=job.seed, ignore_eos=job.ignore_eos,
-                          on_token=lambda _request, token: (metrics.tick(), post(token)),
-                          on_finish=lambda finished: (metrics.finished(finished), post(_END)))
-        pool = ticket.pool
-        ticket.request = request
-        if ticket.cancel.is_set():
-            request.cancel_requested = True
-        await self._engine_call(self.worker.call(lambda: pool.scheduler.submit(request)))
+        context = job.prompt.context_ids if job.key is None else None
+        return Request(context_ids=context, question_ids=job.prompt.question_ids,
+                       state=None if context is not None else _PENDING, max_new_tokens=job.max_tokens,
+                       temperature=job.temperature, top_p=job.top_p, seed=job.seed, ignore_eos=job.ignore_eos,
+                       on_token=lambda _request, token: (metrics.tick(), post(token)),
+                       on_finish=lambda finished: (metrics.finished(finished), post(_END)))
+
+    def _submit_stored(self, job: Job, engine, request, ticket: Ticket):
+        """(generation thread) Submit `request` from its stored state (None: the context is read for this
+        request alone, in its slot, or has no stored state yet: then nothing is submitted)."""
+        state = None
+        if job.key is not None:
+            state = self.store.get(job.key, engine)
+            if state is None and job.document:
+                raise ApiError(404, f"document doc-{job.key} is no longer stored (evicted or deleted); upload it "
+                                    "again.", param="document_id", code="document_not_found")
+            if state is None:
+                return None
+            request.state = state
+        ticket.pool.scheduler.submit(request)
+        return state
+
+    def _keep_and_submit(self, job: Job, state, request, ticket: Ticket) -> None:
+        """(generation thread) Store a context just read for the next question, and submit `request`."""
+        try:
+            self.store.put(job.key, state, "context", job.spec)
+        except KvpotError:
+            pass  # a context too large to keep is simply read again next time
+        ticket.pool.scheduler.submit(request)
+
+    async def _collect(self, job: Job, ticket: Ticket, engine, queue: asyncio.Queue):
+        """The request's tokens as they come, turned into text (stop strings end it early)."""
         stream = _Collector(engine.tokenizer, job.stops, self.tokenizer_lock, job.emit)
         tokens = []
         while True:
@@ -249,7 +267,7 @@ class Service:
                 ticket.stopped_by_text = True
                 ticket.stop()  # the slot is freed at the next step; the answer is complete now
         stream.finish()
-        return tokens, (request, stream)
+        return tokens, stream
 
     def _outbox(self) -> Outbox:
         """The running event loop's outbox, flushed by the worker after each turn."""
