@@ -127,10 +127,14 @@ def no_document_route(app):
     return wrapped
 
 
-def test_url_mode_drives_a_running_server(capsys, tmp_path, reference_engine):
-    """A server started here (the reference model): plain prompts, then one uploaded document."""
+def test_url_mode_drives_a_running_server(capsys, tmp_path, reference_engine, monkeypatch):
+    """A server started here (the reference model): plain prompts, then one uploaded document, the
+    users spread over two client processes (2 users a process here; 16 by default)."""
+    from kvpot.bench import serve_client
     from kvpot.bench.serve_server import LaunchedServer, kvpot_app
     from kvpot.serve import ServeConfig
+
+    monkeypatch.setattr(serve_client, "CLIENT_USERS", 2)
 
     with LaunchedServer(kvpot_app(reference_engine, ServeConfig(method="infinipot"))) as server:
         service = weakref.ref(server.app.state.service)
@@ -146,6 +150,8 @@ def test_url_mode_drives_a_running_server(capsys, tmp_path, reference_engine):
         check_tokens(row, 3, 6, eos_off=False)
         assert row["output_tokens_per_second"] > 0 and row["prompt_tokens_mean"] > 64
         assert results["machine"]["device"] == "cpu"
+    assert plain["rows"][0]["client_processes"] == document["rows"][0]["client_processes"] == 2
+    assert sorted(r["user"] for r in plain["rows"][0]["records"]) == [0, 1, 2]
     row = document["rows"][0]
     assert row["document_route"] and row["document_id"].startswith("doc-") and row["document_upload_seconds"] > 0
     assert not row["document_reused"] and row["upload_during_seconds"] > 0

@@ -119,15 +119,9 @@ def _url_target(config: ServeBenchConfig, results: dict) -> Target:
 
 
 def _http(config: ServeBenchConfig, target: Target, workload: Workload, upload: str | None) -> dict:
-    """The clients in a process of their own: 64 streaming clients parse thousands of chunks a second,
-    and in the server's process they would take the GIL from its generation thread and the event loop
-    (a real server's clients are elsewhere)."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as clients:
-        outcome = clients.submit(drive, target, workload.contexts, workload.questions, workload.document,
-                                 config.new_tokens, upload).result()
+    # the clients run in processes of their own (`drive`): in the server's process they would take the
+    # GIL from its generation thread and event loop (a real server's clients are elsewhere)
+    outcome = drive(target, workload.contexts, workload.questions, workload.document, config.new_tokens, upload)
     return summarize(outcome)
 
 

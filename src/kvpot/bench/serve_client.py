@@ -184,32 +184,63 @@ async def _upload_during(client, text: str, first: _FirstTokens, begun: float, t
             "upload_during_context_tokens": answer.get("context_tokens")}
 
 
+CLIENT_USERS = 16  # users per client process: one asyncio loop parses ~0.5 ms of CPU per chunk
+
+
 def drive(target: Target, contexts: list[str], questions: list[str], document: str | None, max_tokens: int,
           upload: str | None = None) -> dict:
-    """Run one workload: {"records": [...], "wall_seconds", document and upload fields}."""
-    return asyncio.run(_drive(target, contexts, questions, document, max_tokens, upload))
+    """Run one workload: {"records": [...], "wall_seconds", document and upload fields}.
+
+    The users are spread over client processes of `CLIENT_USERS` each (one loop parsing every stream
+    would lag, and its timestamps with it), all starting at one instant (`perf_counter` is the system's
+    monotonic clock, shared by the processes); the document is uploaded first, from this process."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    fields, extra = {}, {}
+    if document is not None:
+        extra, fields = asyncio.run(_upload_shared(target, document))
+        if extra is None:
+            extra, contexts = {}, [document] * len(questions)
+    groups = [list(range(start, len(questions), -(-len(questions) // CLIENT_USERS)))
+              for start in range(-(-len(questions) // CLIENT_USERS))]
+    # several processes start together, once all have started and imported (a few seconds); one starts when ready
+    start_at = time.perf_counter() + 5.0 if len(groups) > 1 else None
+    with ProcessPoolExecutor(max_workers=len(groups), mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(_drive_group, target, [(u, contexts[u], questions[u]) for u in users], extra,
+                               max_tokens, start_at, upload if index == 0 else None)
+                   for index, users in enumerate(groups)]
+        outcomes = [future.result() for future in futures]
+    records = sorted((r for outcome in outcomes for r in outcome["records"]), key=lambda r: r["user"])
+    for outcome in outcomes:
+        fields.update({k: v for k, v in outcome.items() if k not in ("records", "client_cpu_seconds")})
+    return {**fields, "records": records, "wall_seconds": max(r["end_seconds"] for r in records),
+            "client_cpu_seconds": sum(o["client_cpu_seconds"] for o in outcomes), "client_processes": len(groups)}
 
 
-async def _drive(target, contexts, questions, document, max_tokens, upload) -> dict:
-    # the client's own CPU time: a launched server shares this process (and its GIL) with it
-    cpu = time.thread_time()
+async def _upload_shared(target: Target, document: str) -> tuple[dict | None, dict]:
     async with _client(target.url, target.api_key, target.timeout) as client:
-        extra, fields = {}, {}
-        if document is not None:
-            extra, fields = await _document(client, target, document)
-            if extra is None:
-                extra, contexts = {}, [document] * len(questions)
-        records = [_record(user) for user in range(len(questions))]
+        return await _document(client, target, document)
+
+
+def _drive_group(target, users, extra, max_tokens, start_at, upload) -> dict:
+    return asyncio.run(_drive(target, users, extra, max_tokens, start_at, upload))
+
+
+async def _drive(target, users, extra, max_tokens, start_at, upload) -> dict:
+    cpu = time.process_time()
+    async with _client(target.url, target.api_key, target.timeout) as client:
+        records = [_record(user) for user, _, _ in users]
         first = _FirstTokens(len(records))
-        begun = time.perf_counter()
+        if start_at is not None:
+            await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
+        begun = start_at if start_at is not None else time.perf_counter()
         tasks = [_stream(client, target, _messages(target, c, q), extra, max_tokens, begun, r, first)
-                 for c, q, r in zip(contexts, questions, records)]
+                 for (_, c, q), r in zip(users, records)]
         during = asyncio.create_task(_upload_during(client, upload, first, begun, target.timeout)) if upload else None
         await asyncio.gather(*tasks)
-        wall = max(r["end_seconds"] for r in records)
-        if during is not None:
-            fields.update(await during)
-    return {**fields, "records": records, "wall_seconds": wall, "client_cpu_seconds": time.thread_time() - cpu}
+        fields = await during if during is not None else {}
+    return {**fields, "records": records, "client_cpu_seconds": time.process_time() - cpu}
 
 
 def summarize(outcome: dict) -> dict:
