@@ -168,10 +168,18 @@ async def _document(client, target: Target, text: str) -> tuple[dict | None, dic
         "document_upload_seconds": time.perf_counter() - begun, "document_reused": answer.get("reused")}
 
 
-async def _upload_during(client, text: str, first: _FirstTokens, begun: float, timeout: float) -> dict:
-    """Upload another document once every user decodes: its time window and seconds."""
-    openai = require_openai()
+async def _everyone_started(first: _FirstTokens, started, groups: int) -> None:
+    """Tell the other processes this one's users all decode; with `groups`, wait until all do."""
     await first.event.wait()
+    started.put(1)
+    for _ in range(groups):
+        await asyncio.to_thread(started.get)
+
+
+async def _upload_during(client, text: str, everyone: asyncio.Task, begun: float, timeout: float) -> dict:
+    """Upload another document once every user (of every client process) decodes: its time window and seconds."""
+    openai = require_openai()
+    await asyncio.shield(everyone)
     start = time.perf_counter() - begun
     error, answer = None, {}
     try:
@@ -206,9 +214,11 @@ def drive(target: Target, contexts: list[str], questions: list[str], document: s
               for start in range(-(-len(questions) // CLIENT_USERS))]
     # several processes start together, once all have started and imported (a few seconds); one starts when ready
     start_at = time.perf_counter() + 5.0 if len(groups) > 1 else None
-    with ProcessPoolExecutor(max_workers=len(groups), mp_context=multiprocessing.get_context("spawn")) as pool:
+    context = multiprocessing.get_context("spawn")
+    with context.Manager() as manager, ProcessPoolExecutor(max_workers=len(groups), mp_context=context) as pool:
+        started = manager.Queue()  # a group puts one item once all its users have their first token
         futures = [pool.submit(_drive_group, target, [(u, contexts[u], questions[u]) for u in users], extra,
-                               max_tokens, start_at, upload if index == 0 else None)
+                               max_tokens, start_at, upload if index == 0 else None, started, len(groups))
                    for index, users in enumerate(groups)]
         outcomes = [future.result() for future in futures]
     records = sorted((r for outcome in outcomes for r in outcome["records"]), key=lambda r: r["user"])
@@ -223,11 +233,11 @@ async def _upload_shared(target: Target, document: str) -> tuple[dict | None, di
         return await _document(client, target, document)
 
 
-def _drive_group(target, users, extra, max_tokens, start_at, upload) -> dict:
-    return asyncio.run(_drive(target, users, extra, max_tokens, start_at, upload))
+def _drive_group(target, users, extra, max_tokens, start_at, upload, started, groups) -> dict:
+    return asyncio.run(_drive(target, users, extra, max_tokens, start_at, upload, started, groups))
 
 
-async def _drive(target, users, extra, max_tokens, start_at, upload) -> dict:
+async def _drive(target, users, extra, max_tokens, start_at, upload, started, groups) -> dict:
     cpu = time.process_time()
     async with _client(target.url, target.api_key, target.timeout) as client:
         records = [_record(user) for user, _, _ in users]
@@ -237,8 +247,10 @@ async def _drive(target, users, extra, max_tokens, start_at, upload) -> dict:
         begun = start_at if start_at is not None else time.perf_counter()
         tasks = [_stream(client, target, _messages(target, c, q), extra, max_tokens, begun, r, first)
                  for (_, c, q), r in zip(users, records)]
-        during = asyncio.create_task(_upload_during(client, upload, first, begun, target.timeout)) if upload else None
+        everyone = asyncio.create_task(_everyone_started(first, started, groups if upload else 0))
+        during = asyncio.create_task(_upload_during(client, upload, everyone, begun, target.timeout)) if upload else None
         await asyncio.gather(*tasks)
+        await everyone
         fields = await during if during is not None else {}
     return {**fields, "records": records, "client_cpu_seconds": time.process_time() - cpu}
 
