@@ -212,14 +212,18 @@ def drive(target: Target, contexts: list[str], questions: list[str], document: s
             extra, contexts = {}, [document] * len(questions)
     groups = [list(range(start, len(questions), -(-len(questions) // CLIENT_USERS)))
               for start in range(-(-len(questions) // CLIENT_USERS))]
-    # several processes start together, once all have started and imported (a few seconds); one starts when ready
-    start_at = time.perf_counter() + 5.0 if len(groups) > 1 else None
     context = multiprocessing.get_context("spawn")
     with context.Manager() as manager, ProcessPoolExecutor(max_workers=len(groups), mp_context=context) as pool:
-        started = manager.Queue()  # a group puts one item once all its users have their first token
+        # every process says when it is ready (imports done, client made); then all start at one instant
+        ready, go, started = manager.Queue(), manager.Queue(), manager.Queue()
         futures = [pool.submit(_drive_group, target, [(u, contexts[u], questions[u]) for u in users], extra,
-                               max_tokens, start_at, upload if index == 0 else None, started, len(groups))
+                               max_tokens, (ready, go), upload if index == 0 else None, started, len(groups))
                    for index, users in enumerate(groups)]
+        for _ in groups:
+            ready.get()
+        start_at = time.perf_counter() + 0.05
+        for _ in groups:
+            go.put(start_at)
         outcomes = [future.result() for future in futures]
     records = sorted((r for outcome in outcomes for r in outcome["records"]), key=lambda r: r["user"])
     for outcome in outcomes:
@@ -233,18 +237,19 @@ async def _upload_shared(target: Target, document: str) -> tuple[dict | None, di
         return await _document(client, target, document)
 
 
-def _drive_group(target, users, extra, max_tokens, start_at, upload, started, groups) -> dict:
-    return asyncio.run(_drive(target, users, extra, max_tokens, start_at, upload, started, groups))
+def _drive_group(target, users, extra, max_tokens, start, upload, started, groups) -> dict:
+    return asyncio.run(_drive(target, users, extra, max_tokens, start, upload, started, groups))
 
 
-async def _drive(target, users, extra, max_tokens, start_at, upload, started, groups) -> dict:
+async def _drive(target, users, extra, max_tokens, start, upload, started, groups) -> dict:
     cpu = time.process_time()
     async with _client(target.url, target.api_key, target.timeout) as client:
         records = [_record(user) for user, _, _ in users]
         first = _FirstTokens(len(records))
-        if start_at is not None:
-            await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
-        begun = start_at if start_at is not None else time.perf_counter()
+        ready, go = start
+        ready.put(1)
+        begun = await asyncio.to_thread(go.get)
+        await asyncio.sleep(max(0.0, begun - time.perf_counter()))
         tasks = [_stream(client, target, _messages(target, c, q), extra, max_tokens, begun, r, first)
                  for (_, c, q), r in zip(users, records)]
         everyone = asyncio.create_task(_everyone_started(first, started, groups if upload else 0))
