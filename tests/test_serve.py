@@ -440,3 +440,48 @@ def test_a_request_that_fails_leaves_the_others_answered(tmp_path):
         assert _stream(client, QUESTIONS[0], 8) == alone[0]
     finally:
         server.stop()
+
+
+def test_a_growing_cache_method_gets_a_pool_of_window_sized_slots(busy):
+    """A document read with Full (a cache that grows with the input) is answered from a pool of its own
+    whose slots hold the model's window (--slot-capacity); one that needs more gets a 413."""
+    client = busy.client()
+    short = busy.http("POST", "/v1/documents", json={"text": PASSKEY * 4, "method": "full"}).json()
+    answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
+                                            max_tokens=6, temperature=0, extra_body={"document_id": short["id"]})
+    assert "12345" in answer.choices[0].message.content
+    pools = {p["method"]: p for p in busy.http("GET", "/health").json()["pools"]}
+    assert pools["full"]["capacity"] == 2048 and pools["full"]["slots"] == 4  # the reference model's window
+    long = busy.http("POST", "/v1/documents", json={"text": PASSKEY * 40, "method": "full"}).json()
+    assert long["context_tokens"] > 2048
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
+                                       max_tokens=6, extra_body={"document_id": long["id"]})
+    assert refused.value.status_code == 413 and "more than a slot holds" in refused.value.message
+
+
+def test_streams_keep_flowing_while_a_document_is_read(busy):
+    """A document is read one forward at a time between decode steps: a user already decoding receives
+    tokens while the upload is in progress, rather than after it."""
+    body = {"model": MODEL, "prompt": PASSKEY, "max_tokens": 400, "stream": True, "ignore_eos": True}
+    arrivals: list[float] = []
+    window: list[float] = []
+
+    def stream() -> None:
+        with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {KEY}"}) as http:
+            with http.stream("POST", f"{busy.url}/v1/completions", json=body) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: {"):
+                        arrivals.append(time.monotonic())
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    while len(arrivals) < 5:
+        time.sleep(0.01)
+    began = time.monotonic()
+    doc = busy.http("POST", "/v1/documents", json={"text": "The grass is green. " * 400})  # 8,000 tokens
+    window[:] = [began, time.monotonic()]
+    reader.join(timeout=120)
+    assert doc.status_code == 200 and doc.json()["context_tokens"] > 8000
+    during = [t for t in arrivals if window[0] < t < window[1]]
+    assert len(during) >= 3, (len(during), window[1] - window[0])
