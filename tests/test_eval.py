@@ -20,6 +20,7 @@ from kvpot.errors import KvpotError
 from kvpot.eval.common import special_prefix
 from kvpot.eval.config import parse_depths, parse_length, parse_lengths, sample_seed
 from kvpot.eval.perplexity import window_means
+from kvpot.eval.stats import wilson_interval
 from kvpot.methods.spec import MethodSpec, build_methods, method_labels
 from kvpot.models.reference.tokenizer import BOS_ID, build_tokenizer
 
@@ -144,6 +145,8 @@ def test_window_means_cover_every_scored_token():
         (["passkey", "--method", "tova", "--lengths", "2x"], "is not a length"),
         (["passkey", "--method", "tova", "--depths", "0.5,1.5"], "outside [0, 1]"),
         (["passkey", "--method", "tova", "--samples", "0"], "--samples must be at least 1"),
+        (["passkey", "--method", "tova", "--templates", "5"], "templates 0 to 2"),
+        (["kv", "--method", "tova", "--templates", "0,1"], "kv has templates 0 to 0"),
         (["passkey", "--method", "nope"], "unknown method 'nope'"),
         (["passkey", "--method", "tova:colour=red"], "unknown parameter 'colour'"),
         (["passkey", "--method", "full", "--budget", "64"], "takes no budget"),
@@ -172,6 +175,7 @@ def test_eval_refuses_missing_out_parent(capsys, tmp_path):
 EVAL_ARGS = [
     "eval", "passkey", "--method", "streaming:window=60", "--method", "streaming:window=120", "--method", "full",
     "--budget", "128", "--set", "chunk_size=64", "--lengths", "256,512", "--depths", "0.2,0.8", "--samples", "2",
+    "--templates", "0",  # one wording keeps this fast (the default, all, triples the samples)
 ]
 
 
@@ -250,11 +254,47 @@ def test_eval_task_options_reach_the_samples(capsys, tiny_dir, tmp_path):
     out = tmp_path / "niah"
     code, _, _ = run(capsys, "eval", "niah", "--method", "streaming", "--budget", "64", "--set", "chunk_size=64",
                      "--task-set", "num_keys=3", "--lengths", "384", "--depths", "0.5", "--samples", "1",
-                     "--max-new-tokens", "4", "--model", str(tiny_dir), "--out", str(out))
+                     "--templates", "0", "--max-new-tokens", "4", "--model", str(tiny_dir), "--out", str(out))
     assert code == 0
     (row,) = read_rows(out / "results.jsonl")
     assert row["task_options"]["num_keys"] == 3
     assert row["stats"]["new_tokens"] <= 4
+
+
+def test_eval_reports_wilson_intervals_and_template_spread(capsys, tiny_dir, tmp_path):
+    out = tmp_path / "templates"
+    code, stdout, _ = run(capsys, "eval", "passkey", "--method", "full", "--lengths", "384", "--depths", "0.5",
+                          "--samples", "2", "--templates", "0,2", "--max-new-tokens", "2", "--model", str(tiny_dir),
+                          "--out", str(out))
+    assert code == 0
+    rows = read_rows(out / "results.jsonl")
+    assert sorted((r["template"], r["sample"]) for r in rows) == [(0, 0), (0, 1), (2, 0), (2, 1)]
+    assert len({r["seed"] for r in rows}) == 4  # each template reads its own samples
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"]["templates"] == [0, 2]
+    cell = summary["intervals"]["full"]["384"]
+    correct = sum(r["correct"] for r in rows)
+    assert (cell["correct"], cell["total"]) == (correct, 4)
+    assert cell["wilson95"] == pytest.approx(list(wilson_interval(correct, 4)))
+    assert set(cell["by_template"]) == {"0", "2"}
+    assert cell["template_spread"] == [min(cell["by_template"].values()), max(cell["by_template"].values())]
+    assert summary["intervals_by_depth"]["full"]["384"]["0.5"]["total"] == 4
+    assert summary["intervals_overall"]["full"]["total"] == 4
+    assert f"{correct}/4" in stdout and "tpl" in stdout and "95%" in stdout
+    assert f"{correct}/4, 95%" in (out / "summary.md").read_text()
+    assert_png(out / "accuracy.png")
+
+
+def test_templates_option_is_checked(tmp_path):
+    from kvpot.eval.config import EvalConfig, parse_templates
+
+    assert parse_templates("all") is None and parse_templates("2,0,2") == [0, 2]
+    assert EvalConfig("niah", ["full"], tmp_path / "o").templates == [0, 1, 2]
+    assert EvalConfig("kv", ["full"], tmp_path / "o").templates == [0]
+    with pytest.raises(KvpotError, match="templates 0 to 2"):
+        EvalConfig("passkey", ["full"], tmp_path / "o", templates=[3])
+    with pytest.raises(KvpotError, match="'all' or template numbers"):
+        parse_templates("first")
 
 
 def test_perplexity_reports_overall_and_per_window_nll(capsys, tiny_dir, tmp_path):

@@ -193,13 +193,16 @@ def test_needles_sit_at_sentence_boundaries(toks, tok_name, task, options, lengt
 
 
 def test_filler_is_exact_tokenizer_pieces_in_order(toks):
-    """The varied filler is the text varied_sentences() gives for the seed, at any length."""
+    """The varied filler is the text varied_sentences() gives for the seed, at any length.
+
+    passkey keeps whole sentences: the partial last one is newlines (placement._whole_sentences).
+    """
     s = make_sample("passkey", toks["bytes"], 5000, depth=0.0, seed=9, haystack="varied")
     needle_end = s.needle_spans[0][1]
-    filler = s.context[needle_end:]
+    filler = s.context[needle_end:].rstrip("\n")
     sents = h.varied_sentences(h.haystack_rng(9))
     text = "".join(next(sents) for _ in range(200))
-    assert text.startswith(filler)
+    assert text.startswith(filler) and filler.endswith(".")
 
 
 def test_context_plus_question_is_the_prompt(toks):
@@ -234,7 +237,8 @@ def test_options_are_resolved_and_json_serialisable(toks):
     import json
 
     s = make_sample("niah", toks["py"], 2000, num_values=2)
-    assert s.options == {"haystack": "repeat", "num_keys": 1, "num_values": 2, "num_queries": 1}
+    assert s.options == {"haystack": "repeat", "num_keys": 1, "num_values": 2, "num_queries": 1, "digits": 7,
+                         "template": 0}
     assert json.loads(json.dumps(s.options)) == s.options
     assert make_sample("kv", toks["py"], 2000).options == {"haystack": "pairs", "num_pairs": None}
     assert task_options("vt") == {"num_chains": 1, "num_hops": 4}
@@ -307,6 +311,64 @@ def test_vt_chains_resolve_to_the_answers(toks, num_chains, num_hops):
     assert sorted(n for n, v in env.items() if v == value) == sorted(s.answers)
     assert len(s.answers) == num_hops + 1
     assert f"{num_hops + 1} variables are assigned the value {value}" in s.question
+
+
+# --------------------------------------------------------------------------- templates
+
+
+@pytest.mark.parametrize("task", ["passkey", "niah"])
+def test_templates_differ_in_every_part(toks, task):
+    wordings = g.TEMPLATES[task]
+    assert len(wordings) >= 3 and g.template_count(task) == len(wordings) and g.template_count("kv") == 1
+    for part in ("header", "needle", "question"):
+        assert len({getattr(w, part) for w in wordings}) == len(wordings), part
+    samples = [make_sample(task, toks["gpt2"], 2000, depth=0.4, seed=3, template=t) for t in range(len(wordings))]
+    assert len({s.question for s in samples}) == len(wordings)
+    assert len({s.context[:80] for s in samples}) == len(wordings)
+    assert all(s.answers == samples[0].answers for s in samples)  # the wording changes, not the key
+    for t, s in enumerate(samples):
+        assert s.options["template"] == t and score(s, " " + s.answers[0] + ".") == 1.0
+
+
+@pytest.mark.parametrize("tok_name", ["bytes", "metaspace", "gpt2"])
+@pytest.mark.parametrize("task,options", [("passkey", {}), ("passkey", {"digits": 7}), ("niah", {}),
+                                          ("niah", {"num_keys": 3, "num_values": 2})])
+def test_filler_cuts_fall_on_sentence_ends(toks, tok_name, task, options):
+    """The text before every needle and before the question ends a sentence, at any depth and template."""
+    tok = toks[tok_name]
+    for template, depth, length, haystack in itertools.product(
+            range(g.template_count(task)), (0.0, 0.13, 0.5, 0.91, 1.0), (700, 1337, 5000), HAYSTACKS):
+        s = make_sample(task, tok, length, depth=depth, seed=length + template, haystack=haystack,
+                        template=template, **options)
+        assert len(s.context_ids) == length
+        for a, _ in s.needle_spans:
+            assert tok.decode(s.context_ids[:a]).rstrip()[-1] in ".?:", (template, depth, length)
+        assert s.context.rstrip()[-1] == ".", s.context[-60:]
+        header = g.TEMPLATES[task][template].header
+        first = min(a for a, _ in s.needle_spans)
+        start = s.context[len(header): len(tok.decode(s.context_ids[:first]))].lstrip("\n ")
+        assert not start or start[0].isupper(), start[:40]  # the filler starts a sentence too
+
+
+@pytest.mark.parametrize("task", ["passkey", "niah"])
+def test_templated_samples_are_deterministic_per_seed(toks, task):
+    for template in range(g.template_count(task)):
+        a = make_sample(task, toks["metaspace"], 3000, depth=0.3, seed=21, haystack="varied", template=template)
+        assert a == make_sample(task, toks["metaspace"], 3000, depth=0.3, seed=21, haystack="varied",
+                                template=template)
+        assert a.answers != make_sample(task, toks["metaspace"], 3000, depth=0.3, seed=22, template=template).answers
+
+
+def test_key_formats_and_template_errors(toks):
+    assert re.fullmatch(r"\d{7}", make_sample("passkey", toks["py"], 1000, digits=7).answers[0])
+    assert re.fullmatch(r"\d{5}", make_sample("niah", toks["py"], 1000, digits=5).answers[0])
+    assert task_options("passkey") == {"digits": 5}
+    with pytest.raises(KvpotError, match="templates 0 to 2"):
+        make_sample("passkey", toks["py"], 1000, template=3)
+    with pytest.raises(KvpotError, match="one wording"):
+        make_sample("kv", toks["py"], 1000, template=1)
+    with pytest.raises(KvpotError, match="digits"):
+        make_sample("passkey", toks["py"], 1000, digits=1)
 
 
 def test_recall_facts(toks):

@@ -10,11 +10,13 @@ from kvpot.eval.config import (
     DEFAULT_DEPTHS,
     DEFAULT_LENGTHS,
     DEFAULT_PERPLEXITY_LENGTH,
+    DEFAULT_TEMPLATES,
     PERPLEXITY,
     EvalConfig,
     literal,
     parse_depths,
     parse_lengths,
+    parse_templates,
 )
 
 
@@ -70,6 +72,10 @@ def register(sub) -> None:
                         f"(default {DEFAULT_LENGTHS}; perplexity: one length, default {DEFAULT_PERPLEXITY_LENGTH})")
     p.add_argument("--depths", default=DEFAULT_DEPTHS, metavar="LIST",
                    help=f"needle depths as fractions of the context (default {DEFAULT_DEPTHS})")
+    p.add_argument("--templates", default=DEFAULT_TEMPLATES, metavar="LIST",
+                   help="prompt wordings of passkey and niah to spread samples over: 'all' or numbers such as "
+                        "0,2 (default all: a score on one wording measures the wording too; --samples is per "
+                        "template); other tasks have template 0 only")
     p.add_argument("--samples", type=int, default=None,
                    help="samples per length and depth (default 5); benchmarks: items per task (per length for "
                         "ruler; default: all, ruler 5)")
@@ -118,6 +124,7 @@ def config_from_args(args) -> EvalConfig:
         max_new_tokens=args.max_new_tokens, window=args.window, prompt_tokens=args.prompt_tokens,
         model=args.model, device=args.device, dtype=args.dtype, device_map=args.device_map,
         max_memory=args.max_memory, gguf=args.gguf, batch_size=args.batch_size,
+        templates=parse_templates(args.templates),
     )
 
 

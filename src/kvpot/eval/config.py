@@ -24,6 +24,8 @@ DEFAULT_PERPLEXITY_LENGTH = "32k"
 
 DEFAULT_DEPTHS = "0.1,0.5,0.9"
 
+DEFAULT_TEMPLATES = "all"  # the prompt's wording is part of the protocol (issue 32), not a fixed choice
+
 ANSWER_SLACK_TOKENS = 8  # generated beyond the answer's own tokens (punctuation, a space, EOS)
 
 _LENGTH = re.compile(r"(\d+(?:\.\d+)?)([km]?)")
@@ -68,6 +70,19 @@ def parse_depths(text: str) -> list[float]:
     return sorted(depths)
 
 
+def parse_templates(text: str) -> list[int] | None:
+    """`--templates all` -> None (every template of the task), `0,2` -> [0, 2] (sorted, distinct)."""
+    if str(text).strip().lower() == "all":
+        return None
+    try:
+        picked = {int(p) for p in str(text).split(",") if p.strip()}
+    except ValueError:
+        raise KvpotError(f"--templates {text!r}: give 'all' or template numbers such as 0,2.") from None
+    if not picked:
+        raise KvpotError("--templates is empty; give 'all' or template numbers such as 0,2.")
+    return sorted(picked)
+
+
 def literal(value: str) -> Any:
     """A `--task-set` value: `none` -> None, integers and floats as numbers, else the string."""
     if value.lower() == "none":
@@ -107,6 +122,7 @@ class EvalConfig:
     max_memory: str | None = None  # with device_map: "0=70GiB,1=70GiB"
     gguf: str | None = None  # a GGUF file (`--gguf`), alone or inside `model`
     batch_size: int = 1  # samples decoded together per method (kvpot.engine.scheduler); 1: one at a time
+    templates: list[int] | None = None  # prompt wordings of passkey/niah (None: all); resolved to a list
 
     def __post_init__(self):
         from kvpot.tasks import HAYSTACKS, TASKS, task_options
@@ -133,6 +149,7 @@ class EvalConfig:
                 if key not in allowed:
                     raise KvpotError(f"task {self.task!r} has no option {key!r}; its options are: "
                                      f"{', '.join(allowed) or 'none'}.")
+        self.templates = _resolve_templates(self.task, self.templates)
         if not self.lengths or any(n < 1 for n in self.lengths):
             raise KvpotError("lengths must be positive numbers of tokens.")
         if not self.depths or any(not 0.0 <= d <= 1.0 for d in self.depths):
@@ -165,7 +182,26 @@ class EvalConfig:
         return data
 
 
-def sample_seed(seed: int, index: int, length: int, depth: float) -> int:
-    """The seed of one sample: stable across processes (a hash, not Python's salted `hash`)."""
-    digest = hashlib.sha256(f"kvpot-eval/{seed}/{index}/{length}/{depth:g}".encode()).hexdigest()
+def _resolve_templates(task: str, templates: list[int] | None) -> list[int]:
+    """The template numbers to run: all of the task's for None; [0] for tasks with one wording."""
+    from kvpot.tasks import template_count
+
+    count = template_count(task) if task != PERPLEXITY else 1
+    if templates is None:
+        return list(range(count))
+    bad = [t for t in templates if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < count]
+    if bad or not templates:
+        raise KvpotError(f"--templates: {task} has templates 0 to {count - 1} (or 'all'), got "
+                         f"{','.join(map(str, templates)) or 'none'}.")
+    return sorted(set(templates))
+
+
+def sample_seed(seed: int, index: int, length: int, depth: float, template: int = 0) -> int:
+    """The seed of one sample: stable across processes (a hash, not Python's salted `hash`).
+
+    Each template gets its own seeds (independent samples, so the interval over all of them is
+    honest); template 0 keeps the seeds runs had before templates existed.
+    """
+    tail = f"/t{template}" if template else ""
+    digest = hashlib.sha256(f"kvpot-eval/{seed}/{index}/{length}/{depth:g}{tail}".encode()).hexdigest()
     return int(digest[:8], 16)

@@ -24,20 +24,41 @@ from kvpot.reporting import (
 )
 
 
-def _accuracy_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
-    """Method x length accuracy, the mean, and cost columns: the one comparison table."""
+def format_accuracy(mean: float | None, stats: dict | None, terminal: bool = False) -> str:
+    """A cell: `0.60 (6/10, 95% 0.31-0.83; templates 0.40-0.80)`, or the bare mean for an older summary.
+
+    The interval is part of the cell, not a footnote, so no one reads 0.60 against 0.50 as a ranking
+    when both intervals overlap (issue 32). `terminal`: one part per line (`[low, high]` for the
+    interval, "tpl" for the template range), so a table of several lengths still fits 120 columns.
+    """
+    if not stats or stats.get("wilson95") is None:
+        return format_number(mean)
+    low, high = stats["wilson95"]
+    spread = stats.get("template_spread")
+    interval = f"[{low:.2f}, {high:.2f}]" if terminal else f"95% {low:.2f}-{high:.2f}"
+    parts = [format_number(mean), f"{stats['correct']}/{stats['total']}", interval]
+    if spread:
+        parts.append(f"{'tpl' if terminal else 'templates'} {spread[0]:.2f}-{spread[1]:.2f}")
+    if terminal:
+        return "\n".join(parts)
+    return f"{parts[0]} ({parts[1]}, {'; '.join(parts[2:])})"
+
+
+def _accuracy_rows(summary: dict, terminal: bool = False) -> tuple[list[str], list[list[str]]]:
+    """Method x length accuracy (with intervals), the mean, and cost columns: the one comparison table."""
     lengths = summary["config"]["lengths"]
     headers = ["method"] + [format_length(n) for n in lengths]
     headers += ["mean", "peak KV entries", "mean KV entries", "prefill s", "decode s"]
     rows = []
     for label, method in summary["methods"].items():
         acc = summary["accuracy"][label]
+        stats = summary.get("intervals", {}).get(label, {})
         cost = summary["cost"][label]
         rows.append(
             [label]
-            + [format_number(acc[str(n)]) for n in lengths]
+            + [format_accuracy(acc[str(n)], stats.get(str(n)), terminal) for n in lengths]
             + [
-                format_number(summary["overall"][label]),
+                format_accuracy(summary["overall"][label], summary.get("intervals_overall", {}).get(label), terminal),
                 format_number(cost["peak_kv_entries"]),
                 format_number(cost["max_kv_entries"], 0),
                 format_number(cost["prefill_seconds"]),
@@ -51,9 +72,12 @@ def _depth_rows(summary: dict, label: str) -> tuple[list[str], list[list[str]]]:
     """Depth x length accuracy of one method (the heatmap as numbers)."""
     lengths, depths = summary["config"]["lengths"], summary["config"]["depths"]
     grid = summary["accuracy_by_depth"][label]
+    stats = summary.get("intervals_by_depth", {}).get(label, {})
     headers = ["depth"] + [format_length(n) for n in lengths]
     rows = [
-        [format_depth(d)] + [format_number(grid[str(n)][depth_key(d)]) for n in lengths] for d in depths
+        [format_depth(d)] + [format_accuracy(grid[str(n)][depth_key(d)], stats.get(str(n), {}).get(depth_key(d)))
+                             for n in lengths]
+        for d in depths
     ]
     return headers, rows
 
@@ -67,13 +91,15 @@ def eval_markdown(summary: dict) -> str:
         "",
         f"- model: `{summary['model']}` ({summary['dtype']}, {summary['device']})",
         f"- task options: {options}; haystack: {config['haystack']}; "
-        f"{config['samples']} samples per cell; seed {config['seed']}",
+        f"{config['samples']} samples per cell and template; templates {_templates(config)}; seed {config['seed']}",
         f"- kvpot {summary['versions']['kvpot']}, torch {summary['versions']['torch']}, "
         f"transformers {summary['versions']['transformers']}; {summary['date']}",
         "",
         "## Accuracy by method and context length",
         "",
-        "Mean score (1 = every answer right); KV entries are per layer and KV head; seconds per sample.",
+        "Mean score (1 = every answer right), then correct/total with its 95% Wilson interval and, with "
+        "several templates, the range of per-template accuracy; claim a ranking only where intervals "
+        "separate. KV entries are per layer and KV head; seconds per sample.",
         "",
         markdown_table(*_accuracy_rows(summary)),
     ]
@@ -92,8 +118,15 @@ def eval_markdown(summary: dict) -> str:
 def eval_rich_table(summary: dict):
     """The comparison table for the terminal (every method in ONE table)."""
     config = summary["config"]
-    return rich_table(f"kvpot eval {config['task']}: accuracy by context length ({config['samples']} samples x "
-                      f"{len(config['depths'])} depths per cell)", *_accuracy_rows(summary))
+    table = rich_table(f"kvpot eval {config['task']}: accuracy by context length ({config['samples']} samples x "
+                       f"{len(config['depths'])} depths x templates {_templates(config)} per cell; correct/total, "
+                       "[95% Wilson interval], tpl: min-max over templates)", *_accuracy_rows(summary, terminal=True))
+    table.columns[0].no_wrap = True  # method labels are what a reader searches for; cells may wrap instead
+    return table
+
+
+def _templates(config: dict) -> str:
+    return ",".join(map(str, config.get("templates") or [0]))
 
 
 def heatmap_png(
@@ -127,23 +160,36 @@ def heatmap_png(
 
 
 def accuracy_png(path: Path, summary: dict) -> Path:
-    """Accuracy against context length, one line per method (log-2 length axis)."""
+    """Accuracy against context length, one line per method (log-2 length axis), 95% Wilson error bars."""
     lengths = summary["config"]["lengths"]
     figure = new_figure(6.0, 4.0)
     axes = figure.add_subplot()
     for index, label in enumerate(summary["methods"]):
-        acc = [summary["accuracy"][label][str(n)] for n in lengths]
+        acc = [math.nan if a is None else a for a in (summary["accuracy"][label][str(n)] for n in lengths)]
         style = LINE_STYLES[index % len(LINE_STYLES)]  # lines that coincide stay distinguishable
-        axes.plot(lengths, [math.nan if a is None else a for a in acc], label=label, **style)
+        axes.errorbar(lengths, acc, yerr=_error_bars(summary, label, acc), label=label, capsize=3, **style)
     length_axis(axes, lengths)
     axes.set_ylim(-0.03, 1.03)
-    axes.set_ylabel("accuracy")
+    axes.set_ylabel("accuracy (bars: 95% Wilson interval)")
     axes.set_title(f"kvpot eval {summary['config']['task']}: accuracy vs context length", fontsize=10)
     axes.grid(alpha=0.3)
     axes.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path)
     return path
+
+
+def _error_bars(summary: dict, label: str, acc: Sequence[float]) -> list[list[float]]:
+    """[below, above] distances from each point to its Wilson bounds (0 where none is known)."""
+    stats = summary.get("intervals", {}).get(label, {})
+    bars: list[list[float]] = [[], []]
+    for n, a in zip(summary["config"]["lengths"], acc):
+        bounds = (stats.get(str(n)) or {}).get("wilson95")
+        known = bounds is not None and not math.isnan(a)
+        # the mean score (partial credit) may sit outside the interval of whole answers: no negative bar
+        bars[0].append(max(0.0, a - bounds[0]) if known else 0.0)
+        bars[1].append(max(0.0, bounds[1] - a) if known else 0.0)
+    return bars
 
 
 def _perplexity_rows(summary: dict) -> tuple[list[str], list[list[str]]]:

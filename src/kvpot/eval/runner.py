@@ -104,18 +104,20 @@ def _answer(engine, group, batch_size: int) -> list[tuple[list[int], object]]:
 
 
 def task_cases(config: EvalConfig, tokenizer, prefix: list[int]):
-    """(number of cases, the cases) of a synthetic task: every length x depth x sample, built when run."""
+    """(number of cases, the cases) of a synthetic task: every length x depth x template x sample, built when run."""
     from kvpot.eval.suite import Case
     from kvpot.tasks import make_sample, score
 
-    cells = [(n, d, i) for n in config.lengths for d in config.depths for i in range(config.samples)]
+    cells = [(n, d, t, i) for n in config.lengths for d in config.depths for t in config.templates
+             for i in range(config.samples)]
 
     def cases():
-        for length, depth, index in cells:
-            seed = sample_seed(config.seed, index, length, depth)
-            sample = make_sample(config.task, tokenizer, length, depth, seed, config.haystack, **config.task_options)
+        for length, depth, template, index in cells:
+            seed = sample_seed(config.seed, index, length, depth, template)
+            sample = make_sample(config.task, tokenizer, length, depth, seed, config.haystack, template,
+                                 **config.task_options)
             row = {"task": config.task, "task_options": sample.options, "length": length, "depth": depth,
-                   "sample": index, "seed": seed, "needle_spans": sample.needle_spans}
+                   "template": template, "sample": index, "seed": seed, "needle_spans": sample.needle_spans}
             yield Case(prefix + sample.context_ids, sample.question_ids, sample.answers,
                        config.max_new_tokens or default_max_new_tokens(tokenizer, sample.answers), row,
                        lambda prediction, sample=sample: score(sample, prediction))
@@ -124,22 +126,33 @@ def task_cases(config: EvalConfig, tokenizer, prefix: list[int]):
 
 
 def summarize(rows: Sequence[dict], runs: Sequence[MethodRun], config: EvalConfig) -> dict:
-    """Accuracy per method x length and x length x depth, cost per method and x length."""
+    """Accuracy per method x length and x length x depth (means, and with intervals), cost per method and x length.
+
+    `accuracy`, `accuracy_by_depth` and `overall` keep plain means (older readers); `intervals`,
+    `intervals_by_depth` and `intervals_overall` hold correct/total, the 95% Wilson interval and the
+    spread over templates of the same cells (kvpot.eval.stats.accuracy_stats).
+    """
+    from kvpot.eval.stats import accuracy_stats
     from kvpot.reporting import depth_key
 
     accuracy, by_depth, overall, cost = {}, {}, {}, {}
+    intervals, intervals_by_depth, intervals_overall = {}, {}, {}
     for run in runs:
         mine = [r for r in rows if r["method"] == run.label]
-        accuracy[run.label] = {str(n): _mean(r["score"] for r in mine if r["length"] == n) for n in config.lengths}
-        by_depth[run.label] = {
-            str(n): {depth_key(d): _mean(r["score"] for r in mine if r["length"] == n and r["depth"] == d)
-                     for d in config.depths}
-            for n in config.lengths
-        }
+        at = {n: [r for r in mine if r["length"] == n] for n in config.lengths}
+        cell = {(n, d): [r for r in at[n] if r["depth"] == d] for n in config.lengths for d in config.depths}
+        accuracy[run.label] = {str(n): _mean(r["score"] for r in at[n]) for n in config.lengths}
+        by_depth[run.label] = {str(n): {depth_key(d): _mean(r["score"] for r in cell[n, d]) for d in config.depths}
+                               for n in config.lengths}
         overall[run.label] = _mean(r["score"] for r in mine)
-        cost[run.label] = {**_cost(mine), "by_length": {str(n): _cost([r for r in mine if r["length"] == n])
-                                                         for n in config.lengths}}
-    return {"runs": len(rows), "accuracy": accuracy, "accuracy_by_depth": by_depth, "overall": overall, "cost": cost}
+        intervals[run.label] = {str(n): accuracy_stats(at[n]) for n in config.lengths}
+        intervals_by_depth[run.label] = {str(n): {depth_key(d): accuracy_stats(cell[n, d]) for d in config.depths}
+                                         for n in config.lengths}
+        intervals_overall[run.label] = accuracy_stats(mine)
+        cost[run.label] = {**_cost(mine), "by_length": {str(n): _cost(at[n]) for n in config.lengths}}
+    return {"runs": len(rows), "accuracy": accuracy, "accuracy_by_depth": by_depth, "overall": overall,
+            "intervals": intervals, "intervals_by_depth": intervals_by_depth, "intervals_overall": intervals_overall,
+            "cost": cost}
 
 
 def _cost(rows: Sequence[dict]) -> dict:
@@ -170,6 +183,7 @@ def write_task_reports(summary: dict, out: Path) -> None:
     for label, method in summary["methods"].items():
         grid = [[summary["accuracy_by_depth"][label][str(n)][depth_key(d)] for n in lengths] for d in depths]
         title = (f"{summary['config']['task']} - {label}\n{method_params(method['config'])}\n"
-                 f"{summary['config']['samples']} samples per cell")
+                 f"{summary['config']['samples']} samples x {len(summary['config'].get('templates') or [0])} "
+                 "templates per cell")
         report.heatmap_png(out / f"heatmap_{slug(label)}.png", grid, lengths, depths, title)
     report.accuracy_png(out / "accuracy.png", summary)

@@ -14,6 +14,7 @@ Tasks: ``passkey``, ``niah``, ``kv``, ``vt``, ``recall`` (see
 from kvpot.tasks.generators import (
     RECALL_INSTRUCTION,
     TASKS,
+    TEMPLATES,
     Sample,
     kv,
     make_sample,
@@ -21,13 +22,14 @@ from kvpot.tasks.generators import (
     passkey,
     recall,
     task_options,
+    template_count,
     vt,
 )
 from kvpot.tasks.haystack import HAYSTACKS
 from kvpot.tasks.metrics import exact_match, score, string_match_all, string_match_any
 
 __all__ = [
-    "HAYSTACKS", "RECALL_INSTRUCTION", "TASKS", "Sample", "exact_match", "kv", "make_sample",
+    "HAYSTACKS", "RECALL_INSTRUCTION", "TASKS", "TEMPLATES", "Sample", "exact_match", "kv", "make_sample",
     "niah", "passkey", "recall", "score", "string_match_all", "string_match_any",
-    "task_options", "vt",
+    "task_options", "template_count", "vt",
 ]

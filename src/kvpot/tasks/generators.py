@@ -26,6 +26,12 @@ before it is started part-way into a sentence (shifting every boundary) so
 that the needle still starts on a boundary, exactly at ``target``.  For long
 contexts ``H`` and ``N`` are negligible and ``start / L ~= d``.
 
+passkey and niah keep whole sentences only: the partial sentences at the
+filler's two ends (the start shift above, and the cut at ``L``) become newline
+tokens, so no text stops mid-sentence before a needle or the question.  They
+also have several wordings (``template``, :data:`TEMPLATES`) and a key length
+option (``digits``).
+
 Multi-needle tasks place one *primary* needle at ``depth`` as above (niah and
 kv: the first needle of the first queried key; recall: the first fact; vt:
 the value assignment of the queried chain, with ``N`` its whole chain so the
@@ -44,6 +50,7 @@ import inspect
 import random
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from kvpot.errors import KvpotError
@@ -78,6 +85,52 @@ NIAH_NEEDLE = " One of the special magic numbers for {key} is: {value}."
 NIAH_QUESTION = (
     "\nWhat are all the special magic numbers for {keys} mentioned in the provided text? "
     "The special magic numbers for {keys} mentioned in the provided text are"
+)
+
+
+
+@dataclass(frozen=True)
+class Wording:
+    """One template of a task: how the instruction, the needle and the question are phrased.
+
+    Several wordings exist because a cell scored on one phrasing measures the
+    phrasing as much as the method (issue 32): ``kvpot eval --templates``
+    spreads samples over them.  Template 0 is the original wording.
+    """
+
+    header: str
+    needle: str  # {key} (passkey) or {key} and {value} (niah)
+    question: str  # starts with "\n"; niah: {keys}
+
+
+PASSKEY_TEMPLATES = (
+    Wording(PASSKEY_HEADER, PASSKEY_NEEDLE, PASSKEY_QUESTION),
+    Wording(
+        "Somewhere in the long document below, a secret code is written down. Read carefully and keep "
+        "the code in mind, because you will be asked for it at the end.",
+        " Write this down: the secret code is {key}. Again, the secret code is {key}.",
+        "\nQuestion: what is the secret code mentioned in the document? Answer: the secret code is",
+    ),
+    Wording(
+        "Below is a long text. One sentence in it gives a password; the rest does not matter.",
+        " The password you need is {key}.",
+        "\nWhich password did the text give? The password is",
+    ),
+)
+
+NIAH_TEMPLATES = (
+    Wording(NIAH_HEADER, NIAH_NEEDLE, NIAH_QUESTION),
+    Wording(
+        "The text below mentions a few numbers that belong to named items. Remember which number "
+        "belongs to which item; you will be asked about them.",
+        " The number that belongs to {key} is {value}.",
+        "\nWhich numbers belong to {keys} according to the text? The numbers that belong to {keys} are",
+    ),
+    Wording(
+        "Read the following document. Hidden in it are codes for certain names.",
+        " Note that the code for {key} is {value}.",
+        "\nQuestion: what is the code for {keys}? Answer: the code for {keys} is",
+    ),
 )
 
 KV_HEADER = (
@@ -130,20 +183,29 @@ _ALL_KEYS = tuple(f"{a}-{n}" for a in KEY_ADJECTIVES for n in KEY_NOUNS)
 
 
 def passkey(
-    tokenizer: Any, length: int, depth: float = 0.5, seed: int = 0, haystack: str = "repeat"
+    tokenizer: Any,
+    length: int,
+    depth: float = 0.5,
+    seed: int = 0,
+    haystack: str = "repeat",
+    digits: int = 5,
+    template: int = 0,
 ) -> Sample:
     """Passkey retrieval (Mohtashami & Jaggi 2023; used by InfiniPot and CItruS).
 
-    One needle with a seeded 5-digit number; answers = ``[number]``; metric: exact match.
+    One needle with a seeded ``digits``-digit number, worded by
+    ``PASSKEY_TEMPLATES[template]``; answers = ``[number]``; metric: exact match.
+    The filler holds whole sentences only (see ``placement._whole_sentences``).
     """
     _check_common(length, depth, seed, haystack)
+    wording = _wording("passkey", template)
     codec = codec_for(tokenizer)
-    key = _values(_rng("passkey", seed), 1, 5)[0]
-    needle = _needle(codec, PASSKEY_NEEDLE.format(key=key), depth)
+    key = _values(_rng("passkey", seed), 1, _digits(digits, 1))[0]
+    needle = _needle(codec, wording.needle.format(key=key), depth)
     return _build(
-        "passkey", codec, PASSKEY_HEADER, [needle], filler_pieces(haystack, codec, seed),
-        PASSKEY_QUESTION, [key], length=length, depth=depth, seed=seed,
-        options={"haystack": haystack},
+        "passkey", codec, wording.header, [needle], filler_pieces(haystack, codec, seed),
+        wording.question, [key], length=length, depth=depth, seed=seed,
+        options={"haystack": haystack, "digits": digits, "template": template}, whole_sentences=True,
     )
 
 
@@ -156,25 +218,30 @@ def niah(
     num_keys: int = 1,
     num_values: int = 1,
     num_queries: int = 1,
+    digits: int = 7,
+    template: int = 0,
 ) -> Sample:
     """RULER needle-in-a-haystack: single, multi-key, multi-value and multi-query.
 
-    ``num_keys`` keys ("adjective-noun") each get ``num_values`` distinct 7-digit
-    values, one needle per (key, value); the first ``num_queries`` keys are asked
+    ``num_keys`` keys ("adjective-noun") each get ``num_values`` distinct
+    ``digits``-digit values, one needle per (key, value), worded by
+    ``NIAH_TEMPLATES[template]``; the first ``num_queries`` keys are asked
     for.  The first value of the first queried key is the primary needle at
     ``depth``; the others, in seeded order, on evenly spread slots.  answers =
     every value of the queried keys; metric: contains (one answer) or all-of.
+    The filler holds whole sentences only.
     """
     _check_common(length, depth, seed, haystack)
+    wording = _wording("niah", template)
     num_keys = _count("num_keys", num_keys, len(_ALL_KEYS))
     num_values = _count("num_values", num_values, 1000)
     num_queries = _count("num_queries", num_queries, num_keys)
     codec = codec_for(tokenizer)
     rng = _rng("niah", seed)
     keys = rng.sample(_ALL_KEYS, num_keys)
-    values = _values(rng, num_keys * num_values, 7)
+    values = _values(rng, num_keys * num_values, _digits(digits, num_keys * num_values))
     texts = [
-        NIAH_NEEDLE.format(key=k, value=values[i * num_values + j])
+        wording.needle.format(key=k, value=values[i * num_values + j])
         for i, k in enumerate(keys)
         for j in range(num_values)
     ]
@@ -185,11 +252,29 @@ def niah(
     queried = keys[:num_queries]
     answers = values[: num_queries * num_values]
     return _build(
-        "niah", codec, NIAH_HEADER, needles, filler_pieces(haystack, codec, seed),
-        NIAH_QUESTION.format(keys=_join(queried)), answers, length=length, depth=depth, seed=seed,
+        "niah", codec, wording.header, needles, filler_pieces(haystack, codec, seed),
+        wording.question.format(keys=_join(queried)), answers, length=length, depth=depth,
+        seed=seed, whole_sentences=True,
         options={"haystack": haystack, "num_keys": num_keys, "num_values": num_values,
-                 "num_queries": num_queries},
+                 "num_queries": num_queries, "digits": digits, "template": template},
     )
+
+
+def _wording(task: str, template: Any) -> Wording:
+    """``TEMPLATES[task][template]``, or a KvpotError naming the valid indices."""
+    wordings = TEMPLATES[task]
+    if isinstance(template, bool) or not isinstance(template, int) or not 0 <= template < len(wordings):
+        raise KvpotError(f"task {task!r} has templates 0 to {len(wordings) - 1}, got {template!r}.")
+    return wordings[template]
+
+
+def _digits(digits: Any, needed: int) -> int:
+    """Validate a key length: 2 to 12 digits, with room for ``needed`` distinct numbers."""
+    digits = _count("digits", digits, 12)
+    if digits < 2 or needed > 9 * 10 ** (digits - 1):
+        raise KvpotError(f"digits={digits} cannot give {needed} distinct numbers; use 2 to 12 digits "
+                         "(more for many needles).")
+    return digits
 
 
 def _uuid(rng: random.Random) -> str:
@@ -364,6 +449,15 @@ def recall(
     )
 
 
+#: The wordings of the tasks that have several (the others have one).
+TEMPLATES: dict[str, tuple[Wording, ...]] = {"passkey": PASSKEY_TEMPLATES, "niah": NIAH_TEMPLATES}
+
+
+def template_count(task: str) -> int:
+    """How many templates ``task`` has (1 for tasks with one fixed wording)."""
+    return len(TEMPLATES.get(task, (None,)))
+
+
 TASKS: dict[str, Callable[..., Sample]] = {
     "passkey": passkey,
     "niah": niah,
@@ -372,7 +466,7 @@ TASKS: dict[str, Callable[..., Sample]] = {
     "recall": recall,
 }
 
-_COMMON = ("tokenizer", "length", "depth", "seed", "haystack")
+_COMMON = ("tokenizer", "length", "depth", "seed", "haystack", "template")
 
 
 def task_options(task: str) -> dict[str, Any]:
@@ -390,10 +484,12 @@ def make_sample(
     depth: float = 0.5,
     seed: int = 0,
     haystack: str = "repeat",
+    template: int = 0,
     **options: Any,
 ) -> Sample:
     """Generate one sample of ``task``; same arguments, same sample.
 
+    ``template`` picks the wording (:data:`TEMPLATES`; 0 for tasks with one).
     Unknown tasks or options, bad values, and lengths too short for the header
     and needles raise :class:`~kvpot.errors.KvpotError`.
     """
@@ -402,4 +498,8 @@ def make_sample(
         if name not in allowed:
             valid = ", ".join(allowed) or "none"
             raise KvpotError(f"task {task!r} has no option {name!r}; its options are: {valid}.")
+    if task in TEMPLATES:
+        options["template"] = template
+    elif template != 0:
+        raise KvpotError(f"task {task!r} has one wording; templates are for: {', '.join(TEMPLATES)}.")
     return TASKS[task](tokenizer, length, depth=depth, seed=seed, haystack=haystack, **options)

@@ -97,12 +97,15 @@ def _assemble(
     needles: Sequence[_Needle],
     length: int,
     pieces: Iterator[Sequence[int]],
+    pad: int | None = None,
 ) -> tuple[list[int], list[tuple[int, int]]]:
     """Lay out header, filler and needles in exactly ``length`` ids.
 
     ``needles[0]`` is the primary needle (placed at its depth, see module
     docstring); the others go to their own depths as closely as order and
-    sentence boundaries allow.  Returns the ids and the needles' spans, in the
+    sentence boundaries allow.  With ``pad`` (a newline id), the partial
+    sentences at the filler's two ends become ``pad`` ids (see
+    :func:`_whole_sentences`).  Returns the ids and the needles' spans, in the
     order of ``needles``.
     """
     H = len(header)
@@ -125,6 +128,8 @@ def _assemble(
     p = order.index(0)
     tol = max(0, int(0.01 * length) - 1)
     filler, bounds, kp = _filler(pieces, budget, min(max(desired(p), 0), budget), tol)
+    if pad is not None:
+        filler = _whole_sentences(filler, bounds, pad)
     ks = [0] * len(order)
     ks[p] = kp
     for js, lo, hi in ((range(p), 0, kp), (range(p + 1, len(order)), kp, budget)):
@@ -144,6 +149,22 @@ def _assemble(
     ids += filler[prev:]
     assert len(ids) == length, (len(ids), length)
     return ids, spans
+
+
+def _whole_sentences(filler: list[int], bounds: Sequence[int], pad: int) -> list[int]:
+    """``filler`` with the ids before its first and after its last sentence boundary set to ``pad``.
+
+    The exact length leaves a partial sentence at the end (the text before the
+    question stopped mid-sentence, a cue no real document gives) and, when the
+    stream was shifted onto a depth, at the start.  Replacing those ids with
+    newlines keeps the length and every needle position, and every cut on a
+    sentence end.  No boundary at all (a filler shorter than one sentence):
+    all padding.
+    """
+    if not bounds:
+        return [pad] * len(filler)
+    first, last = bounds[0], bounds[-1]
+    return [pad] * first + filler[first:last] + [pad] * (len(filler) - last)
 
 
 def _spread(depth: float, n: int) -> list[float]:
@@ -170,9 +191,11 @@ def _build(
     depth: float,
     seed: int,
     options: dict,
+    whole_sentences: bool = False,
 ) -> Sample:
-    """Assemble the ids and wrap everything in a :class:`Sample`."""
-    ids, spans = _assemble(task, codec.fixed(header, cont=False), needles, length, pieces)
+    """Assemble the ids and wrap everything in a :class:`Sample` (``whole_sentences``: see `_assemble`'s pad)."""
+    pad = codec.fixed("\n")[-1] if whole_sentences else None
+    ids, spans = _assemble(task, codec.fixed(header, cont=False), needles, length, pieces, pad)
     primary, rest = spans[0], sorted(spans[1:])
     return Sample(
         task=task,

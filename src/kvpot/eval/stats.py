@@ -1,0 +1,67 @@
+"""Intervals for accuracies: a cell of 30 samples is a coin-flip count, so report how far it may be off.
+
+`kvpot eval` reports every accuracy as correct/total with a 95% Wilson score interval, and the
+spread of accuracy across prompt templates (issue 32: one wording's ranking of methods was the
+opposite of another's). Rankings should be claimed only where intervals separate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+Z95 = 1.959963984540054  # the standard normal's 97.5% quantile: a two-sided 95% interval
+
+
+def wilson_interval(correct: int, total: int, z: float = Z95) -> tuple[float, float] | None:
+    """The Wilson score interval of a binomial proportion (95% by default); None when ``total`` is 0.
+
+    With ``p = correct / total`` and ``n = total``::
+
+        centre    = (p + z^2 / (2n)) / (1 + z^2 / n)
+        half      = z / (1 + z^2 / n) * sqrt(p (1 - p) / n + z^2 / (4 n^2))
+        interval  = (centre - half, centre + half)
+
+    Unlike the normal approximation ``p +- z sqrt(p(1-p)/n)`` it stays inside [0, 1] and is not
+    zero-width at 0/n or n/n (0/10 gives (0, 0.2775): ten misses do not prove a method never works).
+    """
+    if total <= 0:
+        return None
+    if not 0 <= correct <= total:
+        raise ValueError(f"correct must lie in [0, {total}], got {correct}.")
+    n, p, z2 = total, correct / total, z * z
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = z / (1 + z2 / n) * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
+    # at 0/n and n/n the bound is exactly 0 or 1; rounding would leave 1e-16 off
+    low = 0.0 if correct == 0 else max(0.0, centre - half)
+    high = 1.0 if correct == total else min(1.0, centre + half)
+    return low, high
+
+
+def accuracy_stats(rows: Sequence[dict]) -> dict:
+    """correct/total, the mean score, its 95% Wilson interval and the spread over templates.
+
+    `correct` counts rows scored 1.0 (all-of metrics give partial scores; the interval is over
+    whole answers). `template_spread` is [min, max] of the per-template mean score, None with
+    fewer than two templates.
+    """
+    correct, total = sum(1 for r in rows if r["correct"]), len(rows)
+    low_high = wilson_interval(correct, total)
+    per_template = _per_template(rows)
+    return {
+        "correct": correct, "total": total, "accuracy": _mean(r["score"] for r in rows),
+        "wilson95": None if low_high is None else list(low_high),
+        "by_template": per_template,
+        "template_spread": [min(per_template.values()), max(per_template.values())] if len(per_template) > 1
+        else None,
+    }
+
+
+def _per_template(rows: Sequence[dict]) -> dict[str, float]:
+    templates = sorted({r.get("template", 0) for r in rows})
+    return {str(t): _mean(r["score"] for r in rows if r.get("template", 0) == t) for t in templates}
+
+
+def _mean(values: Iterable[float]) -> float | None:
+    values = list(values)
+    return sum(values) / len(values) if values else None
