@@ -50,7 +50,6 @@ import inspect
 import random
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from kvpot.errors import KvpotError
@@ -67,71 +66,22 @@ from kvpot.tasks.placement import (  # noqa: F401 - Sample is part of this modul
     _spread,
     _values,
 )
-
-# --------------------------------------------------------------------------- wording
-
-PASSKEY_HEADER = (
-    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize "
-    "them. I will quiz you about the important information there."
-)
-PASSKEY_NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
-PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is"
-
-NIAH_HEADER = (
-    "Some special magic numbers are hidden within the following text. Make sure to memorize "
-    "it. I will quiz you about the numbers afterwards."
-)
-NIAH_NEEDLE = " One of the special magic numbers for {key} is: {value}."
-NIAH_QUESTION = (
-    "\nWhat are all the special magic numbers for {keys} mentioned in the provided text? "
-    "The special magic numbers for {keys} mentioned in the provided text are"
+from kvpot.tasks.wording import (  # noqa: F401 - the wordings are part of this module's interface
+    NIAH_HEADER,
+    NIAH_NEEDLE,
+    NIAH_QUESTION,
+    NIAH_TEMPLATES,
+    PASSKEY_HEADER,
+    PASSKEY_NEEDLE,
+    PASSKEY_QUESTION,
+    PASSKEY_TEMPLATES,
+    TEMPLATES,
+    Wording,
+    _wording,
+    template_count,
 )
 
-
-
-@dataclass(frozen=True)
-class Wording:
-    """One template of a task: how the instruction, the needle and the question are phrased.
-
-    Several wordings exist because a cell scored on one phrasing measures the
-    phrasing as much as the method (issue 32): ``kvpot eval --templates``
-    spreads samples over them.  Template 0 is the original wording.
-    """
-
-    header: str
-    needle: str  # {key} (passkey) or {key} and {value} (niah)
-    question: str  # starts with "\n"; niah: {keys}
-
-
-PASSKEY_TEMPLATES = (
-    Wording(PASSKEY_HEADER, PASSKEY_NEEDLE, PASSKEY_QUESTION),
-    Wording(
-        "Somewhere in the long document below, a secret code is written down. Read carefully and keep "
-        "the code in mind, because you will be asked for it at the end.",
-        " Write this down: the secret code is {key}. Again, the secret code is {key}.",
-        "\nQuestion: what is the secret code mentioned in the document? Answer: the secret code is",
-    ),
-    Wording(
-        "Below is a long text. One sentence in it gives a password; the rest does not matter.",
-        " The password you need is {key}.",
-        "\nWhich password did the text give? The password is",
-    ),
-)
-
-NIAH_TEMPLATES = (
-    Wording(NIAH_HEADER, NIAH_NEEDLE, NIAH_QUESTION),
-    Wording(
-        "The text below mentions a few numbers that belong to named items. Remember which number "
-        "belongs to which item; you will be asked about them.",
-        " The number that belongs to {key} is {value}.",
-        "\nWhich numbers belong to {keys} according to the text? The numbers that belong to {keys} are",
-    ),
-    Wording(
-        "Read the following document. Hidden in it are codes for certain names.",
-        " Note that the code for {key} is {value}.",
-        "\nQuestion: what is the code for {keys}? Answer: the code for {keys} is",
-    ),
-)
+# --------------------------------------------------------------------------- wording (passkey and niah: tasks/wording.py)
 
 KV_HEADER = (
     "Extract the value corresponding to the specified key in the JSON object below."
@@ -258,14 +208,6 @@ def niah(
         options={"haystack": haystack, "num_keys": num_keys, "num_values": num_values,
                  "num_queries": num_queries, "digits": digits, "template": template},
     )
-
-
-def _wording(task: str, template: Any) -> Wording:
-    """``TEMPLATES[task][template]``, or a KvpotError naming the valid indices."""
-    wordings = TEMPLATES[task]
-    if isinstance(template, bool) or not isinstance(template, int) or not 0 <= template < len(wordings):
-        raise KvpotError(f"task {task!r} has templates 0 to {len(wordings) - 1}, got {template!r}.")
-    return wordings[template]
 
 
 def _digits(digits: Any, needed: int) -> int:
@@ -447,15 +389,6 @@ def recall(
         "\n" + RECALL_INSTRUCTION, [f.strip() for f in facts], length=length, depth=depth,
         seed=seed, options={"haystack": haystack, "num_needles": num_needles},
     )
-
-
-#: The wordings of the tasks that have several (the others have one).
-TEMPLATES: dict[str, tuple[Wording, ...]] = {"passkey": PASSKEY_TEMPLATES, "niah": NIAH_TEMPLATES}
-
-
-def template_count(task: str) -> int:
-    """How many templates ``task`` has (1 for tasks with one fixed wording)."""
-    return len(TEMPLATES.get(task, (None,)))
 
 
 TASKS: dict[str, Callable[..., Sample]] = {
