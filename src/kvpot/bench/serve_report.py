@@ -5,18 +5,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kvpot.bench.report import _COLUMNS as _BENCH_COLUMNS
 from kvpot.bench.report import _cell
 
+_THROUGHPUT = {key: column for column in _BENCH_COLUMNS["throughput"] for key in [column[1]]}
+_COUNT = lambda v: f"{v:,}"  # noqa: E731
 _COLUMNS = [
-    ("users", "users", lambda v: f"{v:,}"),
-    ("done", "completed", lambda v: f"{v:,}"),
-    ("429", "rejected", lambda v: f"{v:,}"),
-    ("failed", "failed", lambda v: f"{v:,}"),
-    ("tok/s", "output_tokens_per_second", lambda v: f"{v:,.0f}"),
-    ("TTFT p50 s", "ttft_p50_seconds", lambda v: f"{v:.2f}"),
-    ("TTFT p95 s", "ttft_p95_seconds", lambda v: f"{v:.2f}"),
-    ("ITL p50 ms", "itl_p50_ms", lambda v: f"{v:.1f}"),
-    ("ITL p99 ms", "itl_p99_ms", lambda v: f"{v:.1f}"),
+    *(_THROUGHPUT[k] for k in ("users", "completed")),
+    ("429", "rejected", _COUNT),
+    ("failed", "failed", _COUNT),
+    *(_THROUGHPUT[k] for k in ("output_tokens_per_second", "ttft_p50_seconds", "ttft_p95_seconds", "itl_p50_ms",
+                               "itl_p99_ms")),  # as `bench throughput` shows them
     ("ITL p99 upload ms", "itl_p99_ms_during_upload", lambda v: f"{v:.1f}"),
     ("http / engine", "http_vs_engine", lambda v: f"{v:.2f}"),
 ]

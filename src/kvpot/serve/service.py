@@ -69,7 +69,6 @@ class Outcome:
 
 
 _END = object()
-_PENDING = object()  # a request's state before the generation thread looked it up (Request needs one of two)
 
 
 class Service:
@@ -184,18 +183,15 @@ class Service:
         """Run `job` in its pool (`ticket` admitted it there) and collect its text; `job.emit` streams it."""
         engine = self.engine_for(job.spec)
         queue: asyncio.Queue = asyncio.Queue()
-        request = self._request(job, queue)
-        ticket.request = request
-        if ticket.cancel.is_set():
-            request.cancel_requested = True
+        post = self._poster(queue)
         # the stored state looked up and the request submitted in one turn of the generation thread
-        state = await self._engine_call(self.worker.call(lambda: self._submit_stored(job, engine, request, ticket)))
+        state = await self._engine_call(self.worker.call(lambda: self._submit_stored(job, engine, ticket, post)))
         cached, read = (state.stats.context_tokens if state is not None else 0), 0.0
         if state is None and job.key is not None:  # a long context not stored yet: read, keep, then submit
             state = await self._read(engine, job.prompt.context_ids, ticket)
             read = state.stats.prefill_seconds
-            request.state, request.context_ids = state, None
-            await self._engine_call(self.worker.call(lambda: self._keep_and_submit(job, state, request, ticket)))
+            await self._engine_call(self.worker.call(lambda: self._keep_and_submit(job, state, ticket, post)))
+        request = ticket.request
         context_tokens = state.stats.context_tokens if state is not None else len(job.prompt.context_ids)
         tokens, stream = await self._collect(job, ticket, engine, queue)
         if request.status == "failed":
@@ -212,25 +208,30 @@ class Service:
         self.worker.finished(time.perf_counter() - job.started)
         return Outcome(stream.text, len(tokens), prompt_tokens, cached, reason, ttft, read)
 
-    def _request(self, job: Job, queue: asyncio.Queue):
-        """The engine request of `job`, its tokens and its end posted to `queue` (through the outbox)."""
+    def _poster(self, queue: asyncio.Queue):
+        """A callable for the generation thread: an item for `queue`, through the event loop's outbox."""
+        outbox = self._outbox()
+        return lambda item: outbox.post(queue, item)
+
+    def _submit(self, job: Job, state, ticket: Ticket, post) -> None:
+        """(generation thread) The engine request of `job` (from `state`, or reading its context in its
+        slot) submitted to the ticket's pool; its tokens and its end go to `post`."""
         from kvpot.engine.requests import Request
 
-        outbox, metrics = self._outbox(), self.metrics
+        metrics = self.metrics
+        request = Request(context_ids=job.prompt.context_ids if state is None else None,
+                          question_ids=job.prompt.question_ids, state=state, max_new_tokens=job.max_tokens,
+                          temperature=job.temperature, top_p=job.top_p, seed=job.seed, ignore_eos=job.ignore_eos,
+                          on_token=lambda _request, token: (metrics.tick(), post(token)),
+                          on_finish=lambda finished: (metrics.finished(finished), post(_END)))
+        ticket.request = request  # first: a `ticket.stop()` from now on reaches the request
+        if ticket.cancel.is_set():
+            request.cancel_requested = True
+        ticket.pool.scheduler.submit(request)
 
-        def post(item) -> None:
-            outbox.post(queue, item)
-
-        context = job.prompt.context_ids if job.key is None else None
-        return Request(context_ids=context, question_ids=job.prompt.question_ids,
-                       state=None if context is not None else _PENDING, max_new_tokens=job.max_tokens,
-                       temperature=job.temperature, top_p=job.top_p, seed=job.seed, ignore_eos=job.ignore_eos,
-                       on_token=lambda _request, token: (metrics.tick(), post(token)),
-                       on_finish=lambda finished: (metrics.finished(finished), post(_END)))
-
-    def _submit_stored(self, job: Job, engine, request, ticket: Ticket):
-        """(generation thread) Submit `request` from its stored state (None: the context is read for this
-        request alone, in its slot, or has no stored state yet: then nothing is submitted)."""
+    def _submit_stored(self, job: Job, engine, ticket: Ticket, post):
+        """(generation thread) Submit `job` from its stored state, or with its context to read in its slot
+        (no key); returns the state. A context to keep that is not stored yet: nothing is submitted."""
         state = None
         if job.key is not None:
             state = self.store.get(job.key, engine)
@@ -239,17 +240,16 @@ class Service:
                                     "again.", param="document_id", code="document_not_found")
             if state is None:
                 return None
-            request.state = state
-        ticket.pool.scheduler.submit(request)
+        self._submit(job, state, ticket, post)
         return state
 
-    def _keep_and_submit(self, job: Job, state, request, ticket: Ticket) -> None:
-        """(generation thread) Store a context just read for the next question, and submit `request`."""
+    def _keep_and_submit(self, job: Job, state, ticket: Ticket, post) -> None:
+        """(generation thread) Store a context just read for the next question, and submit `job` from it."""
         try:
             self.store.put(job.key, state, "context", job.spec)
         except KvpotError:
             pass  # a context too large to keep is simply read again next time
-        ticket.pool.scheduler.submit(request)
+        self._submit(job, state, ticket, post)
 
     async def _collect(self, job: Job, ticket: Ticket, engine, queue: asyncio.Queue):
         """The request's tokens as they come, turned into text (stop strings end it early)."""

@@ -249,7 +249,7 @@ class Worker:
             return
         except StopIteration as done:
             read.future.set_result(done.value)
-        except BaseException as err:  # noqa: BLE001 - handed to the awaiting request
+        except Exception as err:  # noqa: BLE001 - handed to the awaiting request
             read.future.set_exception(err)
         self.reads.popleft()
 
