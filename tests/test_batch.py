@@ -116,6 +116,43 @@ def test_many_readers_of_one_state_leave_it_unchanged(model, prompts, one_thread
     assert all(torch.equal(a, layer.keys[:, :, : layer.n]) for a, layer in zip(before, state.cache.layers))
 
 
+@pytest.mark.parametrize("name", ["full", "truncate", "infinipot"])
+def test_questions_fed_through_the_decoding_steps_give_the_tokens_alone(model, prompts, name, one_thread):
+    """Questions asked of a stored state, read one token per batched step among the decoding rows
+    (`feed_questions`), give each request its tokens alone; with InfiniPot some questions fill the pot
+    while fed (that token distils in an eager step), so compressions must match as well."""
+    method, capacity = methods()[name]
+    engine = kvpot.Engine(model, method=method, decode="eager")
+    state = engine.prefill_ids(prompts[4][0])
+    questions = [torch.randint(3, VOCAB, (k,)).tolist() for k in (3, 40, 7, 1, 25)]
+    expected = [engine.generate_ids(question_ids=q, state=state, max_new_tokens=NEW, ignore_eos=True)
+                for q in questions]
+    for feed in ("always", "never", "auto"):
+        scheduler = Scheduler(kvpot.Engine(model, method=method), slots=3, capacity=capacity, decode="static",
+                              feed_questions=feed, feed_tokens=32)
+        requests = [Request(None, q, state=state, max_new_tokens=NEW, ignore_eos=True) for q in questions]
+        run_all(scheduler, requests)
+        assert [r.tokens for r in requests] == [e.token_ids for e in expected], feed
+        assert [r.stats.compressions for r in requests] == [e.stats.compressions for e in expected], feed
+        assert [r.stats.max_kv_entries for r in requests] == [e.stats.max_kv_entries for e in expected], feed
+        fed = sum(len(q) for q in questions if len(q) <= 32)  # the 40-token question is read in a forward
+        assert scheduler.report["fed_tokens"] == (0 if feed == "never" else fed), feed
+        assert scheduler.pool.used == 0 and scheduler.idle
+    if name == "infinipot":
+        assert any(e.stats.compressions for e in expected)  # a question did fill the pot
+
+
+def test_a_question_alone_is_read_in_one_forward(model, prompts, one_thread):
+    """`feed_questions="auto"` feeds only when others share the steps: alone, one forward answers sooner."""
+    method = kvpot.InfiniPot(pot_size=64, catalyst=None)
+    state = kvpot.Engine(model, method=method, decode="eager").prefill_ids(prompts[0][0])
+    scheduler = Scheduler(kvpot.Engine(model, method=method), slots=2, decode="static")
+    run_all(scheduler, [Request(None, [5, 6, 7], state=state, max_new_tokens=4, ignore_eos=True)])
+    assert scheduler.report["fed_tokens"] == 0 and scheduler.report["prefill_forwards"] == 1
+    with pytest.raises(KvpotError, match="feed_questions"):
+        Scheduler(kvpot.Engine(model, method=method), slots=2, decode="static", feed_questions="sometimes")
+
+
 def test_a_cancelled_request_frees_its_slot_and_changes_nothing_else(model, prompts, one_thread):
     method = kvpot.StreamingLLM(sinks=4, window=44, chunk_size=16)
     expected = alone(model, method, prompts)

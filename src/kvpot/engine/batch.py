@@ -207,6 +207,11 @@ class BatchDecoder:
         self.last_token[rows] = token
         self.counter[rows] += 1
 
+    def feed(self, slots: list[int], tokens: list[int]) -> None:
+        """Make `tokens` the next input of `slots` (a question read one token per step), not their picks."""
+        at = torch.tensor(slots, dtype=torch.long).to(self.pool.device, non_blocking=True)
+        self.last_token[at] = torch.tensor(tokens, dtype=torch.long).to(self.pool.device, non_blocking=True)
+
     def token_nll(self, rows: torch.Tensor) -> torch.Tensor:
         """-log p(token) under the logits that produced it, per row (InfiniPot's NuC of the fed token)."""
         return F.cross_entropy(self.logits[rows], self.last_token[rows], reduction="none")

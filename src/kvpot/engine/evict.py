@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from kvpot.errors import KvpotError
 from kvpot.methods.base import DECODE_STEP, EvictionMethod, top_indices
 
 
@@ -34,6 +35,33 @@ class RowsView:
         if name not in self.gathered:
             self.gathered[name] = self.storage.score(name)[self.rows, :, : self.n]
         return self.gathered[name]
+
+
+def evict_steady(method, pool, steady: list[tuple], fail) -> None:
+    """Evict the step's rows at their budget, `steady` (row in the step, slot, its `_Run`), back to it:
+    together where the method's eviction is the base class's (slots at the same counts in one pass per
+    layer), else one slot at a time. A row whose eviction fails goes to `fail(run, error)`, alone."""
+    if batch_evictable(method):
+        groups: dict[tuple, list] = {}
+        for item in steady:
+            groups.setdefault(tuple(item[2].cache.lengths()), []).append(item)
+        for group in groups.values():
+            try:
+                evict_rows(method, pool, [run.cache for _, _, run in group], [r for r, _, _ in group],
+                           [s for _, s, _ in group])
+            except KvpotError as err:
+                for _, _, run in group:
+                    fail(run, err)
+                continue
+            for _, _, run in group:
+                run.stats.compressions += 1
+        return
+    for row, slot, run in steady:
+        try:
+            if evict_one(method, pool, run.cache, row, slot):
+                run.stats.compressions += 1
+        except KvpotError as err:
+            fail(run, err)
 
 
 def evict_rows(method: EvictionMethod, pool, caches: list, batch_rows: list[int], slots: list[int]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -10,6 +11,7 @@ import torch
 
 from kvpot.cache import PotCache
 from kvpot.errors import Cancelled
+from kvpot.models.devices import peak_memory
 
 
 @dataclass
@@ -111,3 +113,18 @@ class _Run:
     def check(self) -> None:
         if self.should_stop is not None and self.should_stop():
             raise Cancelled("stopped while reading: should_stop() said so.")
+
+
+def close_stats(engine, run: _Run, new_tokens: int, decode_started: float | None, decode: dict) -> Stats:
+    """The stats of a batched request that ended: its run's, with the slot's counts and the decoding's."""
+    stats = run.stats
+    engine._settle(run)
+    stats.new_tokens = new_tokens
+    stats.max_kv_entries = run.cache.max_entries
+    stats.final_kv_entries = max(run.cache.lengths())
+    if decode_started is not None:
+        stats.decode_seconds = time.perf_counter() - decode_started
+    stats.peak_memory_by_device, stats.peak_memory_bytes = peak_memory(engine.devices)
+    stats.method = engine.method.report(run.cache)
+    stats.decode = decode
+    return stats

@@ -14,9 +14,10 @@ One step:
 3. decoding requests each get one token: most in one batched forward (`kvpot.engine.batch`), those
    whose method reshapes the cache at this token in the one-sequence engine's forward on their slot,
    those at their budget evict after the batched forward through the method's own `after_forward`;
+   (a question asked of a stored state may be fed in these steps, one token each: `feed_questions`);
 4. prefilling requests read chunks, oldest first, up to `prefill_tokens` tokens, a forward counting
-   as an eighth of that at least (at least one chunk: a method's chunk is part of its definition and
-   is never split); a request whose prompt is read picks its first token;
+   as an eighth of that at least (a method's chunk is never split); a request whose prompt is read
+   picks its first token;
 5. the new tokens are read back (one synchronisation per step) and delivered: `on_token`, stop at
    an end-of-sequence or stop token or at `max_new_tokens`, and the slot is freed at once.
 
@@ -34,14 +35,13 @@ import torch
 
 from kvpot.engine.batch import BatchDecoder, batchable_request, batched_method
 from kvpot.engine.decoding import resolve_mode
-from kvpot.engine.evict import batch_evictable, evict_one, evict_rows
+from kvpot.engine.evict import evict_steady
 from kvpot.engine.pool import SlotPool, slot_bytes, slot_capacity, slot_count
 from kvpot.engine.requests import QueueFull, Request
-from kvpot.engine.results import _Run
+from kvpot.engine.results import _Run, close_stats
 from kvpot.engine.sampling import _as_ids, _eos_ids
 from kvpot.errors import KvpotError
 from kvpot.methods.base import Step
-from kvpot.models.devices import peak_memory
 
 @dataclass
 class _Active:
@@ -54,6 +54,8 @@ class _Active:
     read_started: float = 0.0
     decode_started: float | None = None
     eos: frozenset = frozenset()
+    feeding: list[int] | None = None  # a question fed one token per decoding step (`Scheduler._feeds`)
+    fed: int = 0
 
 
 class Scheduler:
@@ -67,11 +69,16 @@ class Scheduler:
     max_waiting: requests queued beyond the slots; `submit` raises `QueueFull` past it (None: no limit).
     prefill_tokens: prompt tokens read per step across requests (at least one chunk per step).
     decode: "auto" (CUDA graphs on a GPU, fixed-shape steps uncaptured on a CPU), "graph" or "static".
+    feed_questions: "auto" feeds a question of at most `feed_tokens` tokens asked of a stored state through
+        the batched decoding steps, one token per step, when other requests run or wait (alone, one forward
+        answers sooner); "always", or "never" (one forward of its own, as `Engine.generate` reads it). Only
+        for methods whose cache does not depend on how the question is cut (`Method.feeds_question`).
     """
 
     def __init__(self, engine, slots: int | None = None, capacity: int | None = None, question_room: int = 512,
                  max_waiting: int | None = None, prefill_tokens: int = 4096, decode: str = "auto",
-                 max_slots: int = 256, memory_fraction: float = 0.85):
+                 max_slots: int = 256, memory_fraction: float = 0.85, feed_questions: str = "auto",
+                 feed_tokens: int = 64):
         if len(engine.devices) > 1:
             raise KvpotError("batched decoding runs a model on one device; a model split over several GPUs "
                              "(device_map) decodes one sequence at a time with Engine.generate.")
@@ -79,6 +86,8 @@ class Scheduler:
             raise KvpotError(f"prefill_tokens must be a positive integer, got {prefill_tokens!r}.")
         if max_waiting is not None and max_waiting < 0:
             raise KvpotError(f"max_waiting must be >= 0, got {max_waiting!r}.")
+        if feed_questions not in ("auto", "always", "never"):
+            raise KvpotError(f"feed_questions must be 'auto', 'always' or 'never', got {feed_questions!r}.")
         if decode == "eager":
             raise KvpotError("batched decoding runs fixed-shape steps: decode must be 'auto', 'graph' or 'static'.")
         mode = "static" if decode == "auto" and engine.device.type != "cuda" else resolve_mode(decode, engine.device)
@@ -91,6 +100,7 @@ class Scheduler:
         self.decoder = BatchDecoder(engine, self.pool, graphs=mode == "graph")
         self.mode = mode
         self.max_waiting, self.prefill_tokens = max_waiting, prefill_tokens
+        self.feed_questions, self.feed_tokens = feed_questions, feed_tokens
         self.waiting: deque[Request] = deque()
         self.active: dict[int, _Active] = {}  # slot -> its request
         self.eos = frozenset(_eos_ids(engine.model))
@@ -100,7 +110,7 @@ class Scheduler:
         self.append_ok = batchable_request(self.method.decode_request("append"))
         self.pending: list[tuple] = []  # staged tokens: (slots, requests, tokens, event), delivered next step
         self.report = {"steps": 0, "batched_rows": 0, "eager_rows": 0, "steady_rows": 0, "prefill_forwards": 0,
-                       "decode_seconds": 0.0, "prefill_seconds": 0.0, "deliver_seconds": 0.0}
+                       "fed_tokens": 0, "decode_seconds": 0.0, "prefill_seconds": 0.0, "deliver_seconds": 0.0}
 
     def slot_bytes(self, dtype: torch.dtype | None = None) -> int:
         """Bytes one slot takes (KV, positions, two score arrays, the observation row, its logits)."""
@@ -207,15 +217,29 @@ class Scheduler:
             cache = self.pool.load(slot, request.state.cache)
             run = engine._resumed(request.state, cache, question)
             segments = [("question", question)] if question.numel() else []
+            if request.max_new_tokens and self._feeds(run, question):
+                active.run, active.feeding = run, question.tolist()
+                # greedy while fed (its picks are overwritten); `_start_decoding` sets the request's own
+                self.decoder.start(slot, run.logits, run.next_position, 0.0, 1.0, 0,
+                                   question.numel() + request.max_new_tokens)
+                active.read_started = time.perf_counter()
+                return
         active.run, active.reading = run, engine._read(run, segments)
         active.read_started = time.perf_counter()
+
+    def _feeds(self, run: _Run, question: torch.Tensor) -> bool:
+        """Whether this question is fed through the decoding steps (see `feed_questions`)."""
+        if self.feed_questions == "never" or not self.method.feeds_question or not self.batched:
+            return False
+        fits = 0 < question.numel() <= self.feed_tokens and run.logits is not None and run.cache.attention is None
+        return fits and (self.feed_questions == "always" or len(self.active) > 1 or bool(self.waiting))
 
     def _prefill(self, ended: list[Request]) -> list[int]:
         """Read chunks of prefilling requests, oldest first, within the step's token budget; returns the
         slots whose prompt was read (their first token is picked)."""
         budget, done = self.prefill_tokens, []
         for slot, active in sorted(self.active.items(), key=lambda item: item[1].started):
-            if active.request.status != "prefilling":
+            if active.request.status != "prefilling" or active.feeding is not None:
                 continue
             try:
                 # a forward costs at least the weights' read: a sliver of budget left is not worth one.
@@ -247,7 +271,7 @@ class Scheduler:
         request, run, slot = active.request, active.run, active.request.slot
         run.cache = self.pool.settle(slot, run.cache)
         run.stats.prefill_seconds += time.perf_counter() - active.read_started
-        request.status = "decoding"
+        request.status, active.feeding = "decoding", None
         active.decode_started = time.perf_counter()
         if request.max_new_tokens == 0:
             return
@@ -269,7 +293,9 @@ class Scheduler:
 
     def _decode(self, ended: list[Request]) -> list[int]:
         """One token for every decoding request; returns the slots that got one."""
-        decoding = [(slot, a) for slot, a in sorted(self.active.items()) if a.request.status == "decoding"]
+        decoding = [(slot, a) for slot, a in sorted(self.active.items())
+                    if a.request.status == "decoding" or a.feeding is not None]
+        self._feed(decoding)
         plans = {slot: self._plan(active) for slot, active in decoding}
         stepped = []
         for slot, active in decoding:  # rows whose method reshapes the cache at this token: alone
@@ -298,35 +324,33 @@ class Scheduler:
                 stepped.append(slot)
             self._evict_steady(steady, ended)
             self.report["batched_rows"] += len(batch)
-        return [slot for slot in stepped if slot in self.active]
+        return [slot for slot in stepped if slot in self.active and self._fed(self.active[slot])]
+
+    def _feed(self, rows: list[tuple[int, _Active]]) -> None:
+        """Each fed row's next question token becomes its step's input (instead of its last pick)."""
+        fed = [(slot, active.feeding[active.fed]) for slot, active in rows if active.feeding is not None]
+        if fed:
+            self.decoder.feed(*map(list, zip(*fed)))
+            self.report["fed_tokens"] += len(fed)
+
+    def _fed(self, active: _Active) -> bool:
+        """After a step: False while the row's question is still being fed; at its last token the request
+        starts decoding (its first token is picked from that step's logits) and True."""
+        if active.feeding is None:
+            return True
+        active.fed += 1
+        if active.fed < len(active.feeding):
+            return False
+        active.run.logits = self.decoder.logits[active.request.slot].clone()
+        self._start_decoding(active)
+        return True
 
     def _evict_steady(self, steady: list[tuple[int, int, _Active]], ended: list[Request]) -> None:
-        """Rows at their budget evict back to it: together where the method's eviction is the base
-        class's (slots at the same counts in one pass per layer), else one slot at a time."""
-        if not steady:
-            return
-        self.report["steady_rows"] += len(steady)
-        if batch_evictable(self.method):
-            groups: dict[tuple, list] = {}
-            for item in steady:
-                groups.setdefault(tuple(item[2].run.cache.lengths()), []).append(item)
-            for group in groups.values():
-                try:
-                    evict_rows(self.method, self.pool, [a.run.cache for _, _, a in group], [r for r, _, _ in group],
-                               [s for _, s, _ in group])
-                except KvpotError as err:
-                    for _, _, active in group:
-                        self._fail(active.request, err, ended)
-                    continue
-                for _, _, active in group:
-                    active.run.stats.compressions += 1
-            return
-        for row, slot, active in steady:
-            try:
-                if evict_one(self.method, self.pool, active.run.cache, row, slot):
-                    active.run.stats.compressions += 1
-            except KvpotError as err:
-                self._fail(active.request, err, ended)
+        """Rows at their budget evict back to it (`kvpot.engine.evict.evict_steady`)."""
+        if steady:
+            self.report["steady_rows"] += len(steady)
+            evict_steady(self.method, self.pool, [(row, slot, active.run) for row, slot, active in steady],
+                         lambda run, err: self._fail(next(a.request for _, _, a in steady if a.run is run), err, ended))
 
     def _appended(self, active: _Active) -> None:
         """The host mirror of a batched append (the device did it)."""
@@ -417,20 +441,10 @@ class Scheduler:
             request.on_finish(request)
 
     def _close_stats(self, active: _Active) -> None:
-        run, request = active.run, active.request
-        if run is None:
-            return
-        stats = run.stats
-        self.engine._settle(run)
-        stats.new_tokens = len(request.tokens)
-        stats.max_kv_entries = run.cache.max_entries
-        stats.final_kv_entries = max(run.cache.lengths())
-        if active.decode_started is not None:
-            stats.decode_seconds = time.perf_counter() - active.decode_started
-        stats.peak_memory_by_device, stats.peak_memory_bytes = peak_memory(self.engine.devices)
-        stats.method = self.method.report(run.cache)
-        stats.decode = {"mode": f"batch-{self.mode}", "slots": self.pool.slots, "capacity": self.capacity}
-        request.stats = stats
+        if active.run is not None:
+            decode = {"mode": f"batch-{self.mode}", "slots": self.pool.slots, "capacity": self.capacity}
+            active.request.stats = close_stats(self.engine, active.run, len(active.request.tokens),
+                                               active.decode_started, decode)
 
 
 def _policy(engine):

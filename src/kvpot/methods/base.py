@@ -88,6 +88,11 @@ class Method:
     # depends on where a forward ends): the batched scheduler then caps forwards at its per-step budget,
     # so users already decoding wait for at most that many prompt tokens between their tokens.
     chunk_invariant: ClassVar[bool] = False
+    # Reading a question one token per decoding step leaves the same cache as reading it in forwards
+    # (nothing the method does depends on the phase, on where a forward ends, or on `prompt_end`): the
+    # batched scheduler then feeds a question asked of a stored state through the decoding steps it
+    # runs anyway, instead of one eager forward per request that every decoding user waits for.
+    feeds_question: ClassVar[bool] = False
 
     def prefill_chunk(self) -> int:
         """Tokens per prefill forward; activations are bounded by it."""

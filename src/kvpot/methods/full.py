@@ -20,6 +20,7 @@ class Full(Method):
     # one-shot forward (12.06 s vs 12.01 s on an H100, llama3-8b); 2,048 took 12.48 s
     chunk_size: int = 8192
     chunk_invariant = True  # nothing is evicted while reading
+    feeds_question = True
 
     def __post_init__(self):
         check_positive(self, "chunk_size")

@@ -70,6 +70,7 @@ class InfiniPot(Method):
     needs_token_nll = True
     # the pot distills when full, wherever forwards end; a token's NuC uses the logits before it either way
     chunk_invariant = True
+    feeds_question = True  # its question appends, or fills the pot as a decoded token would
     pot_size: int = 2048
     compress_size: int | None = None
     nuc_ratio: float = 0.5

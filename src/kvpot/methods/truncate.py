@@ -22,6 +22,7 @@ class Truncate(Method):
     budget: int = 2048
     chunk_size: int = 2048
     chunk_invariant = True  # nothing is evicted while reading
+    feeds_question = True
 
     def __post_init__(self):
         check_positive(self, "budget", "chunk_size")
