@@ -238,7 +238,7 @@ def test_options_are_resolved_and_json_serialisable(toks):
 
     s = make_sample("niah", toks["py"], 2000, num_values=2)
     assert s.options == {"haystack": "repeat", "num_keys": 1, "num_values": 2, "num_queries": 1, "digits": 7,
-                         "template": 0}
+                         "template": 0, "key_format": "words", "value_format": "digits"}
     assert json.loads(json.dumps(s.options)) == s.options
     assert make_sample("kv", toks["py"], 2000).options == {"haystack": "pairs", "num_pairs": None}
     assert task_options("vt") == {"num_chains": 1, "num_hops": 4}
@@ -316,23 +316,25 @@ def test_vt_chains_resolve_to_the_answers(toks, num_chains, num_hops):
 # --------------------------------------------------------------------------- templates
 
 
-@pytest.mark.parametrize("task", ["passkey", "niah"])
+@pytest.mark.parametrize("task", ["passkey", "niah", "vt"])
 def test_templates_differ_in_every_part(toks, task):
     wordings = g.TEMPLATES[task]
     assert len(wordings) >= 3 and g.template_count(task) == len(wordings) and g.template_count("kv") == 1
-    for part in ("header", "needle", "question"):
+    for part in ("header", "needle", "question") + (("hop",) if task == "vt" else ()):
         assert len({getattr(w, part) for w in wordings}) == len(wordings), part
     samples = [make_sample(task, toks["gpt2"], 2000, depth=0.4, seed=3, template=t) for t in range(len(wordings))]
     assert len({s.question for s in samples}) == len(wordings)
     assert len({s.context[:80] for s in samples}) == len(wordings)
     assert all(s.answers == samples[0].answers for s in samples)  # the wording changes, not the key
     for t, s in enumerate(samples):
-        assert s.options["template"] == t and score(s, " " + s.answers[0] + ".") == 1.0
+        assert s.options["template"] == t and score(s, " " + " ".join(s.answers) + ".") == 1.0
 
 
 @pytest.mark.parametrize("tok_name", ["bytes", "metaspace", "gpt2"])
 @pytest.mark.parametrize("task,options", [("passkey", {}), ("passkey", {"digits": 7}), ("niah", {}),
-                                          ("niah", {"num_keys": 3, "num_values": 2})])
+                                          ("niah", {"num_keys": 3, "num_values": 2}),
+                                          ("passkey", {"key_format": "uuid"}), ("niah", {"value_format": "words"}),
+                                          ("vt", {}), ("vt", {"num_chains": 2, "num_hops": 2})])
 def test_filler_cuts_fall_on_sentence_ends(toks, tok_name, task, options):
     """The text before every needle and before the question ends a sentence, at any depth and template."""
     tok = toks[tok_name]
@@ -362,13 +364,43 @@ def test_templated_samples_are_deterministic_per_seed(toks, task):
 def test_key_formats_and_template_errors(toks):
     assert re.fullmatch(r"\d{7}", make_sample("passkey", toks["py"], 1000, digits=7).answers[0])
     assert re.fullmatch(r"\d{5}", make_sample("niah", toks["py"], 1000, digits=5).answers[0])
-    assert task_options("passkey") == {"digits": 5}
+    assert task_options("passkey") == {"digits": 5, "key_format": "digits"}
     with pytest.raises(KvpotError, match="templates 0 to 2"):
         make_sample("passkey", toks["py"], 1000, template=3)
     with pytest.raises(KvpotError, match="one wording"):
         make_sample("kv", toks["py"], 1000, template=1)
     with pytest.raises(KvpotError, match="digits"):
         make_sample("passkey", toks["py"], 1000, digits=1)
+    with pytest.raises(KvpotError, match="key_format must be one of digits, words, uuid"):
+        make_sample("passkey", toks["py"], 1000, key_format="emoji")
+
+
+@pytest.mark.parametrize("task,option", [("passkey", "key_format"), ("niah", "value_format"),
+                                         ("niah", "key_format")])
+def test_key_formats_draw_keys_of_their_shape_from_the_seed(toks, task, option):
+    """digits / words / uuid (RULER's numbers / words / uuids); the default format keeps the old draws."""
+    from kvpot.tasks.keys import SHAPES
+
+    shapes = {}
+    for fmt in ("digits", "words", "uuid"):
+        s = make_sample(task, toks["metaspace"], 3000, depth=0.6, seed=4, **{option: fmt})
+        key = s.answers[0] if option != "key_format" or task == "passkey" else s.question.split("for ")[1].split(" ")[0]
+        assert SHAPES[fmt].fullmatch(key.rstrip("?")), (fmt, key)
+        assert key.rstrip("?") in s.context and score(s, f" {s.answers[0]}.") == 1.0
+        shapes[fmt] = s
+    default = make_sample(task, toks["metaspace"], 3000, depth=0.6, seed=4)
+    assert default.answers == shapes["digits" if option != "key_format" or task == "passkey" else "words"].answers
+
+
+def test_key_match_reads_the_first_run_of_the_keys_shape():
+    from kvpot.tasks.metrics import key_match
+
+    assert key_match("The pass key is fluffy-penguin.", ["fluffy-penguin"]) == 1.0
+    assert key_match("fluffy-panda, or fluffy-penguin", ["fluffy-penguin"]) == 0.0  # the first pair counts
+    uid = "0d9f5c6e-5a41-4b5e-8f0d-3b1c9e2a7f44"
+    assert key_match(f"It is {uid.upper()}.", [uid]) == 1.0
+    assert key_match(f"It is {uid[:-1]}", [uid]) == 0.0  # a character short is no UUID
+    assert key_match("The pass key is 71432.", ["71432"]) == 1.0 and key_match("714320", ["71432"]) == 0.0
 
 
 def test_recall_facts(toks):

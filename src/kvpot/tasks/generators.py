@@ -26,11 +26,12 @@ before it is started part-way into a sentence (shifting every boundary) so
 that the needle still starts on a boundary, exactly at ``target``.  For long
 contexts ``H`` and ``N`` are negligible and ``start / L ~= d``.
 
-passkey and niah keep whole sentences only: the partial sentences at the
+passkey, niah and vt keep whole sentences only: the partial sentences at the
 filler's two ends (the start shift above, and the cut at ``L``) become newline
 tokens, so no text stops mid-sentence before a needle or the question.  They
-also have several wordings (``template``, :data:`TEMPLATES`) and a key length
-option (``digits``).
+also have several wordings (``template``, :data:`TEMPLATES`); passkey and niah
+take key formats (``key_format``, niah's ``value_format``: digits, words,
+uuid; :mod:`kvpot.tasks.keys`) and a number length (``digits``).
 
 Multi-needle tasks place one *primary* needle at ``depth`` as above (niah and
 kv: the first needle of the first queried key; recall: the first fact; vt:
@@ -48,12 +49,14 @@ from __future__ import annotations
 
 import inspect
 import random
-import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from kvpot.errors import KvpotError
 from kvpot.tasks.haystack import Codec, codec_for, filler_pieces
+from kvpot.tasks.keys import ALL_WORD_KEYS as _ALL_KEYS
+from kvpot.tasks.keys import KEY_ADJECTIVES, KEY_NOUNS, check_format, draw  # noqa: F401 - re-exported
+from kvpot.tasks.keys import make_uuid as _uuid
 from kvpot.tasks.placement import (  # noqa: F401 - Sample is part of this module's interface
     _build,
     _check_common,
@@ -76,6 +79,11 @@ from kvpot.tasks.wording import (  # noqa: F401 - the wordings are part of this 
     PASSKEY_QUESTION,
     PASSKEY_TEMPLATES,
     TEMPLATES,
+    VT_FIRST,
+    VT_HEADER,
+    VT_HOP,
+    VT_QUESTION,
+    VT_TEMPLATES,
     Wording,
     _wording,
     template_count,
@@ -91,15 +99,6 @@ KV_SPREAD_HEADER = "Extract the value corresponding to the specified key in the 
 KV_LINE = '\n"{key}": "{value}",'
 KV_QUESTION = '\nWhat is the value of the key "{key}"? The value of the key "{key}" is'
 
-VT_HEADER = "Memorize and track the chain(s) of variable assignment hidden in the following text."
-VT_FIRST = " VAR {name} = {value}."
-VT_HOP = " VAR {name} = VAR {prev}."
-VT_QUESTION = (
-    "\nQuestion: Find all variables that are assigned the value {value} in the text above. "
-    "Answer: According to the chain(s) of variable assignment in the text above, {count} "
-    "variables are assigned the value {value}, they are:"
-)
-
 RECALL_HEADER = "Read the following text."
 RECALL_INSTRUCTION = "List the important facts stated above:"
 RECALL_FACTS = (
@@ -108,25 +107,6 @@ RECALL_FACTS = (
     " The secret word for {key} is {word}.",
 )
 
-#: Words of niah/recall keys ("adjective-noun"); disjoint from the haystack vocabulary.
-KEY_ADJECTIVES = (
-    "abundant", "adorable", "ambitious", "ancient", "awesome", "bashful", "bitter", "blissful",
-    "breezy", "bumpy", "chilly", "chubby", "clumsy", "cosmic", "crispy", "dazzling", "delicate",
-    "dizzy", "eager", "elegant", "fancy", "fluffy", "fuzzy", "giant", "glossy", "grumpy",
-    "handsome", "hungry", "icy", "itchy", "jagged", "juicy", "kind", "lively", "massive",
-    "mellow", "misty", "nimble", "obedient", "odd", "playful", "puzzled", "quaint", "quirky",
-    "scary", "shiny", "spicy", "tasty", "thirsty", "vivid", "wobbly", "zealous",
-)
-KEY_NOUNS = (
-    "acorn", "anchor", "antelope", "apricot", "avocado", "balloon", "banana", "biscuit",
-    "blueberry", "butterfly", "cactus", "camel", "canyon", "cherry", "cobra", "comet", "crayon",
-    "cricket", "dolphin", "dragon", "eagle", "elephant", "falcon", "flamingo", "galaxy",
-    "giraffe", "glacier", "hamster", "hedgehog", "iguana", "jaguar", "jellyfish", "kangaroo",
-    "koala", "lemon", "lobster", "mango", "meteor", "nectar", "octopus", "panda", "parrot",
-    "peacock", "penguin", "pepper", "pineapple", "raccoon", "rocket", "saturn", "tulip",
-    "volcano", "walrus", "zebra",
-)
-_ALL_KEYS = tuple(f"{a}-{n}" for a in KEY_ADJECTIVES for n in KEY_NOUNS)
 
 
 # --------------------------------------------------------------------------- tasks
@@ -140,22 +120,27 @@ def passkey(
     haystack: str = "repeat",
     digits: int = 5,
     template: int = 0,
+    key_format: str = "digits",
 ) -> Sample:
     """Passkey retrieval (Mohtashami & Jaggi 2023; used by InfiniPot and CItruS).
 
-    One needle with a seeded ``digits``-digit number, worded by
-    ``PASSKEY_TEMPLATES[template]``; answers = ``[number]``; metric: exact match.
-    The filler holds whole sentences only (see ``placement._whole_sentences``).
+    One needle with a seeded key, worded by ``PASSKEY_TEMPLATES[template]``:
+    a ``digits``-digit number (``key_format="digits"``), an adjective-noun
+    word pair (``"words"``) or a UUID (``"uuid"``; :mod:`kvpot.tasks.keys`).
+    answers = ``[key]``; metric: exact match on the first run of the key's
+    shape.  The filler holds whole sentences only (see
+    ``placement._whole_sentences``).
     """
     _check_common(length, depth, seed, haystack)
     wording = _wording("passkey", template)
     codec = codec_for(tokenizer)
-    key = _values(_rng("passkey", seed), 1, _digits(digits, 1))[0]
+    key = draw(_rng("passkey", seed), 1, check_format("key_format", key_format), _digits(digits, 1))[0]
     needle = _needle(codec, wording.needle.format(key=key), depth)
     return _build(
         "passkey", codec, wording.header, [needle], filler_pieces(haystack, codec, seed),
         wording.question, [key], length=length, depth=depth, seed=seed,
-        options={"haystack": haystack, "digits": digits, "template": template}, whole_sentences=True,
+        options={"haystack": haystack, "digits": digits, "template": template, "key_format": key_format},
+        whole_sentences=True,
     )
 
 
@@ -170,11 +155,15 @@ def niah(
     num_queries: int = 1,
     digits: int = 7,
     template: int = 0,
+    key_format: str = "words",
+    value_format: str = "digits",
 ) -> Sample:
     """RULER needle-in-a-haystack: single, multi-key, multi-value and multi-query.
 
-    ``num_keys`` keys ("adjective-noun") each get ``num_values`` distinct
-    ``digits``-digit values, one needle per (key, value), worded by
+    ``num_keys`` keys each get ``num_values`` distinct values, one needle per
+    (key, value); keys are ``key_format`` ("words": adjective-noun, RULER's
+    default; "digits"; "uuid"), values ``value_format`` ("digits": ``digits``
+    digits, RULER's numbers; "words"; "uuid": RULER's niah_single_3), worded by
     ``NIAH_TEMPLATES[template]``; the first ``num_queries`` keys are asked
     for.  The first value of the first queried key is the primary needle at
     ``depth``; the others, in seeded order, on evenly spread slots.  answers =
@@ -186,10 +175,15 @@ def niah(
     num_keys = _count("num_keys", num_keys, len(_ALL_KEYS))
     num_values = _count("num_values", num_values, 1000)
     num_queries = _count("num_queries", num_queries, num_keys)
+    check_format("key_format", key_format)
+    check_format("value_format", value_format)
     codec = codec_for(tokenizer)
     rng = _rng("niah", seed)
-    keys = rng.sample(_ALL_KEYS, num_keys)
-    values = _values(rng, num_keys * num_values, _digits(digits, num_keys * num_values))
+    keys = draw(rng, num_keys, key_format, _digits(digits, num_keys) if key_format == "digits" else 7)
+    values = draw(rng, num_keys * num_values, value_format, _digits(digits, num_keys * num_values))
+    if set(keys) & set(values):  # a word or number both name and value: the question would be ambiguous
+        raise KvpotError("key_format and value_format drew the same key and value; give them different formats "
+                         "or another seed.")
     texts = [
         wording.needle.format(key=k, value=values[i * num_values + j])
         for i, k in enumerate(keys)
@@ -206,7 +200,8 @@ def niah(
         wording.question.format(keys=_join(queried)), answers, length=length, depth=depth,
         seed=seed, whole_sentences=True,
         options={"haystack": haystack, "num_keys": num_keys, "num_values": num_values,
-                 "num_queries": num_queries, "digits": digits, "template": template},
+                 "num_queries": num_queries, "digits": digits, "template": template, "key_format": key_format,
+                 "value_format": value_format},
     )
 
 
@@ -217,10 +212,6 @@ def _digits(digits: Any, needed: int) -> int:
         raise KvpotError(f"digits={digits} cannot give {needed} distinct numbers; use 2 to 12 digits "
                          "(more for many needles).")
     return digits
-
-
-def _uuid(rng: random.Random) -> str:
-    return str(uuid.UUID(int=rng.getrandbits(128), version=4))
 
 
 def _kv_lines(codec: Codec, seed: int, exclude: str, per_piece: int = 8) -> Iterator[list[int]]:
@@ -306,8 +297,12 @@ def vt(
     haystack: str = "repeat",
     num_chains: int = 1,
     num_hops: int = 4,
+    template: int = 0,
 ) -> Sample:
     """RULER variable tracking: ``VAR A = 12345. VAR B = VAR A. ...``.
+
+    Worded by ``VT_TEMPLATES[template]`` (0: RULER's); the filler holds whole
+    sentences only, as passkey's and niah's.
 
     ``num_chains`` chains of ``num_hops`` hops each (``num_hops + 1`` variables),
     every chain with its own 5-digit value.  Chain 0 is queried: its value
@@ -318,6 +313,7 @@ def vt(
     queried chain's variable names; metric: all-of.
     """
     _check_common(length, depth, seed, haystack)
+    wording = _wording("vt", template)
     num_chains = _count("num_chains", num_chains, 1000)
     num_hops = _count("num_hops", num_hops, 1000)
     codec = codec_for(tokenizer)
@@ -328,8 +324,8 @@ def vt(
 
     def links(c: int) -> list[str]:
         chain = chains[c]
-        first = VT_FIRST.format(name=chain[0], value=values[c])
-        return [first] + [VT_HOP.format(name=n, prev=p) for p, n in zip(chain, chain[1:])]
+        first = wording.needle.format(name=chain[0], value=values[c])
+        return [first] + [wording.hop.format(name=n, prev=p) for p, n in zip(chain, chain[1:])]
 
     query = [codec.cont(t) for t in links(0)]
     reach = sum(len(ids) for ids in query)
@@ -343,11 +339,11 @@ def vt(
     for c in range(1, num_chains):
         offset = (c - 0.5) / (num_chains - 1)
         needles += [_needle(codec, t, (j + offset) / levels) for j, t in enumerate(links(c))]
-    question = VT_QUESTION.format(value=values[0], count=levels)
+    question = wording.question.format(value=values[0], count=levels)
     return _build(
-        "vt", codec, VT_HEADER, needles, filler_pieces(haystack, codec, seed), question,
-        list(chains[0]), length=length, depth=depth, seed=seed,
-        options={"haystack": haystack, "num_chains": num_chains, "num_hops": num_hops},
+        "vt", codec, wording.header, needles, filler_pieces(haystack, codec, seed), question,
+        list(chains[0]), length=length, depth=depth, seed=seed, whole_sentences=True,
+        options={"haystack": haystack, "num_chains": num_chains, "num_hops": num_hops, "template": template},
     )
 
 

@@ -5,7 +5,7 @@ Which metric each task uses (:func:`score`):
 =========  =========================  ==============================================
 task       metric                     why
 =========  =========================  ==============================================
-passkey    :func:`exact_match`        one number; a near miss (a digit off) is wrong
+passkey    :func:`key_match`          one key; a near miss (a digit off) is wrong
 kv         :func:`exact_match`        one UUID; same
 niah       :func:`string_match_any`   one answer: RULER's "contains"
            (one answer) /
@@ -58,6 +58,26 @@ def exact_match(prediction: str, answers: Sequence[str]) -> float:
     return float(found is not None and found.group(0).lower() == answer.lower())
 
 
+def key_match(prediction: str, answers: Sequence[str]) -> float:
+    """1.0 if the prediction's first run shaped like ``answers[0]`` *is* it (case ignored), else 0.0.
+
+    The shape is the key's format (:data:`kvpot.tasks.keys.SHAPES`): digits (then this is
+    :func:`exact_match`), an adjective-noun pair, or a UUID. So ``"The pass key is
+    fluffy-penguin."`` matches ``fluffy-penguin`` (the restated words have no hyphen), and
+    ``"12345678-..."`` is read as one UUID, not as the number 12345678.
+    """
+    from kvpot.tasks.keys import SHAPES, format_of
+
+    if not answers:
+        raise KvpotError("key_match needs at least one answer; pass the sample's answers.")
+    answer = answers[0].strip()
+    fmt = format_of(answer)
+    if fmt in ("digits", "other"):
+        return exact_match(prediction, answers)
+    found = SHAPES[fmt].search(prediction)
+    return float(found is not None and found.group(0).lower() == answer.lower())
+
+
 def string_match_all(prediction: str, answers: Sequence[str]) -> float:
     """RULER's "all" metric: the fraction of answers contained in the prediction.
 
@@ -91,7 +111,9 @@ def score(sample_or_task: Any, prediction: str, answers: Sequence[str] | None = 
     else:
         task = sample_or_task.task
         answers = sample_or_task.answers if answers is None else answers
-    if task in ("passkey", "kv"):
+    if task == "passkey":
+        return key_match(prediction, answers)
+    if task == "kv":
         return exact_match(prediction, answers)
     if task == "niah" and len(answers) == 1:
         return string_match_any(prediction, answers)

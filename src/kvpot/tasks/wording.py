@@ -1,6 +1,6 @@
-"""How passkey and niah are phrased: several wordings (templates) of the instruction, the needle and
+"""How passkey, niah and vt are phrased: several wordings (templates) of the instruction, the needle and
 the question, because a cell scored on one phrasing measures the phrasing as much as the method
-(issue 32; `kvpot eval --templates`). Template 0 is the original wording."""
+(issue 32; `kvpot eval --templates`). Template 0 is the original wording (RULER's, for niah and vt)."""
 
 from __future__ import annotations
 
@@ -38,8 +38,9 @@ class Wording:
     """
 
     header: str
-    needle: str  # {key} (passkey) or {key} and {value} (niah)
-    question: str  # starts with "\n"; niah: {keys}
+    needle: str  # {key} (passkey), {key} and {value} (niah), {name} and {value} (vt's first link)
+    question: str  # starts with "\n"; niah: {keys}; vt: {value} and {count}
+    hop: str = ""  # vt: a variable assigned another one, {name} and {prev}
 
 
 PASSKEY_TEMPLATES = (
@@ -72,9 +73,36 @@ NIAH_TEMPLATES = (
     ),
 )
 
+VT_HEADER = "Memorize and track the chain(s) of variable assignment hidden in the following text."
+VT_FIRST = " VAR {name} = {value}."
+VT_HOP = " VAR {name} = VAR {prev}."
+VT_QUESTION = (
+    "\nQuestion: Find all variables that are assigned the value {value} in the text above. "
+    "Answer: According to the chain(s) of variable assignment in the text above, {count} "
+    "variables are assigned the value {value}, they are:"
+)
+
+VT_TEMPLATES = (
+    Wording(VT_HEADER, VT_FIRST, VT_QUESTION, VT_HOP),  # RULER's
+    Wording(
+        "The document below sets some variables, each to a number or to another variable. Keep track of "
+        "which variable holds which number.",
+        " Let {name} be {value}.",
+        "\nWhich variables hold the number {value} at the end of the document? All {count} of them are:",
+        " Let {name} be equal to {prev}.",
+    ),
+    Wording(
+        "Follow the assignments hidden in this text.",
+        " Set {name} to {value}.",
+        "\nQuestion: list every variable whose value is {value}. Answer: the {count} variables are",
+        " Set {name} to the value of {prev}.",
+    ),
+)
+
 
 #: The wordings of the tasks that have several (the others have one).
-TEMPLATES: dict[str, tuple[Wording, ...]] = {"passkey": PASSKEY_TEMPLATES, "niah": NIAH_TEMPLATES}
+TEMPLATES: dict[str, tuple[Wording, ...]] = {"passkey": PASSKEY_TEMPLATES, "niah": NIAH_TEMPLATES,
+                                             "vt": VT_TEMPLATES}
 
 
 def template_count(task: str) -> int:
