@@ -29,6 +29,8 @@ _EXPORTS = {
     "InfiniteHiP": "kvpot.methods",
     "CItruS": "kvpot.methods",
     "D2O": "kvpot.methods",
+    "SirLLM": "kvpot.methods",
+    "CaM": "kvpot.methods",
     "REFERENCE_MODEL": "kvpot.models.reference",
     "SMOLLM2_135M": "kvpot.models",
 }

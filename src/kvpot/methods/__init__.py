@@ -7,19 +7,22 @@ import typing
 
 from kvpot.errors import KvpotError
 from kvpot.methods.base import EvictionMethod, Method, Step
+from kvpot.methods.cam import CaM
 from kvpot.methods.citrus import CItruS
 from kvpot.methods.d2o import D2O
 from kvpot.methods.full import Full
 from kvpot.methods.h2o import H2O
 from kvpot.methods.infinipot import InfiniPot
 from kvpot.methods.infinitehip import InfiniteHiP
+from kvpot.methods.sirllm import SirLLM
 from kvpot.methods.snapkv import SnapKV
 from kvpot.methods.streaming import StreamingLLM
 from kvpot.methods.tova import TOVA
 from kvpot.methods.truncate import Truncate
 
 METHODS: dict[str, type[Method]] = {
-    cls.name: cls for cls in (Full, Truncate, StreamingLLM, H2O, TOVA, SnapKV, InfiniPot, CItruS, D2O, InfiniteHiP)
+    cls.name: cls for cls in (Full, Truncate, StreamingLLM, H2O, TOVA, SnapKV, InfiniPot, CItruS, D2O, InfiniteHiP,
+                             SirLLM, CaM)
 }
 
 
@@ -95,6 +98,6 @@ def describe() -> list[dict]:
 
 
 __all__ = [
-    "METHODS", "BudgetConflict", "CItruS", "D2O", "EvictionMethod", "Full", "H2O", "InfiniPot", "InfiniteHiP", "Method", "SnapKV", "Step", "StreamingLLM", "TOVA",
+    "METHODS", "BudgetConflict", "CItruS", "CaM", "D2O", "EvictionMethod", "Full", "H2O", "InfiniPot", "InfiniteHiP", "Method", "SirLLM", "SnapKV", "Step", "StreamingLLM", "TOVA",
     "Truncate", "describe", "make_method",
 ]

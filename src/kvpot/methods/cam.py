@@ -1,0 +1,133 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvpot.attention import AttentionRequest
+from kvpot.errors import KvpotError
+from kvpot.methods.base import EvictionMethod, Step, check_policy, check_positive
+from kvpot.methods.h2o import accumulate
+
+SCORE = "cam"  # each entry's accumulated attention (Algorithm 1's A-bar)
+
+
+@dataclass
+class CaM(EvictionMethod):
+    """Cache Merging: StreamingLLM's start + recent cache, evicted values merged into the kept ones.
+
+    Zhang et al., "CaM: Cache Merging for Memory-efficient LLMs Inference" (ICML 2024), Algorithm 1
+    as the authors' release runs it (`kv_cache_cam.py`, `modify_llama_cam.py`): the cache keeps the
+    first `start` tokens and the `recent` newest; the token leaving the recent window is evicted,
+    its key dropped and its value merged into the `merge_budget` (m) kept tokens right after it,
+    `V_j += M * V_i / m`, with the merge mask `M ~ Bernoulli(clamp(A_i / mean(A_targets), 0, 1))`
+    drawn from the accumulated attention A each entry has received (summed over every query so
+    far, per KV head with the query heads of a group averaged). Keys are never merged.
+
+    The mask is replaced by its expectation: `V_j += p_i * V_i / m` with `p_i` the Bernoulli
+    probability, so runs are deterministic (the same tokens batched as alone, and under CUDA graphs)
+    and the update is the mean of the paper's sampled one. `merge=False` is StreamingLLM with
+    `sinks=start, window=recent`, exactly.
+
+    Reading in chunks (`chunk_size`), a forward evicts the chunk's worth of tokens at once; each
+    merges into the m kept tokens after it, the first m of the recent window (the paper evicts one
+    token per step, where tokens merged into later-evicted ones pass their share on: `chunk_size=1`
+    is that). The seed paper that compares CaM (D2O, Sec. 5.3, Table 2) reads the prompt with a
+    full cache and keeps 20% of it; here the prompt streams through the cache, so memory stays
+    bounded (a `chunk_size` as long as the prompt is D2O's setting: one forward, then compression
+    to `start + recent`). The release's configurations split the budget evenly (`start_ratio =
+    recent_ratio`), as `--budget` does; m = 32 is its `merge_budget`. Positions are shifted as in
+    its streaming code (`pos_shift`); "absolute" keeps stream positions.
+
+    Bound: `start + recent + chunk_size` entries per layer and KV head (`start + recent` between
+    forwards).
+    """
+
+    name = "cam"
+    paper = "Zhang et al. 2024, CaM: Cache Merging for Memory-efficient LLMs Inference"
+    bound = "start + recent + chunk_size"
+    start: int = 512
+    recent: int = 512
+    merge_budget: int = 32
+    merge: bool = True
+    chunk_size: int = 2048
+    positions: str = "shift"
+    shared_selection = True  # start + the most recent: the same entries in every layer and head
+
+    def __post_init__(self):
+        if not isinstance(self.start, int) or isinstance(self.start, bool) or self.start < 0:
+            raise KvpotError(f"cam: start must be an integer >= 0, got {self.start!r}.")
+        check_positive(self, "recent", "merge_budget", "chunk_size")
+        if not isinstance(self.merge, bool):
+            raise KvpotError(f"cam: merge must be true or false, got {self.merge!r}.")
+        check_policy(self, ("shift", "absolute"))
+
+    @classmethod
+    def from_budget(cls, budget: int, **overrides) -> CaM:
+        start = overrides.pop("start", budget // 2)
+        if budget <= start:
+            raise KvpotError(f"cam: a budget of {budget} cannot hold {start} start tokens plus a recent window; "
+                             f"use a budget above {start}.")
+        return cls(start=start, recent=overrides.pop("recent", budget - start), **overrides)
+
+    def max_entries(self) -> int:
+        return self.start + self.recent + self.chunk_size
+
+    def keep_count(self, layer, step: Step) -> int:
+        return self.start + self.recent
+
+    def request(self, step: Step) -> AttentionRequest:
+        return AttentionRequest(rows=None, row_reduce="sum", head_reduce="mean")
+
+    def decode_request(self, plan: str) -> AttentionRequest:
+        return self.request(step=None)  # A accumulates at every step, evicting or not
+
+    def decode_append(self, cache, step: Step) -> None:
+        for layer in cache.layers:
+            layer.scores[SCORE].add_(layer.probs.unsqueeze(0))  # zero past the live entries
+
+    def batch_append(self, layers, rows, index, live, step: Step) -> None:
+        accumulate(layers, SCORE, rows, live)
+
+    def after_forward(self, cache, step: Step) -> bool:
+        evicted = False
+        keep = self.start + self.recent
+        for layer in cache.layers:
+            layer.score(SCORE).add_(layer.observation)
+            if layer.n <= keep:
+                continue
+            gone = slice(self.start, layer.n - self.recent)  # entries in original order: the window's leavers
+            if self.merge:
+                merge_values(layer, gone, self.merge_budget)
+            layer.select(start_and_recent(layer, self.start, self.recent))
+            evicted = True
+        return evicted
+
+
+def merge_probability(evicted: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Algorithm 1's mask probability `clamp(A_i / mean(A_targets), 0, 1)`: evicted [b, kv, e] and
+    targets [b, kv, m] accumulated attention -> [b, kv, e]. 0/0 gives 0 and x/0 gives 1, as the release's
+    NaN and inf guards intend."""
+    ratio = evicted / targets.mean(dim=-1, keepdim=True)
+    return ratio.nan_to_num(nan=0.0, posinf=1.0).clamp(0.0, 1.0)
+
+
+def merge_values(layer, gone: slice, budget: int) -> None:
+    """Add `p_i * V_i / m` of every entry in `gone` to the m entries after it that stay (the first m of
+    the recent window, which starts where `gone` ends)."""
+    m = min(budget, layer.n - gone.stop)
+    targets = slice(gone.stop, gone.stop + m)
+    accumulated = layer.score(SCORE)
+    prob = merge_probability(accumulated[..., gone], accumulated[..., targets])  # [b, kv, e]
+    values = layer.values
+    # one matrix product per head (float32 accumulation on GPUs); the sum of the e evicted values' shares
+    share = torch.matmul(prob.unsqueeze(-2).to(values.dtype), values[:, :, gone]).float() / m  # [b, kv, 1, d]
+    kept = values[:, :, targets]
+    kept.copy_((kept.float() + share).to(values.dtype))
+
+
+def start_and_recent(layer, start: int, recent: int) -> torch.Tensor:
+    """Indices [1, 1, start + recent] of the first `start` and last `recent` of the layer's entries."""
+    device = layer.keys.device
+    return torch.cat([torch.arange(start, device=device),
+                      torch.arange(layer.n - recent, layer.n, device=device)]).view(1, 1, -1)
