@@ -39,6 +39,8 @@ def methods():
         "d2o": (kvpot.D2O(budget=40, chunk_size=64), 256),
         "infinitehip": (kvpot.InfiniteHiP(chunks=(16, 8, 4), keep=(64, 32, 16), sink=4, window=16, query_block=8,
                                           refresh=(4, 2, 1)), 256),
+        "sirllm": (kvpot.SirLLM(pot_size=64, decay=0.9, recent=4), None),
+        "cam": (kvpot.CaM(start=8, recent=40, chunk_size=16, merge_budget=8), None),
     }
 
 
@@ -82,7 +84,7 @@ def test_each_request_of_a_batch_gets_its_tokens_alone(model, prompts, name, one
         assert report["batched_rows"] > 0
 
 
-@pytest.mark.parametrize("name", ["streaming", "infinipot", "citrus", "h2o"])
+@pytest.mark.parametrize("name", ["streaming", "infinipot", "citrus", "h2o", "sirllm", "cam"])
 def test_the_bound_holds_in_every_slot_at_every_step(model, prompts, name, one_thread):
     method, _ = methods()[name]
     engine = kvpot.Engine(model, method=method)

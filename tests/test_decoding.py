@@ -32,6 +32,8 @@ def methods():
         "citrus": kvpot.CItruS(keep=36, chunk_size=12, cache="none"),
         "d2o": kvpot.D2O(budget=40, chunk_size=64),
         "d2o-nomerge": kvpot.D2O(budget=40, chunk_size=64, merge=False, layer_budget=False),
+        "sirllm": kvpot.SirLLM(pot_size=64, decay=0.9, recent=4),
+        "cam": kvpot.CaM(start=8, recent=40, chunk_size=16, merge_budget=8),
     }
 
 

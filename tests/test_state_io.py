@@ -8,8 +8,8 @@ import pytest
 import torch
 from conftest import build_llama
 
-from kvpot import (CItruS, D2O, H2O, TOVA, Engine, Full, InfiniPot, InfiniteHiP, KvpotError, SnapKV, State,
-                   StreamingLLM)
+from kvpot import (CItruS, D2O, H2O, TOVA, CaM, Engine, Full, InfiniPot, InfiniteHiP, KvpotError, SirLLM, SnapKV,
+                   State, StreamingLLM)
 from kvpot.errors import Cancelled
 
 METHODS = {
@@ -20,6 +20,8 @@ METHODS = {
     "tova": lambda: TOVA(budget=48),
     "snapkv": lambda: SnapKV(budget=48, window=8),
     "d2o": lambda: D2O(budget=48, merge=True),
+    "sirllm": lambda: SirLLM(pot_size=64, decay=0.9),
+    "cam": lambda: CaM(start=8, recent=40, chunk_size=16, merge_budget=8),
     "citrus": lambda: CItruS(keep=48, chunk_size=32, cache="individual", instruction="What is the key?"),
     # InfiniteHiP's sparse-attention runtime is rebuilt by Method.begin on resume, so it is not saved
     "infinitehip": lambda: InfiniteHiP(kernels="torch", chunks=(32, 8, 4), keep=(64, 32, 16), sink=4, window=16,
