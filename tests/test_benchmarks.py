@@ -274,7 +274,8 @@ def test_eval_longbench_writes_the_usual_outputs(capsys, tiny_dir, tmp_path):
 def test_eval_ruler_reports_by_length(capsys, tiny_dir, tmp_path):
     out = tmp_path / "ruler"
     code, _, _ = run(capsys, "eval", "ruler", "--tasks", "niah_single_1,vt", "--lengths", "256,512", "--samples", "1",
-                     "--method", "full", "--max-new-tokens", "2", "--model", str(tiny_dir), "--out", str(out))
+                     "--templates", "0", "--method", "full", "--max-new-tokens", "2", "--model", str(tiny_dir),
+                     "--out", str(out))
     assert code == 0
     rows = read_rows(out / "results.jsonl")
     assert sorted((r["subtask"], r["group"]) for r in rows) == [("niah_single_1", "256"), ("niah_single_1", "512"),

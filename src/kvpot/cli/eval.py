@@ -73,9 +73,13 @@ def register(sub) -> None:
     p.add_argument("--depths", default=DEFAULT_DEPTHS, metavar="LIST",
                    help=f"needle depths as fractions of the context (default {DEFAULT_DEPTHS})")
     p.add_argument("--templates", default=DEFAULT_TEMPLATES, metavar="LIST",
-                   help="prompt wordings of passkey and niah to spread samples over: 'all' or numbers such as "
-                        "0,2 (default all: a score on one wording measures the wording too; --samples is per "
-                        "template); other tasks have template 0 only")
+                   help="prompt wordings of passkey, niah, vt and ruler's tasks to spread samples over: 'all' or "
+                        "numbers such as 0,2 (default all: a score on one wording measures the wording too; "
+                        "--samples is per template); other tasks have template 0 only")
+    p.add_argument("--chat", choices=["both", "plain", "chat"], default=None,
+                   help="synthetic tasks and ruler: read each sample as plain text, inside the model's chat "
+                        "template, or both ways (default both; plain only where the tokenizer has no chat "
+                        "template); --samples is per chat flag too")
     p.add_argument("--samples", type=int, default=None,
                    help="samples per length and depth (default 5); benchmarks: items per task (per length for "
                         "ruler; default: all, ruler 5)")
@@ -124,7 +128,7 @@ def config_from_args(args) -> EvalConfig:
         max_new_tokens=args.max_new_tokens, window=args.window, prompt_tokens=args.prompt_tokens,
         model=args.model, device=args.device, dtype=args.dtype, device_map=args.device_map,
         max_memory=args.max_memory, gguf=args.gguf, batch_size=args.batch_size,
-        templates=parse_templates(args.templates),
+        templates=parse_templates(args.templates), chat=args.chat,
     )
 
 

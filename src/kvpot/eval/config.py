@@ -122,7 +122,8 @@ class EvalConfig:
     max_memory: str | None = None  # with device_map: "0=70GiB,1=70GiB"
     gguf: str | None = None  # a GGUF file (`--gguf`), alone or inside `model`
     batch_size: int = 1  # samples decoded together per method (kvpot.engine.scheduler); 1: one at a time
-    templates: list[int] | None = None  # prompt wordings of passkey/niah (None: all); resolved to a list
+    templates: list[int] | None = None  # prompt wordings of passkey/niah/vt/ruler (None: all); resolved to a list
+    chat: str | None = None  # tasks and ruler: both/plain/chat (None: both); kvpot.eval.prompting
 
     def __post_init__(self):
         from kvpot.tasks import HAYSTACKS, TASKS, task_options
@@ -150,6 +151,7 @@ class EvalConfig:
                     raise KvpotError(f"task {self.task!r} has no option {key!r}; its options are: "
                                      f"{', '.join(allowed) or 'none'}.")
         self.templates = _resolve_templates(self.task, self.templates)
+        self.chat = _resolve_chat(self.task, self.chat)
         if not self.lengths or any(n < 1 for n in self.lengths):
             raise KvpotError("lengths must be positive numbers of tokens.")
         if not self.depths or any(not 0.0 <= d <= 1.0 for d in self.depths):
@@ -182,11 +184,32 @@ class EvalConfig:
         return data
 
 
+def _resolve_chat(task: str, chat: str | None) -> str | None:
+    """`both` by default for the synthetic tasks and RULER; the other benchmarks follow their own rule."""
+    from kvpot.eval.prompting import CHAT_MODES
+
+    if task in ("longbench", "infinitebench", PERPLEXITY):
+        if chat is not None:
+            raise KvpotError(f"--chat is for the synthetic tasks and ruler; {task} follows its own rule.")
+        return None
+    if chat is None:
+        return "both"
+    if chat not in CHAT_MODES:
+        raise KvpotError(f"--chat must be one of {', '.join(CHAT_MODES)}, got {chat!r}.")
+    return chat
+
+
 def _resolve_templates(task: str, templates: list[int] | None) -> list[int]:
-    """The template numbers to run: all of the task's for None; [0] for tasks with one wording."""
+    """The template numbers to run: all of the task's for None; [0] for tasks with one wording. For
+    ruler, the most any of its tasks has (each task reads those it has)."""
     from kvpot.tasks import template_count
 
-    count = template_count(task) if task != PERPLEXITY else 1
+    if task == "ruler":
+        from kvpot.tasks.ruler import TASKS, template_count as ruler_count
+
+        count = max(ruler_count(t) for t in TASKS)
+    else:
+        count = template_count(task) if task not in (PERPLEXITY, "longbench", "infinitebench") else 1
     if templates is None:
         return list(range(count))
     bad = [t for t in templates if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < count]
@@ -196,12 +219,13 @@ def _resolve_templates(task: str, templates: list[int] | None) -> list[int]:
     return sorted(set(templates))
 
 
-def sample_seed(seed: int, index: int, length: int, depth: float, template: int = 0) -> int:
+def sample_seed(seed: int, index: int, length: int, depth: float, template: int = 0, chat: bool = False) -> int:
     """The seed of one sample: stable across processes (a hash, not Python's salted `hash`).
 
-    Each template gets its own seeds (independent samples, so the interval over all of them is
-    honest); template 0 keeps the seeds runs had before templates existed.
+    Each template and chat flag gets its own seeds (independent samples, so the interval over all
+    of them is honest); template 0 without the chat template keeps the seeds runs had before
+    either existed.
     """
-    tail = f"/t{template}" if template else ""
+    tail = (f"/t{template}" if template else "") + ("/chat" if chat else "")
     digest = hashlib.sha256(f"kvpot-eval/{seed}/{index}/{length}/{depth:g}{tail}".encode()).hexdigest()
     return int(digest[:8], 16)

@@ -25,7 +25,8 @@ from kvpot.reporting import (
 
 
 def format_accuracy(mean: float | None, stats: dict | None, terminal: bool = False) -> str:
-    """A cell: `0.60 (6/10, 95% 0.31-0.83; templates 0.40-0.80)`, or the bare mean for an older summary.
+    """A cell: `0.60 (6/10, 95% 0.31-0.83; templates 0.40-0.80; plain 0.80, chat 0.40)`, or the bare mean
+    for an older summary (the chat part only where both ran).
 
     The interval is part of the cell, not a footnote, so no one reads 0.60 against 0.50 as a ranking
     when both intervals overlap (issue 32). `terminal`: one part per line (`[low, high]` for the
@@ -39,6 +40,8 @@ def format_accuracy(mean: float | None, stats: dict | None, terminal: bool = Fal
     parts = [format_number(mean), f"{stats['correct']}/{stats['total']}", interval]
     if spread:
         parts.append(f"{'tpl' if terminal else 'templates'} {spread[0]:.2f}-{spread[1]:.2f}")
+    if stats.get("chat_spread"):
+        parts.append(", ".join(f"{k} {v:.2f}" for k, v in stats["by_chat"].items()))
     if terminal:
         return "\n".join(parts)
     return f"{parts[0]} ({parts[1]}, {'; '.join(parts[2:])})"
@@ -91,15 +94,17 @@ def eval_markdown(summary: dict) -> str:
         "",
         f"- model: `{summary['model']}` ({summary['dtype']}, {summary['device']})",
         f"- task options: {options}; haystack: {config['haystack']}; "
-        f"{config['samples']} samples per cell and template; templates {_templates(config)}; seed {config['seed']}",
+        f"{config['samples']} samples per cell, template and chat flag; templates {_templates(config)}; "
+        f"{_chat(summary)}; seed {config['seed']}",
         f"- kvpot {summary['versions']['kvpot']}, torch {summary['versions']['torch']}, "
         f"transformers {summary['versions']['transformers']}; {summary['date']}",
         "",
         "## Accuracy by method and context length",
         "",
         "Mean score (1 = every answer right), then correct/total with its 95% Wilson interval and, with "
-        "several templates, the range of per-template accuracy; claim a ranking only where intervals "
-        "separate. KV entries are per layer and KV head; seconds per sample.",
+        "several templates, the range of per-template accuracy (and, with and without the chat template, "
+        "each one's accuracy); claim a ranking only where intervals separate. KV entries are per layer and "
+        "KV head; seconds per sample.",
         "",
         markdown_table(*_accuracy_rows(summary)),
     ]
@@ -123,6 +128,13 @@ def eval_rich_table(summary: dict):
                        "[95% Wilson interval], tpl: min-max over templates)", *_accuracy_rows(summary, terminal=True))
     table.columns[0].no_wrap = True  # method labels are what a reader searches for; cells may wrap instead
     return table
+
+
+def _chat(summary: dict) -> str:
+    """How the samples were read: plain text, inside the model's chat template, or both ways."""
+    flags = summary.get("chat_flags") or [False]
+    return {(False,): "plain text (no chat template)", (True,): "inside the chat template",
+            (False, True): "plain and inside the chat template"}[tuple(flags)]
 
 
 def _templates(config: dict) -> str:

@@ -20,6 +20,7 @@ def run_task_eval(config: EvalConfig, progress: bool = True, show: bool = True) 
 
     from kvpot.engine import Engine
     from kvpot.eval import report
+    from kvpot.eval.prompting import resolve_chat
     from kvpot.eval.suite import suite_cases, suite_rich_table, summarize_suite, write_suite_reports
     from kvpot.methods.spec import MethodSpec, build_methods  # here: kvpot.methods loads torch
     from kvpot.reporting import slug
@@ -32,7 +33,8 @@ def run_task_eval(config: EvalConfig, progress: bool = True, show: bool = True) 
     engines = {run.label: Engine(model, tokenizer, method=run.method) for run in runs}
     prefix = special_prefix(tokenizer)
     header = {"model": path, **environment(device, model), "config": config.to_dict(),
-              "methods": {run.label: run.describe() for run in runs}, "prompt_prefix_ids": prefix}
+              "methods": {run.label: run.describe() for run in runs}, "prompt_prefix_ids": prefix,
+              "chat_flags": None if config.chat is None else resolve_chat(config.chat, tokenizer)}
     count, cases = (suite_cases(config, tokenizer, model, prefix) if suite  # data errors before any output
                     else task_cases(config, tokenizer, prefix))
     config.out.mkdir(exist_ok=True)
@@ -104,22 +106,27 @@ def _answer(engine, group, batch_size: int) -> list[tuple[list[int], object]]:
 
 
 def task_cases(config: EvalConfig, tokenizer, prefix: list[int]):
-    """(number of cases, the cases) of a synthetic task: every length x depth x template x sample, built when run."""
+    """(number of cases, the cases) of a synthetic task: every length x depth x template x chat x sample,
+    built when run (`chat`: inside the model's chat template, kvpot.eval.prompting)."""
+    from kvpot.eval.prompting import CHAT_SLACK_TOKENS, Wrapper, resolve_chat
     from kvpot.eval.suite import Case
     from kvpot.tasks import make_sample, score
 
-    cells = [(n, d, t, i) for n in config.lengths for d in config.depths for t in config.templates
-             for i in range(config.samples)]
+    wrap = Wrapper(tokenizer, prefix)
+    cells = [(n, d, t, c, i) for n in config.lengths for d in config.depths for t in config.templates
+             for c in resolve_chat(config.chat or "both", tokenizer) for i in range(config.samples)]
 
     def cases():
-        for length, depth, template, index in cells:
-            seed = sample_seed(config.seed, index, length, depth, template)
+        for length, depth, template, chat, index in cells:
+            seed = sample_seed(config.seed, index, length, depth, template, chat)
             sample = make_sample(config.task, tokenizer, length, depth, seed, config.haystack, template,
                                  **config.task_options)
             row = {"task": config.task, "task_options": sample.options, "length": length, "depth": depth,
-                   "template": template, "sample": index, "seed": seed, "needle_spans": sample.needle_spans}
-            yield Case(prefix + sample.context_ids, sample.question_ids, sample.answers,
-                       config.max_new_tokens or default_max_new_tokens(tokenizer, sample.answers), row,
+                   "template": template, "chat": chat, "sample": index, "seed": seed,
+                   "needle_spans": sample.needle_spans}
+            budget = config.max_new_tokens or (default_max_new_tokens(tokenizer, sample.answers)
+                                               + (CHAT_SLACK_TOKENS if chat else 0))
+            yield Case(*wrap(sample.context_ids, sample.question_ids, chat), sample.answers, budget, row,
                        lambda prediction, sample=sample: score(sample, prediction))
 
     return len(cells), cases()

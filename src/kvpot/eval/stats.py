@@ -39,27 +39,48 @@ def wilson_interval(correct: int, total: int, z: float = Z95) -> tuple[float, fl
 
 
 def accuracy_stats(rows: Sequence[dict]) -> dict:
-    """correct/total, the mean score, its 95% Wilson interval and the spread over templates.
+    """correct/total, the mean score, its 95% Wilson interval and the spread over templates and chat.
 
     `correct` counts rows scored 1.0 (all-of metrics give partial scores; the interval is over
-    whole answers). `template_spread` is [min, max] of the per-template mean score, None with
-    fewer than two templates.
+    whole answers). `template_spread` is [min, max] of the per-template mean score (chat and plain
+    pooled), None with fewer than two templates; `by_chat` holds the mean score of the plain and
+    the chat-templated samples (kvpot.eval.prompting; rows without the field count as plain), and
+    `chat_spread` their [min, max] when both ran.
     """
     correct, total = sum(1 for r in rows if r["correct"]), len(rows)
     low_high = wilson_interval(correct, total)
-    per_template = _per_template(rows)
+    per_template = _per(rows, lambda r: str(r.get("template", 0)))
+    per_chat = _per(rows, lambda r: "chat" if r.get("chat") else "plain")
     return {
         "correct": correct, "total": total, "accuracy": _mean(r["score"] for r in rows),
         "wilson95": None if low_high is None else list(low_high),
-        "by_template": per_template,
-        "template_spread": [min(per_template.values()), max(per_template.values())] if len(per_template) > 1
-        else None,
+        "by_template": per_template, "template_spread": _spread(per_template),
+        "by_chat": per_chat, "chat_spread": _spread(per_chat),
     }
 
 
-def _per_template(rows: Sequence[dict]) -> dict[str, float]:
-    templates = sorted({r.get("template", 0) for r in rows})
-    return {str(t): _mean(r["score"] for r in rows if r.get("template", 0) == t) for t in templates}
+def _per(rows: Sequence[dict], key) -> dict[str, float]:
+    keys = sorted({key(r) for r in rows}, key=lambda k: (k != "plain", k))  # plain first, templates in order
+    return {k: _mean(r["score"] for r in rows if key(r) == k) for k in keys}
+
+
+def _spread(means: dict[str, float]) -> list[float] | None:
+    return [min(means.values()), max(means.values())] if len(means) > 1 else None
+
+
+def separated(a: dict, b: dict) -> bool:
+    """Whether two `accuracy_stats` results' 95% Wilson intervals do not overlap (a ranking may be claimed)."""
+    if not a.get("wilson95") or not b.get("wilson95"):
+        return False
+    return a["wilson95"][0] > b["wilson95"][1] or b["wilson95"][0] > a["wilson95"][1]
+
+
+def stats_of(correct: int, total: int) -> dict:
+    """`accuracy_stats` of `total` whole answers, `correct` of them right (a recorded count, no rows)."""
+    low_high = wilson_interval(correct, total)
+    return {"correct": correct, "total": total, "accuracy": correct / total if total else None,
+            "wilson95": None if low_high is None else list(low_high), "by_template": {}, "template_spread": None,
+            "by_chat": {}, "chat_spread": None}
 
 
 def _mean(values: Iterable[float]) -> float | None:

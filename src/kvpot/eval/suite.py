@@ -30,25 +30,34 @@ class Case:
 
 
 def suite_cases(config, tokenizer, model, prefix: list[int]) -> tuple[int, Iterator]:
-    """(number of cases, the cases) of the suite ``config.task``; loading errors surface here."""
+    """(number of cases, the cases) of the suite ``config.task``; loading errors surface here.
+
+    RULER's items come in every template and chat flag asked for (``config.templates``, ``config.chat``);
+    a chat item's ids are wrapped in the model's chat template (kvpot.eval.prompting)."""
     from kvpot.engine import Engine
+    from kvpot.eval.prompting import Wrapper, resolve_chat
     from kvpot.tasks.suites import load_items, score_item
 
+    variants = {}
+    if config.task == "ruler":
+        variants = {"templates": config.templates, "chats": resolve_chat(config.chat or "both", tokenizer)}
     items = load_items(config.task, data_dir=config.data_dir, tasks=config.subtasks, samples=config.samples,
-                       tokenizer=tokenizer, lengths=config.lengths, seed=config.seed)
+                       tokenizer=tokenizer, lengths=config.lengths, seed=config.seed, **variants)
     # Encoding only: the method is irrelevant. As LongBench does, some tasks skip the chat template.
     encoders = {True: Engine(model, tokenizer, chat_template="auto"), False: Engine(model, tokenizer, chat_template=False)}
+    wrap = Wrapper(tokenizer, prefix)
 
     def cases():
         for item in items:
             if item.make_ids is not None:
-                context_ids, question_ids = item.make_ids()
-                context_ids = prefix + list(context_ids)
+                context_ids, question_ids = wrap(*item.make_ids(), item.chat)
             else:
                 context_ids, question_ids = encoders[item.chat].encode(item.context, item.question)
             tokens = len(context_ids) + len(question_ids)
             row = {"task": config.task, "subtask": item.task, "id": item.id, "group": item.group,
                    "length": tokens, "depth": None, "sample": item.index, "extra": _jsonable(item.extra)}
+            if "template" in item.extra:
+                row.update(template=item.extra["template"], chat=item.extra["chat"])
             yield Case(context_ids, list(question_ids), item.answers, config.max_new_tokens or item.max_new_tokens, row,
                        lambda prediction, item=item: score_item(item, prediction))
 
@@ -73,9 +82,14 @@ def summarize_suite(rows: Sequence[dict], runs: Sequence, config, _cost: Callabl
     groups = list(dict.fromkeys(r["group"] for r in rows))
     if config.task == "ruler":
         groups = [str(n) for n in config.lengths if str(n) in groups]
+    from kvpot.eval.stats import accuracy_stats
+
     scores, by_group, by_task_group, overall, cost = {}, {}, {}, {}, {}
+    intervals, intervals_by_group = {}, {}
     for run in runs:
         mine = [r for r in rows if r["method"] == run.label]
+        intervals[run.label] = {t: accuracy_stats([r for r in mine if r["subtask"] == t]) for t in tasks}
+        intervals_by_group[run.label] = {g: accuracy_stats([r for r in mine if r["group"] == g]) for g in groups}
         scores[run.label] = {t: _mean(r["score"] for r in mine if r["subtask"] == t) for t in tasks}
         by_task_group[run.label] = {
             t: {g: _mean(r["score"] for r in mine if r["subtask"] == t and r["group"] == g) for g in groups}
@@ -88,7 +102,8 @@ def summarize_suite(rows: Sequence[dict], runs: Sequence, config, _cost: Callabl
     counts = {t: {g: sum(1 for r in rows if r["subtask"] == t and r["group"] == g and r["method"] == runs[0].label)
                   for g in groups} for t in tasks}
     return {"runs": len(rows), "tasks": tasks, "groups": groups, "counts": counts, "scores": scores,
-            "scores_by_group": by_task_group, "by_group": by_group, "overall": overall, "cost": cost}
+            "scores_by_group": by_task_group, "by_group": by_group, "overall": overall, "cost": cost,
+            "intervals": intervals, "intervals_by_group": intervals_by_group}
 
 
 # ---------------------------------------------------------------------------- reports
@@ -109,6 +124,16 @@ def _score_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
                      _fmt(summary["overall"][label]), format_number(cost["peak_kv_entries"]),
                      format_number(cost["prefill_seconds"]), format_number(cost["decode_seconds"])])
     return headers, rows
+
+
+def _interval_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
+    from kvpot.eval.report import format_accuracy
+
+    groups = summary["groups"]
+    rows = [[label, *(format_accuracy(summary["intervals_by_group"][label][g]["accuracy"],
+                                      summary["intervals_by_group"][label][g]) for g in groups)]
+            for label in summary["methods"]]
+    return ["method", *groups], rows
 
 
 def _group_rows(summary: dict, label: str) -> tuple[list[str], list[list[str]]]:
@@ -139,6 +164,13 @@ def suite_markdown(summary: dict) -> str:
         "",
         markdown_table(*_score_rows(summary)),
     ]
+    if summary.get("intervals_by_group"):
+        what = "context length" if config["task"] == "ruler" else "length range"
+        parts += ["", f"## Whole answers by method and {what}", "",
+                  "Items answered entirely right (score 1) out of all, every task pooled, with the 95% Wilson "
+                  "interval, the range of per-template accuracy and, where both ran, plain vs chat-templated "
+                  "accuracy (mean scores); claim a ranking only where intervals separate.", "",
+                  markdown_table(*_interval_rows(summary))]
     if len(summary["groups"]) > 1:
         for label, method in summary["methods"].items():
             what = "context length" if config["task"] == "ruler" else "length range"

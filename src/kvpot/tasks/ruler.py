@@ -5,6 +5,7 @@ Tasks and how they are built (RULER's ``synthetic.yaml`` settings):
 ===================  ========================================================================
 niah_single_1        kvpot ``niah`` on the ``repeat`` haystack (RULER's "noise": the grass is green...)
 niah_single_2        kvpot ``niah`` on the ``varied`` prose haystack (RULER: Paul Graham essays)
+niah_single_3        the same with UUID values (``value_format="uuid"``)
 niah_multikey_1      ``niah`` with 4 keys, one asked (varied haystack)
 niah_multivalue      ``niah`` with 4 values for the key asked
 niah_multiquery      ``niah`` with 4 keys, all asked
@@ -16,9 +17,11 @@ qa_1 / qa_2          SQuAD v2 / HotpotQA questions over their gold paragraphs an
                      ``Document i:`` each (local files ``squad.json`` / ``hotpotqa.json``)
 ===================  ========================================================================
 
-kvpot's niah and vt already speak RULER's wording (keys are adjective-noun words, values 7-digit
-numbers). Not here: ``niah_single_3`` / ``niah_multikey_2`` / ``niah_multikey_3`` (UUID values
-and a haystack of needles, which kvpot's generators do not make). cwe's words are made-up
+kvpot's niah and vt speak RULER's wording in their template 0 (keys are adjective-noun words, values
+7-digit numbers or UUIDs); like cwe and fwe, they have two more wordings (issue 32: a score on one
+wording measures the wording too), which ``load(templates=...)`` spreads samples over (qa keeps
+RULER's one template). Not here: ``niah_multikey_2`` / ``niah_multikey_3`` (a haystack of needles,
+which kvpot's generators do not make). cwe's words are made-up
 syllable words (RULER draws English words from the wonderwords package). Depths of niah and vt
 needles are drawn per sample, seeded. Lengths: niah/vt contexts are exactly the length asked;
 cwe/fwe/qa prompts (context and question) are the longest that fit in it.
@@ -47,6 +50,7 @@ from kvpot.tasks.suites import Item, data_path
 GENERATED: dict[str, tuple[str, dict]] = {
     "niah_single_1": ("niah", {"haystack": "repeat"}),
     "niah_single_2": ("niah", {"haystack": "varied"}),
+    "niah_single_3": ("niah", {"haystack": "varied", "value_format": "uuid"}),
     "niah_multikey_1": ("niah", {"haystack": "varied", "num_keys": 4}),
     "niah_multivalue": ("niah", {"haystack": "varied", "num_values": 4}),
     "niah_multiquery": ("niah", {"haystack": "varied", "num_keys": 4, "num_queries": 4}),
@@ -65,6 +69,23 @@ FWE_TEMPLATE = ("Read the following coded text and track the frequency of each c
                 "Please ignore the dots '....'. What are the three most frequently appeared words in the "
                 "above coded text?")
 FWE_PREFIX = " Answer: According to the coded text above, the three most frequently appeared words are:"
+#: (instruction with {context}, answer prefix) per template; 0 is RULER's
+CWE_TEMPLATES = (
+    (CWE_TEMPLATE, CWE_PREFIX),
+    ("Here is a long numbered list of words; a few of them come up far more often than the rest.\n{context}\n"
+     "Question: Which 10 words come up most often in the list above?",
+     " Answer: The 10 words that come up most often are:"),
+    ("Count how often each word occurs in the numbered list below.\n{context}\nQuestion: Name the ten words "
+     "that occur most frequently in the list.", " Answer: The ten most frequent words are:"),
+)
+FWE_TEMPLATES = (
+    (FWE_TEMPLATE, FWE_PREFIX),
+    ("The coded text below is made of invented words, some repeated many times. Keep count of them. {context}\n"
+     "Question: Ignore the dots '....'. Which three coded words occur most often in the text above? Give no "
+     "explanation.", " Answer: The three coded words that occur most often are:"),
+    ("Read the coded text and count its words. {context}\nQuestion: Without any explanation, and ignoring the "
+     "dots '....', name the three most frequent coded words.", " Answer: The three most frequent coded words are:"),
+)
 QA_TEMPLATE = ("Answer the question based on the given documents. Only give me the answer and do not output "
                "any other words.\n\nThe following are given documents.\n\n{context}\n\nAnswer the question "
                "based on the given documents. Only give me the answer and do not output any other words.\n\n"
@@ -142,20 +163,21 @@ def _word_list(rng: random.Random, n: int, common: int, uncommon: int) -> tuple[
     return " ".join(f"{i + 1}. {w}" for i, w in enumerate(listed)), top
 
 
-def cwe(tokenizer, length: int, seed: int) -> tuple[tuple[str, str], list[str]]:
-    """RULER common-words extraction: (context, question), answers."""
+def cwe(tokenizer, length: int, seed: int, template: int = 0) -> tuple[tuple[str, str], list[str]]:
+    """RULER common-words extraction: (context, question), answers; worded by ``CWE_TEMPLATES[template]``."""
+    instruction, prefix = CWE_TEMPLATES[template]
     small = length < 4096  # RULER's settings for short contexts
     example_rng = random.Random(_seed("cwe-example", seed))
     listed, top = _word_list(example_rng, 20 if small else 40, 3 if small else 10, 1 if small else 3)
-    example = (CWE_TEMPLATE.format(context=listed) + CWE_PREFIX + " "
+    example = (instruction.format(context=listed) + prefix + " "
                + " ".join(f"{i + 1}. {w}" for i, w in enumerate(top)))
     answers: list[str] = []
 
     def build(n: int) -> tuple[str, str]:
         context, answer = _word_list(random.Random(_seed("cwe", seed)), n, 6 if small else 30, 1 if small else 3)
         answers[:] = answer
-        head, tail = CWE_TEMPLATE.split("{context}")
-        return example + "\n" + head + context, tail + CWE_PREFIX
+        head, tail = instruction.split("{context}")
+        return example + "\n" + head + context, tail + prefix
 
     fitted = _fit(build, tokenizer, length, 11, "cwe")
     return fitted, list(answers)
@@ -167,8 +189,10 @@ def _zeta(alpha: float, terms: int = 10_000) -> float:
     return partial + terms ** (1 - alpha) / (alpha - 1) - terms ** -alpha / 2
 
 
-def fwe(tokenizer, length: int, seed: int, alpha: float = 2.0) -> tuple[tuple[str, str], list[str]]:
-    """RULER frequent-words extraction: (context, question), the three most frequent coded words."""
+def fwe(tokenizer, length: int, seed: int, alpha: float = 2.0, template: int = 0) -> tuple[tuple[str, str], list[str]]:
+    """RULER frequent-words extraction: (context, question), the three most frequent coded words;
+    worded by ``FWE_TEMPLATES[template]``."""
+    instruction, prefix = FWE_TEMPLATES[template]
     rng = random.Random(_seed("fwe", seed))
     size = max(length // 50, 8)  # RULER's vocabulary size
     vocab: set[str] = set()
@@ -182,8 +206,8 @@ def fwe(tokenizer, length: int, seed: int, alpha: float = 2.0) -> tuple[tuple[st
     def build(n: int) -> tuple[str, str]:
         words = [w for k, w in enumerate(ranked, 1) for _ in range(int(n * k ** -alpha / zeta))]
         random.Random(_seed("fwe-order", seed)).shuffle(words)
-        head, tail = FWE_TEMPLATE.split("{context}")
-        return head + " ".join(words), tail + FWE_PREFIX
+        head, tail = instruction.split("{context}")
+        return head + " ".join(words), tail + prefix
 
     return _fit(build, tokenizer, length, 16, "fwe"), ranked[1:4]
 
@@ -253,7 +277,10 @@ def qa(tokenizer, length: int, seed: int, qas: list[dict], docs: list[str], inde
 
 
 def load(data_dir: str | Path | None, tasks: Sequence[str] | None, samples: int | None, tokenizer: Any = None,
-         lengths: Sequence[int] = (), seed: int = 0, **_: Any) -> list[Item]:
+         lengths: Sequence[int] = (), seed: int = 0, templates: Sequence[int] | None = None,
+         chats: Sequence[bool] = (False,), **_: Any) -> list[Item]:
+    """``samples`` items per task, length, template (of those the task has; None: template 0) and chat flag
+    (True: the caller wraps the prompt in the model's chat template, ``Item.chat``); each its own seed."""
     if tokenizer is None or not lengths:
         raise KvpotError("ruler builds its contexts for a tokenizer at given lengths; pass tokenizer= and lengths=.")
     samples = 5 if samples is None else samples
@@ -273,16 +300,32 @@ def load(data_dir: str | Path | None, tasks: Sequence[str] | None, samples: int 
     for task in tasks:
         base = task_config(task)
         for length in lengths:
-            for index in range(samples):
-                sample_seed = _seed(seed, task, length, index)
-                make, answers = _maker(task, tokenizer, length, sample_seed, qa_sets.get(task), index)
-                items.append(Item(suite="ruler", task=task, index=index, id=f"{task}/{length}/{index}",
-                                  answers=answers, max_new_tokens=MAX_NEW[base], group=str(length),
-                                  make_ids=make, chat=False, extra={"seed": sample_seed}))
+            for template in [t for t in (templates or [0]) if t < template_count(task)]:
+                for chat in chats:
+                    for index in range(samples):
+                        tail = (f"/t{template}" if template else "") + ("/chat" if chat else "")
+                        # template 0 without a chat template keeps the seeds of runs made before either existed
+                        sample_seed = _seed(seed, task, length, index, tail) if tail else _seed(seed, task, length,
+                                                                                               index)
+                        make, answers = _maker(task, tokenizer, length, sample_seed, qa_sets.get(task), index,
+                                               template)
+                        items.append(Item(suite="ruler", task=task, index=index, id=f"{task}/{length}/{index}{tail}",
+                                          answers=answers, max_new_tokens=MAX_NEW[base], group=str(length),
+                                          make_ids=make, chat=chat,
+                                          extra={"seed": sample_seed, "template": template, "chat": chat}))
     return items
 
 
-def _maker(task: str, tokenizer, length: int, seed: int, qa_set, index: int):
+def template_count(task: str) -> int:
+    """How many wordings ``task`` has: niah and vt those of kvpot's generators, cwe and fwe three, qa one."""
+    from kvpot.tasks.wording import template_count as generated_count
+
+    if task in GENERATED:
+        return generated_count(GENERATED[task][0])
+    return {"cwe": len(CWE_TEMPLATES), "fwe": len(FWE_TEMPLATES)}.get(task, 1)
+
+
+def _maker(task: str, tokenizer, length: int, seed: int, qa_set, index: int, template: int = 0):
     """(a function building the item's ids, the answers); generated samples are built when run."""
     if task in GENERATED:
         from kvpot.tasks.generators import make_sample
@@ -291,16 +334,16 @@ def _maker(task: str, tokenizer, length: int, seed: int, qa_set, index: int):
         depth = round(random.Random(seed).uniform(0.0, 1.0), 3)
 
         def make() -> tuple[list[int], list[int]]:  # built when run, not kept: contexts can be long
-            sample = make_sample(name, tokenizer, length, depth=depth, seed=seed, **options)
+            sample = make_sample(name, tokenizer, length, depth=depth, seed=seed, template=template, **options)
             return sample.context_ids, sample.question_ids
 
         # the needles depend on the seed, not the length, so a short sample gives the answers cheaply
-        probe = make_sample(name, tokenizer, 2048, depth=depth, seed=seed, **options)
+        probe = make_sample(name, tokenizer, 2048, depth=depth, seed=seed, template=template, **options)
         return make, list(probe.answers)
     if task == "cwe":
-        (context, question), answers = cwe(tokenizer, length, seed)
+        (context, question), answers = cwe(tokenizer, length, seed, template=template)
     elif task == "fwe":
-        (context, question), answers = fwe(tokenizer, length, seed)
+        (context, question), answers = fwe(tokenizer, length, seed, template=template)
     else:
         (context, question), answers = qa(tokenizer, length, seed, *qa_set, index)
     return (lambda: _ids(tokenizer, context, question)), list(answers)

@@ -85,11 +85,10 @@ VT_QUESTION = (
 VT_TEMPLATES = (
     Wording(VT_HEADER, VT_FIRST, VT_QUESTION, VT_HOP),  # RULER's
     Wording(
-        "The document below sets some variables, each to a number or to another variable. Keep track of "
-        "which variable holds which number.",
+        "Variables below are set to a number or to another variable. Track them.",
         " Let {name} be {value}.",
-        "\nWhich variables hold the number {value} at the end of the document? All {count} of them are:",
-        " Let {name} be equal to {prev}.",
+        "\nWhich variables hold the number {value} at the end of the text? All {count} of them are:",
+        " Let {name} equal {prev}.",
     ),
     Wording(
         "Follow the assignments hidden in this text.",
