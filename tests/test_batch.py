@@ -118,7 +118,7 @@ def test_many_readers_of_one_state_leave_it_unchanged(model, prompts, one_thread
     assert all(torch.equal(a, layer.keys[:, :, : layer.n]) for a, layer in zip(before, state.cache.layers))
 
 
-@pytest.mark.parametrize("name", ["full", "truncate", "infinipot"])
+@pytest.mark.parametrize("name", ["full", "truncate", "infinipot", "sirllm"])
 def test_questions_fed_through_the_decoding_steps_give_the_tokens_alone(model, prompts, name, one_thread):
     """Questions asked of a stored state, read one token per batched step among the decoding rows
     (`feed_questions`), give each request its tokens alone; with InfiniPot some questions fill the pot
