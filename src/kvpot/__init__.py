@@ -31,6 +31,10 @@ _EXPORTS = {
     "D2O": "kvpot.methods",
     "SirLLM": "kvpot.methods",
     "CaM": "kvpot.methods",
+    "PyramidKV": "kvpot.methods",
+    "Scissorhands": "kvpot.methods",
+    "RoCo": "kvpot.methods",
+    "SelfExtend": "kvpot.methods",
     "REFERENCE_MODEL": "kvpot.models.reference",
     "SMOLLM2_135M": "kvpot.models",
 }
