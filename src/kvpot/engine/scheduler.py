@@ -1,12 +1,11 @@
 """Many sequences at once: a step-driven scheduler over a slot pool (continuous batching).
 
 A `Request`'s life is explicit in its `status`: "waiting" (queued, no slot), "prefilling" (its
-context read into its slot, one chunk forward at a time), "decoding" (one token per step, batched
-with every other decoding request), then "finished", "cancelled" or "failed". Callers only feed
-and drain: `submit` queues a request (refused at once when the queue is full or the request can
-never fit a slot), `step` advances everything by one step, `cancel` marks a request to stop at the
-next step boundary. Memory is admitted before work starts: a request takes a slot (fixed-size KV
-buffers allocated with the pool) or waits; nothing it does can take more.
+context read into its slot), "decoding" (one token per step, batched with the other decoding
+requests), then "finished", "cancelled" or "failed". Callers only feed and drain: `submit` queues a
+request (refused at once when the queue is full or it can never fit a slot), `step` advances all by
+one step, `cancel` stops a request at the next step boundary. Memory is admitted before work starts:
+a request takes a slot (fixed-size KV buffers, allocated with the pool) or waits.
 
 One step:
 1. cancelled requests leave (their slot is freed);

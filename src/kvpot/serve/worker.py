@@ -197,18 +197,24 @@ class Worker:
 
     # ------------------------------------------------------------------ the generation thread
     def _loop(self) -> None:
+        trace = _Trace.open()
         while not self.stopping:
+            begun, calls = time.perf_counter(), len(self.calls)
             self._run_calls()
-            busy = False
+            busy, called = False, time.perf_counter()
             for pool in list(self.pools.values()):
                 if not pool.scheduler.idle:
                     self._step(pool)
                     busy = True
-            if self.reads:
+            stepped = time.perf_counter()
+            reading = bool(self.reads)
+            if reading:
                 self._advance_read()
                 busy = True
             for outbox in self.outboxes:
                 outbox.flush()
+            if trace is not None and (busy or calls):
+                trace.turn(begun, calls, called, stepped, reading, self.pools)
             if not busy and not self.calls:
                 self.wake.wait(1.0)
                 self.wake.clear()
@@ -307,3 +313,28 @@ def _key(engine) -> str:
     import json
 
     return json.dumps(engine.method.config(), sort_keys=True, default=str)
+
+
+class _Trace:
+    """One JSON line per busy turn of the generation thread (`KVPOT_SERVE_TRACE=FILE`): when it began,
+    the calls it ran and each phase's seconds, and each pool's counts; for finding where latency goes."""
+
+    def __init__(self, path: str):
+        self.file, self.zero = open(path, "a", buffering=1), time.perf_counter()  # noqa: SIM115 - lives with the thread
+
+    @classmethod
+    def open(cls) -> _Trace | None:
+        import os
+
+        path = os.environ.get("KVPOT_SERVE_TRACE")
+        return cls(path) if path else None
+
+    def turn(self, begun: float, calls: int, called: float, stepped: float, reading: bool, pools: dict) -> None:
+        import json
+
+        end = time.perf_counter()
+        pools = {pool.spec: {"decoding": pool.scheduler.decoding, "prefilling": pool.scheduler.prefilling,
+                             "waiting": len(pool.scheduler.waiting)} for pool in pools.values()}
+        self.file.write(json.dumps({"t": round(begun - self.zero, 4), "calls": calls, "calls_s": round(called - begun, 4),
+                                    "steps_s": round(stepped - called, 4), "read_s": round(end - stepped, 4) if reading
+                                    else 0.0, "pools": pools}) + "\n")
