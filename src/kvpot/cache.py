@@ -131,6 +131,7 @@ class PotLayer(CacheLayerMixin):
         for score in self.scores.values():
             score.index_fill_(2, self.slot, 0.0)
         self.query_position.copy_(rope_new.reshape(-1)[:1])
+        policy.decode_positions(self.positions, self.rope_positions, self.query_position, None, self.slot)
         self.length.add_(1)
         # host mirror of the count (the decoding loop keeps it in step with the device)
         self.n, self.n_new = self.n + 1, 1

@@ -13,6 +13,10 @@ Policies (DESIGN.md "Positions"):
   at attention time.
 - `hip` (InfiniteHiP): keys stay un-rotated at their stream positions; the method's sparse
   attention rotates what it reads, with the positions its paper prescribes (`kvpot.methods.infinitehip.reference`).
+- `self-extend` (Self-Extend, Jin et al. 2024, Sec. 3.2): keys stay un-rotated at their stream positions; an
+  entry's position is its grouped position `floor(k / G)`, and in fixed-shape decoding steps the last
+  `window` entries are renumbered relative to the query (`decode_positions`), so one RoPE-on-load kernel
+  call reads both of the paper's attentions. The method's attention (`kvpot.methods.selfextend`) does prefill.
 - `reset` (InfiniPot's CR-RoPE, Sec. 3.5): after each compression the kept entries take 0..|C|-1
   in original order and new tokens continue from there. Because kvpot keeps entries in original
   order and only compressions remove entries, this assigns every entry its rank, exactly as
@@ -44,6 +48,17 @@ class PositionPolicy:
 
     def after_select(self, layer: PotLayer) -> None:
         """Re-assign the positions of `layer`'s entries after a selection."""
+
+    # the fixed-shape decode kernels attend right from `rope_positions` and `query_position` (after
+    # `decode_positions`); False where a method's own attention must run every step (InfiniteHiP)
+    kernel_decoding = True
+
+    def decode_positions(self, positions: torch.Tensor, rope_positions: torch.Tensor, query_position: torch.Tensor,
+                         rows: torch.Tensor | None, index: torch.Tensor) -> None:
+        """A fixed-shape decoding step wrote each row's token at entry `index` [B] of its slot `rows` [B]
+        (None: one sequence, slot 0) in `positions`/`rope_positions` [slots, kv_heads, capacity] and its query
+        position in `query_position` [slots]; renumber them in place before the attention reads them
+        (fixed shapes, no host values: captured in CUDA graphs). Nothing to do for most policies."""
 
 
 class Absolute(PositionPolicy):
@@ -83,12 +98,66 @@ class Hip(PositionPolicy):
 
     name = "hip"
     raw_keys = True
+    kernel_decoding = False
 
     def new_positions(self, layer: PotLayer, original: torch.Tensor) -> torch.Tensor:
         return original.expand(layer.batch, layer.kv_heads, -1)
 
 
-POLICIES: dict[str, type[PositionPolicy]] = {p.name: p for p in (Absolute, Rank, Reset, Hip)}
+class SelfExtendPositions(PositionPolicy):
+    """Self-Extend (Jin et al. 2024): query at stream position q, key at k. Within the neighbour window
+    (q - k < W) the relative position is q - k; beyond it floor(q / G) - floor(k / G) + W - floor(W / G).
+
+    Keys stay un-rotated; an entry's `rope_positions` holds its grouped position floor(k / G) (fixed for
+    good). A decoding step puts its query at P = floor(q / G) + W - floor(W / G) (P = q while q < W: no
+    key is grouped yet, and the neighbours' positions stay >= 0) and the last W entries at P - (q - k),
+    so every query-key pair gets the paper's relative position in one kernel call; the entry that just
+    left the window gets its grouped position back. Group size and window come from the method
+    (`configure`, called by `SelfExtend.begin` before anything is read).
+    """
+
+    name = "self-extend"
+    raw_keys = True
+
+    def __init__(self):
+        self.group: int | None = None
+        self.window: int | None = None
+
+    def configure(self, group: int, window: int) -> None:
+        self.group, self.window = group, window
+
+    def _check(self) -> None:
+        if self.group is None:
+            raise KvpotError("the self-extend positions were used before SelfExtend.begin configured them.")
+
+    def new_positions(self, layer: PotLayer, original: torch.Tensor) -> torch.Tensor:
+        self._check()
+        return original.expand(layer.batch, layer.kv_heads, -1) // self.group
+
+    def query_position(self, q: torch.Tensor) -> torch.Tensor:
+        """P: the grouped query position, or q itself while q < W."""
+        group, window = self.group, self.window
+        return torch.where(q >= window, q // group + (window - window // group), q)
+
+    def decode_positions(self, positions, rope_positions, query_position, rows, index) -> None:
+        self._check()
+        group, window = self.group, self.window
+        device = index.device
+        if rows is None:
+            rows = torch.zeros_like(index)
+        heads = torch.arange(positions.shape[1], device=device).view(1, -1, 1)
+        # entries index - W .. index; lanes before entry 0 re-read entry 0 and write what its own lane writes
+        at = (index.view(-1, 1) + torch.arange(-window, 1, device=device)).clamp(min=0).unsqueeze(1)  # [B, 1, W+1]
+        slots = rows.view(-1, 1, 1)
+        keys = positions[slots, heads, at]  # [B, kv, W + 1] stream positions
+        q = positions[slots, heads, index.view(-1, 1, 1)]  # [B, kv, 1]
+        p = self.query_position(q)
+        distance = q - keys
+        rope_positions[slots, heads, at] = torch.where(distance < window, p - distance, keys // group)
+        query_position[rows] = p[:, 0, 0]
+
+
+POLICIES: dict[str, type[PositionPolicy]] = {p.name: p for p in (Absolute, Rank, Reset, Hip, SelfExtendPositions)}
 
 
 def make_policy(name: str) -> PositionPolicy:

@@ -69,6 +69,7 @@ class StepLayer(CacheLayerMixin):
         for score in storage.scores.values():
             score[at] = self.zero
         storage.query_position[rows] = rope_new
+        step.policy.decode_positions(storage.positions, storage.rope_positions, storage.query_position, rows, index)
         lengths[rows] = index + 1
         step.appended[self.index] = index
         return storage.keys, storage.values

@@ -104,7 +104,7 @@ class Scheduler:
         self.active: dict[int, _Active] = {}  # slot -> its request
         self.eos = frozenset(_eos_ids(engine.model))
         rope_dynamic = engine.rope.dynamic and not self.pool.policy.stores_rotated
-        self.batched = batched_method(self.method) and not rope_dynamic and not self.pool.policy.raw_keys
+        self.batched = batched_method(self.method) and not rope_dynamic and self.pool.policy.kernel_decoding
         self.steady_ok = batchable_request(self.method.decode_request("steady"))
         self.append_ok = batchable_request(self.method.decode_request("append"))
         self.pending: list[tuple] = []  # staged tokens: (slots, requests, tokens, event), delivered next step
@@ -283,7 +283,7 @@ class Scheduler:
 
     def _plan(self, active: _Active) -> str:
         cache = active.run.cache
-        if not self.batched or cache.attention is not None:
+        if not self.batched or (cache.attention is not None and not cache.policy.kernel_decoding):
             return "eager"
         plan = self.method.decode_plan(cache)
         if plan == "steady" and not self.steady_ok or plan == "append" and not self.append_ok:
