@@ -34,6 +34,7 @@ _EXPORTS = {
     "PyramidKV": "kvpot.methods",
     "Scissorhands": "kvpot.methods",
     "RoCo": "kvpot.methods",
+    "SelfExtend": "kvpot.methods",
     "REFERENCE_MODEL": "kvpot.models.reference",
     "SMOLLM2_135M": "kvpot.models",
 }

@@ -17,6 +17,7 @@ from kvpot.methods.infinitehip import InfiniteHiP
 from kvpot.methods.pyramidkv import PyramidKV
 from kvpot.methods.roco import RoCo
 from kvpot.methods.scissorhands import Scissorhands
+from kvpot.methods.selfextend import SelfExtend
 from kvpot.methods.sirllm import SirLLM
 from kvpot.methods.snapkv import SnapKV
 from kvpot.methods.streaming import StreamingLLM
@@ -25,7 +26,7 @@ from kvpot.methods.truncate import Truncate
 
 METHODS: dict[str, type[Method]] = {
     cls.name: cls for cls in (Full, Truncate, StreamingLLM, H2O, TOVA, SnapKV, InfiniPot, CItruS, D2O, InfiniteHiP,
-                             SirLLM, CaM, PyramidKV, Scissorhands, RoCo)
+                             SirLLM, CaM, PyramidKV, Scissorhands, RoCo, SelfExtend)
 }
 
 
@@ -101,6 +102,6 @@ def describe() -> list[dict]:
 
 
 __all__ = [
-    "METHODS", "BudgetConflict", "CItruS", "CaM", "D2O", "EvictionMethod", "Full", "H2O", "InfiniPot", "InfiniteHiP", "Method", "PyramidKV", "RoCo", "Scissorhands", "SirLLM", "SnapKV", "Step", "StreamingLLM", "TOVA",
+    "METHODS", "BudgetConflict", "CItruS", "CaM", "D2O", "EvictionMethod", "Full", "H2O", "InfiniPot", "InfiniteHiP", "Method", "PyramidKV", "RoCo", "Scissorhands", "SelfExtend", "SirLLM", "SnapKV", "Step", "StreamingLLM", "TOVA",
     "Truncate", "describe", "make_method",
 ]
