@@ -45,7 +45,9 @@ def register(sub) -> None:
             "  kvpot eval longbench --data-dir data/longbench/data --tasks narrativeqa,hotpotqa "
             "--method infinipot:pot_size=4096 --out runs/longbench\n"
             "  kvpot eval ruler --lengths 4k,16k --samples 20 --data-dir data/ruler --method snapkv "
-            "--budget 1024 --out runs/ruler"
+            "--budget 1024 --out runs/ruler\n"
+            "  kvpot eval ruler --lengths 4k --samples 5 --method full --method snapkv --compression-ratios "
+            "0.25,0.5,0.75 --baseline kvpress --press snapkv --press tova --kvpress-path /tmp/kvpress-site --out runs/rk"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -104,6 +106,19 @@ def register(sub) -> None:
                    help="perplexity: read only this many tokens as a prompt and feed the rest one token at a "
                         "time as decoding steps (teacher-forced generation: methods compress as they do while "
                         "generating); default: the whole text is a prompt")
+    p.add_argument("--compression-ratios", default=None, metavar="LIST",
+                   help="run every method that takes a budget once per ratio r (labelled NAME@r), each case with "
+                        "--budget int(n * (1 - r)) of its n context tokens, as kvpress compresses (e.g. 0.25,0.5,0.75; "
+                        "excludes --budget); adds ratios.png and a score-by-ratio table")
+    p.add_argument("--baseline", action="append", default=[], metavar="kvpress",
+                   help="kvpress: run kvpress presses (--press) at the --compression-ratios on the same cases, in "
+                        "kvpress' own Python environment (--kvpress-path), scored and tabled with kvpot's methods")
+    p.add_argument("--press", action="append", default=None, metavar="NAME",
+                   help="a kvpress press for --baseline kvpress (repeatable; snapkv, expected_attention, "
+                        "streaming_llm, tova, knorm, pyramidkv, random; default the first five)")
+    p.add_argument("--kvpress-path", default=None, metavar="DIR",
+                   help="the folder holding kvpress and the transformers it needs, first on the PYTHONPATH of the "
+                        "process running the presses (default: $KVPOT_KVPRESS_PATH; benchmarks/kvpress-env/)")
     add_model_arguments(p)
     p.add_argument("--out", type=Path, required=True, help="folder for results (created; its parent must exist)")
     p.set_defaults(func=run)
@@ -111,6 +126,9 @@ def register(sub) -> None:
 
 def config_from_args(args) -> EvalConfig:
     """An EvalConfig from parsed arguments: parsing errors become one-line KvpotErrors."""
+    import os
+
+    from kvpot.eval.ratios import parse_ratios
     from kvpot.methods.spec import parse_assignments, parse_pairs
     from kvpot.tasks.suites import is_suite
 
@@ -129,15 +147,22 @@ def config_from_args(args) -> EvalConfig:
         model=args.model, device=args.device, dtype=args.dtype, device_map=args.device_map,
         max_memory=args.max_memory, gguf=args.gguf, batch_size=args.batch_size,
         templates=parse_templates(args.templates), chat=args.chat,
+        compression_ratios=None if args.compression_ratios is None else parse_ratios(args.compression_ratios),
+        baselines=[b.strip() for item in args.baseline for b in item.split(",") if b.strip()], presses=args.press,
+        kvpress_path=args.kvpress_path or (os.environ.get("KVPOT_KVPRESS_PATH") if args.baseline else None) or None,
     )
 
 
 def run(args) -> int:
     from kvpot.eval import run as run_eval
-    from kvpot.methods.spec import MethodSpec, build_methods
+    from kvpot.eval.runner import make_runs
 
     config = config_from_args(args)
-    # Build the methods before loading a model: a typo costs nothing.
-    build_methods([MethodSpec.parse(m) for m in config.methods], config.budget, config.settings)
+    if config.task != PERPLEXITY:
+        make_runs(config)  # build the methods before loading a model: a typo costs nothing
+    else:
+        from kvpot.methods.spec import MethodSpec, build_methods
+
+        build_methods([MethodSpec.parse(m) for m in config.methods], config.budget, config.settings)
     run_eval(config, progress=True)
     return 0

@@ -124,6 +124,10 @@ class EvalConfig:
     batch_size: int = 1  # samples decoded together per method (kvpot.engine.scheduler); 1: one at a time
     templates: list[int] | None = None  # prompt wordings of passkey/niah/vt/ruler (None: all); resolved to a list
     chat: str | None = None  # tasks and ruler: both/plain/chat (None: both); kvpot.eval.prompting
+    compression_ratios: list[float] | None = None  # each budgeted method (and press) per ratio; kvpot.eval.ratios
+    baselines: list[str] = field(default_factory=list)  # "kvpress": its presses on the same cases (kvpot.eval.kvpress)
+    presses: list[str] | None = None  # kvpress presses (None: kvpot.eval.kvpress.DEFAULT_PRESSES)
+    kvpress_path: str | None = None  # the folder holding kvpress and its transformers (benchmarks/kvpress-env/)
 
     def __post_init__(self):
         from kvpot.tasks import HAYSTACKS, TASKS, task_options
@@ -152,6 +156,7 @@ class EvalConfig:
                                      f"{', '.join(allowed) or 'none'}.")
         self.templates = _resolve_templates(self.task, self.templates)
         self.chat = _resolve_chat(self.task, self.chat)
+        self._check_baselines()
         if not self.lengths or any(n < 1 for n in self.lengths):
             raise KvpotError("lengths must be positive numbers of tokens.")
         if not self.depths or any(not 0.0 <= d <= 1.0 for d in self.depths):
@@ -177,6 +182,37 @@ class EvalConfig:
             raise KvpotError(f"--out {self.out}: the folder {self.out.parent} does not exist; create it first.")
         if self.out.exists() and not self.out.is_dir():
             raise KvpotError(f"--out {self.out} is a file; give a folder to write results into.")
+
+    def _check_baselines(self) -> None:
+        """--compression-ratios and --baseline kvpress: answering tasks, one device, a kvpress folder."""
+        if self.compression_ratios is not None:
+            if self.task == PERPLEXITY:
+                raise KvpotError("--compression-ratios applies to answering tasks, not perplexity.")
+            if not self.compression_ratios or any(not 0.0 < r < 1.0 for r in self.compression_ratios):
+                raise KvpotError("--compression-ratios must be fractions in (0, 1), e.g. 0.25,0.5,0.75.")
+        unknown = [b for b in self.baselines if b != "kvpress"]
+        if unknown:
+            raise KvpotError(f"unknown baseline {unknown[0]!r}; kvpot eval compares with: kvpress.")
+        if self.presses is not None and "kvpress" not in self.baselines:
+            raise KvpotError("--press names kvpress presses; add --baseline kvpress.")
+        if "kvpress" not in self.baselines:
+            return
+        from kvpot.eval.kvpress import DEFAULT_PRESSES, press_runs
+
+        self.presses = list(dict.fromkeys(self.presses or DEFAULT_PRESSES))
+        if self.compression_ratios is None:
+            raise KvpotError("--baseline kvpress runs presses at compression ratios; give --compression-ratios, "
+                             "e.g. 0.25,0.5,0.75 (kvpot's methods run at the same ratios).")
+        press_runs(self.presses, self.compression_ratios)  # unknown presses fail here
+        if self.device_map is not None:
+            raise KvpotError("--baseline kvpress runs the presses on one device; drop --device-map.")
+        if self.kvpress_path is None:
+            from kvpot.bench.kvpress import KVPRESS_PATH_HINT
+
+            raise KvpotError(f"--baseline kvpress needs kvpress' own environment: {KVPRESS_PATH_HINT}.")
+        if not Path(self.kvpress_path).is_dir():
+            raise KvpotError(f"--kvpress-path {self.kvpress_path} is not a folder; give the folder kvpress and "
+                             "its transformers were installed into (benchmarks/kvpress-env/README.md).")
 
     def to_dict(self) -> dict:
         data = dataclasses.asdict(self)

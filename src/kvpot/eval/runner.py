@@ -15,52 +15,64 @@ if TYPE_CHECKING:
 
 
 def run_task_eval(config: EvalConfig, progress: bool = True, show: bool = True) -> dict:
-    """Evaluate every method on the same samples; write results, summary, tables and figures."""
+    """Evaluate every method (and kvpress press) on the same samples; write results, summary, tables and figures."""
     from tqdm.auto import tqdm
 
-    from kvpot.engine import Engine
-    from kvpot.eval import report
     from kvpot.eval.prompting import resolve_chat
-    from kvpot.eval.suite import suite_cases, suite_rich_table, summarize_suite, write_suite_reports
-    from kvpot.methods.spec import MethodSpec, build_methods  # here: kvpot.methods loads torch
-    from kvpot.reporting import slug
+    from kvpot.eval.suite import suite_cases
     from kvpot.tasks.suites import is_suite
 
     suite = is_suite(config.task)
-    runs = build_methods([MethodSpec.parse(m) for m in config.methods], config.budget, config.settings)
+    runs = make_runs(config)  # here: kvpot.methods loads torch; a bad spec fails before the model loads
     model, tokenizer, path, device = load_model(config.model, config.device, config.dtype, config.device_map,
                                                 config.max_memory, config.gguf)
-    engines = {run.label: Engine(model, tokenizer, method=run.method) for run in runs}
     prefix = special_prefix(tokenizer)
+    presses = _press_runs(config)
     header = {"model": path, **environment(device, model), "config": config.to_dict(),
-              "methods": {run.label: run.describe() for run in runs}, "prompt_prefix_ids": prefix,
+              "methods": {run.label: _describe(run, config) for run in [*runs, *presses]},
+              "prompt_prefix_ids": prefix,
               "chat_flags": None if config.chat is None else resolve_chat(config.chat, tokenizer)}
     count, cases = (suite_cases(config, tokenizer, model, prefix) if suite  # data errors before any output
                     else task_cases(config, tokenizer, prefix))
     config.out.mkdir(exist_ok=True)
     write_json(config.out / "config.json", header)
+    case_file = _case_file(config, tokenizer) if presses else None
     rows: list[dict] = []
-    with open(config.out / "results.jsonl", "w", encoding="utf-8") as results, tqdm(
-        total=count * len(runs), unit="run", desc=f"eval {config.task}", disable=not progress
-    ) as bar:
-        for group in _groups(cases, config.batch_size):
-            answers = {run.label: _answer(engines[run.label], group, config.batch_size) for run in runs}
-            for index, case in enumerate(group):
-                for run in runs:
-                    token_ids, stats = answers[run.label][index]
-                    prediction = tokenizer.decode(token_ids, skip_special_tokens=True)
-                    value = case.score(prediction)
-                    row = {
-                        "method": run.label, "method_name": run.spec.name, "method_config": run.method.config(),
-                        **case.row, "answers": case.answers, "prediction": prediction,
-                        "score": value, "correct": value == 1.0, "max_new_tokens": case.max_new_tokens,
-                        "stats": stats.to_dict(),
-                    }
-                    results.write(json.dumps(row) + "\n")
-                    results.flush()
-                    rows.append(row)
-                    bar.set_postfix_str(f"{run.label} @ {len(case.context_ids)} tokens")
-                    bar.update()
+    answer = _Answerer(model, tokenizer, config.batch_size)
+    with open(config.out / "results.jsonl", "w", encoding="utf-8") as results:
+        with tqdm(total=count * len(runs), unit="run", desc=f"eval {config.task}", disable=not progress) as bar:
+            for group in _groups(cases, config.batch_size):
+                answers = {run.label: answer(run, group) for run in runs}
+                for index, case in enumerate(group):
+                    if case_file is not None:
+                        case_file.add(case)
+                    for run in runs:
+                        row = _row(run, case, *answers[run.label][index], tokenizer)
+                        results.write(json.dumps(row) + "\n")
+                        results.flush()
+                        rows.append(row)
+                        bar.set_postfix_str(f"{run.label} @ {len(case.context_ids)} tokens")
+                        bar.update()
+        if presses:
+            from kvpot.eval.kvpress import run_presses
+            from kvpot.models import resolve_model, resolve_source
+
+            source = resolve_source(resolve_model(config.model, config.gguf), config.gguf)
+            dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+            press_rows, header["kvpress"] = run_presses(presses, case_file, tokenizer, config, source,
+                                                        str(next(model.parameters()).device), dtype, results, show)
+            rows += press_rows
+            answered = {r["method"] for r in press_rows}
+            runs += [p for p in presses if p.label in answered]  # a press that could not run has no column
+            header["methods"] = {k: v for k, v in header["methods"].items() if k in {r.label for r in runs}}
+    return _report(config, header, rows, runs, suite, show)
+
+
+def _report(config: EvalConfig, header: dict, rows: list[dict], runs, suite: bool, show: bool) -> dict:
+    from kvpot.eval import report
+    from kvpot.eval.suite import suite_rich_table, summarize_suite, write_suite_reports
+    from kvpot.reporting import slug
+
     if suite:
         summary = {**header, **summarize_suite(rows, runs, config, _cost)}
         written = write_suite_reports(summary, config.out)
@@ -69,10 +81,84 @@ def run_task_eval(config: EvalConfig, progress: bool = True, show: bool = True) 
         write_task_reports(summary, config.out)
         written = ["results.jsonl", "summary.json", "summary.md", "accuracy.png",
                    *(f"heatmap_{slug(run.label)}.png" for run in runs)]
+    if config.compression_ratios:
+        from kvpot.eval.ratio_report import ratio_png
+
+        ratio_png(config.out / "ratios.png", summary)
+        written.append("ratios.png")
     if show:
         print_rich(suite_rich_table(summary) if suite else report.eval_rich_table(summary))
         print(f"wrote {config.out}/: " + ", ".join(written))
     return summary
+
+
+def make_runs(config: EvalConfig) -> list:
+    """kvpot's methods as evaluated: once each, or once per compression ratio (kvpot.eval.ratios)."""
+    from kvpot.eval.ratios import ratio_runs
+    from kvpot.methods.spec import MethodSpec, build_methods
+
+    specs = [MethodSpec.parse(m) for m in config.methods]
+    if config.compression_ratios:
+        return ratio_runs(specs, config.compression_ratios, config.settings, config.budget, min(config.lengths))
+    return build_methods(specs, config.budget, config.settings)
+
+
+def _press_runs(config: EvalConfig) -> list:
+    from kvpot.eval.kvpress import press_runs
+
+    return press_runs(config.presses, config.compression_ratios) if "kvpress" in config.baselines else []
+
+
+def _describe(run, config: EvalConfig) -> dict:
+    from kvpot.eval.ratios import RatioRun
+
+    return run.describe(min(config.lengths)) if isinstance(run, RatioRun) else run.describe()
+
+
+def _case_file(config: EvalConfig, tokenizer):
+    from kvpot.eval.kvpress import CASES_FILE, CaseFile
+
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return CaseFile(config.out / CASES_FILE, [] if eos is None else [eos])
+
+
+def _row(run, case, token_ids, stats, method, tokenizer) -> dict:
+    """One results.jsonl row: the method as it ran (its config at this case's budget), the case, the answer."""
+    prediction = tokenizer.decode(token_ids, skip_special_tokens=True)
+    value = case.score(prediction)
+    row = {"method": run.label, "method_name": run.spec.name, "method_config": method.config(), **case.row}
+    if getattr(run, "ratio", None) is not None:
+        row["compression_ratio"] = run.ratio
+    row.update(answers=case.answers, prediction=prediction, score=value, correct=value == 1.0,
+               max_new_tokens=case.max_new_tokens, stats=stats.to_dict())
+    return row
+
+
+class _Answerer:
+    """(token ids, stats, method) of each case of a group for one run; engines made once per method built."""
+
+    def __init__(self, model, tokenizer, batch_size: int):
+        self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+        self.engines: dict[int, object] = {}
+
+    def engine(self, method):
+        from kvpot.engine import Engine
+
+        if id(method) not in self.engines:
+            self.engines[id(method)] = Engine(self.model, self.tokenizer, method=method)
+        return self.engines[id(method)]
+
+    def __call__(self, run, group) -> list[tuple]:
+        from kvpot.eval.ratios import RatioRun
+
+        methods = [run.method_for(len(c.context_ids)) if isinstance(run, RatioRun) else run.method for c in group]
+        out: list = [None] * len(group)
+        for method in {id(m): m for m in methods}.values():  # cases of one budget decode together
+            where = [i for i, m in enumerate(methods) if m is method]
+            answered = _answer(self.engine(method), [group[i] for i in where], self.batch_size)
+            for i, (token_ids, stats) in zip(where, answered):
+                out[i] = (token_ids, stats, method)
+        return out
 
 
 def _groups(cases, size: int):
@@ -127,7 +213,7 @@ def task_cases(config: EvalConfig, tokenizer, prefix: list[int]):
             budget = config.max_new_tokens or (default_max_new_tokens(tokenizer, sample.answers)
                                                + (CHAT_SLACK_TOKENS if chat else 0))
             yield Case(*wrap(sample.context_ids, sample.question_ids, chat), sample.answers, budget, row,
-                       lambda prediction, sample=sample: score(sample, prediction))
+                       lambda prediction, answers=sample.answers: score(config.task, prediction, answers))
 
     return len(cells), cases()
 
@@ -185,7 +271,14 @@ def write_task_reports(summary: dict, out: Path) -> None:
     from kvpot.reporting import depth_key, method_params, slug
 
     write_json(out / "summary.json", summary)
-    (out / "summary.md").write_text(report.eval_markdown(summary), encoding="utf-8")
+    text = report.eval_markdown(summary)
+    if summary["config"].get("compression_ratios"):
+        from kvpot.eval.ratio_report import ratio_markdown
+
+        head, sep, rest = text.partition("\n## ")  # the ratio table right after the main one
+        first, sep2, others = rest.partition("\n## ")
+        text = head + sep + first + "\n".join(ratio_markdown(summary)) + "\n" + sep2 + others
+    (out / "summary.md").write_text(text, encoding="utf-8")
     lengths, depths = summary["config"]["lengths"], summary["config"]["depths"]
     for label, method in summary["methods"].items():
         grid = [[summary["accuracy_by_depth"][label][str(n)][depth_key(d)] for n in lengths] for d in depths]

@@ -171,6 +171,10 @@ def suite_markdown(summary: dict) -> str:
                   "interval, the range of per-template accuracy and, where both ran, plain vs chat-templated "
                   "accuracy (mean scores); claim a ranking only where intervals separate.", "",
                   markdown_table(*_interval_rows(summary))]
+    if config.get("compression_ratios"):
+        from kvpot.eval.ratio_report import ratio_markdown
+
+        parts += ratio_markdown(summary)
     if len(summary["groups"]) > 1:
         for label, method in summary["methods"].items():
             what = "context length" if config["task"] == "ruler" else "length range"
