@@ -167,7 +167,8 @@ def test_decode_baselines_in_the_same_run(capsys, tmp_path, monkeypatch):
                     "--decode-steps", "4", "--warmup-steps", "1", "--no-floor", "--baseline", "hf,kvpress",
                     "--decode", "static")
     rows = {r["method"]: r for r in results["rows"]}
-    assert list(rows) == ["hf", "kvpress:snapkv", "kvpress:expected_attention", "kvpress:streaming_llm", "infinipot"]
+    assert list(rows) == ["hf", "kvpress:snapkv", "kvpress:expected_attention", "kvpress:streaming_llm",
+                          "kvpress:pyramidkv", "infinipot"]
     hf = rows["hf"]
     assert hf["steps"] == 4 and hf["max_kv_entries"] == 300 + 32 + 1 + 4  # whole context, question, every step
     assert all("kvpress" in rows[name]["skipped"] for name in rows if name.startswith("kvpress"))

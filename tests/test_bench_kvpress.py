@@ -64,6 +64,23 @@ class ExpectedAttentionPress(_Press):
 
 
 @dataclass
+class PyramidKVPress(_Press):
+    """Per-layer budgets around the requested average: layer i of L keeps (L - 1 - 2i) * 2 more."""
+    window_size: int = 64
+    beta: int = 20
+
+    def hook(self, module, args, kwargs, output):
+        cache, q_len = cache_from_kwargs(kwargs), kwargs["hidden_states"].shape[1]
+        layer = cache.layers[module.layer_idx]
+        if layer.keys.shape[2] != q_len:
+            return output
+        shift = (module.config.num_hidden_layers - 1 - 2 * module.layer_idx) * 2
+        kept = int(layer.keys.shape[2] * (1 - self.compression_ratio)) + shift
+        layer.keys, layer.values = layer.keys[:, :, :kept].contiguous(), layer.values[:, :, :kept].contiguous()
+        return output
+
+
+@dataclass
 class StreamingLLMPress(_Press):
     n_sink: int = 4
 
@@ -146,6 +163,15 @@ def test_decode_row_through_the_subprocess_with_a_stand_in_kvpress(tmp_path, fak
     assert row["prefill_seconds"] == pytest.approx(row["context_seconds"] + row["question_seconds"])
     assert row["kv_cache_bytes"] == 24 * 2 * 4 * 2 * 32 * 4  # entries x K,V x layers x KV heads x dim x fp32
     assert row["peak_memory_bytes"] is None  # CPU: no CUDA peak
+
+
+@pytest.mark.slow
+def test_a_press_with_per_layer_budgets_reports_its_largest_layer_and_mean_bytes(tmp_path, fake_kvpress):
+    row = run_kvpress(config(tmp_path, fake_kvpress, mode="prefill"), "pyramidkv", 96, 24, "prefill")
+    assert row["skipped"] is False and "error" not in row, row
+    assert row["press"] == "PyramidKVPress" and row["press_settings"]["beta"] == 20
+    assert row["kv_entries_per_layer"] == [30, 26, 22, 18] and row["max_kv_entries"] == 30
+    assert row["kv_cache_bytes"] == 24 * 2 * 4 * 2 * 32 * 4  # the layers' mean (24) x bytes per token
 
 
 @pytest.mark.slow

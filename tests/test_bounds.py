@@ -37,6 +37,7 @@ def run(model, method, ids, question=True):
         kvpot.StreamingLLM(sinks=0, window=BUDGET, chunk_size=1),
         kvpot.H2O(heavy=BUDGET // 2, recent=BUDGET // 2, chunk_size=CHUNK),
         kvpot.TOVA(budget=BUDGET, chunk_size=CHUNK),
+        kvpot.RoCo(budget=BUDGET, chunk_size=CHUNK),
         kvpot.CaM(start=4, recent=BUDGET - 4, chunk_size=CHUNK, merge_budget=8),
     ],
     ids=lambda m: f"{m.name}-chunk{m.chunk_size}",

@@ -116,6 +116,24 @@ def test_methods_lists_every_method(capsys):
     assert code == 0 and "snapkv" in out and "heavy=512" in out
 
 
+@pytest.mark.parametrize("spec, paper", [("pyramidkv:window=8,beta=2", "Cai"), ("scissorhands", "Liu"), ("roco", "Ren")])
+def test_pyramidkv_scissorhands_and_roco_are_listed_and_run_from_the_cli(capsys, model_dir, spec, paper):
+    name = spec.partition(":")[0]
+    code, out, _ = run(capsys, "methods", "--json")
+    row = {row["name"]: row for row in json.loads(out)}[name]
+    assert code == 0 and paper in row["paper"] and row["parameters"]["budget"] == 1024 and row["bound"]
+    code, out, err = run(capsys, "generate", "--model", str(model_dir), "--method", spec, "--budget", "48",
+                         "--set", "chunk_size=16", "--context", "The grass is green. " * 20, "--question", "What?",
+                         "--max-new-tokens", "5", "--json")
+    assert code == 0, err
+    payload = json.loads(out)
+    assert payload["method"]["method"] == name and payload["method"]["budget"] == 48
+    stats = payload["stats"]
+    assert stats["compressions"] > 0 and stats["context_tokens"] == 400
+    if name != "pyramidkv":  # memory-unconstrained prefill, as SnapKV's
+        assert stats["max_kv_entries"] <= 48 + 16
+
+
 def test_generate_takes_a_method_spec_as_every_command_does(capsys, model_dir):
     code, out, err = run(capsys, "generate", "--model", str(model_dir), "--method", "infinipot:pot_size=1024",
                          "--context", "Once upon a time " * 10, "--question", "What?", "--max-new-tokens", "2",

@@ -32,6 +32,10 @@ def methods():
         "citrus": kvpot.CItruS(keep=36, chunk_size=12, cache="none"),
         "d2o": kvpot.D2O(budget=40, chunk_size=64),
         "d2o-nomerge": kvpot.D2O(budget=40, chunk_size=64, merge=False, layer_budget=False),
+        "pyramidkv": kvpot.PyramidKV(budget=48, window=8, beta=2, chunk_size=64),
+        "scissorhands": kvpot.Scissorhands(budget=48, drop=16, history=12, chunk_size=16),  # eager when full
+        "scissorhands-drop1": kvpot.Scissorhands(budget=48, drop=1, history=1, chunk_size=16),  # steady
+        "roco": kvpot.RoCo(budget=48, chunk_size=16),
         "sirllm": kvpot.SirLLM(pot_size=64, decay=0.9, recent=4),
         "cam": kvpot.CaM(start=8, recent=40, chunk_size=16, merge_budget=8),
     }

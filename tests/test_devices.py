@@ -47,6 +47,9 @@ def every_method() -> list[kvpot.Method]:
         kvpot.CItruS(chunk_size=32, keep=32, cache="shared"),
         kvpot.CItruS(chunk_size=32, keep=32, cache="individual"),  # twin cache + separate probes
         kvpot.D2O(budget=24, chunk_size=64),  # layer budgets gathered over every layer
+        kvpot.PyramidKV(budget=32, window=8, beta=2, chunk_size=64),  # a different budget in each layer
+        kvpot.Scissorhands(budget=40, drop=12, history=8, chunk_size=32),
+        kvpot.RoCo(budget=40, chunk_size=32),
         kvpot.InfiniteHiP(sink=8, window=16, chunks=(32, 8, 2), keep=(32, 16, 8), early_keep=16, query_block=8,
                           chunk_size=64, refresh=(4, 2, 1)),
     ]

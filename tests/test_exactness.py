@@ -19,6 +19,9 @@ def roomy_methods(total: int):
         kvpot.H2O(heavy=total, recent=total, chunk_size=16),
         kvpot.TOVA(budget=total, chunk_size=16),
         kvpot.SnapKV(budget=total, window=8, chunk_size=16),
+        kvpot.PyramidKV(budget=total, window=8, chunk_size=16),
+        kvpot.Scissorhands.from_budget(total, chunk_size=16),
+        kvpot.RoCo(budget=total, chunk_size=16),
         kvpot.SirLLM(pot_size=total + 1),
         kvpot.CaM(start=4, recent=total, chunk_size=16),
     ]

@@ -10,6 +10,7 @@ from conftest import build_llama
 
 from kvpot import (CItruS, D2O, H2O, TOVA, CaM, Engine, Full, InfiniPot, InfiniteHiP, KvpotError, SirLLM, SnapKV,
                    State, StreamingLLM)
+from kvpot import PyramidKV, RoCo, Scissorhands
 from kvpot.errors import Cancelled
 
 METHODS = {
@@ -20,6 +21,9 @@ METHODS = {
     "tova": lambda: TOVA(budget=48),
     "snapkv": lambda: SnapKV(budget=48, window=8),
     "d2o": lambda: D2O(budget=48, merge=True),
+    "pyramidkv": lambda: PyramidKV(budget=48, window=8, beta=2),
+    "scissorhands": lambda: Scissorhands(budget=48, drop=16, history=12, chunk_size=32),
+    "roco": lambda: RoCo(budget=48, chunk_size=32),
     "sirllm": lambda: SirLLM(pot_size=64, decay=0.9),
     "cam": lambda: CaM(start=8, recent=40, chunk_size=16, merge_budget=8),
     "citrus": lambda: CItruS(keep=48, chunk_size=32, cache="individual", instruction="What is the key?"),

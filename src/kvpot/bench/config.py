@@ -12,7 +12,7 @@ MODES = ("prefill", "decode", "attention", "throughput")
 
 # Baselines measured beside kvpot's methods (kvpot.bench.baselines runs them)
 BASELINES = ("hf", "kvpress")
-KVPRESS_PRESSES = ("snapkv", "expected_attention", "streaming_llm")
+KVPRESS_PRESSES = ("snapkv", "expected_attention", "streaming_llm", "pyramidkv")
 DEFAULT_KEPT = 4096
 
 

@@ -13,7 +13,9 @@ The protocol follows kvpress' own `KVPressTextGenerationPipeline`:
    `DynamicCache`, under `with press(model):` with `compression_ratio = 1 - K/L`; the press's
    forward hooks prune every layer's cache to about K entries at the end of each layer's forward;
 2. the Q question tokens without the press, at position ids L..L+Q-1 (positions continue from the
-   uncompressed context, as the pipeline does), `logits_to_keep=1`; its argmax is the first token;
+   uncompressed context, as the pipeline does), `logits_to_keep=1`; its argmax is the first token
+   (a press that leaves layers of different lengths, PyramidKV, gets the question token by token:
+   transformers sizes one forward's mask from layer 0);
 3. greedy decoding, one token at a time with explicit position ids. Each step is synchronised and
    timed on the host (HF's `generate`, and the pipeline's `.item()` EOS test, sync every step too).
    Unlike the pipeline, decoding never stops at EOS: weights are random and steps must be counted.
@@ -37,6 +39,7 @@ PRESSES = {  # our name -> kvpress class name (defaults of each press are kvpres
     "snapkv": "SnapKVPress",
     "expected_attention": "ExpectedAttentionPress",
     "streaming_llm": "StreamingLLMPress",
+    "pyramidkv": "PyramidKVPress",  # per-layer budgets: `kept` is their average (layer 0 keeps the most)
 }
 MODES = ("decode", "prefill")
 # untimed warm-up context (as kvpot's bench: kernels, allocator, lazy inits before timing)
@@ -114,8 +117,13 @@ def prefill(model, press, context, question, length: int):
     _sync(device)
     context_seconds = time.perf_counter() - started
     position_ids = torch.arange(length, length + question.numel(), device=context.device).unsqueeze(0)
-    out = model(input_ids=question.view(1, -1), position_ids=position_ids, logits_to_keep=1,
-                **cache_kwargs(model, cache))
+    if len({cache.get_seq_length(i) for i in range(len(cache))}) == 1:
+        out = model(input_ids=question.view(1, -1), position_ids=position_ids, logits_to_keep=1,
+                    **cache_kwargs(model, cache))
+    else:  # per-layer lengths (PyramidKV): a forward of several tokens gets one mask, sized from layer 0
+        for index in range(question.numel()):  # (transformers#35168), so the question goes token by token
+            out = model(input_ids=question[index].view(1, 1), position_ids=position_ids[:, index : index + 1],
+                        logits_to_keep=1, **cache_kwargs(model, cache))
     token = out.logits[0, -1].argmax()
     _sync(device)
     return cache, token, context_seconds, time.perf_counter() - started - context_seconds
@@ -210,13 +218,14 @@ def measure(args) -> dict:
         cache, token, context_seconds, question_seconds = prefill(model, press, context, question, args.length)
         row["prefill_peak_memory_bytes"] = _peak(args.device)
         kv_bytes = shapes.kv_bytes_per_token(model.config, next(model.parameters()).element_size())
-        kept = cache.get_seq_length(0) - question.numel()  # entries the press left of the context
+        per_layer = [cache.get_seq_length(i) - question.numel() for i in range(len(cache))]
         row.update({
             "prefill_seconds": context_seconds + question_seconds, "context_seconds": context_seconds,
             "question_seconds": question_seconds,
             "prefill_tokens_per_second": (args.length + question.numel()) / (context_seconds + question_seconds),
-            "max_kv_entries": kept, "kv_cache_bytes": kept * kv_bytes,
-            "kv_entries_per_layer": [cache.get_seq_length(i) - question.numel() for i in range(len(cache))],
+            # a press with per-layer budgets (PyramidKV) keeps the most in layer 0; its bytes are the layers' mean
+            "max_kv_entries": max(per_layer), "kv_cache_bytes": round(sum(per_layer) / len(per_layer) * kv_bytes),
+            "kv_entries_per_layer": per_layer,
         })
         if args.mode == "prefill":
             row["peak_memory_bytes"] = row["prefill_peak_memory_bytes"]

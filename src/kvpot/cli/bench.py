@@ -89,8 +89,8 @@ def register(sub) -> None:
                         "profile.md")
     p.add_argument("--baseline", action="append", default=[], metavar="NAME[,NAME]",
                    help="prefill and decode: also measure `hf` (plain transformers: one-shot prefill, DynamicCache, "
-                        "greedy) and/or `kvpress` (SnapKV, ExpectedAttention and StreamingLLM presses at --budget "
-                        "kept entries, default 4096), on the same tokens in the same run")
+                        "greedy) and/or `kvpress` (SnapKV, ExpectedAttention, StreamingLLM and PyramidKV presses at "
+                        "--budget kept entries, default 4096), on the same tokens in the same run")
     p.add_argument("--kvpress-path", type=Path, default=None, metavar="DIR",
                    help="a folder with kvpress and the transformers it needs (< 5.3), put first on the PYTHONPATH "
                         "of the process that runs the kvpress rows (default: $KVPOT_KVPRESS_PATH); without it the "
