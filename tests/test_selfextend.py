@@ -57,12 +57,24 @@ def rope():
     (1, 6, 11, 45),  # G = 1: plain relative positions
     (4, 64, 10, 30),  # the window covers everything
 ])
-def test_attention_is_the_papers_merged_maps(rope, group, window, q, n):
+@pytest.mark.parametrize("backend", ["explicit", "cpu"])
+def test_attention_is_the_papers_merged_maps(rope, group, window, q, n, backend):
     torch.manual_seed(0)
     query, keys, values = torch.randn(4, q, 16), torch.randn(2, n, 16), torch.randn(2, n, 16)
-    got = self_extend_attention(query, keys, values, 0.25, torch.arange(n), group, window, rope, n - 1)
+    got = self_extend_attention(query, keys, values, 0.25, torch.arange(n), group, window, rope, n - 1, backend)
     want = papers_attention(rope, query, keys, values, 0.25, group, window)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_the_cpu_kernel_serves_cpu_forwards_and_grouped_keys_go_in_blocks(rope, monkeypatch):
+    from kvpot.methods.selfextend import attention
+
+    assert attention.pick_backend(torch.zeros(1, 1, 16)) == "cpu"
+    monkeypatch.setattr(attention, "KEY_BLOCK", 7)  # several blocks of grouped keys, merged by their lse
+    torch.manual_seed(4)
+    query, keys, values = torch.randn(4, 9, 16), torch.randn(2, 60, 16), torch.randn(2, 60, 16)
+    got = self_extend_attention(query, keys, values, 0.25, torch.arange(60), 3, 6, rope, 59, "cpu")
+    torch.testing.assert_close(got, papers_attention(rope, query, keys, values, 0.25, 3, 6), atol=2e-5, rtol=1e-4)
 
 
 def test_each_key_gets_the_papers_relative_position(rope):
@@ -185,7 +197,7 @@ def test_fused_path_matches_the_explicit_one_on_cuda(dtype):
 
     rope = Rope(rotary_embedding(build_llama(head_dim=128, hidden_size=256, num_attention_heads=2,
                                              num_key_value_heads=1).cuda()))
-    assert attention.fused_ok(torch.zeros(1, 1, 128, device="cuda", dtype=dtype))
+    assert attention.pick_backend(torch.zeros(1, 1, 128, device="cuda", dtype=dtype)) == "cuda"
     torch.manual_seed(0)
     block = attention.KEY_BLOCK
     attention.KEY_BLOCK = 256  # several grouped blocks on a small input
@@ -195,8 +207,8 @@ def test_fused_path_matches_the_explicit_one_on_cuda(dtype):
             keys = torch.randn(2, n, 128, device="cuda", dtype=dtype)
             values = torch.randn(2, n, 128, device="cuda", dtype=dtype)
             args = (query, keys, values, 128**-0.5, torch.arange(n, device="cuda"), group, window, rope, n - 1)
-            fused = attention.self_extend_attention(*args, fused=True)
-            explicit = attention.self_extend_attention(*args, fused=False)
+            fused = attention.self_extend_attention(*args, backend="cuda")
+            explicit = attention.self_extend_attention(*args, backend="explicit")
             torch.testing.assert_close(fused.float(), explicit.float(), atol=2e-2, rtol=2e-2)
     finally:
         attention.KEY_BLOCK = block

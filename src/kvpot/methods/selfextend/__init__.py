@@ -34,7 +34,7 @@ class SelfExtend(Method):
     (InfiniteHiP's split attention; `kvpot.methods.selfextend.attention`). Keys are stored un-rotated
     and rotated per use (dynamic RoPE, as InfiniteHiP's), so memory per token is Full's: its key and
     value, plus kvpot's two positions per entry; a forward's rotated copies are bounded by the chunk
-    and the window (neighbour) and by 128K keys at a time (grouped, on the fused path).
+    and the window (neighbour) and by 128K keys at a time (grouped, on the fused kernels).
 
     Decoding appends (`decode_plan` "append"): each step renumbers the last W entries relative to the
     query (`kvpot.positions.SelfExtendPositions`), so one call of kvpot's RoPE-on-load decode kernel reads
@@ -112,6 +112,20 @@ class SelfExtendAttention:
         out = self_extend_attention(query[0], key[0], value[0], scaling, layer.positions[0, 0, :n], self.group,
                                     self.window, self.rope, last)
         return out.unsqueeze(0)
+
+    def static_attention(self, layer, query: torch.Tensor, key, value, scaling: float) -> torch.Tensor:
+        """A fixed-shape decoding step (`kvpot.engine.decoding`): query [1, heads, 1, d] un-rotated over the
+        layer's whole buffers, `layer.length` live. The step's `decode_positions` renumbered the window around
+        the query, so the RoPE-on-load decode kernel reads both attentions at once. -> [1, heads, 1, d]."""
+        from kvpot.attention import decode_kernel
+
+        cos, sin = self.rope.table(layer.capacity + 1, query) or (None, None)
+        if cos is None:  # the decoding loops step eagerly where RoPE has no fixed table
+            raise KvpotError("selfextend: fixed-shape decoding needs a RoPE with a fixed cos/sin table.")
+        kernel = decode_kernel(query.device, query.shape[-1])
+        out = kernel(query[0, :, 0], layer.keys[0], layer.values[0], layer.length[0], scaling, cos=cos, sin=sin,
+                     key_positions=layer.rope_positions[0], query_position=layer.query_position[0])
+        return out.view(1, out.shape[0], 1, out.shape[1])
 
     def _restore(self, layer, before: int) -> None:
         """Fixed-shape decoding steps renumber the last W entries relative to their query; give those
