@@ -27,6 +27,7 @@ _EXPORTS = {
     "SnapKV": "kvpot.methods",
     "InfiniPot": "kvpot.methods",
     "InfiniteHiP": "kvpot.methods",
+    "InfLLM": "kvpot.methods",
     "CItruS": "kvpot.methods",
     "D2O": "kvpot.methods",
     "SirLLM": "kvpot.methods",

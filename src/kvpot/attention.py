@@ -83,6 +83,9 @@ def kvpot_attention(
         return kvpot_cache.attend(module.layer_idx, query, scaling), None
     layer = kvpot_cache.layers[module.layer_idx]
     if kvpot_cache.static:  # a fixed-shape decoding step (kvpot.engine.decoding)
+        if kvpot_cache.attention is not None:  # a method's sparse attention in fixed shapes (InfLLM)
+            output = kvpot_cache.attention.static_attention(layer, kvpot_cache.rope.unscale(query), key, value, scaling)
+            return output.transpose(1, 2).contiguous(), None
         return static_attention(kvpot_cache, layer, query, scaling), None
     if kvpot_cache.attention is not None:  # a method's sparse attention (InfiniteHiP) rotates for itself
         if kvpot_cache.request is not None:

@@ -14,6 +14,7 @@ from kvpot.methods.full import Full
 from kvpot.methods.h2o import H2O
 from kvpot.methods.infinipot import InfiniPot
 from kvpot.methods.infinitehip import InfiniteHiP
+from kvpot.methods.infllm import InfLLM
 from kvpot.methods.pyramidkv import PyramidKV
 from kvpot.methods.roco import RoCo
 from kvpot.methods.scissorhands import Scissorhands
@@ -26,7 +27,7 @@ from kvpot.methods.truncate import Truncate
 
 METHODS: dict[str, type[Method]] = {
     cls.name: cls for cls in (Full, Truncate, StreamingLLM, H2O, TOVA, SnapKV, InfiniPot, CItruS, D2O, InfiniteHiP,
-                             SirLLM, CaM, PyramidKV, Scissorhands, RoCo, SelfExtend)
+                             SirLLM, CaM, PyramidKV, Scissorhands, RoCo, SelfExtend, InfLLM)
 }
 
 
@@ -102,6 +103,6 @@ def describe() -> list[dict]:
 
 
 __all__ = [
-    "METHODS", "BudgetConflict", "CItruS", "CaM", "D2O", "EvictionMethod", "Full", "H2O", "InfiniPot", "InfiniteHiP", "Method", "PyramidKV", "RoCo", "Scissorhands", "SelfExtend", "SirLLM", "SnapKV", "Step", "StreamingLLM", "TOVA",
+    "METHODS", "BudgetConflict", "CItruS", "CaM", "D2O", "EvictionMethod", "Full", "H2O", "InfiniPot", "InfiniteHiP", "InfLLM", "Method", "PyramidKV", "RoCo", "Scissorhands", "SelfExtend", "SirLLM", "SnapKV", "Step", "StreamingLLM", "TOVA",
     "Truncate", "describe", "make_method",
 ]
