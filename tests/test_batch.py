@@ -319,3 +319,22 @@ def test_graphs_survive_a_longer_request_growing_the_rope_table(prompts):
     requests = [Request(c, q, max_new_tokens=NEW, ignore_eos=True) for c, q in long]
     run_all(scheduler, requests)
     assert requests[0].tokens == expected[0].token_ids
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["streaming", "infinipot", "h2o"])
+def test_graphs_captured_ahead_serve_every_batch_size(name, prompts):
+    """`Scheduler.capture()` (what the server runs at its start) captures each batch size's step, greedy and
+    sampling: the requests after it capture nothing and get their tokens alone."""
+    model = build("llama3").cuda()
+    method, capacity = methods()[name]
+    cuda_prompts = [(torch.tensor(c).cuda(), torch.tensor(q).cuda()) for c, q in prompts]
+    expected = alone(model, method, cuda_prompts)
+    scheduler = Scheduler(kvpot.Engine(model, method=method), slots=3, capacity=capacity, decode="graph")
+    captured = scheduler.capture()
+    assert captured == len(scheduler.decoder.buckets) * 2 * len({r is None for r in (
+        method.decode_request("append"), method.decode_request("steady"))})
+    requests = [Request(c, q, max_new_tokens=NEW, ignore_eos=True) for c, q in cuda_prompts]
+    run_all(scheduler, requests)
+    assert [r.tokens for r in requests] == [e.token_ids for e in expected]
+    assert scheduler.decoder.captures == captured and scheduler.decoder.replays > 0

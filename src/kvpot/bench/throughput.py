@@ -122,6 +122,7 @@ def _batched(config: BenchConfig, engine, prompts: dict, state) -> dict:
     warm = [Request(random_tokens(vocab, WARMUP_PROMPT, config.seed + index, config.device), q, max_new_tokens=4,
                     ignore_eos=True) for index, q in enumerate(prompts["questions"][: scheduler.pool.slots])]
     run_all(scheduler, warm)
+    scheduler.capture()  # every batch size, as the server does at its start
     scheduler.report = dict.fromkeys(scheduler.report, 0)  # the timed workload's counts alone
     captured = scheduler.decoder.captures
     requests = _requests(config, prompts, state)

@@ -239,6 +239,24 @@ class BatchDecoder:
         self.steps += 1
         return bucket
 
+    def capture(self, observes: list[AttentionRequest | None]) -> int:
+        """Warm and capture every bucket's step now, for each observation in `observes`, greedy and sampling,
+        on padding rows alone (the scratch slot): the first users of each batch size then replay a graph
+        instead of waiting for kernels to compile and a capture. Returns the graphs captured (0 on a CPU)."""
+        if not self.graphs_on:
+            return 0
+        self._size_tables()
+        before = self.captures
+        for bucket in self.buckets:
+            self.rows[:bucket].fill_(self.pool.scratch)
+            self.live[:bucket].zero_()
+            for observe in observes:
+                for sampling in (False, True):
+                    while (bucket, observe is not None, sampling) not in self.graphs:  # warm, then capture
+                        self._replay((bucket, observe is not None, sampling), observe)
+        self.next_position[self.pool.scratch] = 0
+        return self.captures - before
+
     def _size_tables(self) -> None:
         """RoPE tables big enough for every position this pool will see, before any capture reads them;
         a table that had to grow makes the captured graphs stale."""
@@ -298,6 +316,13 @@ class BatchDecoder:
         self.replays += 1
 
 
+def step_observations(method: Method) -> list[AttentionRequest | None]:
+    """The observations a batched step of `method` may record (one per graph key: none, or the method's)."""
+    requests = [method.decode_request(plan) for plan in ("append", "steady")]
+    requests = {r is None: r for r in requests if r is None or batchable_request(r)}
+    return list(requests.values())
+
+
 def observation_for(method: Method, plans: set[str]) -> AttentionRequest | None:
     """The observation a batched step must record for rows planned `plans` ("append", "steady")."""
     requests = [method.decode_request(plan) for plan in sorted(plans)]
@@ -310,4 +335,4 @@ def observation_for(method: Method, plans: set[str]) -> AttentionRequest | None:
 
 
 __all__ = ["BatchDecoder", "StepCache", "batchable_request", "batched_method", "buckets", "observation_for",
-           "DECODE_STEP"]
+           "step_observations", "DECODE_STEP"]

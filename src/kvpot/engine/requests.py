@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvpot.engine.results import Result, State, Stats
+from kvpot.engine.sampling import _as_ids
 from kvpot.errors import KvpotError
 
 STATUSES = ("waiting", "prefilling", "decoding", "finished", "cancelled", "failed")
@@ -74,3 +75,20 @@ class Request:
     def result(self, tokenizer=None) -> Result:
         text = tokenizer.decode(self.tokens, skip_special_tokens=True) if tokenizer is not None else None
         return Result(text, list(self.tokens), self.stats)
+
+
+def check_fits(engine, capacity: int, request: Request) -> None:
+    """Refuse at once a request that can never run in a slot of `capacity` entries of `engine`'s pool (too long,
+    an empty context, a state read with another method)."""
+    if request.state is not None:
+        engine.check_state(request.state)
+        context = max(request.state.cache.lengths())  # what the state holds counts as its context
+    else:
+        context = len(_as_ids(request.context_ids, torch.device("cpu"), "context_ids"))
+        if context == 0:
+            raise KvpotError("the context is empty; give at least one token.")
+    question = len(_as_ids(request.question_ids, torch.device("cpu"), "question_ids"))
+    needed = engine.method.entries_needed(context, question, request.max_new_tokens)
+    if needed > capacity:
+        raise KvpotError(f"this request needs {needed:,} KV entries per layer and KV head, more than a slot "
+                         f"holds ({capacity:,}); shorten it or give the batch a larger capacity.")

@@ -32,11 +32,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpot.engine.batch import BatchDecoder, batchable_request, batched_method
+from kvpot.engine.batch import BatchDecoder, batchable_request, batched_method, step_observations
 from kvpot.engine.decoding import resolve_mode
 from kvpot.engine.evict import evict_steady
 from kvpot.engine.pool import SlotPool, slot_bytes, slot_capacity, slot_count
-from kvpot.engine.requests import QueueFull, Request
+from kvpot.engine.requests import QueueFull, Request, check_fits
 from kvpot.engine.results import _Run, close_stats
 from kvpot.engine.sampling import _as_ids, _eos_ids
 from kvpot.errors import KvpotError
@@ -115,33 +115,24 @@ class Scheduler:
         """Bytes one slot takes (KV, positions, two score arrays, the observation row, its logits)."""
         return slot_bytes(self.engine, self.capacity, dtype)
 
+    def capture(self) -> int:
+        """Capture the decoding step of every batch size now (CUDA graphs; nothing on a CPU), as a server
+        does when it starts: otherwise the first step at each size compiles and captures while users wait."""
+        return self.decoder.capture(step_observations(self.method)) if self.batched else 0
+
     # ------------------------------------------------------------------ feeding and draining
     def submit(self, request: Request) -> Request:
         """Queue `request`. Raises `QueueFull` when the slots and the queue are full, `KvpotError` when it
         can never run here (too long for a slot, a state read with another method)."""
         if request.status != "waiting" or request.submitted is not None:
             raise KvpotError("this request was submitted already; make a new Request.")
-        self._check_fits(request)
+        check_fits(self.engine, self.capacity, request)
         if self.max_waiting is not None and len(self.waiting) >= self.max_waiting and not self.pool.free:
             raise QueueFull(f"all {self.pool.slots} slots are busy and {len(self.waiting)} requests wait "
                             f"(max_waiting {self.max_waiting}); retry later.")
         request.submitted = time.perf_counter()
         self.waiting.append(request)
         return request
-
-    def _check_fits(self, request: Request) -> None:
-        if request.state is not None:
-            self.engine.check_state(request.state)
-            context = max(request.state.cache.lengths())  # what the state holds counts as its context
-        else:
-            context = len(_as_ids(request.context_ids, torch.device("cpu"), "context_ids"))
-            if context == 0:
-                raise KvpotError("the context is empty; give at least one token.")
-        question = len(_as_ids(request.question_ids, torch.device("cpu"), "question_ids"))
-        needed = self.method.entries_needed(context, question, request.max_new_tokens)
-        if needed > self.capacity:
-            raise KvpotError(f"this request needs {needed:,} KV entries per layer and KV head, more than a slot "
-                             f"holds ({self.capacity:,}); shorten it or give the batch a larger capacity.")
 
     def cancel(self, request: Request) -> None:
         """Stop `request` at the next step boundary (safe from any thread)."""

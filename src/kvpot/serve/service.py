@@ -119,9 +119,15 @@ class Service:
             if need > free * 0.9:
                 raise KvpotError(f"{slots} slots take {need / 2**30:.2f} GiB and {free / 2**30:.2f} GiB of GPU "
                                  "memory is free")
-        return Scheduler(engine, slots=slots, capacity=capacity, prefill_tokens=self.config.prefill_tokens,
-                         decode=decode, max_slots=self.config.max_slots or 256,
-                         memory_fraction=self.config.kv_memory_fraction)
+        scheduler = Scheduler(engine, slots=slots, capacity=capacity, prefill_tokens=self.config.prefill_tokens,
+                              decode=decode, max_slots=self.config.max_slots or 256,
+                              memory_fraction=self.config.kv_memory_fraction)
+        # every batch size's graph before the first user: measured on an H100 (benchmarks/serve-batch-h100),
+        # the first step at 64 users otherwise took 2.6 s of compiling and capturing while they waited
+        captured = scheduler.capture()
+        if captured:
+            log.info("captured %d decoding graphs (%d batch sizes)", captured, len(scheduler.decoder.buckets))
+        return scheduler
 
     # ---------------------------------------------------------------- engines and keys
     def engine_for(self, spec: str | None):
