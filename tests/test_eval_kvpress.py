@@ -187,3 +187,21 @@ def test_a_folder_without_kvpress_skips_the_presses_not_the_run(capsys, tiny_dir
     summary = json.loads((out / "summary.json").read_text())
     assert summary["kvpress"]["snapkv"]["skipped"].startswith("cannot import kvpress") and str(empty) in \
         summary["kvpress"]["snapkv"]["skipped"]
+
+
+@pytest.mark.slow
+def test_presses_alone_are_the_columns_of_a_ruler_run(capsys, tiny_dir, tmp_path, kvpress_site):
+    out = tmp_path / "ruler"
+    code, _, err = run(capsys, "eval", "ruler", "--tasks", "niah_single_1,vt", "--lengths", "400", "--samples", "1",
+                       "--templates", "0,1", "--baseline", "kvpress", "--press", "tova", "--compression-ratios",
+                       "0.5", "--kvpress-path", str(kvpress_site), "--max-new-tokens", "2", "--model", str(tiny_dir),
+                       "--out", str(out))
+    assert code == 0, err
+    rows = read_rows(out / "results.jsonl")
+    assert {r["method"] for r in rows} == {"kvpress:tova@0.5"} and len(rows) == 4
+    assert sorted((r["subtask"], r["template"]) for r in rows) == [("niah_single_1", 0), ("niah_single_1", 1),
+                                                                  ("vt", 0), ("vt", 1)]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["intervals_by_group"]["kvpress:tova@0.5"]["400"]["total"] == 4
+    code, _, err = run(capsys, "eval", "ruler", "--lengths", "400", "--out", str(tmp_path / "none"))
+    assert code == 2 and "give at least one --method" in err

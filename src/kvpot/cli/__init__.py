@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import sys
 
-from kvpot.cli import bench, demo, eval, generate, methods, serve
+from kvpot.cli import bench, demo, eval, generate, methods, report, serve
 from kvpot.cli.args import EXIT_USAGE, Parser
 from kvpot.errors import KvpotError
 
-COMMANDS = [generate, methods, eval, demo, bench, serve]
+COMMANDS = [generate, methods, eval, report, demo, bench, serve]
 
 
 def build_parser() -> Parser:

@@ -53,9 +53,10 @@ def register(sub) -> None:
     )
     p.add_argument("task", metavar="TASK", help=f"{tasks}, perplexity, or a benchmark: {benchmarks}")
     p.add_argument(
-        "--method", action="append", required=True, metavar=METHOD_METAVAR,
+        "--method", action="append", default=[], metavar=METHOD_METAVAR,
         help="a method to evaluate, with optional own parameters (streaming:window=1020,chunk_size=256; "
-             "budget=N sets its budget); repeat to compare several (`kvpot methods` lists them)",
+             "budget=N sets its budget); repeat to compare several (`kvpot methods` lists them); required "
+             "unless --baseline kvpress gives the columns",
     )
     p.add_argument(
         "--budget", type=int,
@@ -128,12 +129,15 @@ def config_from_args(args) -> EvalConfig:
     """An EvalConfig from parsed arguments: parsing errors become one-line KvpotErrors."""
     import os
 
+    from kvpot.errors import KvpotError
     from kvpot.eval.ratios import parse_ratios
     from kvpot.methods.spec import parse_assignments, parse_pairs
     from kvpot.tasks.suites import is_suite
 
     perplexity = args.task == PERPLEXITY
     suite = is_suite(args.task)
+    if not args.method and not args.baseline:
+        raise KvpotError("give at least one --method (or --baseline kvpress with its presses).")
     subtasks = None if args.tasks is None else [t.strip() for t in args.tasks.split(",") if t.strip()]
     lengths = args.lengths or (DEFAULT_PERPLEXITY_LENGTH if perplexity else DEFAULT_LENGTHS)
     task_options = {k: literal(v) for k, v in parse_pairs(args.task_set, "--task-set").items()}

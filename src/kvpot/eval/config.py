@@ -190,6 +190,8 @@ class EvalConfig:
                 raise KvpotError("--compression-ratios applies to answering tasks, not perplexity.")
             if not self.compression_ratios or any(not 0.0 < r < 1.0 for r in self.compression_ratios):
                 raise KvpotError("--compression-ratios must be fractions in (0, 1), e.g. 0.25,0.5,0.75.")
+        if not self.methods and "kvpress" not in self.baselines:
+            raise KvpotError("give at least one --method (or --baseline kvpress with its presses).")
         unknown = [b for b in self.baselines if b != "kvpress"]
         if unknown:
             raise KvpotError(f"unknown baseline {unknown[0]!r}; kvpot eval compares with: kvpress.")

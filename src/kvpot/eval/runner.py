@@ -98,6 +98,8 @@ def make_runs(config: EvalConfig) -> list:
     from kvpot.methods.spec import MethodSpec, build_methods
 
     specs = [MethodSpec.parse(m) for m in config.methods]
+    if not specs and config.baselines:
+        return []  # the presses are the columns
     if config.compression_ratios:
         return ratio_runs(specs, config.compression_ratios, config.settings, config.budget, min(config.lengths))
     return build_methods(specs, config.budget, config.settings)

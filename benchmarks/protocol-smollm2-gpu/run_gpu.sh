@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Issue 32 on one H100: SmolLM2-135M-Instruct under the prompt-robust protocol (every sample in 3 wordings,
+# the filler cut at sentence ends, each count with its 95% Wilson interval), in one call of about 8 minutes.
+#
+#   grid   passkey, every method at the bound of 2,048 KV entries per layer and KV head, 4K to 128K:
+#          3 templates x plain/chat template x depths 0.1/0.5/0.9 x 1 sample = 18 per cell at 4K-32K, and
+#          depth 0.5 only at 64K and 128K (3 x 2 = 6 per cell: fewer samples at the longest lengths, not none);
+#          22 processes, one per method and length group, one CPU thread each (SmolLM2 is launch-bound).
+#   ruler  kvpot eval ruler at 4K and 16K (the 9 tasks kvpot generates: niah_single_1/2/3, niah_multikey_1,
+#          niah_multivalue, niah_multiquery, vt, cwe, fwe), 3 templates inside the chat template (how kvpress'
+#          pipeline and RULER prompt an instruct model), 1 sample each = 27 items per method and length;
+#          kvpot's Full, SnapKV and InfiniPot (the paper's, and one kept set per model) and kvpress' SnapKV,
+#          ExpectedAttention, StreamingLLM and TOVA presses at compression ratios 0.25, 0.5 and 0.75 on the same
+#          items; one process per method or press and ratio (22).
+#
+# Run from the repository root:  OUT=/tmp/out bash benchmarks/protocol-smollm2-gpu/run_gpu.sh grid|ruler [SECONDS]
+# Needs what ../real-model-smollm2/setup_gpu.sh checks (the GGUF at /tmp/smollm2.gguf, gguf importable or in
+# .whl/), and for ruler kvpress' folder: /tmp/kvpress-site, or .whl-kvpress/ (../kvpress-env/make_wheels.sh)
+# installed into it here. SECONDS (default 400) stops every process (finished rows are kept). Results:
+# $OUT/protocol-MODE.tar.gz (one folder per process: config.json, results.jsonl, summary.*, logs); unpack it
+# into benchmarks/protocol-smollm2-gpu/MODE/ and run `kvpot report --write README.md`.
+set -uo pipefail
+mode=${1:?grid or ruler}
+limit=${2:-400}
+case $mode in grid|ruler) ;; *) echo "mode: grid or ruler" >&2; exit 2;; esac
+source benchmarks/real-model-smollm2/setup_gpu.sh
+rest=0-$((cores - 1))  # no demo beside this run: every core
+common=(--model smollm2-135m --device cuda --seed 0 --templates all)
+
+run_() {  # run_ NAME ARGS... : one background `kvpot eval`, stopped after $limit s, its log beside its folder
+  local name=$1; shift
+  taskset -c "$rest" timeout "$limit" python -m kvpot eval "$@" "${common[@]}" --out "$out/$name" \
+    > "$out/$name.log" 2>&1 &
+}
+
+if [ "$mode" = grid ]; then
+  specs=(full snapkv:budget=2048 infinipot:catalyst=question infinipot:catalyst=question,share=model
+         infinipot:catalyst=question,nuc_ratio=1 infinitehip citrus:keep=1024,chunk_size=512
+         tova:budget=1536,chunk_size=512 streaming:window=1532,chunk_size=512 h2o:heavy=768,recent=768,chunk_size=512
+         d2o:budget=2048)
+  for i in "${!specs[@]}"; do
+    run_ "m$i-4k32k" passkey --method "${specs[$i]}" --chat both --lengths 4k,16k,32k --depths 0.1,0.5,0.9 --samples 1
+    run_ "m$i-64k128k" passkey --method "${specs[$i]}" --chat both --lengths 64k,128k --depths 0.5 --samples 1
+  done
+else
+  site=/tmp/kvpress-site
+  if [ ! -d "$site/kvpress" ] && ls .whl-kvpress/*.whl > /dev/null 2>&1; then
+    python -m pip install -q --no-index --no-deps --target "$site" .whl-kvpress/*.whl
+  fi
+  [ -d "$site/kvpress" ] || { echo "no kvpress folder at $site (and no .whl-kvpress/): presses not run" >&2; }
+  tasks=niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multivalue,niah_multiquery,vt,cwe,fwe
+  ruler=(ruler --tasks "$tasks" --lengths 4k,16k --samples 1 --chat chat)
+  run_ full "${ruler[@]}" --method full
+  for ratio in 0.25 0.5 0.75; do
+    for spec in snapkv infinipot:catalyst=question infinipot:catalyst=question,share=model; do
+      run_ "$(echo "$spec" | tr ':=,' '___')-$ratio" "${ruler[@]}" --method "$spec" --compression-ratios "$ratio"
+    done
+    if [ -d "$site/kvpress" ]; then
+      for press in snapkv expected_attention streaming_llm tova; do
+        run_ "kvpress-$press-$ratio" "${ruler[@]}" --baseline kvpress --press "$press" --compression-ratios "$ratio" \
+          --kvpress-path "$site"
+      done
+    fi
+  done
+fi
+wait
+echo "evals done after $(( $(date +%s) - started )) s" >> "$out/machine.txt"
+tail -n 2 "$out"/*.log > "$out/log-tails.txt" 2>&1
+tar -czf "$OUT/protocol-$mode.tar.gz" -C "$out" . && rm -rf "$out"
+python - "$OUT/protocol-$mode.tar.gz" <<'EOF'
+import io, json, sys, tarfile
+from collections import defaultdict
+counts = defaultdict(lambda: [0, 0])  # (method, length or group) -> [correct, total]
+with tarfile.open(sys.argv[1]) as tar:
+    for member in tar.getmembers():
+        if member.name.endswith("results.jsonl"):
+            for line in io.TextIOWrapper(tar.extractfile(member), encoding="utf-8"):
+                row = json.loads(line)
+                key = (row["method"], row.get("group") or row["length"])
+                counts[key][0] += bool(row["correct"])
+                counts[key][1] += 1
+for (method, where), (correct, total) in sorted(counts.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+    print(f"{method:60s} {where!s:>7} {correct:3d}/{total}")
+EOF
+echo "total $(( $(date +%s) - started )) s"

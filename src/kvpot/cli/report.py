@@ -1,0 +1,60 @@
+"""`kvpot report`: the README's result tables, rankings and figures regenerated from recorded results."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "report",
+        help="regenerate the README's result tables and figures from recorded results (or check them)",
+        description=(
+            "Render every table of a manifest (default benchmarks/readme.json) from the run folders it names "
+            "(config.json + results.jsonl of kvpot eval): correct/total with 95% Wilson intervals, template and "
+            "chat spreads, and ranking statements only where intervals separate. --write replaces each table's "
+            "block between <!-- kvpot-readme:NAME --> and <!-- /kvpot-readme:NAME --> in the README and redraws "
+            "the figures; --check exits 1 when a block differs from what the records give."
+        ),
+        epilog="examples:\n  kvpot report --write README.md\n  kvpot report --check README.md",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--manifest", type=Path, default=Path("benchmarks/readme.json"),
+                   help="the tables to render (default benchmarks/readme.json)")
+    p.add_argument("--base", type=Path, default=None,
+                   help="the folder the manifest's paths are relative to (default: the manifest's parent's parent)")
+    action = p.add_mutually_exclusive_group(required=True)
+    action.add_argument("--write", type=Path, metavar="README", help="rewrite the blocks of this file, and the figures")
+    action.add_argument("--check", type=Path, metavar="README", help="exit 1 if a block of this file is stale")
+    action.add_argument("--print", dest="show", action="store_true", help="print the rendered blocks")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from kvpot.errors import KvpotError
+    from kvpot.eval.readme import blocks, figures, replace_blocks, stale
+
+    if not args.manifest.is_file():
+        raise KvpotError(f"--manifest {args.manifest} is not a file.")
+    base = args.base or args.manifest.resolve().parent.parent
+    rendered = blocks(args.manifest, base)
+    if args.show:
+        for name, text in rendered.items():
+            print(f"<!-- {name} -->\n{text}\n")
+        return 0
+    target = args.write or args.check
+    if not target.is_file():
+        raise KvpotError(f"{target} is not a file.")
+    text = target.read_text(encoding="utf-8")
+    if args.check:
+        names = stale(text, rendered)
+        if names:
+            print(f"{target}: stale blocks: {', '.join(names)} (run kvpot report --write {target})")
+            return 1
+        print(f"{target}: {len(rendered)} blocks match the records")
+        return 0
+    target.write_text(replace_blocks(text, rendered), encoding="utf-8")
+    drawn = figures(args.manifest, base)
+    print(f"wrote {len(rendered)} blocks to {target}" + (f" and {len(drawn)} figures" if drawn else ""))
+    return 0
