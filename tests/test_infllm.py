@@ -135,11 +135,11 @@ def test_a_unit_is_represented_by_its_highest_scoring_keys():
     score[0, [12, 18]] = torch.tensor([5.0, 6.0])  # head 0, unit 1: 18 and 12
     memory = Memory()
     memory.form(2, score, lambda a, b: keys[:, a:b], initial=4, block=8, reps=2)
-    torch.testing.assert_close(memory.summaries[0, 0], keys[0, [5, 9]].mean(0))
-    torch.testing.assert_close(memory.summaries[1, 0], keys[1, [11, 6]].mean(0))
-    torch.testing.assert_close(memory.summaries[0, 1], keys[0, [18, 12]].mean(0))
+    torch.testing.assert_close(memory.summaries[0, 0], keys[0, [5, 9]].mean(0))  # [unit, head]
+    torch.testing.assert_close(memory.summaries[0, 1], keys[1, [11, 6]].mean(0))
+    torch.testing.assert_close(memory.summaries[1, 0], keys[0, [18, 12]].mean(0))
     torch.testing.assert_close(memory.summaries[1, 1], keys[1, [19, 15]].mean(0))
-    assert memory.formed == 2
+    assert memory.formed == 2 and memory.bias[:2].tolist() == [0.0, 0.0] and memory.bias[2:].isinf().all()
 
 
 def test_lookup_takes_the_units_the_chunk_attends(rope):
@@ -158,7 +158,7 @@ def test_lookup_takes_the_units_the_chunk_attends(rope):
     want, _ = brute_forward(rope, queries[:, :158], keys[:, :158], values[:, :158], 150, sizes, D**-0.5)
     torch.testing.assert_close(got[:, 150:], want, atol=2e-5, rtol=1e-4)
     summed = runtime.far_turn(queries[:, 150:158].unsqueeze(0), runtime.rotator(queries)).view(8, KV, G, D).sum((0, 2))
-    best = torch.einsum("kd,kud->u", summed, runtime.memory(0).summaries[:, : runtime.memory(0).formed]).topk(2)
+    best = torch.einsum("kd,ukd->u", summed, runtime.memory(0).summaries[: runtime.memory(0).formed]).topk(2)
     assert sorted(best.indices.tolist()) == list(planted)
 
 

@@ -77,43 +77,41 @@ def _step_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc1 = tl.zeros([BLOCK_M, HALF], tl.float32)
     acc2 = tl.zeros([BLOCK_M, HALF], tl.float32)
-    lo = split * PER
-    hi = tl.minimum(lo + PER, T_ALL)
-    for tile in range(lo, hi):
-        if tile < T_WIN0:  # distant
-            if tile < T_INIT:
-                key = (tile * BLOCK_N + lanes).to(tl.int64)
-                ok = key < n_init
-            elif tile < T_INIT + TOPK * T_BS:
-                j = (tile - T_INIT) // T_BS
-                o = ((tile - T_INIT) % T_BS) * BLOCK_N + lanes
-                unit = tl.load(SEL + j)
-                key = (INIT + unit * BS + o).to(tl.int64)
-                ok = (o < BS) & (unit < units)
-            else:
-                key = (rest + (tile - T_INIT - TOPK * T_BS) * BLOCK_N + lanes).to(tl.int64)
-                ok = key < w0
-            ok = ok & (key < N)
-            key = tl.where(ok, key, 0)
-            k1, k2 = _load_keys(K, KG, SLOT, key, ok, h, dh, stride_kh, stride_kn, stride_gh, stride_gn, CACHED, HALF)
-            sc = _dot(f1, f2, k1.to(K.dtype.element_ty), k2.to(K.dtype.element_ty), IEEE)
-        else:  # window
-            o = (tile - T_WIN0) * BLOCK_N + lanes
-            key = (w0 + o).to(tl.int64)
-            ok = (o < WIN) & (key <= t) & (key < N)
-            key = tl.where(ok, key, 0)
-            k1, k2 = _load_keys(K, KG, SLOT, key, ok, h, dh, stride_kh, stride_kn, stride_gh, stride_gn, CACHED, HALF)
-            kt = o[:, None] * stride_t + dh[None, :]
-            kc1 = tl.load(COS + kt, mask=ok[:, None], other=0.0).to(tl.float32)
-            kc2 = tl.load(COS + kt + HALF, mask=ok[:, None], other=0.0).to(tl.float32)
-            ks1 = tl.load(SIN + kt, mask=ok[:, None], other=0.0).to(tl.float32)
-            ks2 = tl.load(SIN + kt + HALF, mask=ok[:, None], other=0.0).to(tl.float32)
-            r1 = (k1 * kc1 - k2 * ks1).to(K.dtype.element_ty)
-            r2 = (k2 * kc2 + k1 * ks2).to(K.dtype.element_ty)
-            sc = _dot(l1, l2, r1, r2, IEEE)
-            share = tl.sum(tl.where(row_ok[:, None], sc, 0.0), axis=0) / qk  # the group's q . k per key
-            s_ptr = SCORE + h * stride_sh + key
-            tl.store(s_ptr, tl.load(s_ptr, mask=ok, other=0.0) + share, mask=ok)
+    for step in range(0, PER):  # a runtime count from 0, the last split's tail masked (as kvpot.kernels.hip)
+        tile = split * PER + step
+        # which part the tile is in, and its keys, without branches: scalar selects only
+        near = tile >= T_WIN0
+        first = tile < T_INIT
+        rest_tile = (tile >= T_INIT + TOPK * T_BS) & (tile < T_WIN0)
+        j = tl.minimum(tl.maximum((tile - T_INIT) // T_BS, 0), tl.maximum(TOPK - 1, 0))
+        unit = tl.load(SEL + j)
+        o_unit = ((tile - T_INIT) % T_BS) * BLOCK_N + lanes
+        o_near = (tile - T_WIN0) * BLOCK_N + lanes
+        key_first = (tile * BLOCK_N + lanes).to(tl.int64)
+        key_unit = (INIT + unit * BS + o_unit).to(tl.int64)
+        key_rest = (rest + (tile - T_INIT - TOPK * T_BS) * BLOCK_N + lanes).to(tl.int64)
+        key_near = (w0 + o_near).to(tl.int64)
+        ok_far = tl.where(first, key_first < n_init,
+                          tl.where(rest_tile, key_rest < w0, (o_unit < BS) & (unit < units)))
+        key_far = tl.where(first, key_first, tl.where(rest_tile, key_rest, key_unit))
+        ok = tl.where(near, (o_near < WIN) & (key_near <= t), ok_far)
+        key = tl.where(near, key_near, key_far)
+        ok = ok & (key >= 0) & (key < N) & (tile < T_ALL)
+        key = tl.where(ok, key, 0)
+        k1, k2 = _load_keys(K, KG, SLOT, key, ok, h, dh, stride_kh, stride_kn, stride_gh, stride_gn, CACHED, HALF)
+        # window keys turn by their distance from the window's start; distant keys stay as they are
+        turn = ok & near
+        kt = tl.where(turn, o_near, 0)[:, None] * stride_t + dh[None, :]
+        kc1 = tl.load(COS + kt, mask=turn[:, None], other=1.0).to(tl.float32)
+        kc2 = tl.load(COS + kt + HALF, mask=turn[:, None], other=1.0).to(tl.float32)
+        ks1 = tl.load(SIN + kt, mask=turn[:, None], other=0.0).to(tl.float32)
+        ks2 = tl.load(SIN + kt + HALF, mask=turn[:, None], other=0.0).to(tl.float32)
+        r1 = (k1 * kc1 - k2 * ks1).to(K.dtype.element_ty)
+        r2 = (k2 * kc2 + k1 * ks2).to(K.dtype.element_ty)
+        sc = _dot(tl.where(near, l1, f1), tl.where(near, l2, f2), r1, r2, IEEE)
+        share = tl.sum(tl.where(row_ok[:, None], sc, 0.0), axis=0) / qk  # the group's q . k per window key
+        s_ptr = SCORE + h * stride_sh + key
+        tl.store(s_ptr, tl.load(s_ptr, mask=turn, other=0.0) + share, mask=turn)
         sc = tl.where(row_ok[:, None] & ok[None, :], sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -205,6 +203,7 @@ def decode_step(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
         G=g, INIT=sizes.initial, BS=sizes.block, TOPK=top, WIN=sizes.window, T_INIT=t_init, T_BS=t_bs,
         T_WIN0=t_win0, T_ALL=t_all, CACHED=gpu_cache is not None, HALF=d // 2, IEEE=query.dtype == torch.float32,
         BLOCK_M=max(16, triton.next_power_of_2(g)), BLOCK_N=block_n, num_warps=4,
+        **({"num_stages": 1} if query.dtype == torch.float32 else {}),  # float32 tiles outgrow shared memory
     )
     merged = torch.empty(kv * g, d, dtype=query.dtype, device=query.device)
     merge(out.view(splits, kv * g, d), lse.view(splits, kv * g), merged)

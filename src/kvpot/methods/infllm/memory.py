@@ -60,33 +60,37 @@ def add_scores(score: torch.Tensor, keys: torch.Tensor, query: torch.Tensor, sta
 
 
 class Memory:
-    """One layer's units: their summaries [kv, capacity + 1, d] (the last row a scratch row that
-    fixed-shape steps write when no unit completes) and how many are summarised (`formed`, a lower
-    bound after fixed-shape steps, which summarise the newest unit again at every step)."""
+    """One layer's units: their summaries [capacity + 1, kv, d] float32, unit-major (a step scores them all
+    in one matrix-vector product), a bias [capacity + 1] (0 for a summarised unit, -inf otherwise: the
+    last row never holds one) and how many are summarised (`formed`)."""
 
     def __init__(self):
         self.summaries: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
         self.formed = 0
 
     def clone(self) -> Memory:
         twin = Memory()
-        twin.summaries = None if self.summaries is None else self.summaries.clone()
+        if self.summaries is not None:
+            twin.summaries, twin.bias = self.summaries.clone(), self.bias.clone()
         twin.formed = self.formed
         return twin
 
     @property
     def capacity(self) -> int:
-        return 0 if self.summaries is None else self.summaries.shape[1] - 1
+        return 0 if self.summaries is None else self.summaries.shape[0] - 1
 
-    def reserve(self, units: int, kv: int, d: int, dtype: torch.dtype, device: torch.device) -> None:
+    def reserve(self, units: int, kv: int, d: int, device: torch.device) -> None:
         """Room for `units` summaries (doubling: eager decoding adds one every `block` tokens)."""
         if units <= self.capacity:
             return
         size = max(units, 2 * self.capacity, 16)
-        grown = torch.zeros(kv, size + 1, d, dtype=dtype, device=device)
+        summaries = torch.zeros(size + 1, kv, d, dtype=torch.float32, device=device)
+        bias = torch.full((size + 1,), float("-inf"), dtype=torch.float32, device=device)
         if self.summaries is not None:
-            grown[:, : self.formed] = self.summaries[:, : self.formed]
-        self.summaries = grown
+            summaries[: self.formed] = self.summaries[: self.formed]
+            bias[: self.formed] = self.bias[: self.formed]
+        self.summaries, self.bias = summaries, bias
 
     def form(self, upto: int, score: torch.Tensor, read_block: Callable[[int, int], torch.Tensor], initial: int,
              block: int, reps: int) -> None:
@@ -96,31 +100,19 @@ class Memory:
         start, stop = initial + self.formed * block, initial + upto * block
         keys = read_block(start, stop)  # [kv, units * block, d]
         kv, _, d = keys.shape
-        self.reserve(upto, kv, d, keys.dtype, keys.device)
+        self.reserve(upto, kv, d, keys.device)
         units = upto - self.formed
         chosen = score[:, start:stop].view(kv, units, block).topk(reps, dim=-1).indices  # [kv, units, reps]
         picked = keys.view(kv, units, block, d).gather(2, chosen.unsqueeze(-1).expand(-1, -1, -1, d))
-        self.summaries[:, self.formed : upto] = picked.float().mean(2).to(keys.dtype)
+        self.summaries[self.formed : upto] = picked.float().mean(2).transpose(0, 1)
+        self.bias[self.formed : upto] = 0.0
         self.formed = upto
-
-    def form_newest(self, units: torch.Tensor, score: torch.Tensor, keys: torch.Tensor, initial: int, block: int,
-                    reps: int) -> None:
-        """Fixed shapes: summarise unit `units - 1` (a device count; the scratch row when it is 0), again
-        at every step: its scores are final, so this only repeats the work when nothing completed."""
-        kv, _, d = keys.shape
-        last = (units - 1).clamp(min=0)
-        tokens = initial + last * block + torch.arange(block, device=keys.device)  # [block]
-        tokens = tokens.clamp(max=keys.shape[1] - 1)
-        chosen = score[:, tokens].topk(reps, dim=-1).indices  # [kv, reps]
-        picked = keys[torch.arange(kv, device=keys.device).unsqueeze(-1), tokens[chosen]]  # [kv, reps, d]
-        row = torch.where(units > 0, last, self.capacity)  # the scratch row when nothing is complete
-        self.summaries.index_copy_(1, row.view(1), picked.float().mean(1, keepdim=True).to(keys.dtype))
 
 
 def relevance(summed: torch.Tensor, summaries: torch.Tensor, units: torch.Tensor) -> torch.Tensor:
     """Each lookup's score for every unit: summed [c, kv, d] float32 (a lookup's queries, rotated at
-    the distant position, summed over its rows and each group's heads), summaries [kv, m, d];
+    the distant position, summed over its rows and each group's heads), summaries [m, kv, d];
     units [c] long, the units complete for each lookup (later ones get -inf). Returns [c, m]."""
-    scores = torch.einsum("ckd,kmd->cm", summed, summaries.float())
-    later = torch.arange(summaries.shape[1], device=summed.device) >= units.view(-1, 1)
+    scores = torch.einsum("ckd,mkd->cm", summed, summaries)
+    later = torch.arange(summaries.shape[0], device=summed.device) >= units.view(-1, 1)
     return scores.masked_fill(later, float("-inf"))

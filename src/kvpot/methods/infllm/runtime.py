@@ -46,6 +46,15 @@ class Sizes:
     lookup: int
 
 
+def device_ints(values: list[int], device: torch.device) -> torch.Tensor:
+    """A small long tensor on `device` without waiting for it: a copy from pageable memory would
+    synchronise the stream, and with it the host, at every layer of every forward."""
+    host = torch.tensor(values, dtype=torch.long)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class InfLLMRuntime:
     """The attention a `PotCache` calls instead of dense attention, with each layer's memory units."""
 
@@ -55,6 +64,7 @@ class InfLLMRuntime:
         self.memories: dict[int, Memory] = {}
         self.gpu_caches: dict[int, GpuKvCache] = {}
         self.max_attended = 0  # most keys one query attended to (host-side counts: not fixed-shape steps)
+        self._far: dict[tuple, torch.Tensor] = {}  # the distant rotation as a matrix, per device and group
 
     def clone(self) -> InfLLMRuntime:
         twin = InfLLMRuntime(self.sizes, self.rope, self.kernels, self.gpu_cache_tokens)
@@ -67,8 +77,10 @@ class InfLLMRuntime:
         return self.memories.setdefault(index, Memory())
 
     # ------------------------------------------------------------------ rotations
-    def rotator(self, like: torch.Tensor):
-        bound = self.sizes.window + self.sizes.lookup + 1  # every position this method uses
+    def rotator(self, like: torch.Tensor, queries: int = 1):
+        """rotate(x, positions) at the positions this method uses for a forward of `queries` queries: at
+        most the window + the larger of a lookup and the forward (its representative scores)."""
+        bound = self.sizes.window + max(self.sizes.lookup, queries) + 1
 
         def rotate(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
             cos, sin = self.rope.cos_sin(positions, like, bound)
@@ -150,7 +162,7 @@ class InfLLMRuntime:
         s, index = self.sizes, layer.layer_idx
         h, q, d = query.shape
         n = keys.shape[1]
-        rotate = self.rotator(query)
+        rotate = self.rotator(query, q)
         score = layer.score(SCORE)[0]  # [kv, n]
         if q == 1:
             t = torch.full((1,), n - 1, dtype=torch.long, device=query.device)
@@ -160,9 +172,12 @@ class InfLLMRuntime:
         first = n - q
         start = max(0, first - s.window + 1)
         read = self.reader(index, keys, values, query.device)
-        tokens = torch.arange(start, n, device=query.device).view(1, -1)
-        seen, _ = read(tokens, torch.ones_like(tokens, dtype=torch.bool))
-        add_scores(score, seen[0], query, start, s.window, rotate)
+        if keys.device == query.device:
+            seen = keys[:, start:n]
+        else:
+            tokens = torch.arange(start, n, device=query.device).view(1, -1)
+            seen = read(tokens, torch.ones_like(tokens, dtype=torch.bool))[0][0]
+        add_scores(score, seen, query, start, s.window, rotate)
         chunks = [(c, min(s.lookup, n - c)) for c in range(first, n, s.lookup)]
         memory = self.form_for(layer, keys, values, chunks[-1][0])
         out = torch.empty_like(query)
@@ -201,18 +216,19 @@ class InfLLMRuntime:
         s = self.sizes
         initial, top, rest_len, width, rows = shape
         h, _, d = query.shape
-        kv = memory.summaries.shape[0] if memory.summaries is not None else None
+        kv = memory.summaries.shape[1] if memory.summaries is not None else None
         device = query.device
-        begin = torch.tensor(starts, device=device) - first  # each chunk's first row in this forward
+        begin = device_ints([c - first for c in starts], device)  # each chunk's first row in this forward
         rows_at = begin.view(-1, 1) + torch.arange(rows, device=device)  # [c, rows]
         chunk_q = query[:, rows_at].transpose(0, 1)  # [c, h, rows, d]
-        w0 = torch.tensor([max(0, c - s.window + 1) for c in starts], device=device)
+        starts_w0 = [max(0, c - s.window + 1) for c in starts]
+        w0 = device_ints(starts_w0, device)
         far_q = self.far_turn(chunk_q, rotate)
         parts = [torch.arange(initial, device=device).expand(len(starts), -1)]
         if top:
             summed = far_q.float().view(len(starts), kv, h // kv, rows, d).sum((2, 3))  # [c, kv, d]
-            units = torch.tensor([unit_count(int(w), s.initial, s.block) for w in w0.tolist()], device=device)
-            scores = relevance(summed, memory.summaries[:, : memory.formed], units)
+            units = device_ints([unit_count(w, s.initial, s.block) for w in starts_w0], device)
+            scores = relevance(summed, memory.summaries[: memory.formed], units)
             chosen = scores.topk(top, dim=-1).indices.sort(dim=-1).values  # [c, top]
             lane = torch.arange(s.block, device=device)
             parts.append((s.initial + chosen.unsqueeze(-1) * s.block + lane).flatten(1))
@@ -228,37 +244,51 @@ class InfLLMRuntime:
 
     # ------------------------------------------------------------------ one query, fixed shapes
     def step(self, index, query, keys, values, score, t, scaling, rotate, eager: bool) -> torch.Tensor:
-        """query [h, d] at position t (a device tensor [1]) over keys/values [kv, N, d] -> [h, d]."""
+        """query [h, d] at position t (a device tensor [1]) over keys/values [kv, N, d] -> [h, d]. The
+        units complete for it must be summarised already (`form_for`)."""
         s = self.sizes
-        memory = self.memory(index)
-        c = decode.counts(t, s.initial, s.window, s.block)
-        far_turn = self.far_turn(query.unsqueeze(-2), rotate)[..., 0, :]  # [h, d]
-        selected = self._select(memory, far_turn, c.units, keys.shape[0])
+        selected = self._select(self.memory(index), query, keys.shape[0])
         kernel = self._kernel(query, keys)
-        cached = self.gpu_caches.get(index) if keys.device != query.device else None
-        if keys.device != query.device and kernel is None:
+        offloaded = keys.device != query.device
+        if offloaded and kernel is None:
             raise KvpotError("infllm: offloaded decoding reads host memory from a Triton kernel; it needs CUDA "
                              "and Triton, head dims 32-256 and a RoPE with a fixed table.")
+        cached = self.gpu_cache(index, keys, query.device) if offloaded else None
         if kernel is None:
+            c = decode.counts(t, s.initial, s.window, s.block)
+            far_turn = self.far_turn(query.unsqueeze(-2), rotate)[..., 0, :]  # [h, d]
             out = decode.step_reference(query, keys, values, score, c, selected, s, scaling, rotate, far_turn)
         else:
-            if keys.device != query.device:
-                cached = self.gpu_cache(index, keys, query.device)
             out = kernel(query, keys, values, score, t, selected, s, scaling, *self.table(query), gpu_cache=cached)
         if cached is not None and eager:
+            c = decode.counts(t, s.initial, s.window, s.block)
             far, far_ok, near, near_ok = decode.read_set(c, selected, s.initial, s.window, s.block)
             cached.touch(torch.cat([far, near]), torch.cat([far_ok, near_ok]), keys, values)
         return out
 
-    def _select(self, memory: Memory, far_turn: torch.Tensor, units: torch.Tensor, kv: int) -> torch.Tensor:
-        """The step's `topk` units (those not complete are masked: they never pass `units`)."""
+    def _select(self, memory: Memory, query: torch.Tensor, kv: int) -> torch.Tensor:
+        """A step's `topk` units: its query, rotated at the distant position and summed over each group's
+        heads (one matrix product), against every summary plus its bias (one matrix-vector product: units
+        not summarised get -inf, and the kernel masks any pick that is not complete)."""
         top = min(self.sizes.topk, memory.capacity)
         if top == 0:
-            return torch.zeros(0, dtype=torch.long, device=far_turn.device)
-        h, d = far_turn.shape
-        summed = far_turn.float().view(1, kv, h // kv, d).sum(2)  # [1, kv, d]
-        scores = relevance(summed, memory.summaries[:, : memory.capacity], units)[0]
+            return torch.zeros(0, dtype=torch.long, device=query.device)
+        h, d = query.shape
+        summed = query.float().reshape(kv, h // kv * d) @ self.far_matrix(query, h // kv)  # [kv, d]
+        scores = torch.addmv(memory.bias, memory.summaries.view(memory.capacity + 1, -1), summed.view(-1))
         return scores.topk(top).indices
+
+    def far_matrix(self, like: torch.Tensor, group: int) -> torch.Tensor:
+        """[group * d, d] float32: x @ M is the sum over a group's heads of each head rotated at the shared
+        distant position, times the keys' rotation at 0 (rotation is linear: rot(x) = x * cos + half(x) * sin)."""
+        key = (like.device, group)
+        matrix = self._far.get(key)
+        if matrix is None:
+            d = like.shape[-1]
+            eye = torch.eye(d, dtype=like.dtype, device=like.device)
+            matrix = self.far_turn(eye, self.rotator(like)).float()  # rows: each basis vector turned
+            matrix = self._far[key] = matrix.repeat(group, 1)
+        return matrix
 
     def table(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rope.table(self.sizes.window + self.sizes.lookup + 1, like)
@@ -282,38 +312,31 @@ class InfLLMRuntime:
 
     # ------------------------------------------------------------------ fixed-shape decoding
     def prepare_fixed(self, cache) -> bool:
-        """Before a decoding step (host counts only): summarise the units complete for it and size the
-        summaries for the whole decode, so a captured step never reallocates. False when offloaded
-        (those steps run eagerly, the GPU cache updated after each)."""
+        """Before a decoding step (host counts only): summarise the units complete for it, size the
+        summaries for the whole decode and size the RoPE table, so a captured step never reallocates
+        them. False when offloaded (those steps run eagerly, the GPU cache updated after each)."""
         layer0 = cache.layers[0]
         if layer0.keys.device != layer0.device or self.rope.dynamic:
             return False
         s = self.sizes
         t = layer0.n  # the position of the token the step appends
-        units_now = unit_count(max(0, t - s.window + 1), s.initial, s.block)
         for layer in cache.layers:
             memory = self.memory(layer.layer_idx)
             keys = layer.keys[0]
             memory.reserve(unit_count(layer.capacity, s.initial, s.block) + 1, keys.shape[0], keys.shape[2],
-                           keys.dtype, keys.device)
-            # the step itself summarises the newest unit; the ones before it must be there already
-            self.form_for(layer, keys, layer.values[0], max(0, t - s.block))
-            memory.formed = max(memory.formed, units_now)
-        self.table(layer0.keys)  # sized now: no step grows it
-        return True
+                           keys.device)
+            self.form_for(layer, keys, layer.values[0], t)
+        self.table(layer0.keys)  # sized now: no step grows it (the distant rotation's matrix is built by
+        return True  # the first step, which the decoding loop always runs uncaptured before a capture)
 
     def static_attention(self, layer, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                          scaling: float) -> torch.Tensor:
         """A fixed-shape decoding step: query [1, h, 1, d] un-rotated, keys/values the layer's whole
-        buffers [1, kv, capacity, d]; the position is `layer.length - 1` on the device. -> [1, h, 1, d]."""
-        s = self.sizes
-        q, buf_k, buf_v = query[0, :, 0], keys[0], values[0]
-        t = layer.length - 1
+        buffers [1, kv, capacity, d]; the step's token is at `layer.slot` on the device. -> [1, h, 1, d]."""
+        q = query[0, :, 0]
         score = layer.scores[SCORE][0]  # [kv, capacity]: the whole buffer (the host count is a mirror)
-        memory = self.memory(layer.layer_idx)
-        memory.form_newest(decode.counts(t, s.initial, s.window, s.block).units, score, buf_k, s.initial, s.block,
-                           s.reps)
-        out = self.step(layer.layer_idx, q, buf_k, buf_v, score, t, scaling, self.rotator(q), eager=False)
+        out = self.step(layer.layer_idx, q, keys[0], values[0], score, layer.slot, scaling, self.rotator(q),
+                        eager=False)
         return out.view(1, -1, 1, out.shape[-1])
 
     def report(self) -> dict | None:
