@@ -122,7 +122,8 @@ def rankings(table: dict, stats: dict) -> list[str]:
         unknown = [label for label in labels if label not in stats]
         if unknown:
             raise KvpotError(f"table {table['name']}: ranking row {unknown[0]!r} is not a row of the table.")
-        said = [ranking(head, [(label, stats[label].get(head)) for label in labels])
+        short = {r["label"]: r.get("short", r["label"]) for r in table["rows"]}  # rankings name rows briefly
+        said = [ranking(head, [(short[label], stats[label].get(head)) for label in labels])
                 for head, _ in _columns(table)]
         said = [s for s in said if s]
         if said:
@@ -224,6 +225,8 @@ def replace_blocks_safe(text: str, rendered: dict[str, str]) -> str | None:
 
 def figures(manifest: Path, base: Path) -> list[Path]:
     """Accuracy against length (Wilson bars) of every table with a `figure`, from the same records."""
+    import matplotlib
+
     from kvpot.eval.records import read
     from kvpot.reporting import LINE_STYLES, format_length, length_axis, new_figure
 
@@ -234,6 +237,7 @@ def figures(manifest: Path, base: Path) -> list[Path]:
                 (root / f).is_dir() for f in table["folders"]):
             continue
         stats, _ = cells(table, read(root, table["folders"]))
+        colors = matplotlib.colormaps["tab20"]  # up to 20 rows stay distinguishable
         figure = new_figure(7.0, 4.2)
         axes = figure.add_subplot()
         for k, row in enumerate(table["rows"]):
@@ -244,7 +248,8 @@ def figures(manifest: Path, base: Path) -> list[Path]:
             xs, acc = [n for n, _ in points], [s["correct"] / s["total"] for _, s in points]
             bars = [[a - s["wilson95"][0] for a, (_, s) in zip(acc, points)],
                     [s["wilson95"][1] - a for a, (_, s) in zip(acc, points)]]
-            axes.errorbar(xs, acc, yerr=bars, label=row["label"], capsize=3, **LINE_STYLES[k % len(LINE_STYLES)])
+            axes.errorbar(xs, acc, yerr=bars, label=row.get("short", row["label"]), capsize=3,
+                          color=colors(k % 20), **LINE_STYLES[k % len(LINE_STYLES)])
         length_axis(axes, table["lengths"])
         axes.set_ylim(-0.03, 1.03)
         axes.set_ylabel("correct / total (bars: 95% Wilson interval)")
