@@ -11,6 +11,7 @@ from conftest import VOCAB, build, build_llama, reference_greedy
 from kvpot.errors import KvpotError
 from kvpot.methods.infllm.memory import SCORE, Memory, add_scores
 from kvpot.methods.infllm.runtime import InfLLMRuntime, Sizes
+from kvpot.methods.infllm.turn import Turner
 from kvpot.rope import Rope, rotate_half
 
 KV, G, D = 2, 2, 16
@@ -111,6 +112,7 @@ def test_forwards_and_steps_follow_the_papers_rules(rope):
 
 
 def test_representative_scores_sum_over_the_window_at_true_distances(rope):
+    """Whatever the cut into forwards, each key's score sums q . k over the queries whose window holds it."""
     torch.manual_seed(1)
     n = 90
     queries, keys = torch.randn(KV * G, n, D), torch.randn(KV, n, D)
@@ -118,13 +120,8 @@ def test_representative_scores_sum_over_the_window_at_true_distances(rope):
     for first, stop in ((0, 31), (31, 32), (32, 90)):  # a forward's share, in any cut
         start = max(0, first - SIZES.window + 1)
         add_scores(score[:, :stop], keys[:, start:stop], queries[:, first:stop], start, SIZES.window,
-                   lambda x, p: turn_many(rope, x, p))
+                   Turner(rope, keys, 4096, {}))
     torch.testing.assert_close(score, brute_scores(rope, queries, keys, SIZES.window), atol=1e-3, rtol=1e-4)
-
-
-def turn_many(rope, x, positions):
-    cos, sin = rope.cos_sin(positions, x, 4096)
-    return x * cos + rotate_half(x) * sin
 
 
 def test_a_unit_is_represented_by_its_highest_scoring_keys():
@@ -157,7 +154,7 @@ def test_lookup_takes_the_units_the_chunk_attends(rope):
     got = run_forwards(rope, runtime, layer, queries, keys, values, [0, 150, 158])
     want, _ = brute_forward(rope, queries[:, :158], keys[:, :158], values[:, :158], 150, sizes, D**-0.5)
     torch.testing.assert_close(got[:, 150:], want, atol=2e-5, rtol=1e-4)
-    summed = runtime.far_turn(queries[:, 150:158].unsqueeze(0), runtime.rotator(queries)).view(8, KV, G, D).sum((0, 2))
+    summed = runtime.far_turn(queries[:, 150:158], runtime.rotator(queries)).view(KV, G, 8, D).sum((1, 2))
     best = torch.einsum("kd,ukd->u", summed, runtime.memory(0).summaries[: runtime.memory(0).formed]).topk(2)
     assert sorted(best.indices.tolist()) == list(planted)
 

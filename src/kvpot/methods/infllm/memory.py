@@ -26,7 +26,8 @@ import torch
 
 SCORE = "infllm.repr"  # the layer score buffer holding representative scores [b, kv, n]
 
-# rotate(x [..., n, d], positions [n]) -> x rotated at `positions`
+# rotate(x [..., n, d], positions [n]) -> x rotated at `positions` (a `Turner`, whose `span(x, start)` rotates
+# at start .. start + n - 1)
 Rotate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -49,14 +50,14 @@ def add_scores(score: torch.Tensor, keys: torch.Tensor, query: torch.Tensor, sta
     # the group's heads share a rotation, so they are summed before it (rotation is linear)
     summed = query.float().view(kv, h // kv, q, d).sum(1)  # [kv, q, d]
     offsets = torch.arange(count, device=keys.device)
-    turned = rotate(summed, first - start + torch.arange(q, device=keys.device))  # positions relative to `start`
+    turned = rotate.span(summed, first - start)  # positions relative to `start`
     prefix = torch.zeros(kv, q + 1, d, dtype=torch.float32, device=keys.device)
     prefix[:, 1:] = turned.cumsum(1)
     token = start + offsets  # each key's position; queries t in [token, token + window - 1] see it
     lo = (token - first).clamp(0, q)
     hi = (token + window - first).clamp(0, q)
     seen = prefix[:, hi] - prefix[:, lo]  # [kv, count, d]: the rotated queries that see each key
-    score[:, start:] += (rotate(keys.float(), offsets) * seen).sum(-1)
+    score[:, start:] += (rotate.span(keys.float(), 0) * seen).sum(-1)
 
 
 class Memory:

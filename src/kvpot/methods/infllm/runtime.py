@@ -33,7 +33,8 @@ from kvpot.methods.infinitehip.offload import GpuKvCache
 from kvpot.methods.infllm import decode
 from kvpot.methods.infllm.attend import two_part_attention
 from kvpot.methods.infllm.memory import SCORE, Memory, add_scores, relevance, unit_count
-from kvpot.rope import Rope, rotate_half
+from kvpot.methods.infllm.turn import Turner
+from kvpot.rope import Rope
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,11 @@ class Sizes:
 
 def device_ints(values: list[int], device: torch.device) -> torch.Tensor:
     """A small long tensor on `device` without waiting for it: a copy from pageable memory would
-    synchronise the stream, and with it the host, at every layer of every forward."""
+    synchronise the stream, and with it the host, at every layer of every forward. An arithmetic run
+    (the usual case: consecutive lookup chunks) is made on the device."""
+    step = values[1] - values[0] if len(values) > 1 else 0
+    if all(b - a == step for a, b in zip(values, values[1:])):
+        return values[0] + step * torch.arange(len(values), device=device)
     host = torch.tensor(values, dtype=torch.long)
     if device.type != "cuda":
         return host
@@ -65,6 +70,7 @@ class InfLLMRuntime:
         self.gpu_caches: dict[int, GpuKvCache] = {}
         self.max_attended = 0  # most keys one query attended to (host-side counts: not fixed-shape steps)
         self._far: dict[tuple, torch.Tensor] = {}  # the distant rotation as a matrix, per device and group
+        self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # RoPE tables (`Turner`)
 
     def clone(self) -> InfLLMRuntime:
         twin = InfLLMRuntime(self.sizes, self.rope, self.kernels, self.gpu_cache_tokens)
@@ -77,24 +83,15 @@ class InfLLMRuntime:
         return self.memories.setdefault(index, Memory())
 
     # ------------------------------------------------------------------ rotations
-    def rotator(self, like: torch.Tensor, queries: int = 1):
-        """rotate(x, positions) at the positions this method uses for a forward of `queries` queries: at
-        most the window + the larger of a lookup and the forward (its representative scores)."""
-        bound = self.sizes.window + max(self.sizes.lookup, queries) + 1
+    def rotator(self, like: torch.Tensor, queries: int = 1) -> Turner:
+        """RoPE at the positions this method uses for a forward of `queries` queries: at most the window +
+        the larger of a lookup and the forward (its representative scores)."""
+        return Turner(self.rope, like, self.sizes.window + max(self.sizes.lookup, queries) + 1, self._tables)
 
-        def rotate(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            cos, sin = self.rope.cos_sin(positions, like, bound)
-            return x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)
-
-        return rotate
-
-    def far_turn(self, query: torch.Tensor, rotate) -> torch.Tensor:
-        """Queries [..., n, d] rotated at the shared distant position (the window size), times the keys'
+    def far_turn(self, query: torch.Tensor, rotate: Turner) -> torch.Tensor:
+        """Queries [..., d] rotated at the shared distant position (the window size), times the keys'
         rotation at 0 (cos(0), the RoPE's scaling; sin(0) = 0), so that keys enter un-rotated."""
-        n = query.shape[-2]
-        zero = torch.zeros(1, dtype=torch.long, device=query.device)
-        cos0 = self.rope.cos_sin(zero, query, self.sizes.window + 1)[0]  # [1, d]
-        return rotate(query, torch.full((n,), self.sizes.window, device=query.device)) * cos0.to(query.dtype)
+        return rotate.at(query, self.sizes.window) * rotate.cos0(query.dtype)
 
     # ------------------------------------------------------------------ reading entries
     def reader(self, index: int, keys: torch.Tensor, values: torch.Tensor, device: torch.device):
@@ -237,8 +234,8 @@ class InfLLMRuntime:
         near = w0.view(-1, 1) + torch.arange(width, device=device)
         far_k, far_v = read(far, torch.ones_like(far, dtype=torch.bool))
         near_k, near_v = read(near, torch.ones_like(near, dtype=torch.bool))
-        near_k = rotate(near_k, torch.arange(width, device=device))
-        near_q = rotate(chunk_q, width - rows + torch.arange(rows, device=device))
+        near_k = rotate.span(near_k, 0)
+        near_q = rotate.span(chunk_q, width - rows)
         result = two_part_attention(far_q, far_k, far_v, near_q, near_k, near_v, scaling)  # [c, h, rows, d]
         out[:, rows_at] = result.transpose(0, 1)
 
@@ -256,7 +253,7 @@ class InfLLMRuntime:
         cached = self.gpu_cache(index, keys, query.device) if offloaded else None
         if kernel is None:
             c = decode.counts(t, s.initial, s.window, s.block)
-            far_turn = self.far_turn(query.unsqueeze(-2), rotate)[..., 0, :]  # [h, d]
+            far_turn = self.far_turn(query, rotate)  # [h, d]
             out = decode.step_reference(query, keys, values, score, c, selected, s, scaling, rotate, far_turn)
         else:
             out = kernel(query, keys, values, score, t, selected, s, scaling, *self.table(query), gpu_cache=cached)
