@@ -24,6 +24,8 @@ def roomy_methods(total: int):
         kvpot.RoCo(budget=total, chunk_size=16),
         kvpot.SirLLM(pot_size=total + 1),
         kvpot.CaM(start=4, recent=total, chunk_size=16),
+        kvpot.InfLLM(initial=4, window=total, block_size=8, topk=2, lookup=16, chunk_size=16),  # a window past the input
+        kvpot.SelfExtend(group_size=1, window=total, chunk_size=16),  # every key a neighbour
     ]
 
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from conftest import build_llama
 
-from kvpot import (CItruS, D2O, H2O, TOVA, CaM, Engine, Full, InfiniPot, InfiniteHiP, KvpotError, SirLLM, SnapKV,
-                   State, StreamingLLM)
-from kvpot import PyramidKV, RoCo, Scissorhands
+from kvpot import (CItruS, D2O, H2O, TOVA, CaM, Engine, Full, InfiniPot, InfiniteHiP, KvpotError, SelfExtend, SirLLM,
+                   SnapKV, State, StreamingLLM)
+from kvpot import InfLLM, PyramidKV, RoCo, Scissorhands
 from kvpot.errors import Cancelled
 
 METHODS = {
@@ -27,6 +27,10 @@ METHODS = {
     "sirllm": lambda: SirLLM(pot_size=64, decay=0.9),
     "cam": lambda: CaM(start=8, recent=40, chunk_size=16, merge_budget=8),
     "citrus": lambda: CItruS(keep=48, chunk_size=32, cache="individual", instruction="What is the key?"),
+    "selfextend": lambda: SelfExtend(group_size=4, window=16, chunk_size=64),
+    # InfLLM's units are rebuilt from the saved representative scores
+    "infllm": lambda: InfLLM(kernels="torch", initial=4, window=32, block_size=8, representatives=2, topk=3,
+                             lookup=16, chunk_size=32),
     # InfiniteHiP's sparse-attention runtime is rebuilt by Method.begin on resume, so it is not saved
     "infinitehip": lambda: InfiniteHiP(kernels="torch", chunks=(32, 8, 4), keep=(64, 32, 16), sink=4, window=16,
                                        early_keep=32, query_block=16),
