@@ -209,11 +209,11 @@ def test_answer_without_pruning_is_transformers_greedy_generation():
     context, question = torch.randint(3, 60, (40,)), torch.randint(3, 60, (6,))
     expected = reference_greedy(model, torch.cat([context, question]), 7)
     with torch.no_grad():
-        tokens, kept = kvpress_runner.answer(model, _NoPress(), context, question, max_new_tokens=7)
+        tokens, kept, _ = kvpress_runner.answer(model, _NoPress(), context, question, max_new_tokens=7)
     assert tokens == expected
     assert kept == [40] * model.config.num_hidden_layers
     with torch.no_grad():  # an EOS id ends the answer, itself included
-        stopped, _ = kvpress_runner.answer(model, _NoPress(), context, question, 7, eos_ids={expected[2]})
+        stopped, _, _ = kvpress_runner.answer(model, _NoPress(), context, question, 7, eos_ids={expected[2]})
     assert stopped == expected[: expected.index(expected[2]) + 1]
 
 
@@ -224,6 +224,6 @@ def test_answer_reports_what_the_press_kept(fake_kvpress):
     model = build_llama()
     press = _import_fake(fake_kvpress).SnapKVPress(compression_ratio=kvpress_runner.compression_ratio(40, 16))
     with torch.no_grad():
-        tokens, kept = kvpress_runner.answer(model, press, torch.randint(3, 60, (40,)), torch.randint(3, 60, (6,)), 4)
+        tokens, kept, _ = kvpress_runner.answer(model, press, torch.randint(3, 60, (40,)), torch.randint(3, 60, (6,)), 4)
     assert kept == [16] * model.config.num_hidden_layers
     assert len(tokens) == 4

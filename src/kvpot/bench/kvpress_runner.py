@@ -129,26 +129,29 @@ def prefill(model, press, context, question, length: int):
     return cache, token, context_seconds, time.perf_counter() - started - context_seconds
 
 
-def answer(model, press, context, question, max_new_tokens: int, eos_ids=()) -> tuple[list[int], list[int]]:
+def answer(model, press, context, question, max_new_tokens: int, eos_ids=()) -> tuple[list[int], list[int], dict]:
     """kvpress' pipeline on token ids, for accuracy: the context pruned under `press`, the question after
     it (positions continuing from the uncompressed context), then greedy tokens until an EOS id or
-    `max_new_tokens`. Returns (generated ids, the context entries each layer kept).
+    `max_new_tokens`. Returns (generated ids, the context entries each layer kept, seconds of prefill
+    and of decoding).
 
     `context` and `question`: 1-D token ids on the model's device."""
     import torch
 
     length = context.numel()
-    cache, token, _, _ = prefill(model, press, context, question, length)
+    cache, token, context_seconds, question_seconds = prefill(model, press, context, question, length)
+    started = time.perf_counter()
     kept = [cache.get_seq_length(i) - question.numel() for i in range(len(cache))]
     tokens, position = [], length + question.numel()
     for step in range(max_new_tokens):
-        tokens.append(int(token))
+        tokens.append(int(token))  # synchronises the device every step, as the pipeline's EOS test does
         if tokens[-1] in eos_ids or step == max_new_tokens - 1:
             break
         out = model(input_ids=token.view(1, 1), position_ids=torch.tensor([[position + step]], device=token.device),
                     **cache_kwargs(model, cache))
         token = out.logits[0, -1].argmax()
-    return tokens, kept
+    return tokens, kept, {"prefill_seconds": context_seconds + question_seconds,
+                          "decode_seconds": time.perf_counter() - started}
 
 
 def decode(model, cache, token, position: int, steps: int) -> list[float]:

@@ -7,7 +7,7 @@ kvpot method reads) to a file and starts this module with PYTHONPATH = the kvpre
 torch, transformers, kvpress and kvpot's light modules (`kvpot.bench.kvpress_runner`, `kvpot.compat`).
 
 For each case and each compression ratio r, the press answers through kvpress' pipeline protocol on
-token ids (as `kvpot.bench.kvpress_runner.answer`, timed in two parts): the context prefilled under `press(compression_ratio=r)`,
+token ids (`kvpot.bench.kvpress_runner.answer`): the context prefilled under `press(compression_ratio=r)`,
 which keeps `int(n * (1 - r))` of its n entries per layer and KV head before the question is seen; the
 question at the positions after the uncompressed context; greedy decoding until an EOS id or the case's
 `max_new_tokens`. Each answer is one JSON line of `--out` (token ids, the entries each layer kept,
@@ -21,9 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
-from kvpot.bench.kvpress_runner import IMPORT_ERROR_EXIT
+from kvpot.bench.kvpress_runner import IMPORT_ERROR_EXIT, _dist_version, answer
 
 #: our name -> kvpress class (presses that take `compression_ratio` and run with SDPA attention)
 PRESSES = {
@@ -90,39 +89,6 @@ def answer_all(args) -> dict:
     return {"press": PRESSES[args.press], "press_settings": settings, "answers": done, "dtype": args.dtype,
             "versions": {"kvpress": getattr(kvpress, "__version__", None) or _dist_version("kvpress"),
                          "transformers": transformers.__version__, "torch": torch.__version__}}
-
-
-def answer(model, press, context, question, max_new_tokens: int, eos_ids) -> tuple[list[int], list[int], dict]:
-    """`kvpot.bench.kvpress_runner.answer` with its two parts timed: (generated ids, the context entries each
-    layer kept, {prefill_seconds, decode_seconds})."""
-    import torch
-
-    from kvpot.bench.kvpress_runner import prefill
-    from kvpot.compat import cache_kwargs
-
-    length = context.numel()
-    cache, token, context_seconds, question_seconds = prefill(model, press, context, question, length)
-    started = time.perf_counter()
-    kept = [cache.get_seq_length(i) - question.numel() for i in range(len(cache))]
-    tokens, position = [], length + question.numel()
-    for step in range(max_new_tokens):
-        tokens.append(int(token))  # synchronises the device every step, as the pipeline's EOS test does
-        if tokens[-1] in eos_ids or step == max_new_tokens - 1:
-            break
-        out = model(input_ids=token.view(1, 1), position_ids=torch.tensor([[position + step]], device=token.device),
-                    **cache_kwargs(model, cache))
-        token = out.logits[0, -1].argmax()
-    return tokens, kept, {"prefill_seconds": context_seconds + question_seconds,
-                          "decode_seconds": time.perf_counter() - started}
-
-
-def _dist_version(name: str):
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return None
 
 
 def main(argv=None) -> int:
