@@ -7,6 +7,7 @@ import torch
 from kvpot.attention import AttentionRequest
 from kvpot.errors import KvpotError
 from kvpot.methods.base import Method, Setup, Step, check_policy, check_positive
+from kvpot.methods.token_scores import store_append, store_batch, store_forward
 
 NUC = "nuc"
 SHARE = ("none", "layer", "model")  # which entries rank together: per KV head (Code 1), per layer, whole model
@@ -154,22 +155,13 @@ class InfiniPot(Method):
         return "eager" if full else "append"
 
     def decode_append(self, cache, step: Step) -> None:
-        for layer in cache.layers:
-            nuc = step.token_nll.view(1, 1, 1).expand(layer.batch, layer.kv_heads, 1)
-            layer.scores[NUC].index_copy_(2, layer.slot, nuc)
+        store_append(cache, NUC, step)
 
     def batch_append(self, layers, rows, index, live, step: Step) -> None:
-        nll = step.token_nll[:, None]  # [B, 1]: a token's NuC is the same in every head
-        for layer, at in zip(layers, index):
-            heads = torch.arange(layer.kv_heads, device=rows.device).view(1, -1)
-            layer.score(NUC)[rows[:, None], heads, at[:, None]] = nll.expand(-1, layer.kv_heads)
+        store_batch(layers, NUC, rows, index, step)
 
     def after_forward(self, cache, step: Step) -> bool:
-        nll = {step.token_nll.device: step.token_nll}  # one copy per device of a model split over GPUs
-        for layer in cache.layers:
-            if layer.device not in nll:
-                nll[layer.device] = step.token_nll.to(layer.device)
-            layer.score(NUC)[:, :, layer.n - step.n_new :] = nll[layer.device].view(1, 1, -1)
+        store_forward(cache, NUC, step)
         if self._filled(cache) + self._catalyst_len(cache) < self.pot_size:
             return False
         self.distill(cache, step)

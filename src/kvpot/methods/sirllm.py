@@ -2,10 +2,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from kvpot.errors import KvpotError
 from kvpot.methods.base import Method, Step, check_policy, check_positive, protect, top_indices
+from kvpot.methods.token_scores import store_append, store_batch, store_forward
 
 SCORE = "sirllm"  # each entry's token entropy, -log p(x_t | what the cache held), decayed per compression
 
@@ -92,23 +91,14 @@ class SirLLM(Method):
         return "eager" if max(cache.lengths()) + 1 >= self.pot_size else "append"  # the filling step compresses
 
     def decode_append(self, cache, step: Step) -> None:
-        for layer in cache.layers:
-            entropy = step.token_nll.view(1, 1, 1).expand(layer.batch, layer.kv_heads, 1)
-            layer.scores[SCORE].index_copy_(2, layer.slot, entropy)
+        store_append(cache, SCORE, step)
 
     def batch_append(self, layers, rows, index, live, step: Step) -> None:
-        entropy = step.token_nll[:, None]  # [B, 1]: the same in every head
-        for layer, at in zip(layers, index):
-            heads = torch.arange(layer.kv_heads, device=rows.device).view(1, -1)
-            layer.score(SCORE)[rows[:, None], heads, at[:, None]] = entropy.expand(-1, layer.kv_heads)
+        store_batch(layers, SCORE, rows, index, step)
 
     # ------------------------------------------------------------------ the pot
     def after_forward(self, cache, step: Step) -> bool:
-        entropy = {step.token_nll.device: step.token_nll}  # one copy per device of a model split over GPUs
-        for layer in cache.layers:
-            if layer.device not in entropy:
-                entropy[layer.device] = step.token_nll.to(layer.device)
-            layer.score(SCORE)[:, :, layer.n - step.n_new :] = entropy[layer.device].view(1, 1, -1)
+        store_forward(cache, SCORE, step)
         if max(cache.lengths()) < self.pot_size:
             return False
         self.compress(cache)
