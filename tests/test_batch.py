@@ -341,3 +341,22 @@ def test_graphs_captured_ahead_serve_every_batch_size(name, prompts):
     run_all(scheduler, requests)
     assert [r.tokens for r in requests] == [e.token_ids for e in expected]
     assert scheduler.decoder.captures == captured and scheduler.decoder.replays > 0
+
+
+@pytest.mark.parametrize("name", sorted(methods()))
+def test_a_slot_holds_no_more_score_arrays_than_its_bytes_count(prompts, name, one_thread):
+    """The pool sizes itself from `slot_bytes`, which counts `Method.score_arrays` per entry: after a run,
+    the score buffers the method made fit that count (RoCo keeps three, most others two or fewer)."""
+    from kvpot.engine.pool import slot_bytes, slot_nbytes
+
+    model = build("llama3")
+    method, capacity = methods()[name]
+    engine = kvpot.Engine(model, method=method)
+    scheduler, _ = batched(model, method, prompts[:3], slots=2, capacity=capacity, new=8)
+    made = max(len(layer.scores) for layer in scheduler.pool.layers)
+    assert made <= method.score_arrays
+    size = scheduler.capacity
+    one = slot_nbytes(model.config, size, engine.head.weight.dtype, scores=1)
+    none = slot_nbytes(model.config, size, engine.head.weight.dtype, scores=0)
+    assert slot_bytes(engine, size) == none + method.score_arrays * (one - none) + 4 * model.config.vocab_size
+

@@ -200,11 +200,11 @@ def slot_nbytes(config, capacity: int, dtype: torch.dtype, scores: int = 1, obse
 
 
 def slot_bytes(engine, capacity: int, dtype: torch.dtype | None = None) -> int:
-    """Bytes one slot of `capacity` entries takes for `engine`'s model: KV, positions, two score arrays,
-    the observation row, and the slot's last logits (float32)."""
+    """Bytes one slot of `capacity` entries takes for `engine`'s model: KV, positions, the method's score
+    arrays (`Method.score_arrays`), the observation row, and the slot's last logits (float32)."""
     dtype = dtype or engine.head.weight.dtype
     vocab = engine.head.weight.shape[0]
-    return slot_nbytes(engine.model.config, capacity, dtype, scores=2) + 4 * vocab
+    return slot_nbytes(engine.model.config, capacity, dtype, scores=engine.method.score_arrays) + 4 * vocab
 
 
 def slot_capacity(method, capacity: int | None, question_room: int) -> int:

@@ -93,6 +93,9 @@ class Method:
     # batched scheduler then feeds a question asked of a stored state through the decoding steps it
     # runs anyway, instead of one eager forward per request that every decoding user waits for.
     feeds_question: ClassVar[bool] = False
+    # Float32 score arrays the method keeps per entry at most (H2O's sums, InfiniPot's NuC): a batched pool
+    # counts them in each slot's bytes before it sizes itself from free memory.
+    score_arrays: ClassVar[int] = 2
 
     def prefill_chunk(self) -> int:
         """Tokens per prefill forward; activations are bounded by it."""

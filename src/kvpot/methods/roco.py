@@ -39,6 +39,7 @@ class RoCo(EvictionMethod):
     """
 
     name = "roco"
+    score_arrays = 3  # the sums, the squares and the counts
     paper = ("Ren & Zhu 2024, On the Efficacy of Eviction Policy for Key-Value Constrained Generative Language Model "
              "Inference (RoCo)")
     bound = "budget + chunk_size"
