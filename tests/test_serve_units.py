@@ -178,11 +178,14 @@ def test_config_validation_and_sizes(tmp_path):
         ServeConfig(state_disk=100)
     with pytest.raises(KvpotError, match="--max-context-tokens"):
         ServeConfig(max_context_tokens=0)
-    for field, value in (("max_slots", 0), ("slot_capacity", -5), ("method_slots", 0), ("prefill_tokens", 0)):
+    for field, value in (("max_slots", 0), ("slot_capacity", -5), ("method_slots", 0), ("prefill_tokens", 0),
+                         ("feed_tokens", 0)):
         with pytest.raises(KvpotError, match=f"--{field.replace('_', '-')} must be a positive integer"):
             ServeConfig(**{field: value})
     with pytest.raises(KvpotError, match="--kv-memory-fraction"):
         ServeConfig(kv_memory_fraction=1.5)
+    with pytest.raises(KvpotError, match="--feed-questions must be auto, always or never"):
+        ServeConfig(feed_questions="sometimes")
     config = ServeConfig(state_dir=tmp_path / "new" / "dir")
     assert config.state_dir.is_dir() and config.host == "127.0.0.1"
 
@@ -196,6 +199,7 @@ def test_config_validation_and_sizes(tmp_path):
     (["--max-queue", "-1"], "--max-queue must be >= 0"),
     (["--max-slots", "0"], "--max-slots must be a positive integer"),
     (["--prefill-tokens", "0"], "--prefill-tokens must be a positive integer"),
+    (["--feed-tokens", "0"], "--feed-tokens must be a positive integer"),
 ])
 def test_serve_command_refuses_bad_flags_in_one_line(argv, fragment, capsys):
     from kvpot.cli import main
@@ -203,6 +207,20 @@ def test_serve_command_refuses_bad_flags_in_one_line(argv, fragment, capsys):
     assert main(["serve", *argv]) == 2  # before any model is loaded
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and fragment in err[0], err
+
+
+def test_the_pool_feeds_questions_as_configured(one_thread):
+    """`--feed-questions` and `--feed-tokens` reach the server's scheduler."""
+    from kvpot.serve.service import Service
+
+    engine = _engine(window=60)
+    config = ServeConfig(method="streaming:sinks=4,window=60,chunk_size=32", feed_questions="never", feed_tokens=8)
+    service = Service(engine, config)
+    try:
+        scheduler = service._make_scheduler(engine, config.method, 2)
+        assert (scheduler.feed_questions, scheduler.feed_tokens) == ("never", 8)
+    finally:
+        service.worker.shutdown()
 
 
 def test_the_app_refuses_a_configuration_naming_another_method():

@@ -59,6 +59,13 @@ def register(subparsers) -> None:
     b.add_argument("--prefill-tokens", type=int, default=2048,
                    help="prompt tokens read per step between decode steps: lower keeps streams smoother while a "
                         "long prompt or document is read, higher reads it sooner (default 2048)")
+    b.add_argument("--feed-questions", choices=["auto", "always", "never"], default="auto",
+                   help="a question about a stored document is read one token per decoding step beside the users "
+                        "already decoding (auto: while others run or wait; alone, one forward answers sooner), "
+                        "instead of a forward of its own that they all wait for; only for methods whose cache does "
+                        "not depend on how the question is cut (full, truncate, infinipot, sirllm)")
+    b.add_argument("--feed-tokens", type=int, default=64,
+                   help="the longest question fed that way, in tokens (default 64); longer ones take a forward")
     b.add_argument("--method-slots", type=int, default=4,
                    help="slots of the pool made for a document read with another method (default 4)")
     b.add_argument("--slot-capacity", type=int, default=None,
@@ -98,6 +105,7 @@ def run(args) -> int:
         cache_min_tokens=args.cache_min_tokens, max_slots=args.max_slots,
         kv_memory_fraction=args.kv_memory_fraction, method_slots=args.method_slots,
         prefill_tokens=args.prefill_tokens, slot_capacity=args.slot_capacity,
+        feed_questions=args.feed_questions, feed_tokens=args.feed_tokens,
     )
     from kvpot.serve.service import build_method
 

@@ -41,6 +41,8 @@ class ServeConfig:
     method_slots: int = 4  # slots of the pool made for another method (a document read with it)
     prefill_tokens: int = 2048  # prompt tokens read per step between decode steps (chunked prefill)
     slot_capacity: int | None = None  # KV entries per slot for methods whose cache grows with the input
+    feed_questions: str = "auto"  # a stored document's questions fed through the decoding steps (Scheduler)
+    feed_tokens: int = 64  # the longest question fed so
     max_context_tokens: int = 1 << 20  # prompt tokens (context + question); beyond: 413
     max_body_bytes: int = 64 * 1024**2  # request bodies beyond: 413
     max_tokens_limit: int = 8192  # largest max_tokens a request may ask for
@@ -52,7 +54,7 @@ class ServeConfig:
 
     def __post_init__(self):
         for name in ("max_context_tokens", "max_body_bytes", "max_tokens_limit", "default_max_tokens",
-                     "state_memory", "cache_min_tokens", "method_slots", "prefill_tokens"):
+                     "state_memory", "cache_min_tokens", "method_slots", "prefill_tokens", "feed_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise KvpotError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}.")
@@ -70,6 +72,8 @@ class ServeConfig:
             raise KvpotError("--state-disk must be a positive size.")
         if self.state_disk is not None and self.state_dir is None:
             raise KvpotError("--state-disk needs --state-dir.")
+        if self.feed_questions not in ("auto", "always", "never"):
+            raise KvpotError(f"--feed-questions must be auto, always or never, got {self.feed_questions!r}.")
         if self.chat_template not in ("auto", "on", "off"):
             raise KvpotError("--chat-template must be auto, on or off.")
         if self.default_max_tokens > self.max_tokens_limit:
