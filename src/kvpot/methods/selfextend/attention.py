@@ -109,6 +109,12 @@ def _row_slices(rows: int, heads: int, keys: int):
 
 def _band_explicit(query, keys, values, scaling: float, window: int):
     """Neighbour attention: the last `r` of `t` entries' queries, query i over keys (i - W, i]."""
+    return _band_slices(query, keys, values, scaling, window, _attend)
+
+
+def _band_slices(query, keys, values, scaling: float, window: int, attend):
+    """The band in row slices, each slice's keys and its boolean mask handed to `attend(q, k, v, scaling,
+    allowed)` -> (out, lse); the slices' outputs concatenated."""
     h, r, _ = query.shape
     t = keys.shape[1]
     outs, lses = [], []
@@ -117,8 +123,8 @@ def _band_explicit(query, keys, values, scaling: float, window: int):
         key_at = torch.arange(first, t - r + hi, device=keys.device)
         row_at = torch.arange(t - r + lo, t - r + hi, device=keys.device).unsqueeze(-1)
         allowed = (key_at <= row_at) & (key_at > row_at - window)
-        out, lse = _attend(query[:, lo:hi], keys[:, first : t - r + hi], values[:, first : t - r + hi], scaling,
-                           allowed)
+        out, lse = attend(query[:, lo:hi], keys[:, first : t - r + hi], values[:, first : t - r + hi], scaling,
+                          allowed)
         outs.append(out)
         lses.append(lse)
     return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
@@ -162,20 +168,11 @@ def _cpu_flash(query, keys, values, scaling: float, causal: bool = False, bias: 
 
 def _band_cpu(query, keys, values, scaling: float, window: int):
     """`_band_explicit` on the CPU flash kernel, with the band as an additive mask of each row slice."""
-    h, r, _ = query.shape
-    t = keys.shape[1]
-    outs, lses = [], []
-    for lo, hi in _row_slices(r, h, min(t, window + r)):
-        first = max(0, t - r + lo - window + 1)
-        key_at = torch.arange(first, t - r + hi, device=keys.device)
-        row_at = torch.arange(t - r + lo, t - r + hi, device=keys.device).unsqueeze(-1)
-        allowed = (key_at <= row_at) & (key_at > row_at - window)
-        bias = torch.zeros(allowed.shape, dtype=query.dtype).masked_fill_(~allowed, float("-inf"))
-        out, lse = _cpu_flash(query[:, lo:hi], keys[:, first : t - r + hi], values[:, first : t - r + hi], scaling,
-                              bias=bias)
-        outs.append(out)
-        lses.append(lse)
-    return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
+    def attend(q, k, v, scale, allowed):
+        bias = torch.zeros(allowed.shape, dtype=q.dtype).masked_fill_(~allowed, float("-inf"))
+        return _cpu_flash(q, k, v, scale, bias=bias)
+
+    return _band_slices(query, keys, values, scaling, window, attend)
 
 
 def _own(query, keys, values, scaling: float, backend: str):
