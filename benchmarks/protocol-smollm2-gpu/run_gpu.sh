@@ -6,6 +6,10 @@
 #          3 templates x plain/chat template x depths 0.1/0.5/0.9 x 1 sample = 18 per cell at 4K-32K, and
 #          depth 0.5 only at 64K and 128K (3 x 2 = 6 per cell: fewer samples at the longest lengths, not none);
 #          22 processes, one per method and length group, one CPU thread each (SmolLM2 is launch-bound).
+#   new    issue 31's comparison methods in the same passkey cells at 4K-64K (PyramidKV, Scissorhands, RoCo,
+#          SirLLM, CaM at 2,048 entries; Self-Extend and InfLLM keep every entry), one process per method,
+#          and niah (one needle) under the protocol for every method at 4K-64K, depth 0.5 (3 templates x
+#          plain/chat = 6 per cell), two methods per process: 16 processes.
 #   ruler  kvpot eval ruler at 4K and 16K (the 9 tasks kvpot generates: niah_single_1/2/3, niah_multikey_1,
 #          niah_multivalue, niah_multiquery, vt, cwe, fwe), 3 templates inside the chat template (how kvpress'
 #          pipeline and RULER prompt an instruct model), 1 sample each = 27 items per method and length;
@@ -20,9 +24,9 @@
 # $OUT/protocol-MODE.tar.gz (one folder per process: config.json, results.jsonl, summary.*, logs); unpack it
 # into benchmarks/protocol-smollm2-gpu/MODE/ and run `kvpot report --write README.md`.
 set -uo pipefail
-mode=${1:?grid or ruler}
+mode=${1:?grid, new or ruler}
 limit=${2:-400}
-case $mode in grid|ruler) ;; *) echo "mode: grid or ruler" >&2; exit 2;; esac
+case $mode in grid|new|ruler) ;; *) echo "mode: grid, new or ruler" >&2; exit 2;; esac
 source benchmarks/real-model-smollm2/setup_gpu.sh
 rest=0-$((cores - 1))  # no demo beside this run: every core
 common=(--model smollm2-135m --device cuda --seed 0 --templates all)
@@ -33,14 +37,29 @@ run_() {  # run_ NAME ARGS... : one background `kvpot eval`, stopped after $limi
     > "$out/$name.log" 2>&1 &
 }
 
+specs=(full snapkv:budget=2048 infinipot:catalyst=question infinipot:catalyst=question,share=model
+       infinipot:catalyst=question,nuc_ratio=1 infinitehip citrus:keep=1024,chunk_size=512
+       tova:budget=1536,chunk_size=512 streaming:window=1532,chunk_size=512 h2o:heavy=768,recent=768,chunk_size=512
+       d2o:budget=2048)
+# issue 31's methods at the same 2,048 entries (budget + chunk where they read in chunks, as TOVA above)
+new_specs=(pyramidkv:budget=2048 scissorhands:budget=1536,chunk_size=512 roco:budget=1536,chunk_size=512
+           sirllm:pot_size=2048 cam:start=4,recent=1532,chunk_size=512 selfextend infllm)
 if [ "$mode" = grid ]; then
-  specs=(full snapkv:budget=2048 infinipot:catalyst=question infinipot:catalyst=question,share=model
-         infinipot:catalyst=question,nuc_ratio=1 infinitehip citrus:keep=1024,chunk_size=512
-         tova:budget=1536,chunk_size=512 streaming:window=1532,chunk_size=512 h2o:heavy=768,recent=768,chunk_size=512
-         d2o:budget=2048)
   for i in "${!specs[@]}"; do
     run_ "m$i-4k32k" passkey --method "${specs[$i]}" --chat both --lengths 4k,16k,32k --depths 0.1,0.5,0.9 --samples 1
     run_ "m$i-64k128k" passkey --method "${specs[$i]}" --chat both --lengths 64k,128k --depths 0.5 --samples 1
+  done
+elif [ "$mode" = new ]; then
+  for i in "${!new_specs[@]}"; do
+    run_ "n$i-passkey" passkey --method "${new_specs[$i]}" --chat both --lengths 4k,16k,32k --depths 0.1,0.5,0.9 \
+      --samples 1
+    run_ "n$i-passkey64k" passkey --method "${new_specs[$i]}" --chat both --lengths 64k --depths 0.5 --samples 1
+  done
+  every=("${specs[@]}" "${new_specs[@]}")
+  for ((i = 0; i < ${#every[@]}; i += 2)); do
+    pair=(--method "${every[$i]}")
+    [ $((i + 1)) -lt ${#every[@]} ] && pair+=(--method "${every[$((i + 1))]}")
+    run_ "niah$i" niah "${pair[@]}" --chat both --lengths 4k,16k,32k,64k --depths 0.5 --samples 1
   done
 else
   site=/tmp/kvpress-site
@@ -52,11 +71,11 @@ else
   ruler=(ruler --tasks "$tasks" --lengths 4k,16k --samples 1 --chat chat)
   run_ full "${ruler[@]}" --method full
   for ratio in 0.25 0.5 0.75; do
-    for spec in snapkv infinipot:catalyst=question infinipot:catalyst=question,share=model; do
+    for spec in snapkv pyramidkv infinipot:catalyst=question infinipot:catalyst=question,share=model; do
       run_ "$(echo "$spec" | tr ':=,' '___')-$ratio" "${ruler[@]}" --method "$spec" --compression-ratios "$ratio"
     done
     if [ -d "$site/kvpress" ]; then
-      for press in snapkv expected_attention streaming_llm tova; do
+      for press in snapkv pyramidkv expected_attention streaming_llm tova; do
         run_ "kvpress-$press-$ratio" "${ruler[@]}" --baseline kvpress --press "$press" --compression-ratios "$ratio" \
           --kvpress-path "$site"
       done
