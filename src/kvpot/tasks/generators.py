@@ -57,6 +57,7 @@ from kvpot.tasks.haystack import Codec, codec_for, filler_pieces
 from kvpot.tasks.keys import ALL_WORD_KEYS as _ALL_KEYS
 from kvpot.tasks.keys import KEY_ADJECTIVES, KEY_NOUNS, check_format, draw  # noqa: F401 - re-exported
 from kvpot.tasks.keys import make_uuid as _uuid
+from kvpot.tasks.needle_haystack import NEEDLES, line, needle_keys, needle_pieces
 from kvpot.tasks.placement import (  # noqa: F401 - Sample is part of this module's interface
     _build,
     _check_common,
@@ -168,9 +169,11 @@ def niah(
     for.  The first value of the first queried key is the primary needle at
     ``depth``; the others, in seeded order, on evenly spread slots.  answers =
     every value of the queried keys; metric: contains (one answer) or all-of.
-    The filler holds whole sentences only.
+    The filler holds whole sentences only; ``haystack="needles"``: it is other
+    needles, one a line (RULER's niah_multikey_2/3; :mod:`kvpot.tasks.needle_haystack`).
     """
-    _check_common(length, depth, seed, haystack)
+    in_needles = haystack == NEEDLES
+    _check_common(length, depth, seed, "repeat" if in_needles else haystack)
     wording = _wording("niah", template)
     num_keys = _count("num_keys", num_keys, len(_ALL_KEYS))
     num_values = _count("num_values", num_values, 1000)
@@ -179,13 +182,15 @@ def niah(
     check_format("value_format", value_format)
     codec = codec_for(tokenizer)
     rng = _rng("niah", seed)
-    keys = draw(rng, num_keys, key_format, _digits(digits, num_keys) if key_format == "digits" else 7)
+    key_digits = _digits(digits, num_keys) if key_format == "digits" else 7
+    keys = (needle_keys if in_needles else draw)(rng, num_keys, key_format, key_digits)
     values = draw(rng, num_keys * num_values, value_format, _digits(digits, num_keys * num_values))
     if set(keys) & set(values):  # a word or number both name and value: the question would be ambiguous
         raise KvpotError("key_format and value_format drew the same key and value; give them different formats "
                          "or another seed.")
+    form = line(wording.needle) if in_needles else wording.needle
     texts = [
-        wording.needle.format(key=k, value=values[i * num_values + j])
+        form.format(key=k, value=values[i * num_values + j])
         for i, k in enumerate(keys)
         for j in range(num_values)
     ]
@@ -195,8 +200,10 @@ def niah(
     needles = [_needle(codec, t, d) for t, d in zip([texts[0], *others], depths)]
     queried = keys[:num_queries]
     answers = values[: num_queries * num_values]
+    pieces = (needle_pieces(codec, seed, form, key_format, value_format, digits, keys + values) if in_needles
+              else filler_pieces(haystack, codec, seed))
     return _build(
-        "niah", codec, wording.header, needles, filler_pieces(haystack, codec, seed),
+        "niah", codec, wording.header, needles, pieces,
         wording.question.format(keys=_join(queried)), answers, length=length, depth=depth,
         seed=seed, whole_sentences=True,
         options={"haystack": haystack, "num_keys": num_keys, "num_values": num_values,

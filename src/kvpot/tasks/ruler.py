@@ -7,6 +7,9 @@ niah_single_1        kvpot ``niah`` on the ``repeat`` haystack (RULER's "noise":
 niah_single_2        kvpot ``niah`` on the ``varied`` prose haystack (RULER: Paul Graham essays)
 niah_single_3        the same with UUID values (``value_format="uuid"``)
 niah_multikey_1      ``niah`` with 4 keys, one asked (varied haystack)
+niah_multikey_2      ``niah`` on a haystack of needles (``haystack="needles"``): each line a
+                     needle with its own word key and 7-digit value; one key asked
+niah_multikey_3      the same with UUID keys and UUID values
 niah_multivalue      ``niah`` with 4 values for the key asked
 niah_multiquery      ``niah`` with 4 keys, all asked
 vt                   kvpot ``vt``: one chain of 4 hops
@@ -20,11 +23,11 @@ qa_1 / qa_2          SQuAD v2 / HotpotQA questions over their gold paragraphs an
 kvpot's niah and vt speak RULER's wording in their template 0 (keys are adjective-noun words, values
 7-digit numbers or UUIDs); like cwe and fwe, they have two more wordings (issue 32: a score on one
 wording measures the wording too), which ``load(templates=...)`` spreads samples over (qa keeps
-RULER's one template). Not here: ``niah_multikey_2`` / ``niah_multikey_3`` (a haystack of needles,
-which kvpot's generators do not make). cwe's words are made-up
-syllable words (RULER draws English words from the wonderwords package). Depths of niah and vt
-needles are drawn per sample, seeded. Lengths: niah/vt contexts are exactly the length asked;
-cwe/fwe/qa prompts (context and question) are the longest that fit in it.
+RULER's one template). The haystack of needles (:mod:`kvpot.tasks.needle_haystack`) holds whole
+needles only, their keys all distinct. cwe's words are made-up syllable words (RULER draws English
+words from the wonderwords package). Depths of niah and vt needles are drawn per sample, seeded.
+Lengths: niah/vt contexts are exactly the length asked (a haystack's partial sentence or needle at
+either end of it is newlines); cwe/fwe/qa prompts (context and question) are the longest that fit in it.
 
 Scoring is RULER's: ``string_match_all`` (fraction of references found in the prediction, case
 ignored) for every task but qa, which takes ``string_match_part`` (any reference found);
@@ -52,6 +55,8 @@ GENERATED: dict[str, tuple[str, dict]] = {
     "niah_single_2": ("niah", {"haystack": "varied"}),
     "niah_single_3": ("niah", {"haystack": "varied", "value_format": "uuid"}),
     "niah_multikey_1": ("niah", {"haystack": "varied", "num_keys": 4}),
+    "niah_multikey_2": ("niah", {"haystack": "needles"}),
+    "niah_multikey_3": ("niah", {"haystack": "needles", "key_format": "uuid", "value_format": "uuid"}),
     "niah_multivalue": ("niah", {"haystack": "varied", "num_values": 4}),
     "niah_multiquery": ("niah", {"haystack": "varied", "num_keys": 4, "num_queries": 4}),
     "vt": ("vt", {"haystack": "repeat", "num_chains": 1, "num_hops": 4}),
