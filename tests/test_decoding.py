@@ -6,6 +6,8 @@ method in fixed shapes and the plans (append / steady / eager). The GPU tests ca
 CUDA graphs (`decode="graph"`) and must give the eager path's tokens too.
 """
 
+import shutil
+
 import pytest
 import torch
 
@@ -181,3 +183,61 @@ def test_step_times_are_recorded_per_step(model, inputs, one_thread):
         out = generate(model, kvpot.InfiniPot(pot_size=64, catalyst=None), inputs, mode, time_steps=True)
         times = out.stats.decode["step_ms"]
         assert len(times) == NEW - 1 and all(t > 0 for t in times)
+
+
+def _counting_compile(monkeypatch) -> list:
+    """torch.compile with a backend that counts the graphs dynamo hands it and runs them as traced."""
+    graphs, real = [], torch.compile
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": backend}))
+    return graphs
+
+
+@pytest.mark.parametrize("name", ["streaming-short", "infinipot", "h2o"])
+def test_a_compiled_step_compiles_once_and_gives_the_eager_tokens(model, inputs, name, monkeypatch, one_thread):
+    # one compilation for every plan and length: on a GPU a recompile inside a graph capture would fail it
+    torch._dynamo.reset()
+    graphs = _counting_compile(monkeypatch)
+    eager = generate(model, methods()[name], inputs, "eager")
+    context, question = inputs
+    engine = kvpot.Engine(model, method=methods()[name], decode="static", compile_step=True)
+    out = engine.generate_ids(context, question, max_new_tokens=NEW, ignore_eos=True)
+    assert out.token_ids == eager.token_ids
+    assert out.stats.decode["static_steps"] > 0
+    assert len(graphs) == 1
+    assert engine.step_decoder() is engine.step_decoder() is not engine.decoder
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                    reason="inductor compiles C++ on a CPU and needs a C compiler")
+def test_an_inductor_compiled_step_gives_the_eager_tokens(inputs, one_thread):
+    # the real compiler (fused kernels, not the traced graph): greedy tokens through evictions at the budget
+    torch._dynamo.reset()
+    model = build("llama3")
+    eager = generate(model, methods()["streaming-short"], inputs, "eager")
+    context, question = inputs
+    engine = kvpot.Engine(model, method=methods()["streaming-short"], decode="static", compile_step=True)
+    assert engine.generate_ids(context, question, max_new_tokens=NEW, ignore_eos=True).token_ids == eager.token_ids
+
+
+def test_compile_step_is_checked():
+    with pytest.raises(KvpotError, match="compile_step"):
+        kvpot.Engine(build("llama3"), compile_step="yes")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["streaming-short", "infinipot", "h2o", "full"])
+def test_a_compiled_graph_step_gives_the_eager_tokens_on_cuda(name, inputs):
+    torch._dynamo.reset()
+    model = build("llama3").cuda()
+    context, question = (t.cuda() for t in inputs)
+    eager = generate(model, methods()[name], (context, question), "eager")
+    engine = kvpot.Engine(model, method=methods()[name], decode="graph", compile_step=True)
+    out = engine.generate_ids(context, question, max_new_tokens=NEW, ignore_eos=True)
+    assert out.token_ids == eager.token_ids
+    assert out.stats.decode["replays"] > 0

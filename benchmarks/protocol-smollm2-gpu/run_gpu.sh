@@ -67,7 +67,7 @@ else
     python -m pip install -q --no-index --no-deps --target "$site" .whl-kvpress/*.whl
   fi
   [ -d "$site/kvpress" ] || { echo "no kvpress folder at $site (and no .whl-kvpress/): presses not run" >&2; }
-  tasks=niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multivalue,niah_multiquery,vt,cwe,fwe
+  tasks=niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multikey_2,niah_multikey_3,niah_multivalue,niah_multiquery,vt,cwe,fwe
   ruler=(ruler --tasks "$tasks" --lengths 4k,16k --samples 1 --chat chat)
   run_ full "${ruler[@]}" --method full
   for ratio in 0.25 0.5 0.75; do

@@ -64,6 +64,7 @@ class BenchConfig:
     seed: int = 0
     profile: bool = False
     decode: str = "auto"  # the engine's decoding path (kvpot.engine.decoding)
+    compile_step: bool = False  # torch.compile the fixed-shape step's decoder (Engine(compile_step=True))
     baselines: list[str] = field(default_factory=list)  # "hf", "kvpress" (kvpot.bench.baselines)
     # folder holding transformers 5.2 + kvpress (benchmarks/kvpress-env/make_wheels.sh): the kvpress
     # baseline rows run in a second Python process with it first on PYTHONPATH; None: no kvpress rows

@@ -28,7 +28,8 @@ def bench_decode(config: BenchConfig, model, runs, results, progress) -> None:
     vocab = model.config.vocab_size
     kv_bytes = model_kv_bytes(model)
     question = random_tokens(vocab, config.question_tokens, config.seed + 1, config.device)
-    engines = {run.label: engine_for(model, run, vocab, decode=config.decode) for run in runs}
+    engines = {run.label: engine_for(model, run, vocab, decode=config.decode, compile_step=config.compile_step)
+               for run in runs}
     count = config.warmup_steps + config.decode_steps + 1  # +1: n tokens give n - 1 timed steps
     warm = min(WARMUP_TOKENS, config.lengths[0])
     for run in runs:

@@ -82,7 +82,8 @@ def _kvpot_row(config: BenchConfig, model, run, prompts: dict, kind: str, tokeni
     from kvpot.engine import Engine
 
     engine = Engine(model, tokenizer or IdTokenizer(model.config.vocab_size), method=run.method, chat_template=False,
-                    decode=config.decode)
+                    # bench serve's config (also passed here) has no compile_step: its server compiles nothing
+                    decode=config.decode, compile_step=getattr(config, "compile_step", False))
     extra, state = {}, None
     if prompts["document"] is not None:
         synchronize(config.devices)

@@ -63,6 +63,12 @@ def add_decode_argument(parser: argparse.ArgumentParser) -> None:
              "allocated at the method's bound, and decodes step by step on a CPU; graph / static (the same "
              "fixed-shape steps, uncaptured) / eager force a path",
     )
+    parser.add_argument(
+        "--compile-step", action="store_true",
+        help="torch.compile the fixed-shape decoding step (graph and static paths): norms, activations, residual "
+             "adds and cache writes fuse into fewer kernels around the weights; the first step pays the "
+             "compilation (tens of seconds on a GPU)",
+    )
 
 
 def add_gguf_argument(parser: argparse.ArgumentParser) -> None:

@@ -97,6 +97,10 @@ def register(sub) -> None:
                         "kvpress rows are recorded as skipped")
     p.add_argument("--decode", default="auto", choices=["auto", "graph", "static", "eager"],
                    help="decode: kvpot's decoding path (auto: CUDA graphs on a GPU, eager on a CPU)")
+    p.add_argument("--compile-step", action="store_true",
+                   help="decode and throughput: torch.compile the fixed-shape decoding step (norms, activations, "
+                        "residual adds and cache writes fused around the weights) before it is captured; the first "
+                        "step then takes the compilation (tens of seconds), outside the timed steps")
     t = p.add_argument_group("throughput")
     t.add_argument("--users", type=int, default=16, help="requests arriving together (default 16)")
     t.add_argument("--new-tokens", type=int, default=128, help="tokens each request generates, EOS off (default 128)")
@@ -168,6 +172,7 @@ def config_from_args(args) -> BenchConfig:
         max_memory=max_memory, dtype=args.dtype, repeats=args.repeats, decode_steps=args.decode_steps, warmup_steps=args.warmup_steps,
         question_tokens=args.question_tokens, floor=args.floor, floor_chunk=args.floor_chunk, block=args.block,
         min_time=args.min_time, threads=args.threads, seed=args.seed, profile=args.profile, decode=args.decode,
+        compile_step=args.compile_step,
         baselines=[b.strip() for item in args.baseline for b in item.split(",") if b.strip()],
         kvpress_path=args.kvpress_path or os.environ.get("KVPOT_KVPRESS_PATH") or None,
         users=args.users, new_tokens=args.new_tokens, document=args.document, slots=args.slots,

@@ -281,8 +281,8 @@ class BatchDecoder:
         cache.max_position, cache.request = self.max_position, observe
         ids = self.last_token[rows].view(bucket, 1)
         nll = self.token_nll(rows) if method.needs_token_nll else None
-        out = engine.decoder(input_ids=ids, position_ids=self.zeros[:bucket], use_cache=True, kvpot_cache=cache,
-                             **cache_kwargs(engine.decoder, cache))
+        out = engine.step_decoder()(input_ids=ids, position_ids=self.zeros[:bucket], use_cache=True,
+                                    kvpot_cache=cache, **cache_kwargs(engine.decoder, cache))
         logits = engine.head(out.last_hidden_state[:, -1]).float()  # [bucket, vocab]
         method.batch_append(self.pool.layers, rows, cache.appended, live, Step("decode", 1, segment_end=True,
                                                                                token_nll=nll))

@@ -53,6 +53,7 @@ class Engine(TextApi, Scoring):
         method: Method | None = None,
         chat_template: bool | str = "auto",
         decode: str = "auto",
+        compile_step: bool = False,
     ):
         architecture_of(model.config)
         if chat_template not in (True, False, "auto"):
@@ -60,6 +61,10 @@ class Engine(TextApi, Scoring):
         if decode not in MODES:
             raise KvpotError(f"decode must be one of {MODES}, got {decode!r}.")
         self.decode = decode  # kvpot.engine.decoding: "auto" = CUDA graphs on a GPU, eager on a CPU
+        if not isinstance(compile_step, bool):
+            raise KvpotError(f"compile_step must be True or False, got {compile_step!r}.")
+        self.compile_step = compile_step
+        self._step_decoder = None
         model.set_attn_implementation(register())
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -81,6 +86,7 @@ class Engine(TextApi, Scoring):
         dtype: torch.dtype | None = None,
         chat_template: bool | str = "auto",
         decode: str = "auto",
+        compile_step: bool = False,
         device_map: str | dict | None = None,
         max_memory: dict | None = None,
         gguf_file: str | None = None,
@@ -92,7 +98,19 @@ class Engine(TextApi, Scoring):
         de-quantized once into kvpot's cache."""
         model, tokenizer = load_pretrained(name_or_path, device=device, dtype=dtype, device_map=device_map,
                                            max_memory=max_memory, gguf_file=gguf_file)
-        return cls(model, tokenizer, method=method, chat_template=chat_template, decode=decode)
+        return cls(model, tokenizer, method=method, chat_template=chat_template, decode=decode,
+                   compile_step=compile_step)
+
+    def step_decoder(self):
+        """The decoder that fixed-shape decoding steps run: with `compile_step`, `torch.compile`d once per
+        engine, so the norms, activations, residual adds and cache writes around the weights fuse into fewer
+        kernels (the step is then captured as a CUDA graph as before). Dynamic from the start: the host-side
+        counts it reads change at every step, and a recompile must never fall inside a graph capture."""
+        if not self.compile_step:
+            return self.decoder
+        if self._step_decoder is None:
+            self._step_decoder = torch.compile(self.decoder, dynamic=True)
+        return self._step_decoder
 
     @property
     def device(self) -> torch.device:

@@ -146,7 +146,8 @@ class Service:
                 from kvpot.engine import Engine
 
                 engine = Engine(self.default.model, self.default.tokenizer, method=method,
-                                chat_template=self.default.chat_template, decode=self.default.decode)
+                                chat_template=self.default.chat_template, decode=self.default.decode,
+                                compile_step=self.default.compile_step)
                 self.engines[key] = engine
         return engine
 
