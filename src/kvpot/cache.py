@@ -335,6 +335,7 @@ class PotCache(Cache):
         # function as attention(layer, query, keys, values, scaling) -> [b, heads, q, d].
         self.attention = None
         self.static = False  # fixed-shape decoding steps (`kvpot.engine.decoding`); see PotLayer._static_update
+        self.unordered = False  # entries out of stream order in their places (`kvpot.methods.replace`)
         super().__init__(layers=[PotLayer(self, i) for i in range(num_layers)])
 
     def begin_forward(self, positions: torch.Tensor, max_position: int, request=None) -> None:
@@ -399,6 +400,7 @@ class PotCache(Cache):
         twin.host_storage = self.host_storage
         twin.layers = [layer.clone_into(twin) for layer in self.layers]
         twin.max_entries = self.max_entries
+        twin.unordered = self.unordered
         twin.attention = _clone_state(self.attention)
         twin.method_state = {}
         for key, value in self.method_state.items():

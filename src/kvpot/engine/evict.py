@@ -2,10 +2,12 @@
 
 A method at its budget (StreamingLLM, H2O, TOVA) appends each generated token and evicts back to the
 same count. One slot at a time that is ~15 small kernels per layer and slot; here the slots at the
-same counts go together: per layer, their entries are gathered into a `RowsView` that looks to the
-method like one `PotLayer` with a batch of rows, the method's own `update_scores`, `keep_count` and
-`scores` run on it unchanged, one top-k selects for every row, and the kept entries (keys, values,
-positions, scores) are written back to the pool in place. A method whose `after_forward` is not
+same counts go together: per layer, their scores are gathered into a `RowsView` that looks to the
+method like one `PotLayer` with a batch of rows, and the method's own `update_scores`, `keep_count`
+and `ranking` (or `scores`) run on it unchanged. A method that ranks (`EvictionMethod.ranking`) drops
+each row's one entry by replacement (`kvpot.methods.replace`: one arg-min, the new entry written into
+the dropped one's slot); otherwise one top-k selects for every row and the kept entries (keys, values,
+positions, scores) are gathered back into the pool in place. A method whose `after_forward` is not
 `EvictionMethod`'s (D2O's merges, CItruS) keeps the one-slot path.
 """
 
@@ -14,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from kvpot.errors import KvpotError
-from kvpot.methods.base import DECODE_STEP, EvictionMethod, top_indices
+from kvpot.methods import replace
+from kvpot.methods.base import DECODE_STEP, EvictionMethod, replaces_by_ranking, top_indices
 
 
 def batch_evictable(method) -> bool:
@@ -71,6 +74,10 @@ def evict_rows(method: EvictionMethod, pool, caches: list, batch_rows: list[int]
     rows = torch.tensor(slots, dtype=torch.long).to(device, non_blocking=True)
     picks = torch.tensor(batch_rows, dtype=torch.long).to(device, non_blocking=True)
     renumbers = pool.policy.renumbers
+    replacing = replace.enabled and replaces_by_ranking(method)
+    if not replacing:
+        for cache in caches:
+            replace.restore_order(cache)  # a top-k keeps entries in the order of their places
     # slots are handed out lowest first, so a group is usually a run of neighbours: then plain slices
     # (strided copies at the memory's speed) replace advanced indexing (an index computed per element)
     span = slice(slots[0], slots[-1] + 1) if slots == list(range(slots[0], slots[-1] + 1)) else None
@@ -82,16 +89,10 @@ def evict_rows(method: EvictionMethod, pool, caches: list, batch_rows: list[int]
         if n <= (keep := method.keep_count(view, DECODE_STEP)):
             _write_scores(view, rows, n)
             continue
-        chosen = top_indices(method.scores(view, DECODE_STEP), keep).expand(len(slots), storage.kv_heads, -1)
-        for name in ("keys", "values"):
-            buf = getattr(storage, name)
-            at = chosen.unsqueeze(-1).expand(-1, -1, -1, buf.shape[-1])
-            _put(buf, rows, span, keep, torch.gather(_take(buf, rows, span, n), 2, at))
-        # rank policies renumber 0..keep-1, which the first `keep` entries already hold
-        for buf in (storage.positions, *(() if renumbers else (storage.rope_positions,))):
-            _put(buf, rows, span, keep, torch.gather(_take(buf, rows, span, n), 2, chosen))
-        for name, values in view.gathered.items():
-            _put(storage.score(name), rows, span, keep, torch.gather(values, 2, chosen))
+        if replacing and keep == n - 1:
+            _replace_rows(method, storage, view, rows, span, n, renumbers)
+        else:
+            _select_rows(method, storage, view, rows, span, n, keep, renumbers)
         pool.lengths[index, rows] = keep
         for cache in caches:
             layer = cache.layers[index]
@@ -99,6 +100,37 @@ def evict_rows(method: EvictionMethod, pool, caches: list, batch_rows: list[int]
             layer.rotated_valid = 0  # a CPU layer's rotated copy no longer matches its entries
             if not pool.policy.stores_rotated:
                 layer.max_rope = keep - 1
+            cache.unordered = cache.unordered or replacing
+
+
+def _select_rows(method, storage, view: RowsView, rows, span, n: int, keep: int, renumbers: bool) -> None:
+    """The rows keep their top `keep` entries, gathered to the front of their slots."""
+    chosen = top_indices(method.scores(view, DECODE_STEP), keep).expand(len(rows), storage.kv_heads, -1)
+    for name in ("keys", "values"):
+        buf = getattr(storage, name)
+        at = chosen.unsqueeze(-1).expand(-1, -1, -1, buf.shape[-1])
+        _put(buf, rows, span, keep, torch.gather(_take(buf, rows, span, n), 2, at))
+    # rank policies renumber 0..keep-1, which the first `keep` entries already hold
+    for buf in (storage.positions, *(() if renumbers else (storage.rope_positions,))):
+        _put(buf, rows, span, keep, torch.gather(_take(buf, rows, span, n), 2, chosen))
+    for name, values in view.gathered.items():
+        _put(storage.score(name), rows, span, keep, torch.gather(values, 2, chosen))
+
+
+def _replace_rows(method, storage, view: RowsView, rows, span, n: int, renumbers: bool) -> None:
+    """Each row drops its one entry by the method's ranking; its newest entry (the last) takes the slot."""
+    ranking = method.ranking(view, DECODE_STEP)
+    positions = _take(storage.positions, rows, span, n)
+    drop = replace.drop_index(ranking.scores, positions, ranking.sinks, ranking.recent)
+    drop = drop.expand(len(rows), storage.kv_heads, 1)
+    _write_scores(view, rows, n)  # the step's update, before the newest entry's score moves
+    if renumbers:
+        ranks = _take(storage.rope_positions, rows, span, n)
+        replace.renumber(ranks, drop)
+        if span is None:  # a gathered copy: back into the pool
+            _put(storage.rope_positions, rows, None, n, ranks)
+    buffers = (storage.keys, storage.values, storage.positions, storage.rope_positions, *storage.scores.values())
+    replace.move(buffers, drop, n - 1, rows)
 
 
 def _take(buf: torch.Tensor, rows: torch.Tensor, span: slice | None, n: int) -> torch.Tensor:
@@ -119,9 +151,11 @@ def evict_one(method, pool, cache, row: int, slot: int) -> bool:
     for layer in cache.layers:
         probs = layer.storage.probs
         layer.observation = None if probs is None else probs[row : row + 1, :, : layer.n]
+    cache.static = True  # the batched step appended in place: the one-entry eviction may replace (D2O)
     try:
         return method.after_forward(cache, DECODE_STEP)
     finally:
+        cache.static = False
         for layer in cache.layers:
             layer.observation = None
         pool.sync_lengths(slot)

@@ -18,6 +18,7 @@ import torch
 
 from kvpot.attention import AttentionRequest
 from kvpot.errors import KvpotError
+from kvpot.methods import replace
 
 if TYPE_CHECKING:
     from kvpot.cache import PotCache, PotLayer
@@ -150,6 +151,11 @@ class Method:
         nothing decode eagerly."""
         return "eager"
 
+    def decode_key(self, cache: PotCache) -> tuple:
+        """What, besides the plan, tells this step's captured graph from others: asked after
+        `decode_plan`, from host state only. InfiniteHiP: the pruning stages the step recomputes."""
+        return ()
+
     def decode_request(self, plan: str) -> AttentionRequest | None:
         """The observation a fixed-shape step records: by default what the eager step asks for,
         in steady steps (an append step's observation is unused unless `decode_append` reads it)."""
@@ -202,7 +208,10 @@ class EvictionMethod(Method):
     """Keep the `keep_count` highest-scoring entries of each layer and KV head after a forward.
 
     `scores` returns `[b, kv_heads, n]` (per-head selection) or `[b, 1, n]` (one selection shared
-    by the layer's heads); entries that must stay get `+inf` (see `protect`).
+    by the layer's heads); entries that must stay get `+inf` (see `protect`). A method whose rule is
+    a `Ranking` (per-entry values plus protected oldest/newest entries) gives `ranking` instead:
+    `scores` follows from it, and a steady decoding step then drops its one entry by replacement
+    (`kvpot.methods.replace`: the new entry takes the dropped one's slot, nothing is compacted).
     """
 
     def keep_count(self, layer: PotLayer, step: Step) -> int:
@@ -214,8 +223,16 @@ class EvictionMethod(Method):
     def update_scores(self, layer: PotLayer, step: Step) -> None:
         """Fold this forward's observation into the layer's stored scores (H2O accumulates)."""
 
+    def ranking(self, layer: PotLayer, step: Step) -> Ranking | None:
+        """The selection as a `Ranking`, or None where `scores` says it otherwise. Its values must
+        belong to the entries (stored scores, this forward's observation), not to their places."""
+        return None
+
     def scores(self, layer: PotLayer, step: Step) -> torch.Tensor:
-        raise NotImplementedError
+        ranking = self.ranking(layer, step)
+        if ranking is None:
+            raise NotImplementedError
+        return ranking.by_index(layer)
 
     def decode_plan(self, cache: PotCache) -> str:
         keeps = [self.keep_count(layer, DECODE_STEP) for layer in cache.layers]
@@ -230,6 +247,9 @@ class EvictionMethod(Method):
     shared_selection: ClassVar[bool] = False
 
     def after_forward(self, cache: PotCache, step: Step) -> bool:
+        if cache.static and self.replaces(cache, step):  # a steady fixed-shape step: one entry out, one in
+            return self._replace(cache, step)
+        replace.restore_order(cache)  # what follows reads the entries' order from their places
         evicting: dict[tuple, list] = {}
         for layer in cache.layers:
             self.update_scores(layer, step)
@@ -248,6 +268,49 @@ class EvictionMethod(Method):
             for layer, keep_indices in zip(layers, chosen):  # [b, kv_heads | 1, keep]
                 layer.select(keep_indices)
         return bool(evicting)
+
+    def replaces(self, cache: PotCache, step: Step) -> bool:
+        """Whether this step's eviction drops exactly one entry of every layer by a `Ranking`, so the new
+        entry can take the dropped one's slot (`kvpot.methods.replace`)."""
+        return replace.enabled and replaces_by_ranking(self) and step.n_new == 1 and all(
+            layer.n == self.keep_count(layer, step) + 1 for layer in cache.layers)
+
+    def _replace(self, cache: PotCache, step: Step) -> bool:
+        drops: dict = {}
+        for layer in cache.layers:
+            self.update_scores(layer, step)
+            ranking = self.ranking(layer, step)
+            # a shared selection depends on the entry count only: one arg-min serves the layers holding it
+            key = layer.n if self.shared_selection else id(layer)
+            if key not in drops:
+                drops[key] = replace.drop_index(ranking.scores, layer.positions[:, :, : layer.n], ranking.sinks,
+                                                ranking.recent)
+            replace.take_newest(layer, drops[key])
+        return True
+
+
+def replaces_by_ranking(method: Method) -> bool:
+    """Whether `method` evicts by `EvictionMethod`'s rule over a `Ranking` (its `scores` and eviction are
+    the base class's), which a one-entry eviction can apply by replacement."""
+    kind = type(method)
+    return (isinstance(method, EvictionMethod) and kind.ranking is not EvictionMethod.ranking
+            and kind.scores is EvictionMethod.scores and kind.after_forward is EvictionMethod.after_forward
+            and kind.should_evict is EvictionMethod.should_evict)
+
+
+@dataclass(frozen=True)
+class Ranking:
+    """What an eviction ranks a layer's entries by: `scores` `[b, kv_heads | 1, n]` (None: their age,
+    the oldest lowest), the first `sinks` and the last `recent` entries (in stream order) always kept."""
+
+    scores: torch.Tensor | None
+    sinks: int = 0
+    recent: int = 0
+
+    def by_index(self, layer: PotLayer) -> torch.Tensor:
+        """The scores `top_indices` selects from, the entries in stream order in the buffers."""
+        scores = recency(layer) if self.scores is None else self.scores
+        return protect(scores, sinks=self.sinks, recent=self.recent)
 
 
 def top_indices(scores: torch.Tensor, keep: int) -> torch.Tensor:

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 from kvpot.attention import AttentionRequest
 from kvpot.errors import KvpotError
-from kvpot.methods.base import EvictionMethod, Step, check_policy, check_positive, protect
+from kvpot.methods.base import EvictionMethod, Ranking, Step, check_policy, check_positive
 
 SCORE = "h2o"
 
@@ -64,8 +64,8 @@ class H2O(EvictionMethod):
     def keep_count(self, layer, step: Step) -> int:
         return self.heavy + self.recent
 
-    def scores(self, layer, step: Step):
-        return protect(layer.score(SCORE), recent=self.recent)
+    def ranking(self, layer, step: Step) -> Ranking:
+        return Ranking(layer.score(SCORE), recent=self.recent)
 
 
 def accumulate(layers, name: str, rows, live) -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpot.errors import KvpotError
-from kvpot.methods.base import EvictionMethod, Step, check_policy, check_positive, protect, recency
+from kvpot.methods.base import EvictionMethod, Ranking, Step, check_policy, check_positive
 
 
 @dataclass
@@ -51,5 +51,5 @@ class StreamingLLM(EvictionMethod):
     def keep_count(self, layer, step: Step) -> int:
         return self.sinks + self.window
 
-    def scores(self, layer, step: Step):
-        return protect(recency(layer), sinks=self.sinks)
+    def ranking(self, layer, step: Step) -> Ranking:
+        return Ranking(None, sinks=self.sinks)  # the oldest goes, the sinks excepted

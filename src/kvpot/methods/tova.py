@@ -3,7 +3,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpot.attention import AttentionRequest
-from kvpot.methods.base import EvictionMethod, Step, check_policy, check_positive
+from kvpot.methods.base import EvictionMethod, Ranking, Step, check_policy, check_positive
 
 
 @dataclass
@@ -43,5 +43,5 @@ class TOVA(EvictionMethod):
     def keep_count(self, layer, step: Step) -> int:
         return self.budget
 
-    def scores(self, layer, step: Step):
-        return layer.observation.mean(dim=1, keepdim=True)  # [b, 1, n]: all heads of the layer
+    def ranking(self, layer, step: Step) -> Ranking:
+        return Ranking(layer.observation.mean(dim=1, keepdim=True))  # [b, 1, n]: all heads of the layer

@@ -7,8 +7,9 @@ import torch
 from kvpot.attention import AttentionRequest
 from kvpot.methods.d2o.budget import inverse_variance_budgets
 from kvpot.errors import KvpotError
-from kvpot.methods.d2o.merge import nearest_kept, weighted_merge
-from kvpot.methods.base import Method, Step, check_policy, check_positive, top_indices
+from kvpot.methods import replace
+from kvpot.methods.d2o.merge import merge_one, nearest_kept, nearest_other, weighted_merge
+from kvpot.methods.base import Method, Ranking, Step, check_policy, check_positive, top_indices
 from kvpot.methods.h2o import accumulate
 
 SCORE = "d2o"  # accumulated attention per entry (eq. 6)
@@ -146,6 +147,11 @@ class D2O(Method):
             if not step.prompt_end:
                 return False
             budgets = cache.method_state[BUDGETS] = self.layer_budgets(cache)
+        if cache.static and replace.enabled and step.n_new == 1 and all(layer.n == size + 1 for layer, size in zip(cache.layers, budgets)):
+            for index, size in enumerate(budgets):  # a steady fixed-shape step: one entry out of every layer
+                self.replace(cache, index, size)
+            return True
+        replace.restore_order(cache)  # what follows reads the entries' order from their places
         evicted = False
         for index, (layer, size) in enumerate(zip(cache.layers, budgets)):
             if layer.n > size:
@@ -153,16 +159,30 @@ class D2O(Method):
                 evicted = True
         return evicted
 
-    def keep_indices(self, layer, size: int) -> torch.Tensor:
-        """Eqs. 7-8: sinks + top-N accumulated + M recent, per KV head -> [b, kv, size] ascending."""
+    def ranking(self, layer, size: int) -> Ranking:
+        """Eqs. 7-8: the first `sinks`, the M most recent, then the top N by accumulated attention."""
         sinks = min(self.sinks, size)
         rest = size - sinks
         recent = max(1, round(rest / (1.0 + float(self.heavy_to_recent)))) if rest else 0
-        scores = layer.score(SCORE).clone()
-        scores[..., :sinks] = float("inf")
-        if recent:
-            scores[..., layer.n - recent :] = float("inf")
-        return top_indices(scores, size)
+        return Ranking(layer.score(SCORE), sinks=sinks, recent=recent)
+
+    def keep_indices(self, layer, size: int) -> torch.Tensor:
+        """The kept entries, per KV head -> [b, kv, size] ascending."""
+        return top_indices(self.ranking(layer, size).by_index(layer), size)
+
+    def replace(self, cache, index: int, size: int) -> None:
+        """`evict` of the one entry a decoding step adds (`kvpot.methods.replace`): the entry leaves, merged
+        into its nearest other entry first (eqs. 9-12), and the new entry takes its slot."""
+        layer = cache.layers[index]
+        n, ranking = layer.n, self.ranking(layer, size)
+        positions = layer.positions[:, :, :n]
+        drop = replace.drop_index(ranking.scores, positions, ranking.sinks, ranking.recent)
+        if self.merge:
+            keys, values = layer.keys[:, :, :n], layer.values[:, :, :n]
+            similarity, target = nearest_other(keys, drop, positions)
+            merge = similarity >= self._threshold(cache, index, similarity)
+            merge_one(keys, values, drop, target, similarity, merge)
+        replace.take_newest(layer, drop)
 
     def evict(self, cache, index: int, size: int) -> None:
         layer = cache.layers[index]

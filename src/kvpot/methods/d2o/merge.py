@@ -52,3 +52,36 @@ def weighted_merge(
         total.scatter_add_(2, index, evicted.float() * weight.unsqueeze(-1))
         out.append((total / denominator.unsqueeze(-1)).to(kept.dtype))
     return out[0], out[1]
+
+
+def nearest_other(keys: torch.Tensor, drop: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`nearest_kept` for one evicted entry per head, the kept ones left in place: keys [b, h, n, d] (every
+    entry), drop [b, h, 1] the evicted one, positions [b, h, n] their stream positions -> (similarity,
+    index of the most similar other entry) [b, h, 1] each; among equal similarities the oldest, as
+    `nearest_kept`'s first maximum over kept entries in stream order."""
+    gone = keys.gather(2, drop.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1]))
+    unit = torch.nn.functional.normalize(keys.float(), dim=-1)
+    piece = torch.nn.functional.normalize(gone.float(), dim=-1)
+    similarity = torch.einsum("bhed,bhcd->bhec", piece, unit)[:, :, 0].scatter_(2, drop, float("-inf"))
+    best = similarity.amax(dim=-1, keepdim=True)
+    oldest = torch.where(similarity == best, positions, torch.iinfo(torch.long).max)
+    return best, oldest.argmin(dim=-1, keepdim=True)
+
+
+def merge_one(keys: torch.Tensor, values: torch.Tensor, drop: torch.Tensor, target: torch.Tensor,
+              similarity: torch.Tensor, merge: torch.Tensor) -> None:
+    """`weighted_merge` for one evicted entry per head, in place: keys/values [b, h, n, d] (every entry),
+    entry `drop` [b, h, 1] folded into entry `target` [b, h, 1] where `merge` [b, h, 1], with eq. 12's
+    weights and `weighted_merge`'s arithmetic. Its other kept entries come back from `(k * e) / e`,
+    which is k itself in half precision (the error is far below half a unit); float32 entries are put
+    through it as `weighted_merge` does."""
+    weight = torch.where(merge, similarity.exp(), torch.zeros_like(similarity))  # [b, h, 1]
+    denominator = torch.full_like(weight, SELF_WEIGHT).add_(weight).unsqueeze(-1)
+    for buf in (keys, values):
+        at = target.unsqueeze(-1).expand(-1, -1, -1, buf.shape[-1])
+        gone = buf.gather(2, drop.unsqueeze(-1).expand(-1, -1, -1, buf.shape[-1])).float()
+        total = buf.gather(2, at).float() * SELF_WEIGHT + gone * weight.unsqueeze(-1)
+        merged = (total / denominator).to(buf.dtype)
+        if buf.dtype == torch.float32:
+            buf.copy_(buf * SELF_WEIGHT / torch.full_like(denominator, SELF_WEIGHT))
+        buf.scatter_(2, at, merged)

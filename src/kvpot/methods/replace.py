@@ -1,0 +1,103 @@
+"""One entry out, one in: the eviction of a steady decoding step without compaction (issue 30).
+
+A method at its budget appends one entry per generated token and evicts one. Selecting the kept
+entries with a top-k and gathering keys, values, positions and scores into place moves the whole
+cache, twice, in ~15 small kernels per layer. Here instead the entry that leaves is found (one
+arg-min) and the new entry, appended last, is written into its slot; under rank positions
+(`shift`/`reset`) the entries ranked after it move down by one. StreamingLLM's oldest non-sink
+entry is the arg-min of the stream positions: its slot is the next write, a ring.
+
+The kept set is `top_indices`' own: entries are ranked by the same values and, among equal values,
+the older goes first, as the arg-min over entries kept in stream order picks the first. Nothing may
+read the order from the places afterwards: every rule that does (protected sinks and recent
+entries, rank positions, recency) is computed here from stored positions:
+
+- the first `sinks` entries never leave, so they keep their places (indices below `sinks`);
+- the last `recent` entries are those whose stream position is above the newest one's less
+  `recent`: a method that protects its `recent` newest entries at every eviction never drops one of
+  the last `recent` tokens read (each was protected from its arrival until `recent` newer came),
+  and the stream positions of a run are consecutive;
+- rank positions are stored per entry and renumbered in place.
+
+A cache whose entries left stream order is marked (`PotCache.unordered`); `restore_order` sorts it
+back (one gather) before anything that reads the order from the places runs on it (an eager
+eviction), and when decoding ends. Attention is the same over any order of its entries, up to the
+order of floating-point sums.
+"""
+
+from __future__ import annotations
+
+import torch
+
+LAST = torch.iinfo(torch.long).max  # a position no entry has: loses every tie
+enabled = True  # False: every eviction takes the top-k and gather path (tests compare the two)
+
+
+def drop_index(scores: torch.Tensor | None, positions: torch.Tensor, sinks: int = 0, recent: int = 0) -> torch.Tensor:
+    """The entry a one-entry eviction drops: [b, h, 1] indices into the `n` live entries.
+
+    scores [b, h, n] float (h = kv_heads, or 1 for a selection shared by the heads; None: all alike,
+    so the oldest goes); positions [b, kv_heads, n] the entries' stream positions, the newest entry last.
+    The lowest score goes, the oldest among equal ones; the first `sinks` entries and the `recent` newest
+    by stream position never go.
+    """
+    heads = 1 if scores is None else scores.shape[1]
+    positions = positions[:, :heads]  # a shared selection: every head holds the same entries
+    newest = positions[..., -1:]
+    rest = positions[..., sinks:]
+    if scores is None:
+        key = rest if not recent else rest.masked_fill(rest > newest - recent, LAST)
+        return key.argmin(dim=-1, keepdim=True) + sinks
+    rest_scores = scores[..., sinks:]
+    if recent:
+        rest_scores = rest_scores.masked_fill(rest > newest - recent, float("inf"))
+    low = rest_scores.amin(dim=-1, keepdim=True)
+    oldest = torch.where(rest_scores == low, rest, LAST)
+    return oldest.argmin(dim=-1, keepdim=True) + sinks
+
+
+def renumber(rope_positions: torch.Tensor, drop: torch.Tensor) -> None:
+    """Rank positions [b, kv, n] (in place) after entry `drop` [b, kv, 1] leaves: those ranked after it
+    move down by one, so the kept entries are numbered 0..n-2 in stream order again."""
+    rank = rope_positions.gather(2, drop)
+    rope_positions.sub_(rope_positions.gt(rank).to(rope_positions.dtype))
+
+
+def move(buffers, drop: torch.Tensor, source: int, rows: torch.Tensor | None = None) -> None:
+    """Entry `source` of every buffer ([slots, kv, capacity, ...]) written over entry `drop` [B, kv, 1]
+    of each row (`rows` [B] their slots; None: the buffers' own first B)."""
+    b, kv = drop.shape[:2]
+    device = drop.device
+    rows = torch.arange(b, device=device) if rows is None else rows
+    at = (rows.view(-1, 1), torch.arange(kv, device=device).view(1, -1), drop[..., 0])
+    for buf in buffers:
+        buf[at] = buf[at[0], at[1], source]
+
+
+def take_newest(layer, drop: torch.Tensor) -> None:
+    """Layer `layer` (a `PotLayer`, `n` entries, the newest last) drops entry `drop` [b, kv | 1, 1] and
+    the newest takes its slot: `n - 1` entries remain, every rule that reads them in stream order
+    answering as before."""
+    n, policy = layer.n, layer.cache.policy
+    drop = drop.expand(layer.batch, layer.kv_heads, 1)
+    if policy.renumbers:
+        renumber(layer.rope_positions[:, :, :n], drop)
+    move((layer.keys, layer.values, layer.positions, layer.rope_positions, *layer.scores.values()), drop, n - 1)
+    layer.n, layer.n_new = n - 1, 0
+    layer.rotated_valid = 0  # a CPU layer's rotated copy no longer matches its places
+    if not policy.stores_rotated:
+        layer.max_rope = n - 2
+    layer.cache.unordered = True
+
+
+def restore_order(cache) -> None:
+    """Put a cache's entries back in stream order (after replacements), for what reads the order from
+    the places; nothing to do for a cache in order."""
+    if not getattr(cache, "unordered", False):
+        return
+    for layer in cache.layers:
+        if layer.n:
+            n_new = layer.n_new
+            layer.select(layer.positions[:, :, : layer.n].argsort(dim=-1))
+            layer.n_new = n_new
+    cache.unordered = False
