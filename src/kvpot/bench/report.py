@@ -17,13 +17,20 @@ def _labels(results: dict) -> list[str]:
     return list(dict.fromkeys(r["method"] for r in results["rows"]))
 
 
-def _cell(row: dict, key: str, fmt) -> str:
+def _cell(row: dict, key, fmt) -> str:
     if row.get("oom"):
         return "OOM"
     if row.get("skipped"):
         return "skipped"
-    value = row.get(key)
+    value = key(row) if callable(key) else row.get(key)
     return "-" if value is None else fmt(value)
+
+
+def _offload(name: str):
+    """A figure of an offloading method's report (InfiniteHiP's GPU cache): None for the others."""
+    def read(row: dict):
+        return ((row.get("method_report") or {}).get("offload") or {}).get(name)
+    return read
 
 
 _COLUMNS = {
@@ -38,7 +45,9 @@ _COLUMNS = {
                ("tok/s", "tokens_per_second", lambda v: f"{v:,.1f}"),
                ("peak memory", "peak_memory_bytes", None),
                ("KV cache", "kv_cache_bytes", None),
-               ("max KV entries", "max_kv_entries", lambda v: f"{v:,}")],
+               ("max KV entries", "max_kv_entries", lambda v: f"{v:,}"),
+               ("LRU hits", _offload("hit_rate"), lambda v: f"{100 * v:.1f}%"),
+               ("host->GPU /token", _offload("host_bytes_per_token"), None)],
     "throughput": [("users", "users", lambda v: f"{v:,}"),
                    ("done", "completed", lambda v: f"{v:,}"),
                    ("tok/s", "output_tokens_per_second", lambda v: f"{v:,.0f}"),
@@ -78,7 +87,9 @@ def summary_markdown(results: dict) -> str:
         "prefill": "TTFT = prefill of context + question (median of repeats); compress share = the method's "
                    "scoring and eviction time / TTFT; `floor` = chunked forward without any KV cache.",
         "decode": "ms/token = median of per-step times after warm-up steps (one forward + next-token pick); "
-                  "`floor` = one-token forward without a cache.",
+                  "`floor` = one-token forward without a cache. Offloading (InfiniteHiP): LRU hits = reads served "
+                  "by the GPU cache; host->GPU /token = bytes the kernels read from host memory per step (misses "
+                  "read by the attention and copied into the cache, stage-scan probes), over every decoding step.",
         "throughput": "All users' requests arrive together; tok/s = generated tokens / the workload's wall time; "
                       "TTFT from the workload's start (queueing counts); ITL = gaps between a request's delivered "
                       "tokens (one-at-a-time rows: per-step GPU times). `[batch]` = kvpot's scheduler, `[one at a "

@@ -354,12 +354,14 @@ def _attention_kernel(
     LSE,  # [SPLITS, B, KV, M] float32 log2-sum-exp of each split's scores
     SLOT,  # [>= N] int32: each key's slot in the GPU cache, -1 where it is only in (host) K/V (CACHED)
     KG, VG,  # [KV, SLOTS, D] the GPU cache of keys and values (CACHED), strides as K/V's per-head rows
+    POS,  # [1] int64: the position of query 0, read on the device instead of `offset` (POS_ON_DEVICE)
     N, B, KV, M, R, C, offset, scale,  # offset: position of query 0; scale: softmax scale
     SINK, SEG2, TOTAL, PER_SPLIT,  # virtual key list: [0, SINK) sinks, [SINK, SEG2) selected, [SEG2, TOTAL) window
     stride_qb, stride_qh, stride_qm, stride_kh, stride_kn, stride_vh, stride_vn, stride_t,
     stride_os, stride_ob, stride_oh, stride_om, stride_gh, stride_gn,
     CH: tl.constexpr,  # tokens per selected range
     CACHED: tl.constexpr,  # K/V live in host memory, read through the GPU cache where SLOT says so
+    POS_ON_DEVICE: tl.constexpr,  # a fixed-shape decoding step: the query's position is a device value
     SHARED: tl.constexpr, STREAMING: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr,
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -370,6 +372,8 @@ def _attention_kernel(
     h = (pid // tiles) % KV
     b = pid // (tiles * KV)
     s = 0 if SHARED else h
+    if POS_ON_DEVICE:
+        offset = tl.load(POS)
     dh = tl.arange(0, HALF)
     rows = mt * BLOCK_M + tl.arange(0, BLOCK_M)
     t = offset + b * R + rows % R  # true position of each row's query
@@ -481,7 +485,8 @@ def sparse_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
                      starts: torch.Tensor, ends: torch.Tensor, chunk: int, window_start: torch.Tensor,
                      window_width: int, sink: int, rows: int, streaming: bool, cos: torch.Tensor,
                      sin: torch.Tensor, splits: int | None = None, offset: int | None = None,
-                     memo: dict | None = None, gpu_cache=None, block_m: int | None = None) -> torch.Tensor:
+                     memo: dict | None = None, gpu_cache=None, block_m: int | None = None,
+                     position: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of the last `q` queries over sinks + selected ranges + window; kernel form of
     `sparse._final_attention`.
 
@@ -494,7 +499,9 @@ def sparse_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     only change when the selection does (decoding reuses them between refreshes). With `gpu_cache`
     (a `kvpot.methods.infinitehip.offload.GpuKvCache`), keys/values are in pinned host memory and each key is read from
     the GPU cache when it holds it, else over the bus. `block_m` (query rows per program) overrides
-    the tile, for tests and tuning. Returns [h, q, d].
+    the tile, for tests and tuning. `position` ([1] long on the device) replaces `offset` for a
+    fixed-shape decoding step (one query, keys/values the whole buffers: `n` is their capacity and
+    the kernel masks every key after the query). Returns [h, q, d].
     """
     h, q, d = query.shape
     kv, n = keys.shape[0], keys.shape[1]
@@ -544,11 +551,11 @@ def sparse_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     _attention_kernel[(programs, splits)](
         qb, keys, values, cos, sin, starts.contiguous(), ends.contiguous(), selbase,
         window_start.contiguous(), nsink.contiguous(), base, out, lse, slot, kg, vg,
-        n, b, kv, m, rows, c, n - q if offset is None else offset, scaling, sink, seg2, total, per_split,
+        out if position is None else position, n, b, kv, m, rows, c, n - q if offset is None else offset, scaling, sink, seg2, total, per_split,
         qb.stride(0), qb.stride(1), qb.stride(2), keys.stride(0), keys.stride(1), values.stride(0),
         values.stride(1), cos.stride(0), out.stride(0), out.stride(1), out.stride(2), out.stride(3),
         kg.stride(0) if gpu_cache is not None else 0, kg.stride(1) if gpu_cache is not None else 0,
-        CH=chunk, CACHED=gpu_cache is not None, SHARED=s == 1, STREAMING=streaming, HALF=d // 2, SPLIT=splits > 1,
+        CH=chunk, CACHED=gpu_cache is not None, POS_ON_DEVICE=position is not None, SHARED=s == 1, STREAMING=streaming, HALF=d // 2, SPLIT=splits > 1,
         IEEE=query.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4 if block_m <= 64 else 8,
     )
     if splits > 1:

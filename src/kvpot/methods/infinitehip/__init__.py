@@ -8,7 +8,8 @@ import torch
 from kvpot.errors import KvpotError
 from kvpot.methods.base import Method, Setup, Step, check_positive
 from kvpot.rope import Rope, rotate_half
-from kvpot.methods.infinitehip.offload import GpuKvCache, used_tokens
+from kvpot.methods.infinitehip.fixed import FixedMasks, fixed_step, width_bound
+from kvpot.methods.infinitehip.offload import GpuKvCache, scan_bytes, used_tokens
 from kvpot.methods.infinitehip.reference import LayerPlan, MaskCache, Stage, refresh_due, sparse_attention
 
 log = logging.getLogger("kvpot")
@@ -194,7 +195,18 @@ class InfiniteHiP(Method):
         cache.host_storage = self.offload
 
     def before_forward(self, cache, step: Step) -> None:
-        cache.attention.decoding = step.phase == "decode"
+        runtime = cache.attention
+        runtime.decoding = step.phase == "decode"
+        if not runtime.decoding:  # new tokens read: the next decoding step starts the refresh schedule
+            runtime.restart()
+
+    def decode_plan(self, cache) -> str:
+        """Fixed-shape steps ("append": captured once per pattern of due stages), except offloaded
+        (the engine's forward writes the entries to host memory: eager steps)."""
+        return "append" if cache.attention.prepare_fixed(cache) else "eager"
+
+    def decode_key(self, cache) -> tuple:
+        return cache.attention.due
 
     def after_forward(self, cache, step: Step) -> bool:
         if step.phase == "decode":
@@ -217,6 +229,16 @@ class HipRuntime:
         self.masks = [MaskCache() for _ in plans]
         self.step = 0  # decoding steps taken
         self.decoding = False
+        # fixed-shape decoding (`kvpot.methods.infinitehip.fixed`): the stage outputs in fixed buffers,
+        # sized for `fixed_capacity` entries; the stages the next step recomputes; which path ("eager" or
+        # "fixed") holds the current masks; the widest window a step attends
+        self.fixed: list[FixedMasks | None] = [None] * len(plans)
+        self.fixed_capacity = 0
+        self.due: tuple[bool, ...] = ()
+        self.latest: str | None = None
+        self.width = width_bound(plans[0].window, refresh) if plans else 0
+        self.bound = 0  # positions a fixed-shape step may rotate at (the RoPE table's rows)
+        self.scan_bytes = 0  # offloading: bytes the stage scans asked of host memory while decoding
 
     def table(self, like: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The RoPE table for the Triton kernels, or None where the reference must run."""
@@ -241,7 +263,67 @@ class HipRuntime:
         twin.gpu_caches = [None if c is None else c.clone() for c in self.gpu_caches]
         twin.masks = [m.clone() for m in self.masks]
         twin.step, twin.decoding = self.step, self.decoding
+        twin.fixed = [None if m is None else m.clone() for m in self.fixed]
+        twin.fixed_capacity, twin.due, twin.latest, twin.bound = self.fixed_capacity, self.due, self.latest, self.bound
+        twin.scan_bytes = self.scan_bytes
         return twin
+
+    def restart(self) -> None:
+        """Start the refresh schedule again: the next decoding step recomputes every stage."""
+        self.step = 0
+        self.masks = [MaskCache() for _ in self.plans]
+        self.latest = None
+
+    # ------------------------------------------------------------------ fixed-shape decoding
+    def prepare_fixed(self, cache) -> bool:
+        """Before a decoding step, from host counts only: False where the step must run eagerly
+        (offloading: the engine's forward writes entries to host memory and the GPU cache is updated
+        between steps; a RoPE without a fixed table). Else size the stage
+        buffers and the RoPE table for the whole decode (no captured step allocates them) and set
+        the stages this step recomputes (`due`, part of its graph key), advancing the schedule."""
+        layer0 = cache.layers[0]
+        if self.gpu_cache_tokens is not None or self.rope.dynamic:
+            return False
+        capacity = layer0.capacity
+        if self.latest == "eager" or (capacity != self.fixed_capacity and self.step):
+            self.restart()  # the current masks are the eager path's, or sized for other buffers
+        if capacity != self.fixed_capacity:
+            self.fixed = [FixedMasks.allocate(plan, keep, capacity, layer.kv_heads, layer.device)
+                          for plan, keep, layer in zip(self.plans, self.last_keep, cache.layers)]
+            self.fixed_capacity = capacity
+        # positions used: up to the capacity (absolute), candidates + window (chunk-indexed), sinks +
+        # selection + the widest window (streaming)
+        self.bound = capacity + self.width + 2
+        if self.table(layer0.keys, self.bound + 1) is None:
+            self.rope.table(self.bound + 1, layer0.keys)  # the reference rotates from the same table
+        self.due = tuple(refresh_due(self.step, self.refresh))
+        recomputed = [i for i, due in enumerate(self.due) if due]
+        for masks in self.masks:
+            masks.recomputed.append(recomputed)
+        self.step += 1
+        self.latest = "fixed"
+        return True
+
+    def static_attention(self, layer, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                         scaling: float) -> torch.Tensor:
+        """A fixed-shape decoding step (`kvpot.engine.decoding`): query [1, h, 1, d] un-rotated, keys/values
+        the layer's whole buffers [1, kv, capacity, d], the step's token at `layer.slot` (its position:
+        nothing is evicted). Runs the stages `due` (set by `prepare_fixed`). -> [1, h, 1, d]."""
+        index, bound = layer.layer_idx, self.bound
+
+        def rotate(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            cos, sin = self.rope.cos_sin(positions, x, bound)
+            return x * cos + rotate_half(x) * sin
+
+        def step() -> torch.Tensor:
+            return fixed_step(query[0], keys[0], values[0], scaling, layer.slot, self.plans[index],
+                              self.last_keep[index], self.due, self.fixed[index], self.width, rotate,
+                              self.table(query, bound + 1)).unsqueeze(0)
+
+        if query.device.type != "cuda":
+            return step()
+        with torch.cuda.device(query.device):
+            return step()
 
     def __call__(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
         """query [1, heads, q, d] un-rotated, key/value [1, kv_heads, n, d] (keys un-rotated)."""
@@ -258,6 +340,10 @@ class HipRuntime:
                decoding: bool) -> torch.Tensor:
         """Layer `index`'s sparse attention: query [heads, q, d], keys/values [kv_heads, n, d] -> [heads, q, d].
         Decoding (q == 1) reuses the layer's mask cache on the refresh schedule at `self.step`."""
+        if decoding:
+            if self.latest == "fixed":  # the current masks are in the fixed buffers: start over
+                self.restart()
+            self.latest = "eager"
         bound = keys.shape[1] + self.plans[index].window + 2  # above every position any style uses
 
         def rotate(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -289,14 +375,21 @@ class HipRuntime:
                 gpu_cache.touch(tokens, valid, keys, values)
             else:  # same selection and window start: only the newest key is new
                 gpu_cache.touch_newest(keys.shape[1] - 1, keys, values)
+            self.scan_bytes += scan_bytes(plan, masks, keys)
         return out
 
     def offload_stats(self) -> dict | None:
-        """Decoding reads served by the GPU caches: hits, reads and the hit rate, over every layer
-        and step so far (synchronises with the device); None without offloading."""
+        """Decoding reads served by the GPU caches (hits, reads, hit rate) and the bytes read from host
+        memory (`attention_host_bytes`: misses, read by the attention; `fetched_bytes`: the same copied
+        into the GPU cache; `scan_host_bytes`: stage-scan probes; `host_bytes` their sum, and per step),
+        over every layer and decoding step so far (synchronises with the device); None without offloading."""
         if self.gpu_cache_tokens is None:
             return None
         caches = [c for c in self.gpu_caches if c is not None]
         hits, used = sum(int(c.hits) for c in caches), sum(int(c.used) for c in caches)
+        # a miss is read from host memory twice: by the attention, then by the copy into the GPU cache
+        missed = sum((int(c.used) - int(c.hits)) * c.row_bytes for c in caches)
         return {"hits": hits, "reads": used, "hit_rate": hits / used if used else None,
-                "gpu_cache_tokens": self.gpu_cache_tokens}
+                "gpu_cache_tokens": self.gpu_cache_tokens, "attention_host_bytes": missed, "fetched_bytes": missed,
+                "scan_host_bytes": self.scan_bytes, "host_bytes": 2 * missed + self.scan_bytes,
+                "host_bytes_per_token": (2 * missed + self.scan_bytes) / self.step if self.step else None}

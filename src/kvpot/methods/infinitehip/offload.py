@@ -45,6 +45,11 @@ class GpuKvCache:
         self.set_size = torch.zeros((), dtype=torch.long, device=device)  # keys the last step read
         self.tick = 0
 
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one entry's key and value, over the layer's KV heads."""
+        return 2 * self.keys.shape[0] * self.keys.shape[2] * self.keys.element_size()
+
     def clone(self) -> GpuKvCache:
         twin = object.__new__(GpuKvCache)
         twin.__dict__ = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.__dict__.items()}
@@ -115,6 +120,25 @@ class GpuKvCache:
         self.stamp.index_fill_(0, target, self.tick)
         self.stamp[self.slots:].fill_(torch.iinfo(torch.long).max)
         fetch(keys, values, self.keys, self.values, tokens, torch.where(miss, target, -1))
+
+
+def scan_bytes(plan, masks, keys: torch.Tensor) -> int:
+    """Bytes the stage scans of a decoding step read from host memory (`keys` [kv, n, d] there): each
+    candidate range of a recomputed stage costs 2 ceil(log2(chunk)) + 1 probes (Algorithm 3's halvings
+    and the representative's score), each reading one key of every KV head; requested, not measured
+    on the bus (a repeated read may hit the GPU's L2)."""
+    kv, n, d = keys.shape
+    row = kv * d * keys.element_size()
+    total = 0
+    for i in masks.recomputed[-1]:
+        chunk = plan.stages[i].chunk
+        if i == 0:
+            span = max(masks.stages[0].window_starts[0] - plan.sink, 0)
+            candidates = max(1, -(-span // chunk))
+        else:
+            candidates = masks.stages[i - 1].starts.shape[-1] * (plan.stages[i - 1].chunk // chunk)
+        total += candidates * (2 * max(0, (chunk - 1).bit_length()) + 1) * row
+    return total
 
 
 def used_tokens(sink_count: int, starts: torch.Tensor, ends: torch.Tensor, chunk: int, window_start: int,

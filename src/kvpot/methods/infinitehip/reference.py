@@ -226,8 +226,9 @@ def run_stage(scorer: _Scorer, starts: torch.Tensor, ends: torch.Tensor, stage: 
     count = max(1, keep // stage.chunk)
     if score.shape[-1] <= count:
         return starts, ends
-    top = score.topk(count, dim=-1)
-    order = top.indices.sort(dim=-1).values  # keep position order
+    # the best `count`, ties to the earlier candidate (a stable sort), then in position order: the same
+    # picks in the same places whatever empty ranges follow the list (a fixed-shape step pads it)
+    order = score.sort(dim=-1, descending=True, stable=True).indices[..., :count].sort(dim=-1).values
     kept_starts, kept_ends = starts.gather(-1, order), ends.gather(-1, order)
     kept_valid = valid.gather(-1, order)
     return kept_starts, torch.where(kept_valid, kept_ends, kept_starts)  # padding picks stay empty
