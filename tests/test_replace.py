@@ -11,11 +11,13 @@ import pytest
 import torch
 
 import kvpot
-from conftest import VOCAB, build
+from conftest import VOCAB, build, interpreter_runtime_loops
 from kvpot.engine.requests import Request
 from kvpot.engine.scheduler import Scheduler
 from kvpot.methods import replace
 from kvpot.methods.base import Ranking, top_indices
+
+interpreter_runtime_loops()  # TRITON_INTERPRET=1 runs the kernels' path in Triton's interpreter
 
 CONTEXT, QUESTION, NEW = 96, 4, 72  # NEW: the windows below wrap several times
 

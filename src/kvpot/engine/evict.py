@@ -90,7 +90,7 @@ def evict_rows(method: EvictionMethod, pool, caches: list, batch_rows: list[int]
             _write_scores(view, rows, n)
             continue
         if replacing and keep == n - 1:
-            _replace_rows(method, storage, view, rows, span, n, renumbers)
+            _replace_rows(method, storage, view, rows, n, renumbers)
         else:
             _select_rows(method, storage, view, rows, span, n, keep, renumbers)
         pool.lengths[index, rows] = keep
@@ -117,20 +117,13 @@ def _select_rows(method, storage, view: RowsView, rows, span, n: int, keep: int,
         _put(storage.score(name), rows, span, keep, torch.gather(values, 2, chosen))
 
 
-def _replace_rows(method, storage, view: RowsView, rows, span, n: int, renumbers: bool) -> None:
+def _replace_rows(method, storage, view: RowsView, rows, n: int, renumbers: bool) -> None:
     """Each row drops its one entry by the method's ranking; its newest entry (the last) takes the slot."""
     ranking = method.ranking(view, DECODE_STEP)
-    positions = _take(storage.positions, rows, span, n)
-    drop = replace.drop_index(ranking.scores, positions, ranking.sinks, ranking.recent)
-    drop = drop.expand(len(rows), storage.kv_heads, 1)
     _write_scores(view, rows, n)  # the step's update, before the newest entry's score moves
-    if renumbers:
-        ranks = _take(storage.rope_positions, rows, span, n)
-        replace.renumber(ranks, drop)
-        if span is None:  # a gathered copy: back into the pool
-            _put(storage.rope_positions, rows, None, n, ranks)
-    buffers = (storage.keys, storage.values, storage.positions, storage.rope_positions, *storage.scores.values())
-    replace.move(buffers, drop, n - 1, rows)
+    replace.replace_newest(storage.keys, storage.values, storage.positions, storage.rope_positions,
+                           list(storage.scores.values()), n, ranking.scores, rows, ranking.sinks, ranking.recent,
+                           renumbers)
 
 
 def _take(buf: torch.Tensor, rows: torch.Tensor, span: slice | None, n: int) -> torch.Tensor:

@@ -276,16 +276,10 @@ class EvictionMethod(Method):
             layer.n == self.keep_count(layer, step) + 1 for layer in cache.layers)
 
     def _replace(self, cache: PotCache, step: Step) -> bool:
-        drops: dict = {}
         for layer in cache.layers:
             self.update_scores(layer, step)
             ranking = self.ranking(layer, step)
-            # a shared selection depends on the entry count only: one arg-min serves the layers holding it
-            key = layer.n if self.shared_selection else id(layer)
-            if key not in drops:
-                drops[key] = replace.drop_index(ranking.scores, layer.positions[:, :, : layer.n], ranking.sinks,
-                                                ranking.recent)
-            replace.take_newest(layer, drops[key])
+            replace.take_newest(layer, ranking.scores, ranking.sinks, ranking.recent)
         return True
 
 

@@ -74,20 +74,68 @@ def move(buffers, drop: torch.Tensor, source: int, rows: torch.Tensor | None = N
         buf[at] = buf[at[0], at[1], source]
 
 
-def take_newest(layer, drop: torch.Tensor) -> None:
-    """Layer `layer` (a `PotLayer`, `n` entries, the newest last) drops entry `drop` [b, kv | 1, 1] and
-    the newest takes its slot: `n - 1` entries remain, every rule that reads them in stream order
-    answering as before."""
+def replace_newest(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, rope_positions: torch.Tensor,
+                   stored: list[torch.Tensor], n: int, scores: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                   sinks: int = 0, recent: int = 0, renumbers: bool = False, drop: torch.Tensor | None = None,
+                   find: bool = True, write: bool = True) -> torch.Tensor:
+    """Each row drops one of its `n` live entries (`drop_index`'s rule, or `drop` [B, kv, 1] given with
+    `find=False`) and its newest entry (`n - 1`) takes the slot (`write`): keys/values [S, kv, C, d],
+    positions/rope_positions and the `stored` score arrays [S, kv, C], rows [B] the slots (None: all S);
+    scores [B, kv | 1, n] (None: by age). Returns the dropped entries [B, kv, 1]. One Triton launch
+    where the kernels run (`kvpot.kernels.replace`), else a handful of PyTorch operations."""
+    from kvpot import kernels
+
+    if kernels.available(keys.device):
+        from kvpot.kernels.replace import replace_newest as kernel
+
+        drop = kernel(keys, values, positions, rope_positions, n, scores, stored[0] if stored else None, rows,
+                      sinks, recent, renumbers, drop, find, write)
+        if write and len(stored) > 1:
+            move(stored[1:], drop.expand(-1, keys.shape[1], 1), n - 1, rows)
+        return drop
+    return replace_reference(keys, values, positions, rope_positions, stored, n, scores, rows, sinks, recent,
+                             renumbers, drop, find, write)
+
+
+def replace_reference(keys, values, positions, rope_positions, stored, n, scores=None, rows=None, sinks=0, recent=0,
+                      renumbers=False, drop=None, find=True, write=True) -> torch.Tensor:
+    """`replace_newest` in PyTorch (the CPU path, and the kernel's reference)."""
+    kv = keys.shape[1]
+    at = slice(None) if rows is None else rows
+    if find:
+        drop = drop_index(scores, positions[at, :, :n], sinks, recent)
+    drop = drop.expand(drop.shape[0], kv, 1)
+    if not write:
+        return drop
+    if renumbers:
+        ranks = rope_positions[at, :, :n]  # a view without rows, else a copy written back
+        renumber(ranks, drop)
+        if rows is not None:
+            rope_positions[rows, :, :n] = ranks
+    move((keys, values, positions, rope_positions, *stored), drop, n - 1, rows)
+    return drop
+
+
+def take_newest(layer, scores: torch.Tensor | None = None, sinks: int = 0, recent: int = 0,
+                drop: torch.Tensor | None = None) -> torch.Tensor:
+    """Layer `layer` (a `PotLayer`, `n` entries, the newest last) drops one entry (by `scores`, `sinks`,
+    `recent` as `drop_index`; or `drop` [b, kv | 1, 1]) and the newest takes its slot: `n - 1` entries
+    remain, every rule that reads them in stream order answering as before. Returns the dropped entries."""
     n, policy = layer.n, layer.cache.policy
-    drop = drop.expand(layer.batch, layer.kv_heads, 1)
-    if policy.renumbers:
-        renumber(layer.rope_positions[:, :, :n], drop)
-    move((layer.keys, layer.values, layer.positions, layer.rope_positions, *layer.scores.values()), drop, n - 1)
+    drop = replace_newest(layer.keys, layer.values, layer.positions, layer.rope_positions, list(layer.scores.values()),
+                          n, scores, None, sinks, recent, policy.renumbers, drop, find=drop is None)
     layer.n, layer.n_new = n - 1, 0
     layer.rotated_valid = 0  # a CPU layer's rotated copy no longer matches its places
     if not policy.stores_rotated:
         layer.max_rope = n - 2
     layer.cache.unordered = True
+    return drop
+
+
+def find_drop(layer, scores: torch.Tensor | None, sinks: int = 0, recent: int = 0) -> torch.Tensor:
+    """The entry `take_newest` would drop [b, kv, 1], nothing moved (D2O merges it first)."""
+    return replace_newest(layer.keys, layer.values, layer.positions, layer.rope_positions, [], layer.n, scores,
+                          sinks=sinks, recent=recent, write=False)
 
 
 def restore_order(cache) -> None:

@@ -176,13 +176,15 @@ class D2O(Method):
         layer = cache.layers[index]
         n, ranking = layer.n, self.ranking(layer, size)
         positions = layer.positions[:, :, :n]
-        drop = replace.drop_index(ranking.scores, positions, ranking.sinks, ranking.recent)
-        if self.merge:
-            keys, values = layer.keys[:, :, :n], layer.values[:, :, :n]
-            similarity, target = nearest_other(keys, drop, positions)
-            merge = similarity >= self._threshold(cache, index, similarity)
-            merge_one(keys, values, drop, target, similarity, merge)
-        replace.take_newest(layer, drop)
+        if not self.merge:
+            replace.take_newest(layer, ranking.scores, ranking.sinks, ranking.recent)
+            return
+        drop = replace.find_drop(layer, ranking.scores, ranking.sinks, ranking.recent)
+        keys, values = layer.keys[:, :, :n], layer.values[:, :, :n]
+        similarity, target = nearest_other(keys, drop, positions)
+        merge = similarity >= self._threshold(cache, index, similarity)
+        merge_one(keys, values, drop, target, similarity, merge)
+        replace.take_newest(layer, drop=drop)
 
     def evict(self, cache, index: int, size: int) -> None:
         layer = cache.layers[index]

@@ -1,0 +1,149 @@
+"""Triton: a steady decoding step's one-entry eviction by replacement, in one launch per layer (issue 30).
+
+For each batch row b (pool slot `rows[b]`) and KV head h, one program:
+
+- FIND: the entry of the live `[0, n)` that leaves: the lowest score, the oldest (smallest stream
+  position) among equal scores; the first `sinks` entries and those whose stream position is within
+  `recent` of the newest entry's (the last, `n - 1`) never leave. Scores `[B, H, n]` with H = KV (per
+  head) or 1 (one selection shared by the heads); none (`AGE`): the oldest leaves (StreamingLLM's ring);
+- MOVE: the newest entry written over it in keys, values, positions, RoPE positions and one stored
+  score array; with `RENUMBER` (rank positions) the entries ranked after it move down by one.
+
+`kvpot.methods.replace` holds the PyTorch path these must match (`drop_index`, `renumber`, `move`;
+tests/test_replace_kernel.py). Nothing synchronises with the host: a step captures it in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LAST = 9223372036854775807  # int64 max: a position no entry has (loses every tie)
+BLOCK = 1024  # entries per loop step
+
+
+@triton.jit(do_not_specialize=["n", "sinks", "recent", "stride_sb", "stride_sh", "stride_ss", "stride_ks",
+                               "stride_vs", "stride_rs", "stride_cs"])
+def _replace_kernel(
+    SCORES,  # [B, H, n] float32 ranking (H = KV, or 1: shared by the heads); unread with AGE
+    POS,  # [S, KV, C] int64 stream positions, the newest entry at n - 1
+    RP,  # [S, KV, C] int64 RoPE positions (ranks with RENUMBER)
+    K, V,  # [S, KV, C, D] keys and values (last stride 1)
+    SC,  # [S, KV, C] float32 a stored score that moves with its entry (HAS_SC)
+    ROWS,  # [B] int64 each batch row's slot (HAS_ROWS; else row b is slot b)
+    DROP,  # [B, KV] int64: written by FIND, read by MOVE without FIND
+    n, sinks, recent,
+    stride_sb, stride_sh, stride_ss,
+    stride_ks, stride_kh, stride_kn, stride_vs, stride_vh, stride_vn,
+    stride_ps, stride_ph, stride_rs, stride_rh, stride_cs, stride_ch,
+    KV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    AGE: tl.constexpr, RENUMBER: tl.constexpr, HAS_SC: tl.constexpr,
+    HAS_ROWS: tl.constexpr, FIND: tl.constexpr, MOVE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = b.to(tl.int64)
+    if HAS_ROWS:
+        slot = tl.load(ROWS + b).to(tl.int64)
+    pos = POS + slot * stride_ps + h * stride_ph  # entries of one head: stride 1
+    newest = n - 1
+    newest_pos = tl.load(pos + newest)
+    if FIND:
+        score = SCORES + b.to(tl.int64) * stride_sb + h * stride_sh  # stride_sh 0: shared by the heads
+        best_s = tl.full((), float("inf"), tl.float32)
+        best_p = tl.full((), LAST, tl.int64)
+        best_j = tl.full((), 0, tl.int32)
+        for start in range(sinks, n, BLOCK_N):
+            j = start + tl.arange(0, BLOCK_N)
+            live = j < n
+            p = tl.load(pos + j, mask=live, other=0)
+            ok = live & (p <= newest_pos - recent)  # recent 0: every position is at most the newest's
+            if AGE:
+                s = tl.zeros([BLOCK_N], tl.float32)
+            else:
+                s = tl.load(score + j * stride_ss, mask=live, other=float("inf"))
+            s = tl.where(ok, s, float("inf"))
+            key = tl.where(ok, p, LAST)
+            low = tl.min(s, axis=0)
+            oldest = tl.min(tl.where(s == low, key, LAST), axis=0)
+            at = tl.min(tl.where((s == low) & (key == oldest), j, 2147483647), axis=0)
+            better = (low < best_s) | ((low == best_s) & (oldest < best_p))
+            best_s = tl.where(better, low, best_s)
+            best_p = tl.where(better, oldest, best_p)
+            best_j = tl.where(better, at, best_j)
+        drop = best_j.to(tl.int64)
+        tl.store(DROP + b.to(tl.int64) * KV + h, drop)
+    else:
+        drop = tl.load(DROP + b.to(tl.int64) * KV + h)
+    if MOVE:
+        rp = RP + slot * stride_rs + h * stride_rh
+        if RENUMBER:
+            rank = tl.load(rp + drop)
+            moved = tl.load(rp + newest)
+            moved = moved - (moved > rank).to(tl.int64)
+            tl.debug_barrier()  # every thread has read both ranks before any is rewritten
+            for start in range(0, n, BLOCK_N):
+                j = start + tl.arange(0, BLOCK_N)
+                live = j < n
+                r = tl.load(rp + j, mask=live, other=0)
+                r = tl.where(j == drop, moved, r - (r > rank).to(tl.int64))
+                tl.store(rp + j, r, mask=live)
+        else:
+            tl.store(rp + drop, tl.load(rp + newest))
+        tl.store(pos + drop, newest_pos)
+        if HAS_SC:
+            sc = SC + slot * stride_cs + h * stride_ch
+            tl.store(sc + drop, tl.load(sc + newest))
+        dd = tl.arange(0, BLOCK_D)
+        inside = dd < D
+        k = K + slot * stride_ks + h * stride_kh
+        tl.store(k + drop * stride_kn + dd, tl.load(k + newest * stride_kn + dd, mask=inside), mask=inside)
+        v = V + slot * stride_vs + h * stride_vh
+        tl.store(v + drop * stride_vn + dd, tl.load(v + newest * stride_vn + dd, mask=inside), mask=inside)
+
+
+def replace_newest(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, rope_positions: torch.Tensor,
+                   n: int, scores: torch.Tensor | None = None, stored: torch.Tensor | None = None,
+                   rows: torch.Tensor | None = None, sinks: int = 0, recent: int = 0, renumber: bool = False,
+                   drop: torch.Tensor | None = None, find: bool = True, move: bool = True) -> torch.Tensor:
+    """Find the entry each row and head drops and write the newest entry (`n - 1`) over it, in place.
+
+    keys/values [S, KV, C, D] (last stride 1), positions/rope_positions [S, KV, C] int64 (entries of a head
+    contiguous), `stored` [S, KV, C] float32 (one score array moved with the entries, or None), `rows` [B]
+    int64 each batch row's slot (None: row b is slot b, B = S), `scores` [B, KV | 1, >= n] float32 (None:
+    the oldest goes). `find=False` moves the entries `drop` [B, KV] names; `move=False` only finds.
+    Returns the dropped entries [B, KV, 1] int64.
+    """
+    slots, kv, capacity, d = keys.shape
+    batch = slots if rows is None else rows.numel()
+    for buf in (positions, rope_positions) + (() if stored is None else (stored,)):
+        if buf.shape != (slots, kv, capacity) or buf.stride(-1) != 1:
+            raise ValueError(f"replace_newest: buffers must be [{slots}, {kv}, {capacity}] with entries contiguous")
+    if keys.stride(-1) != 1 or values.stride(-1) != 1 or values.shape[:3] != keys.shape[:3]:
+        raise ValueError("replace_newest: keys and values must share [S, KV, C] and be contiguous in the last dim")
+    if not 0 < n <= capacity:
+        raise ValueError(f"replace_newest: n={n} live entries do not fit a capacity of {capacity}")
+    if find and scores is not None and (scores.dim() != 3 or scores.shape[0] != batch or scores.shape[1] not in (1, kv)
+                                        or scores.shape[2] < n):
+        raise ValueError(f"replace_newest: scores must be [{batch}, {kv} or 1, >= {n}], got {tuple(scores.shape)}")
+    if drop is None:
+        drop = torch.empty(batch, kv, dtype=torch.long, device=keys.device)
+    elif not find and (drop.shape[:2] != (batch, kv) or not drop.is_contiguous()):
+        drop = drop.expand(batch, kv, 1).reshape(batch, kv).contiguous()
+    age = scores is None
+    score_arg = positions if age else scores
+    score_strides = (0, 0, 0) if age else (scores.stride(0), scores.stride(1) if scores.shape[1] > 1 else 0,
+                                            scores.stride(2))
+    _replace_kernel[(batch, kv)](
+        score_arg, positions, rope_positions, keys, values, positions if stored is None else stored,
+        positions if rows is None else rows, drop, n, sinks, recent,
+        *score_strides,
+        keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
+        positions.stride(0), positions.stride(1), rope_positions.stride(0), rope_positions.stride(1),
+        *((0, 0) if stored is None else (stored.stride(0), stored.stride(1))),
+        KV=kv, D=d, BLOCK_N=min(BLOCK, triton.next_power_of_2(capacity)), BLOCK_D=triton.next_power_of_2(d),
+        AGE=age, RENUMBER=renumber, HAS_SC=stored is not None,
+        HAS_ROWS=rows is not None, FIND=find, MOVE=move,
+    )
+    return drop.view(batch, kv, 1)
