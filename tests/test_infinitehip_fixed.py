@@ -271,3 +271,17 @@ def test_decode_table_shows_the_offloading_figures():
     hits, traffic = headers.index("LRU hits"), headers.index("host->GPU /token")
     assert (cells[0][hits], cells[0][traffic]) == ("98.7%", "3.0 MiB")
     assert (cells[1][hits], cells[1][traffic]) == ("-", "-")
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_static_decoding_equals_generate_when_everything_is_kept(arch, one_thread):
+    """Every chunk kept, true positions: the fixed-shape steps are dense attention (DESIGN guarantee 2)."""
+    from conftest import reference_greedy
+
+    model = build(arch)
+    torch.manual_seed(1)
+    ids = torch.randint(3, VOCAB, (300,))
+    roomy = method(keep=(4096,) * 3, early_keep=4096, rope="absolute", refresh=(4, 2, 1))
+    out = kvpot.Engine(model, method=roomy, decode="static").generate_ids(ids, max_new_tokens=20, ignore_eos=True)
+    assert out.token_ids == reference_greedy(model, ids, 20)
+    assert out.stats.decode["static_steps"] == 19
