@@ -213,3 +213,37 @@ def test_batched_replacement_gives_the_top_k_paths_tokens(model, inputs, name, m
         return [engine.generate_ids(c, q, max_new_tokens=40, ignore_eos=True).token_ids for c, q in prompts]
 
     assert batched(True) == batched(False) == alone()
+
+
+@pytest.mark.parametrize("name", ["streaming", "h2o", "tova", "d2o"])
+def test_half_precision_replacement_keeps_the_old_paths_entries(inputs, name, monkeypatch, one_thread):
+    """In bfloat16, where D2O's merge runs as one kernel (`kvpot.kernels.replace.merge_nearest`) when the
+    kernels run (CUDA, or TRITON_INTERPRET=1): the top-k path's entries and tokens at every step."""
+    model = build("llama3").to(torch.bfloat16)
+    new, new_steps, _ = run(model, methods()[name], inputs, "static", monkeypatch)
+    old, old_steps, _ = run(model, methods()[name], inputs, "static", monkeypatch, enabled=False)
+    # (not the eager loop's: in bfloat16 it rotates keys in bfloat16, the fixed-shape steps in float32)
+    assert new.token_ids == old.token_ids
+    for a, b in zip(new_steps, old_steps):
+        for x, y in zip(a, b):
+            assert torch.equal(x["positions"], y["positions"])
+            if name != "d2o":  # the merge kernel's similarities round differently: merged keys drift by ulps
+                torch.testing.assert_close(x["keys"], y["keys"], rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", sorted(methods()))
+def test_graph_replacement_gives_the_old_paths_tokens_on_cuda(name, dtype, inputs, monkeypatch):
+    """CUDA graphs replaying the replacement kernels: the tokens of the old path's graphs and of the eager loop."""
+    model = build("qwen3", head_dim=32).to("cuda", dtype)  # head dim 32: the Triton decode kernel attends
+    cuda_inputs = tuple(t.cuda() for t in inputs)
+    tokens = {}
+    for label, decode, enabled in (("new", "graph", True), ("old", "graph", False), ("eager", "eager", False)):
+        monkeypatch.setattr(replace, "enabled", enabled)
+        out = kvpot.Engine(model, method=methods()[name], decode=decode).generate_ids(
+            *cuda_inputs, max_new_tokens=NEW, ignore_eos=True)
+        tokens[label] = out.token_ids
+        if decode == "graph":
+            assert out.stats.decode["replays"] > NEW // 2
+    assert tokens["new"] == tokens["old"] == tokens["eager"]

@@ -93,3 +93,58 @@ def test_kernel_finds_then_moves_as_one_launch(shape):
     replace_newest(*together[:4], n, scores, together[4], rows, sinks, recent, True)
     for a, b in zip(buffers, together):
         assert torch.equal(a, b)
+
+
+# (name, slots, kv heads, capacity, head dim, live n, rows or None): D2O's merge of the evicted entry
+MERGE_SHAPES = [
+    ("one-sequence", 1, 2, 40, 64, 33, None),
+    ("rows", 4, 3, 30, 32, 30, [2, 0]),
+    ("d128", 1, 2, 70, 128, 65, None),
+]
+if DEVICE == "cuda":
+    MERGE_SHAPES += [("llama3-8b", 1, 8, 4097, 128, 4097, None)]
+MERGE_DTYPES = [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+@pytest.mark.parametrize("dtype", MERGE_DTYPES)
+@pytest.mark.parametrize("first", [True, False], ids=["first", "ema"])
+@pytest.mark.parametrize("shape", MERGE_SHAPES, ids=[s[0] for s in MERGE_SHAPES])
+def test_merge_kernel_matches_d2os_pytorch_merge(shape, first, dtype):
+    from kvpot.kernels.replace import merge_nearest
+    from kvpot.methods.d2o.merge import merge_one, nearest_other
+
+    _, slots, kv, capacity, d, n, rows = shape
+    g = torch.Generator().manual_seed(11 + n)
+    keys = torch.randn(slots, kv, capacity, d, generator=g).to(dtype)
+    values = torch.randn(slots, kv, capacity, d, generator=g).to(dtype)
+    keys[:, :, 5] = keys[:, :, 9]  # an exact tie of similarities: the older entry must win
+    positions = torch.stack([torch.randperm(n, generator=g) for _ in range(slots * kv)]).view(slots, kv, n)
+    positions = torch.cat([positions, torch.full((slots, kv, capacity - n), 10**6)], dim=-1)
+    batch = slots if rows is None else len(rows)
+    at = torch.arange(slots) if rows is None else torch.tensor(rows)
+    drop = torch.randint(0, n, (batch, kv, 1), generator=g)
+    drop[0, 0, 0] = 9  # evicting one of the twins: the other is its nearest
+    beta = 0.7
+    tau = torch.rand(batch, kv, generator=g) * 2.0 - 0.5  # some heads merge, some do not
+
+    # the PyTorch path, row by row: nearest other entry, eq. 10's threshold, eq. 12's merge
+    expected_k, expected_v = keys.clone(), values.clone()
+    similarity, target = nearest_other(keys[at, :, :n], drop, positions[at, :, :n])
+    new_tau = similarity[..., 0] if first else beta * similarity[..., 0] + (1 - beta) * tau
+    merged_k, merged_v = keys[at, :, :n].clone(), values[at, :, :n].clone()
+    merge_one(merged_k, merged_v, drop, target, similarity, similarity >= new_tau.unsqueeze(-1))
+    expected_k[at, :, :n], expected_v[at, :, :n] = merged_k, merged_v
+    assert (target[0, 0, 0] == 5).item()
+    merged = similarity >= new_tau.unsqueeze(-1)
+    assert merged.all() if first else (merged.any() and not merged.all())
+
+    to = lambda t: t.to(DEVICE)  # noqa: E731
+    got_k, got_v, got_tau = to(keys), to(values), to(tau)
+    merge_nearest(got_k, got_v, to(positions), n, to(drop), got_tau, beta, first,
+                  None if rows is None else to(torch.tensor(rows)))
+    torch.testing.assert_close(got_tau.cpu(), new_tau, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_k.cpu(), expected_k, rtol=0, atol=2e-3)
+    torch.testing.assert_close(got_v.cpu(), expected_v, rtol=0, atol=2e-3)
+    untouched = torch.ones(slots, kv, capacity, dtype=torch.bool)
+    untouched[at.view(-1, 1), torch.arange(kv).view(1, -1), target[..., 0]] = False
+    assert torch.equal(got_k.cpu()[untouched], keys[untouched])  # only the targets change

@@ -147,3 +147,89 @@ def replace_newest(keys: torch.Tensor, values: torch.Tensor, positions: torch.Te
         HAS_ROWS=rows is not None, FIND=find, MOVE=move,
     )
     return drop.view(batch, kv, 1)
+
+
+@triton.jit(do_not_specialize=["n", "beta", "stride_ks", "stride_vs", "stride_ps"])
+def _merge_kernel(
+    K, V,  # [S, KV, C, D] half-precision keys and values (last stride 1)
+    POS,  # [S, KV, C] int64 stream positions (ties go to the oldest)
+    ROWS,  # [B] int64 each batch row's slot (HAS_ROWS; else row b is slot b)
+    DROP,  # [B, KV] int64 the entry each head evicts
+    TAU,  # [B, KV] float32 D2O's threshold: read (unless FIRST) and rewritten
+    n, beta,
+    stride_ks, stride_kh, stride_kn, stride_vs, stride_vh, stride_vn, stride_ps, stride_ph,
+    KV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_ROWS: tl.constexpr,
+    FIRST: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = b.to(tl.int64)
+    if HAS_ROWS:
+        slot = tl.load(ROWS + b).to(tl.int64)
+    at = b.to(tl.int64) * KV + h
+    drop = tl.load(DROP + at)
+    k = K + slot * stride_ks + h * stride_kh
+    v = V + slot * stride_vs + h * stride_vh
+    pos = POS + slot * stride_ps + h * stride_ph
+    dd = tl.arange(0, BLOCK_D)
+    inside = dd < D
+    gone = tl.load(k + drop * stride_kn + dd, mask=inside, other=0.0).to(tl.float32)
+    unit = gone / tl.maximum(tl.sqrt(tl.sum(gone * gone, axis=0)), 1e-12)
+    best = tl.full((), float("-inf"), tl.float32)
+    best_p = tl.full((), LAST, tl.int64)
+    best_j = tl.full((), 0, tl.int32)
+    for start in range(0, n, BLOCK_N):  # eq. 9: the most cosine-similar other entry
+        j = start + tl.arange(0, BLOCK_N)
+        live = j < n
+        rows = tl.load(k + j[:, None] * stride_kn + dd[None, :], mask=live[:, None] & inside[None, :],
+                       other=0.0).to(tl.float32)
+        norm = tl.maximum(tl.sqrt(tl.sum(rows * rows, axis=1)), 1e-12)
+        s = tl.sum((rows / norm[:, None]) * unit[None, :], axis=1)
+        ok = live & (j != drop)
+        s = tl.where(ok, s, float("-inf"))
+        key = tl.where(ok, tl.load(pos + j, mask=live, other=0), LAST)
+        high = tl.max(s, axis=0)
+        oldest = tl.min(tl.where(s == high, key, LAST), axis=0)
+        first = tl.min(tl.where((s == high) & (key == oldest), j, 2147483647), axis=0)
+        better = (high > best) | ((high == best) & (oldest < best_p))
+        best = tl.where(better, high, best)
+        best_p = tl.where(better, oldest, best_p)
+        best_j = tl.where(better, first, best_j)
+    # eq. 10: tau_t = beta * max U_t + (1 - beta) * tau_{t-1} (the first eviction: the mean, one value here)
+    if FIRST:
+        tau = best
+    else:
+        tau = beta * best + (1 - beta) * tl.load(TAU + at)
+    tl.store(TAU + at, tau)
+    # eq. 12: k_c <- (e k_c + exp(u) k_i) / (e + exp(u)) where u >= tau; else k_c unchanged
+    weight = tl.where(best >= tau, tl.exp(best), 0.0)
+    denominator = 2.718281828459045 + weight
+    target = best_j.to(tl.int64)
+    kept = tl.load(k + target * stride_kn + dd, mask=inside, other=0.0).to(tl.float32)
+    merged = (kept * 2.718281828459045 + gone * weight) / denominator
+    tl.store(k + target * stride_kn + dd, merged.to(K.dtype.element_ty), mask=inside)
+    kept = tl.load(v + target * stride_vn + dd, mask=inside, other=0.0).to(tl.float32)
+    gone_v = tl.load(v + drop * stride_vn + dd, mask=inside, other=0.0).to(tl.float32)
+    merged = (kept * 2.718281828459045 + gone_v * weight) / denominator
+    tl.store(v + target * stride_vn + dd, merged.to(V.dtype.element_ty), mask=inside)
+
+
+def merge_nearest(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, n: int, drop: torch.Tensor,
+                  tau: torch.Tensor, beta: float, first: bool, rows: torch.Tensor | None = None) -> None:
+    """D2O's merge of each head's evicted entry into its most similar other live entry (eqs. 9-12), in
+    place: keys/values [S, KV, C, D] in half precision (where `(k e) / e` is k itself, so only the target
+    is written), positions [S, KV, C], drop [B, KV(, 1)] the evicted entries, tau [B, KV] float32 the
+    threshold (rewritten; `first`: this is its first eviction, tau becomes the similarity)."""
+    slots, kv, capacity, d = keys.shape
+    batch = slots if rows is None else rows.numel()
+    if keys.dtype not in (torch.float16, torch.bfloat16) or values.dtype != keys.dtype:
+        raise ValueError(f"merge_nearest: keys and values must be float16 or bfloat16, got {keys.dtype}")
+    if tau.shape != (batch, kv) or tau.dtype != torch.float32 or not tau.is_contiguous():
+        raise ValueError(f"merge_nearest: tau must be a contiguous float32 [{batch}, {kv}] tensor")
+    drop = drop.reshape(batch, kv).contiguous()
+    _merge_kernel[(batch, kv)](
+        keys, values, positions, positions if rows is None else rows, drop, tau, n, float(beta),
+        keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
+        positions.stride(0), positions.stride(1),
+        KV=kv, D=d, BLOCK_N=64, BLOCK_D=triton.next_power_of_2(d), HAS_ROWS=rows is not None, FIRST=first,
+    )

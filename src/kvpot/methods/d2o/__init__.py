@@ -8,7 +8,7 @@ from kvpot.attention import AttentionRequest
 from kvpot.methods.d2o.budget import inverse_variance_budgets
 from kvpot.errors import KvpotError
 from kvpot.methods import replace
-from kvpot.methods.d2o.merge import merge_one, nearest_kept, nearest_other, weighted_merge
+from kvpot.methods.d2o.merge import kernel_merges, merge_one, nearest_kept, nearest_other, weighted_merge
 from kvpot.methods.base import Method, Ranking, Step, check_policy, check_positive, top_indices
 from kvpot.methods.h2o import accumulate
 
@@ -180,10 +180,19 @@ class D2O(Method):
             replace.take_newest(layer, ranking.scores, ranking.sinks, ranking.recent)
             return
         drop = replace.find_drop(layer, ranking.scores, ranking.sinks, ranking.recent)
-        keys, values = layer.keys[:, :, :n], layer.values[:, :, :n]
-        similarity, target = nearest_other(keys, drop, positions)
-        merge = similarity >= self._threshold(cache, index, similarity)
-        merge_one(keys, values, drop, target, similarity, merge)
+        if kernel_merges(layer.keys):  # one launch: eqs. 9-12 for every head
+            from kvpot.kernels.replace import merge_nearest
+
+            taus = cache.method_state.setdefault(TAU, {})
+            first = index not in taus
+            if first:
+                taus[index] = torch.zeros(layer.batch, layer.kv_heads, dtype=torch.float32, device=layer.device)
+            merge_nearest(layer.keys, layer.values, layer.positions, n, drop, taus[index], float(self.beta), first)
+        else:
+            keys, values = layer.keys[:, :, :n], layer.values[:, :, :n]
+            similarity, target = nearest_other(keys, drop, positions)
+            merge = similarity >= self._threshold(cache, index, similarity)
+            merge_one(keys, values, drop, target, similarity, merge)
         replace.take_newest(layer, drop=drop)
 
     def evict(self, cache, index: int, size: int) -> None:

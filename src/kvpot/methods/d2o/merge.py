@@ -85,3 +85,11 @@ def merge_one(keys: torch.Tensor, values: torch.Tensor, drop: torch.Tensor, targ
         if buf.dtype == torch.float32:
             buf.copy_(buf * SELF_WEIGHT / torch.full_like(denominator, SELF_WEIGHT))
         buf.scatter_(2, at, merged)
+
+
+def kernel_merges(keys: torch.Tensor) -> bool:
+    """Whether `kvpot.kernels.replace.merge_nearest` merges these keys: a device the kernels run on, and half
+    precision (where it writes the target alone, `(k e) / e` being k)."""
+    from kvpot import kernels
+
+    return keys.dtype in (torch.float16, torch.bfloat16) and kernels.available(keys.device)
