@@ -37,6 +37,7 @@ from kvpot.compat import cache_kwargs
 from kvpot.errors import KvpotError
 from kvpot.engine.sampling import _pick, pick_token
 from kvpot.methods.base import Step
+from kvpot.methods.replace import restore_order
 
 MODES = ("auto", "graph", "static", "eager")
 PLANS = ("append", "steady", "eager")
@@ -192,6 +193,7 @@ class Decoder:
             self.marks.append(time.perf_counter())
 
     def _finish(self, tokens: list[int]) -> list[int]:
+        restore_order(self.cache)  # steady steps may have replaced entries out of stream order
         if self.marks is not None and len(self.marks) > 1:
             if self.engine.device.type == "cuda":
                 self.marks[-1].synchronize()
@@ -262,8 +264,10 @@ class Decoder:
 
     # ------------------------------------------------------------------ graphs
     def _key(self, plan: str) -> tuple:
-        # an append step serves every length; a steady step is captured at its counts
-        return (plan,) if plan == "append" else (plan, tuple(self.cache.lengths()))
+        # an append step serves every length; a steady step is captured at its counts; a method may
+        # capture one step in several forms (InfiniteHiP: which pruning stages it recomputes)
+        key = (plan,) if plan == "append" else (plan, tuple(self.cache.lengths()))
+        return key + tuple(self.method.decode_key(self.cache))
 
     def _host_state(self) -> list[tuple[int, int, int]]:
         return [(layer.n, layer.n_new, layer.max_rope) for layer in self.cache.layers]
