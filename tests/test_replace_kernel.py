@@ -100,6 +100,7 @@ MERGE_SHAPES = [
     ("one-sequence", 1, 2, 40, 64, 33, None),
     ("rows", 4, 3, 30, 32, 30, [2, 0]),
     ("d128", 1, 2, 70, 128, 65, None),
+    ("splits", 1, 2, 1100, 32, 1050, None),  # the search split over four programs per head
 ]
 if DEVICE == "cuda":
     MERGE_SHAPES += [("llama3-8b", 1, 8, 4097, 128, 4097, None)]
@@ -125,7 +126,7 @@ def test_merge_kernel_matches_d2os_pytorch_merge(shape, first, dtype):
     drop = torch.randint(0, n, (batch, kv, 1), generator=g)
     drop[0, 0, 0] = 9  # evicting one of the twins: the other is its nearest
     beta = 0.7
-    tau = torch.rand(batch, kv, generator=g) * 2.0 - 0.5  # some heads merge, some do not
+    tau = torch.tensor([-1.0, 2.0, 0.0])[:kv].repeat(batch, 1)  # head 0 merges, head 1 does not (u <= 1)
 
     # the PyTorch path, row by row: nearest other entry, eq. 10's threshold, eq. 12's merge
     expected_k, expected_v = keys.clone(), values.clone()
@@ -148,3 +149,31 @@ def test_merge_kernel_matches_d2os_pytorch_merge(shape, first, dtype):
     untouched = torch.ones(slots, kv, capacity, dtype=torch.bool)
     untouched[at.view(-1, 1), torch.arange(kv).view(1, -1), target[..., 0]] = False
     assert torch.equal(got_k.cpu()[untouched], keys[untouched])  # only the targets change
+
+
+@pytest.mark.parametrize("renumber", [True, False], ids=["rank", "absolute"])
+@pytest.mark.parametrize("shape", MERGE_SHAPES[:2] + MERGE_SHAPES[3:4], ids=lambda s: s[0])
+def test_merge_then_move_in_one_launch(shape, renumber):
+    """`merge_nearest` with the move fused: what the merge alone and then `replace_newest`'s move give."""
+    from kvpot.kernels.replace import merge_nearest, replace_newest
+
+    _, slots, kv, capacity, d, n, rows = shape
+    g = torch.Generator().manual_seed(5)
+    keys = torch.randn(slots, kv, capacity, d, generator=g).to(torch.float16).to(DEVICE)
+    values = torch.randn(slots, kv, capacity, d, generator=g).to(torch.float16).to(DEVICE)
+    positions = torch.stack([torch.randperm(n, generator=g) for _ in range(slots * kv)]).view(slots, kv, n)
+    positions = torch.cat([positions, torch.full((slots, kv, capacity - n), 10**6)], dim=-1).to(DEVICE)
+    positions[..., n - 1] = n + 5  # the newest
+    rope = positions.argsort(dim=-1).argsort(dim=-1) if renumber else positions.clone()
+    stored = torch.rand(slots, kv, capacity, generator=g).to(DEVICE)
+    batch = slots if rows is None else len(rows)
+    rows_t = None if rows is None else torch.tensor(rows, device=DEVICE)
+    drop = torch.randint(0, n - 1, (batch, kv, 1), generator=g).to(DEVICE)
+    tau = torch.zeros(batch, kv, device=DEVICE)
+    split = [t.clone() for t in (keys, values, positions, rope, stored, tau)]
+    merge_nearest(split[0], split[1], split[2], n, drop, split[5], 0.7, True, rows_t)
+    replace_newest(*split[:4], n, None, split[4], rows_t, renumber=renumber, drop=drop, find=False)
+    merge_nearest(keys, values, positions, n, drop, tau, 0.7, True, rows_t, rope_positions=rope, stored=stored,
+                  renumber=renumber)
+    for a, b in zip((keys, values, positions, rope, stored, tau), split):
+        assert torch.equal(a, b)

@@ -23,6 +23,34 @@ LAST = 9223372036854775807  # int64 max: a position no entry has (loses every ti
 BLOCK = 1024  # entries per loop step
 
 
+@triton.jit
+def _move(k, v, pos, rp, sc, drop, n, newest_pos, stride_kn, stride_vn,
+          D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, RENUMBER: tl.constexpr,
+          HAS_SC: tl.constexpr):
+    """One head's newest entry (n - 1) written over entry `drop` (pointers at the head's entries)."""
+    newest = n - 1
+    if RENUMBER:
+        rank = tl.load(rp + drop)
+        moved = tl.load(rp + newest)
+        moved = moved - (moved > rank).to(tl.int64)
+        tl.debug_barrier()  # every thread has read both ranks before any is rewritten
+        for start in range(0, n, BLOCK_N):
+            j = start + tl.arange(0, BLOCK_N)
+            live = j < n
+            r = tl.load(rp + j, mask=live, other=0)
+            r = tl.where(j == drop, moved, r - (r > rank).to(tl.int64))
+            tl.store(rp + j, r, mask=live)
+    else:
+        tl.store(rp + drop, tl.load(rp + newest))
+    tl.store(pos + drop, newest_pos)
+    if HAS_SC:
+        tl.store(sc + drop, tl.load(sc + newest))
+    dd = tl.arange(0, BLOCK_D)
+    inside = dd < D
+    tl.store(k + drop * stride_kn + dd, tl.load(k + newest * stride_kn + dd, mask=inside), mask=inside)
+    tl.store(v + drop * stride_vn + dd, tl.load(v + newest * stride_vn + dd, mask=inside), mask=inside)
+
+
 @triton.jit(do_not_specialize=["n", "sinks", "recent", "stride_sb", "stride_sh", "stride_ss", "stride_ks",
                                "stride_vs", "stride_rs", "stride_cs"])
 def _replace_kernel(
@@ -77,31 +105,9 @@ def _replace_kernel(
     else:
         drop = tl.load(DROP + b.to(tl.int64) * KV + h)
     if MOVE:
-        rp = RP + slot * stride_rs + h * stride_rh
-        if RENUMBER:
-            rank = tl.load(rp + drop)
-            moved = tl.load(rp + newest)
-            moved = moved - (moved > rank).to(tl.int64)
-            tl.debug_barrier()  # every thread has read both ranks before any is rewritten
-            for start in range(0, n, BLOCK_N):
-                j = start + tl.arange(0, BLOCK_N)
-                live = j < n
-                r = tl.load(rp + j, mask=live, other=0)
-                r = tl.where(j == drop, moved, r - (r > rank).to(tl.int64))
-                tl.store(rp + j, r, mask=live)
-        else:
-            tl.store(rp + drop, tl.load(rp + newest))
-        tl.store(pos + drop, newest_pos)
-        if HAS_SC:
-            sc = SC + slot * stride_cs + h * stride_ch
-            tl.store(sc + drop, tl.load(sc + newest))
-        dd = tl.arange(0, BLOCK_D)
-        inside = dd < D
-        k = K + slot * stride_ks + h * stride_kh
-        tl.store(k + drop * stride_kn + dd, tl.load(k + newest * stride_kn + dd, mask=inside), mask=inside)
-        v = V + slot * stride_vs + h * stride_vh
-        tl.store(v + drop * stride_vn + dd, tl.load(v + newest * stride_vn + dd, mask=inside), mask=inside)
-
+        _move(K + slot * stride_ks + h * stride_kh, V + slot * stride_vs + h * stride_vh, pos,
+              RP + slot * stride_rs + h * stride_rh, SC + slot * stride_cs + h * stride_ch, drop, n, newest_pos,
+              stride_kn, stride_vn, D, BLOCK_N, BLOCK_D, RENUMBER, HAS_SC)
 
 def replace_newest(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, rope_positions: torch.Tensor,
                    n: int, scores: torch.Tensor | None = None, stored: torch.Tensor | None = None,
@@ -149,39 +155,48 @@ def replace_newest(keys: torch.Tensor, values: torch.Tensor, positions: torch.Te
     return drop.view(batch, kv, 1)
 
 
-@triton.jit(do_not_specialize=["n", "beta", "stride_ks", "stride_vs", "stride_ps"])
-def _merge_kernel(
-    K, V,  # [S, KV, C, D] half-precision keys and values (last stride 1)
+@triton.jit
+def _unit_gone(k, drop, stride_kn, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The evicted key in float32 and scaled to unit length (`F.normalize`)."""
+    dd = tl.arange(0, BLOCK_D)
+    gone = tl.load(k + drop * stride_kn + dd, mask=dd < D, other=0.0).to(tl.float32)
+    return gone, gone / tl.maximum(tl.sqrt(tl.sum(gone * gone, axis=0)), 1e-12)
+
+
+@triton.jit(do_not_specialize=["n", "stride_ks", "stride_ps"])
+def _nearest_kernel(
+    K,  # [S, KV, C, D] keys (last stride 1)
     POS,  # [S, KV, C] int64 stream positions (ties go to the oldest)
     ROWS,  # [B] int64 each batch row's slot (HAS_ROWS; else row b is slot b)
     DROP,  # [B, KV] int64 the entry each head evicts
-    TAU,  # [B, KV] float32 D2O's threshold: read (unless FIRST) and rewritten
-    n, beta,
-    stride_ks, stride_kh, stride_kn, stride_vs, stride_vh, stride_vn, stride_ps, stride_ph,
-    KV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_ROWS: tl.constexpr,
-    FIRST: tl.constexpr,
+    BEST, BEST_P, BEST_J,  # [B, KV, SPLITS] each split's most similar entry: similarity, position, index
+    n, stride_ks, stride_kh, stride_kn, stride_ps, stride_ph,
+    KV: tl.constexpr, SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
 ):
+    """D2O eq. 9 over one split of the live entries: the entry most cosine-similar to the evicted one."""
     b = tl.program_id(0)
     h = tl.program_id(1)
+    split = tl.program_id(2)
     slot = b.to(tl.int64)
     if HAS_ROWS:
         slot = tl.load(ROWS + b).to(tl.int64)
     at = b.to(tl.int64) * KV + h
     drop = tl.load(DROP + at)
     k = K + slot * stride_ks + h * stride_kh
-    v = V + slot * stride_vs + h * stride_vh
     pos = POS + slot * stride_ps + h * stride_ph
+    _, unit = _unit_gone(k, drop, stride_kn, D, BLOCK_D)
     dd = tl.arange(0, BLOCK_D)
-    inside = dd < D
-    gone = tl.load(k + drop * stride_kn + dd, mask=inside, other=0.0).to(tl.float32)
-    unit = gone / tl.maximum(tl.sqrt(tl.sum(gone * gone, axis=0)), 1e-12)
+    share = tl.cdiv(tl.cdiv(n, SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * share
+    hi = tl.minimum(lo + share, n)
     best = tl.full((), float("-inf"), tl.float32)
     best_p = tl.full((), LAST, tl.int64)
     best_j = tl.full((), 0, tl.int32)
-    for start in range(0, n, BLOCK_N):  # eq. 9: the most cosine-similar other entry
+    for start in range(lo, hi, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
-        live = j < n
-        rows = tl.load(k + j[:, None] * stride_kn + dd[None, :], mask=live[:, None] & inside[None, :],
+        live = j < hi
+        rows = tl.load(k + j[:, None] * stride_kn + dd[None, :], mask=live[:, None] & (dd[None, :] < D),
                        other=0.0).to(tl.float32)
         norm = tl.maximum(tl.sqrt(tl.sum(rows * rows, axis=1)), 1e-12)
         s = tl.sum((rows / norm[:, None]) * unit[None, :], axis=1)
@@ -195,6 +210,47 @@ def _merge_kernel(
         best = tl.where(better, high, best)
         best_p = tl.where(better, oldest, best_p)
         best_j = tl.where(better, first, best_j)
+    out = at * SPLITS + split
+    tl.store(BEST + out, best)
+    tl.store(BEST_P + out, best_p)
+    tl.store(BEST_J + out, best_j)
+
+
+@triton.jit(do_not_specialize=["n", "beta", "stride_ks", "stride_vs", "stride_ps", "stride_rs", "stride_cs"])
+def _merge_kernel(
+    K, V,  # [S, KV, C, D] half-precision keys and values (last stride 1)
+    POS, RP,  # [S, KV, C] int64 stream and RoPE positions
+    SC,  # [S, KV, C] float32 a stored score that moves with its entry (HAS_SC)
+    ROWS,  # [B] int64 each batch row's slot (HAS_ROWS; else row b is slot b)
+    DROP,  # [B, KV] int64 the entry each head evicts
+    TAU,  # [B, KV] float32 D2O's threshold: read (unless FIRST) and rewritten
+    BEST, BEST_P, BEST_J,  # [B, KV, SPLITS] `_nearest_kernel`'s partial answers
+    n, beta,
+    stride_ks, stride_kh, stride_kn, stride_vs, stride_vh, stride_vn, stride_ps, stride_ph,
+    stride_rs, stride_rh, stride_cs, stride_ch,
+    KV: tl.constexpr, SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_ROWS: tl.constexpr, FIRST: tl.constexpr, RENUMBER: tl.constexpr, HAS_SC: tl.constexpr, MOVE: tl.constexpr,
+):
+    """D2O eqs. 9-12 for one head: the splits' answers reduced to the nearest other entry, the threshold's
+    EMA, the weighted merge into that entry; then (MOVE) the newest entry written over the evicted one."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = b.to(tl.int64)
+    if HAS_ROWS:
+        slot = tl.load(ROWS + b).to(tl.int64)
+    at = b.to(tl.int64) * KV + h
+    drop = tl.load(DROP + at)
+    k = K + slot * stride_ks + h * stride_kh
+    v = V + slot * stride_vs + h * stride_vh
+    pos = POS + slot * stride_ps + h * stride_ph
+    gone, _ = _unit_gone(k, drop, stride_kn, D, BLOCK_D)
+    sp = tl.arange(0, SPLITS)
+    s = tl.load(BEST + at * SPLITS + sp)
+    p = tl.load(BEST_P + at * SPLITS + sp)
+    best = tl.max(s, axis=0)
+    oldest = tl.min(tl.where(s == best, p, LAST), axis=0)
+    target = tl.min(tl.where((s == best) & (p == oldest), tl.load(BEST_J + at * SPLITS + sp), 2147483647), axis=0)
+    target = target.to(tl.int64)
     # eq. 10: tau_t = beta * max U_t + (1 - beta) * tau_{t-1} (the first eviction: the mean, one value here)
     if FIRST:
         tau = best
@@ -204,7 +260,8 @@ def _merge_kernel(
     # eq. 12: k_c <- (e k_c + exp(u) k_i) / (e + exp(u)) where u >= tau; else k_c unchanged
     weight = tl.where(best >= tau, tl.exp(best), 0.0)
     denominator = 2.718281828459045 + weight
-    target = best_j.to(tl.int64)
+    dd = tl.arange(0, BLOCK_D)
+    inside = dd < D
     kept = tl.load(k + target * stride_kn + dd, mask=inside, other=0.0).to(tl.float32)
     merged = (kept * 2.718281828459045 + gone * weight) / denominator
     tl.store(k + target * stride_kn + dd, merged.to(K.dtype.element_ty), mask=inside)
@@ -212,14 +269,22 @@ def _merge_kernel(
     gone_v = tl.load(v + drop * stride_vn + dd, mask=inside, other=0.0).to(tl.float32)
     merged = (kept * 2.718281828459045 + gone_v * weight) / denominator
     tl.store(v + target * stride_vn + dd, merged.to(V.dtype.element_ty), mask=inside)
+    if MOVE:
+        tl.debug_barrier()  # the merged target is written before the newest entry (maybe the target) moves
+        _move(k, v, pos, RP + slot * stride_rs + h * stride_rh, SC + slot * stride_cs + h * stride_ch, drop, n,
+              tl.load(pos + n - 1), stride_kn, stride_vn, D, BLOCK_N, BLOCK_D, RENUMBER, HAS_SC)
 
 
 def merge_nearest(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, n: int, drop: torch.Tensor,
-                  tau: torch.Tensor, beta: float, first: bool, rows: torch.Tensor | None = None) -> None:
+                  tau: torch.Tensor, beta: float, first: bool, rows: torch.Tensor | None = None,
+                  rope_positions: torch.Tensor | None = None, stored: torch.Tensor | None = None,
+                  renumber: bool = False) -> None:
     """D2O's merge of each head's evicted entry into its most similar other live entry (eqs. 9-12), in
     place: keys/values [S, KV, C, D] in half precision (where `(k e) / e` is k itself, so only the target
     is written), positions [S, KV, C], drop [B, KV(, 1)] the evicted entries, tau [B, KV] float32 the
-    threshold (rewritten; `first`: this is its first eviction, tau becomes the similarity)."""
+    threshold (rewritten; `first`: this is its first eviction, tau becomes the similarity). With
+    `rope_positions` (and `stored`, `renumber` as `replace_newest`), the newest entry then takes the evicted
+    one's slot in the same launch. Two launches: the search split over the entries, then the rest."""
     slots, kv, capacity, d = keys.shape
     batch = slots if rows is None else rows.numel()
     if keys.dtype not in (torch.float16, torch.bfloat16) or values.dtype != keys.dtype:
@@ -227,9 +292,24 @@ def merge_nearest(keys: torch.Tensor, values: torch.Tensor, positions: torch.Ten
     if tau.shape != (batch, kv) or tau.dtype != torch.float32 or not tau.is_contiguous():
         raise ValueError(f"merge_nearest: tau must be a contiguous float32 [{batch}, {kv}] tensor")
     drop = drop.reshape(batch, kv).contiguous()
+    splits = max(1, min(32, triton.next_power_of_2(triton.cdiv(capacity, 512))))  # from shapes alone
+    best = torch.empty(batch, kv, splits, dtype=torch.float32, device=keys.device)
+    best_p = torch.empty(batch, kv, splits, dtype=torch.long, device=keys.device)
+    best_j = torch.empty(batch, kv, splits, dtype=torch.int32, device=keys.device)
+    row_arg = positions if rows is None else rows
+    block_d = triton.next_power_of_2(d)
+    _nearest_kernel[(batch, kv, splits)](
+        keys, positions, row_arg, drop, best, best_p, best_j, n,
+        keys.stride(0), keys.stride(1), keys.stride(2), positions.stride(0), positions.stride(1),
+        KV=kv, SPLITS=splits, D=d, BLOCK_N=64, BLOCK_D=block_d, HAS_ROWS=rows is not None,
+    )
+    move = rope_positions is not None
+    rp = positions if rope_positions is None else rope_positions
+    sc = positions if stored is None else stored
     _merge_kernel[(batch, kv)](
-        keys, values, positions, positions if rows is None else rows, drop, tau, n, float(beta),
+        keys, values, positions, rp, sc, row_arg, drop, tau, best, best_p, best_j, n, float(beta),
         keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
-        positions.stride(0), positions.stride(1),
-        KV=kv, D=d, BLOCK_N=64, BLOCK_D=triton.next_power_of_2(d), HAS_ROWS=rows is not None, FIRST=first,
+        positions.stride(0), positions.stride(1), rp.stride(0), rp.stride(1), sc.stride(0), sc.stride(1),
+        KV=kv, SPLITS=splits, D=d, BLOCK_N=min(BLOCK, triton.next_power_of_2(capacity)), BLOCK_D=block_d,
+        HAS_ROWS=rows is not None, FIRST=first, RENUMBER=renumber, HAS_SC=stored is not None, MOVE=move,
     )

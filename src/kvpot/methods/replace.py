@@ -121,15 +121,20 @@ def take_newest(layer, scores: torch.Tensor | None = None, sinks: int = 0, recen
     """Layer `layer` (a `PotLayer`, `n` entries, the newest last) drops one entry (by `scores`, `sinks`,
     `recent` as `drop_index`; or `drop` [b, kv | 1, 1]) and the newest takes its slot: `n - 1` entries
     remain, every rule that reads them in stream order answering as before. Returns the dropped entries."""
-    n, policy = layer.n, layer.cache.policy
     drop = replace_newest(layer.keys, layer.values, layer.positions, layer.rope_positions, list(layer.scores.values()),
-                          n, scores, None, sinks, recent, policy.renumbers, drop, find=drop is None)
+                          layer.n, scores, None, sinks, recent, layer.cache.policy.renumbers, drop, find=drop is None)
+    took_newest(layer)
+    return drop
+
+
+def took_newest(layer) -> None:
+    """The host side of `take_newest` (a kernel that merged first moved the entries: D2O)."""
+    n, policy = layer.n, layer.cache.policy
     layer.n, layer.n_new = n - 1, 0
     layer.rotated_valid = 0  # a CPU layer's rotated copy no longer matches its places
     if not policy.stores_rotated:
         layer.max_rope = n - 2
     layer.cache.unordered = True
-    return drop
 
 
 def find_drop(layer, scores: torch.Tensor | None, sinks: int = 0, recent: int = 0) -> torch.Tensor:

@@ -187,7 +187,14 @@ class D2O(Method):
             first = index not in taus
             if first:
                 taus[index] = torch.zeros(layer.batch, layer.kv_heads, dtype=torch.float32, device=layer.device)
-            merge_nearest(layer.keys, layer.values, layer.positions, n, drop, taus[index], float(self.beta), first)
+            stored = list(layer.scores.values())
+            fused = len(stored) == 1  # the newest entry takes the slot in the same launch
+            merge_nearest(layer.keys, layer.values, layer.positions, n, drop, taus[index], float(self.beta), first,
+                          rope_positions=layer.rope_positions if fused else None, stored=stored[0] if fused else None,
+                          renumber=cache.policy.renumbers)
+            if fused:
+                replace.took_newest(layer)
+                return
         else:
             keys, values = layer.keys[:, :, :n], layer.values[:, :, :n]
             similarity, target = nearest_other(keys, drop, positions)
