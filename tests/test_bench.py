@@ -159,6 +159,55 @@ def test_decode_per_step_medians(capsys, tmp_path):
         assert_png(out / name)
 
 
+def test_decode_breakdown_charges_each_part_of_the_step(capsys, tmp_path):
+    results = bench(capsys, tmp_path, "decode", "--method", "streaming", "--budget", "96", "--lengths", "300",
+                    "--decode-steps", "3", "--warmup-steps", "1", "--no-floor", "--decode", "static", "--breakdown")
+    (row,) = results["rows"]
+    breakdown = row["breakdown"]
+    assert breakdown["steps"] == 8  # every profiled step a fixed-shape one: streaming at its budget is steady
+    parts = breakdown["parts"]
+    # on a CPU the host operators are charged: the decoder's all go to "other" (no kernels to name)
+    for part in ("decoder: other (norms, RoPE, residual, cache writes)", "head (logits)", "method (append / evict)",
+                 "sampling"):
+        assert parts[part]["ms_per_step"] > 0 and parts[part]["launches_per_step"] >= 1
+    assert breakdown["step_ms"] == pytest.approx(sum(v["ms_per_step"] for k, v in parts.items()
+                                                     if k != "outside the step"))
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert "Where a step's time goes" in summary and "method (append / evict)" in summary
+
+
+def test_breakdown_names_kernels_by_part():
+    from types import SimpleNamespace as NS
+
+    from kvpot.bench.breakdown import classify
+
+    def op(name, parent=None, kernels=()):
+        return NS(name=name, cpu_parent=parent, device_type=None, self_cpu_time_total=1.0,
+                  kernels=[NS(name=k, duration=d) for k, d in kernels])
+
+    decoder, method = op("kvpot.step.decoder"), op("kvpot.step.method")
+    events = [decoder, method,
+              op("aten::mm", decoder, [("sm90_xmma_gemm_bf16", 300.0)]),
+              op("triton", decoder, [("_decode_kernel", 40.0)]),
+              op("aten::mul", decoder, [("vectorized_elementwise_kernel", 5.0)]),
+              op("aten::argmin", method, [("reduce_kernel", 6.0)]),
+              op("aten::copy_", None, [("copy_kernel", 2.0)])]
+    out = classify(events, steps=2, cuda=True)
+    parts = out["parts"]
+    assert parts["decoder: weights (matmul)"] == {"ms_per_step": 0.15, "launches_per_step": 0.5}
+    assert parts["decoder: attention"]["ms_per_step"] == pytest.approx(0.02)
+    assert parts["decoder: other (norms, RoPE, residual, cache writes)"]["ms_per_step"] == pytest.approx(0.0025)
+    assert parts["method (append / evict)"]["ms_per_step"] == pytest.approx(0.003)
+    assert parts["outside the step"]["ms_per_step"] == pytest.approx(0.001)
+    assert out["step_ms"] == pytest.approx(0.15 + 0.02 + 0.0025 + 0.003)  # outside the step not counted
+
+
+def test_breakdown_is_for_decode_only(capsys, tmp_path):
+    code, _, err = run(capsys, "bench", "prefill", "--shape", "tiny", "--device", "cpu", "--out", str(tmp_path / "o"),
+                       "--method", "full", "--breakdown")
+    assert code == 2 and "--breakdown applies to bench decode" in err
+
+
 def test_decode_baselines_in_the_same_run(capsys, tmp_path, monkeypatch):
     """`--baseline hf` adds plain transformers on the same tokens; kvpress rows without an environment
     are recorded as skipped, with the reason; `--decode static` runs kvpot's fixed-shape steps."""

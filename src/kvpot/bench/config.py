@@ -63,6 +63,7 @@ class BenchConfig:
     threads: int | None = None
     seed: int = 0
     profile: bool = False
+    breakdown: bool = False  # decode: a step's time by part (kvpot.bench.breakdown)
     decode: str = "auto"  # the engine's decoding path (kvpot.engine.decoding)
     compile_step: bool = False  # torch.compile the fixed-shape step's decoder (Engine(compile_step=True))
     baselines: list[str] = field(default_factory=list)  # "hf", "kvpress" (kvpot.bench.baselines)
@@ -117,6 +118,8 @@ class BenchConfig:
             raise KvpotError(f"unknown baseline {unknown[0]!r}; choose from: {', '.join(BASELINES)}.")
         if self.baselines and self.mode == "attention":
             raise KvpotError("--baseline applies to bench prefill and decode.")
+        if self.breakdown and self.mode != "decode":
+            raise KvpotError("--breakdown applies to bench decode.")
         if self.decode not in DECODE_MODES:
             raise KvpotError(f"--decode must be one of {', '.join(DECODE_MODES)}, got {self.decode!r}.")
         if not self.lengths:

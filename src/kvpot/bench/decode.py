@@ -20,6 +20,7 @@ from kvpot.bench.common import (
 from kvpot.bench.config import WARMUP_TOKENS, BenchConfig, baseline_labels
 from kvpot.bench.hf import step_stats
 from kvpot.bench.baselines import baseline_row
+from kvpot.bench.breakdown import step_breakdown
 
 
 def bench_decode(config: BenchConfig, model, runs, results, progress) -> None:
@@ -64,7 +65,7 @@ def bench_decode(config: BenchConfig, model, runs, results, progress) -> None:
             # decode in the state's own cache (no copy of a 1M-entry cache) unless the profiler needs it again;
             # step times come from GPU events recorded after each step (no sync per step)
             result = engine.generate_ids(state=state, max_new_tokens=count, ignore_eos=True, time_steps=True,
-                                         keep_state=config.profile)
+                                         keep_state=config.profile or config.breakdown)
             stats = result.stats
             steps = [ms / 1000 for ms in stats.decode["step_ms"]]
         extra = {}
@@ -72,6 +73,8 @@ def bench_decode(config: BenchConfig, model, runs, results, progress) -> None:
             extra["profile"] = profile_ops(
                 (lambda: floor_steps(8)) if entry == FLOOR else
                 (lambda: engine.generate_ids(state=state, max_new_tokens=9, ignore_eos=True)), config.devices)
+        if config.breakdown and entry != FLOOR:
+            extra["breakdown"] = step_breakdown(engine, state)
         if entry != FLOOR:
             del state
         timed = steps[config.warmup_steps :]

@@ -80,6 +80,7 @@ def table_rows(results: dict) -> tuple[list[str], list[list[str]]]:
 
 
 def summary_markdown(results: dict) -> str:
+    from kvpot.bench.breakdown import breakdown_markdown
     from kvpot.reporting import markdown_table, method_params
 
     m, shape = results["machine"], results["shape"]
@@ -116,6 +117,9 @@ def summary_markdown(results: dict) -> str:
         "",
         markdown_table(*table_rows(results)),
     ]
+    breakdown = breakdown_markdown(results)
+    if breakdown:
+        parts += ["", breakdown]
     if results["methods"]:
         parts += ["", "## Methods", ""]
         parts += [f"- `{label}`: `{method_params(d['config']) or 'no parameters'}` (bound: {d['max_entries']})"

@@ -66,6 +66,12 @@ def run_bench(config: BenchConfig, progress: bool = True, show: bool = True, mod
     if show:
         from rich.console import Console
 
-        Console(width=max(120, Console().width)).print(rich_table(results))
+        console = Console(width=max(120, Console().width))
+        console.print(rich_table(results))
+        from kvpot.bench.breakdown import breakdown_rows
+        from kvpot.reporting import rich_table as table_of
+
+        if (parts := breakdown_rows(results)) is not None:
+            console.print(table_of("where a decoding step's time goes (uncaptured steps, profiler)", *parts))
         print(f"wrote {config.out}/: results.json, summary.md, " + ", ".join(plot_names(results)))
     return results

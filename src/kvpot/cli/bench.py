@@ -83,6 +83,10 @@ def register(sub) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="CPU intra-op threads (default: torch's choice); 1 gives steadier timings on a busy machine")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and tokens (default 0)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="decode: where a step's time goes, by part (the weights' matrix products, attention, the "
+                        "other kernels around them, the logits, the method's append or eviction, sampling): 8 "
+                        "uncaptured steps under torch.profiler per method and length; in summary.md and results.json")
     p.add_argument("--profile", action="store_true",
                    help="prefill and decode: one extra untimed run (decode: 8 steps) per method and length under "
                         "torch.profiler; the busiest operators (device and host time) go to results.json and "
@@ -171,7 +175,8 @@ def config_from_args(args) -> BenchConfig:
         budget=args.budget, settings=parse_assignments(args.set), device=device, device_map=device_map,
         max_memory=max_memory, dtype=args.dtype, repeats=args.repeats, decode_steps=args.decode_steps, warmup_steps=args.warmup_steps,
         question_tokens=args.question_tokens, floor=args.floor, floor_chunk=args.floor_chunk, block=args.block,
-        min_time=args.min_time, threads=args.threads, seed=args.seed, profile=args.profile, decode=args.decode,
+        min_time=args.min_time, threads=args.threads, seed=args.seed, profile=args.profile,
+        breakdown=args.breakdown, decode=args.decode,
         compile_step=args.compile_step,
         baselines=[b.strip() for item in args.baseline for b in item.split(",") if b.strip()],
         kvpress_path=args.kvpress_path or os.environ.get("KVPOT_KVPRESS_PATH") or None,

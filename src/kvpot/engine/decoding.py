@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from kvpot.compat import cache_kwargs
 from kvpot.errors import KvpotError
@@ -233,28 +234,34 @@ class Decoder:
         self.position.add_(1)
 
     def _static_step(self, plan: str) -> None:
-        """One fixed-shape step (the body of a captured graph)."""
+        """One fixed-shape step (the body of a captured graph). Its parts are profiler scopes
+        (`kvpot.bench.breakdown`); a scope is host-side only: a captured graph replays none of it."""
         engine, cache, method = self.engine, self.cache, self.method
         cache.static = True
         try:
             cache.begin_forward(self.position, self.max_position, method.decode_request(plan))
-            hidden = engine.step_decoder()(input_ids=self.token.view(1, 1), position_ids=self.zero, use_cache=True,
-                                           kvpot_cache=cache, **cache_kwargs(engine.decoder, cache)).last_hidden_state[0]
-            logits = engine.head(hidden[-1]).float()
-            nll = F.cross_entropy(self.logits.view(1, -1), self.token) if method.needs_token_nll else None
-            step = Step("decode", 1, segment_end=True, token_nll=None if nll is None else nll.view(1))
-            if plan == "append":
-                method.decode_append(cache, step)
-            else:
-                method.after_forward(cache, step)
-                for layer in cache.layers:
-                    layer.length.fill_(layer.n)  # the count a steady step returns to
+            with record_function("kvpot.step.decoder"):
+                hidden = engine.step_decoder()(input_ids=self.token.view(1, 1), position_ids=self.zero,
+                                               use_cache=True, kvpot_cache=cache,
+                                               **cache_kwargs(engine.decoder, cache)).last_hidden_state[0]
+            with record_function("kvpot.step.head"):
+                logits = engine.head(hidden[-1]).float()
+            with record_function("kvpot.step.method"):
+                nll = F.cross_entropy(self.logits.view(1, -1), self.token) if method.needs_token_nll else None
+                step = Step("decode", 1, segment_end=True, token_nll=None if nll is None else nll.view(1))
+                if plan == "append":
+                    method.decode_append(cache, step)
+                else:
+                    method.after_forward(cache, step)
+                    for layer in cache.layers:
+                        layer.length.fill_(layer.n)  # the count a steady step returns to
         finally:
             cache.static = False
             cache.begin_forward(None, -1, None)
-        self.logits.copy_(logits)
-        self._pick(logits)
-        self.position.add_(1)
+        with record_function("kvpot.step.sample"):
+            self.logits.copy_(logits)
+            self._pick(logits)
+            self.position.add_(1)
 
     def _pick(self, logits: torch.Tensor) -> None:
         token = pick_token(logits, self.temperature, self.top_p, self.generator)
