@@ -20,7 +20,10 @@
 # Run from the repository root:  OUT=/tmp/out bash benchmarks/protocol-smollm2-gpu/run_gpu.sh grid|ruler [SECONDS]
 # Needs what ../real-model-smollm2/setup_gpu.sh checks (the GGUF at /tmp/smollm2.gguf, gguf importable or in
 # .whl/), and for ruler kvpress' folder: /tmp/kvpress-site, or .whl-kvpress/ (../kvpress-env/make_wheels.sh)
-# installed into it here. SECONDS (default 400) stops every process (finished rows are kept). Results:
+# installed into it here. SECONDS (default 400) is each process's `kvpot eval --time-limit`: it starts no sample
+# (or kvpress answer) that would end later, then writes its summary (`timeout` a minute later is only a safety
+# net). Every process runs with --resume from what benchmarks/protocol-smollm2-gpu/MODE/ already holds (copied
+# into $out first): unpack a call's results there and call the same mode again to continue. Results:
 # $OUT/protocol-MODE.tar.gz (one folder per process: config.json, results.jsonl, summary.*, logs); unpack it
 # into benchmarks/protocol-smollm2-gpu/MODE/ and run `kvpot report --write README.md`.
 set -uo pipefail
@@ -28,13 +31,20 @@ mode=${1:?grid, new or ruler}
 limit=${2:-400}
 case $mode in grid|new|ruler) ;; *) echo "mode: grid, new or ruler" >&2; exit 2;; esac
 source benchmarks/real-model-smollm2/setup_gpu.sh
+before=benchmarks/protocol-smollm2-gpu/$mode  # earlier calls' folders: every process resumes its own
+if [ -d "$before" ]; then
+  for folder in "$before"/*/; do [ -f "$folder/config.json" ] && cp -r "$folder" "$out/"; done
+  cp "$before"/*.log "$out/" 2>/dev/null
+  [ -f "$before/machine.txt" ] && { echo "--- earlier calls:"; cat "$before/machine.txt"; } >> "$out/machine.txt"
+fi
 rest=0-$((cores - 1))  # no demo beside this run: every core
 common=(--model smollm2-135m --device cuda --seed 0 --templates all)
 
-run_() {  # run_ NAME ARGS... : one background `kvpot eval`, stopped after $limit s, its log beside its folder
+run_() {  # run_ NAME ARGS... : one background `kvpot eval`, continuing its folder, finishing by $limit s; its log
+  # (appended to by every call) beside its folder
   local name=$1; shift
-  taskset -c "$rest" timeout "$limit" python -m kvpot eval "$@" "${common[@]}" --out "$out/$name" \
-    > "$out/$name.log" 2>&1 &
+  taskset -c "$rest" timeout $((limit + 60)) python -m kvpot eval "$@" "${common[@]}" --out "$out/$name" \
+    --time-limit "$limit" --resume >> "$out/$name.log" 2>&1 &
 }
 
 specs=(full snapkv:budget=2048 infinipot:catalyst=question infinipot:catalyst=question,share=model

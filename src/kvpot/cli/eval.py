@@ -120,6 +120,14 @@ def register(sub) -> None:
     p.add_argument("--kvpress-path", default=None, metavar="DIR",
                    help="the folder holding kvpress and the transformers it needs, first on the PYTHONPATH of the "
                         "process running the presses (default: $KVPOT_KVPRESS_PATH; benchmarks/kvpress-env/)")
+    p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                   help="start no sample (or kvpress answer) that would not finish within SECONDS of the start, "
+                        "keeping ~10 s to write the summary: rows written so far are reported, and summary.json "
+                        "says how many planned rows were not run (a SIGTERM ends the run the same way)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out (same options, else refused): skip samples whose rows are in "
+                        "its results.jsonl and kvpress answers already given; append the rest (a folder without "
+                        "a run starts fresh)")
     add_model_arguments(p)
     p.add_argument("--out", type=Path, required=True, help="folder for results (created; its parent must exist)")
     p.set_defaults(func=run)
@@ -154,6 +162,7 @@ def config_from_args(args) -> EvalConfig:
         compression_ratios=None if args.compression_ratios is None else parse_ratios(args.compression_ratios),
         baselines=[b.strip() for item in args.baseline for b in item.split(",") if b.strip()], presses=args.press,
         kvpress_path=args.kvpress_path or (os.environ.get("KVPOT_KVPRESS_PATH") if args.baseline else None) or None,
+        time_limit=args.time_limit, resume=args.resume,
     )
 
 
@@ -168,5 +177,6 @@ def run(args) -> int:
         from kvpot.methods.spec import MethodSpec, build_methods
 
         build_methods([MethodSpec.parse(m) for m in config.methods], config.budget, config.settings)
-    run_eval(config, progress=True)
-    return 0
+    summary = run_eval(config, progress=True)
+    stopped = (summary.get("completion") or {}).get("stopped_by")
+    return 128 + 15 if stopped == "SIGTERM" else 0  # as if SIGTERM had ended it, but with its results written

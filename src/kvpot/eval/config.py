@@ -128,6 +128,8 @@ class EvalConfig:
     baselines: list[str] = field(default_factory=list)  # "kvpress": its presses on the same cases (kvpot.eval.kvpress)
     presses: list[str] | None = None  # kvpress presses (None: kvpot.eval.kvpress.DEFAULT_PRESSES)
     kvpress_path: str | None = None  # the folder holding kvpress and its transformers (benchmarks/kvpress-env/)
+    time_limit: float | None = None  # seconds: start no sample (or kvpress answer) that would end later (eval.limits)
+    resume: bool = False  # continue the run in `out`: skip samples with rows there (kvpot.eval.resume)
 
     def __post_init__(self):
         from kvpot.tasks import HAYSTACKS, TASKS, task_options
@@ -182,6 +184,18 @@ class EvalConfig:
             raise KvpotError(f"--out {self.out}: the folder {self.out.parent} does not exist; create it first.")
         if self.out.exists() and not self.out.is_dir():
             raise KvpotError(f"--out {self.out} is a file; give a folder to write results into.")
+        self._check_stopping()
+
+    def _check_stopping(self) -> None:
+        """--time-limit and --resume: answering tasks (perplexity reads one text in one go)."""
+        if self.time_limit is not None:
+            if isinstance(self.time_limit, bool) or not isinstance(self.time_limit, (int, float)) \
+                    or not self.time_limit > 0 or self.time_limit == float("inf"):
+                raise KvpotError(f"--time-limit must be a positive number of seconds, got {self.time_limit!r}.")
+        if not isinstance(self.resume, bool):
+            raise KvpotError(f"resume must be True or False, got {self.resume!r}.")
+        if self.task == PERPLEXITY and (self.time_limit is not None or self.resume):
+            raise KvpotError("--time-limit and --resume apply to answering tasks, not perplexity (one text).")
 
     def _check_baselines(self) -> None:
         """--compression-ratios and --baseline kvpress: answering tasks, one device, a kvpress folder."""

@@ -11,6 +11,11 @@ it with the case's own metric, so a press's row is exactly a method's row: same 
 `results.jsonl`, same intervals in the tables. The cases file is deleted afterwards (it is rebuilt
 from the seeds). A press whose process cannot import kvpress, or fails, is recorded with the reason in
 `summary.json` (`kvpress`) and has no rows; the kvpot rows of the run stand.
+
+Each case carries its key (`kvpot.eval.resume.case_key`), and the answers file
+`kvpress-PRESS-answers.jsonl` is kept: answers become rows whenever the process ends (at its
+`--deadline`, from `--time-limit`; killed at SIGTERM; or done), and `--resume` neither asks again for
+an answer that is there nor writes a row twice.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvpot.errors import KvpotError
+from kvpot.eval.limits import FINISH_SECONDS
 
 DEFAULT_PRESSES = ("snapkv", "expected_attention", "streaming_llm", "tova", "knorm")
 CASES_FILE = "kvpress-cases.jsonl"
@@ -66,49 +72,62 @@ class _Kept:
 
 
 class CaseFile:
-    """The cases kvpot's methods read, written as token ids for the kvpress process."""
+    """The cases kvpot's methods read, written as token ids (and each one's key) for the kvpress process."""
 
     def __init__(self, path: Path, eos_ids: list[int]):
         self.path = path
         self.eos_ids = eos_ids
-        self.cases: list[_Kept] = []
+        self.cases: dict[str, _Kept] = {}  # case key (kvpot.eval.resume.case_key) -> what scoring needs
         self._handle = open(path, "w", encoding="utf-8")
 
     def add(self, case) -> None:
-        self._handle.write(json.dumps({"case": len(self.cases), "context_ids": list(case.context_ids),
+        self._handle.write(json.dumps({"case": len(self.cases), "key": case.key, "context_ids": list(case.context_ids),
                                        "question_ids": list(case.question_ids), "max_new_tokens": case.max_new_tokens,
                                        "eos_ids": self.eos_ids}) + "\n")
-        self.cases.append(_Kept(case.row, case.answers, case.max_new_tokens, len(case.context_ids), case.score))
+        self._handle.flush()
+        self.cases[case.key] = _Kept(case.row, case.answers, case.max_new_tokens, len(case.context_ids), case.score)
 
     def close(self) -> None:
         self._handle.close()
 
 
 def worker_command(press: str, ratios: list[float], cases: Path, model_dir: str, device: str, dtype: str,
-                   out: Path) -> list[str]:
+                   out: Path, deadline: float | None = None) -> list[str]:
     return [sys.executable, "-m", "kvpot.eval.kvpress_worker", "--cases", str(cases), "--model-dir", model_dir,
             "--press", press, "--ratios", ",".join(f"{r:g}" for r in ratios), "--device", device, "--dtype", dtype,
-            "--out", str(out)]
+            "--out", str(out), *([] if deadline is None else ["--deadline", f"{deadline:.1f}"])]
 
 
 def run_press(press: str, ratios: list[float], case_file: CaseFile, kvpress_path, model_dir: str, device: str,
-              dtype: str, out_dir: Path) -> tuple[list[dict], dict]:
-    """(the answers of `press` at every ratio, what its process reported: versions, settings, or why it failed)."""
+              dtype: str, out_dir: Path, seconds: float | None = None) -> dict:
+    """Start the process answering `press` at every ratio into `kvpress-PRESS-answers.jsonl` (kept: a resumed
+    run's process skips the answers there), `seconds` at most; what it reported: counts, versions, or why it failed.
+    SIGTERM here (`Interrupted`) kills the process and reaches the caller; its flushed answers stay."""
     src = Path(__file__).resolve().parents[2]  # the folder holding the `kvpot` package
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(kvpress_path).resolve()), str(src)])}
-    answers = out_dir / f"kvpress-{press}-answers.jsonl"
-    done = subprocess.run(worker_command(press, ratios, case_file.path, model_dir, device, dtype, answers),
-                          capture_output=True, text=True, env=env)
-    (out_dir / f"kvpress-{press}.log").write_text(done.stdout + done.stderr, encoding="utf-8")
-    info = _last_json(done.stdout)
+    command = worker_command(press, ratios, case_file.path, model_dir, device, dtype, answers_path(out_dir, press),
+                             seconds)
+    try:  # the worker stops itself at its deadline; the timeout is for an answer that overruns it
+        done = subprocess.run(command, capture_output=True, text=True, env=env,
+                              timeout=None if seconds is None else seconds + FINISH_SECONDS / 2)
+        stdout, stderr, code = done.stdout, done.stderr, done.returncode
+    except subprocess.TimeoutExpired as err:
+        stdout, stderr, code = _text(err.stdout), _text(err.stderr), None
+    (out_dir / f"kvpress-{press}.log").write_text(stdout + stderr, encoding="utf-8")
+    info = _last_json(stdout)
     if info is None:
-        tail = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}, no output"])[-1][:300]
-        info = {"error": f"kvpress worker failed: {tail}"}
+        tail = (stderr.strip().splitlines() or [f"exit status {code}, no output"])[-1][:300]
+        info = {"error": "kvpress worker stopped at the time limit" if code is None else
+                f"kvpress worker failed: {tail}"}
+        if code is None:
+            info["stopped"] = "deadline"
     if info.get("import_error"):
         info["skipped"] = f"{info.pop('error')} (from {kvpress_path})"
-    rows = [json.loads(line) for line in answers.read_text().splitlines() if line.strip()] if answers.exists() else []
-    answers.unlink(missing_ok=True)
-    return rows, {"returncode": done.returncode, **info}
+    return {"returncode": code, **info}
+
+
+def answers_path(out_dir: Path, press: str) -> Path:
+    return out_dir / f"kvpress-{press}-answers.jsonl"
 
 
 def press_row(run: PressRun, answer: dict, kept: _Kept, tokenizer) -> dict:
@@ -129,26 +148,77 @@ def press_row(run: PressRun, answer: dict, kept: _Kept, tokenizer) -> dict:
 
 
 def run_presses(runs: list[PressRun], case_file: CaseFile, tokenizer, config, model_dir: str, device: str,
-                dtype: str, results, show: bool = True) -> tuple[list[dict], dict]:
-    """Every press (one process each, all its ratios) over the written cases; rows go to `results` as well."""
+                dtype: str, results, show: bool = True, done=None, deadline=None, stop=None,
+                stopped: str | None = None) -> tuple[list[dict], dict, str | None]:
+    """Every press (one process each, all its ratios) over the written cases, in the time `deadline` leaves;
+    then each answer in the press's answers file without a row in `done` becomes one (a stopped process's
+    answers too, and an earlier run's); rows go to `results` as well. A run already `stopped` (why: time
+    limit, SIGTERM) only converts. Returns the rows, what each process reported, and why the run stopped."""
+    from kvpot.eval.limits import Deadline, Interrupted, Terminate
+    from kvpot.eval.resume import Done
+
+    done, deadline, stop = done or Done([], False), deadline or Deadline(None), stop or Terminate()
     case_file.close()
     rows, info = [], {}
-    by_key = {(r.press, r.ratio): r for r in runs}
-    for press in dict.fromkeys(r.press for r in runs):
-        ratios = [r.ratio for r in runs if r.press == press]
-        if show:
-            print(f"kvpress {press}: {len(case_file.cases)} cases x {len(ratios)} ratios", flush=True)
-        answers, info[press] = run_press(press, ratios, case_file, config.kvpress_path, model_dir, device, dtype,
-                                         config.out)
-        for answer in answers:
-            row = press_row(by_key[press, answer["ratio"]], answer, case_file.cases[answer["case"]], tokenizer)
-            results.write(json.dumps(row) + "\n")
-            results.flush()
-            rows.append(row)
-        if show and (info[press].get("skipped") or info[press].get("error")):
-            print(f"kvpress {press}: {info[press].get('skipped') or info[press].get('error')}", flush=True)
-    case_file.path.unlink(missing_ok=True)
-    return rows, info
+    try:
+        for press in dict.fromkeys(r.press for r in runs):
+            mine = {r.ratio: r for r in runs if r.press == press}
+            try:
+                info[press], why = _launch(press, mine, case_file, config, model_dir, device, dtype, done, deadline,
+                                           stopped, show)
+            except Interrupted:
+                info[press], why = {"stopped": "SIGTERM"}, "SIGTERM"
+            stopped = stopped or why
+            try:
+                with stop.held():
+                    rows += _convert(press, mine, case_file, tokenizer, config.out, done, results)
+            except Interrupted:  # deferred to the end of the rows: they are written
+                stopped = "SIGTERM"
+    finally:
+        case_file.path.unlink(missing_ok=True)
+    return rows, info, stopped
+
+
+def _launch(press, mine: dict, case_file: CaseFile, config, model_dir, device, dtype, done, deadline, stopped,
+            show) -> tuple[dict, str | None]:
+    """Run the press's process if it has cases left and time; (what it reported, why it stopped or None)."""
+    left = sum(1 for key in case_file.cases for run in mine.values() if not done.has(run.label, key))
+    if not left:
+        return {"not_started": "every case already answered"}, None
+    if stopped:
+        return {"not_started": stopped, "left": left}, None
+    seconds = None if deadline.end is None else deadline.remaining() - FINISH_SECONDS
+    if seconds is not None and seconds <= 0:
+        return {"not_started": "time limit", "left": left}, "time limit"
+    if show:
+        print(f"kvpress {press}: {len(case_file.cases)} cases x {len(mine)} ratios ({left} answers left)"
+              + ("" if seconds is None else f", {seconds:.0f} s"), flush=True)
+    info = run_press(press, list(mine), case_file, config.kvpress_path, model_dir, device, dtype, config.out,
+                     seconds)
+    if show and (info.get("skipped") or info.get("error")):
+        print(f"kvpress {press}: {info.get('skipped') or info.get('error')}", flush=True)
+    return info, {"deadline": "time limit", "SIGTERM": "SIGTERM"}.get(info.get("stopped"))
+
+
+def _convert(press, mine: dict, case_file: CaseFile, tokenizer, out: Path, done, results) -> list[dict]:
+    """Rows of the press's answers (by case key and ratio) that have none yet."""
+    from kvpot.eval.limits import read_jsonl
+
+    rows = []
+    for answer in read_jsonl(answers_path(out, press)):
+        run, kept = mine.get(answer.get("ratio")), case_file.cases.get(answer.get("key"))
+        if run is None or kept is None or done.has(run.label, answer["key"]):
+            continue  # another ratio or case (an earlier run's), or a row already written
+        row = press_row(run, answer, kept, tokenizer)
+        results.write(json.dumps(row) + "\n")
+        results.flush()
+        rows.append(row)
+        done.add(row)
+    return rows
+
+
+def _text(output) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else (output or "")
 
 
 def _last_json(stdout: str) -> dict | None:

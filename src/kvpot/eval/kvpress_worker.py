@@ -10,10 +10,14 @@ For each case and each compression ratio r, the press answers through kvpress' p
 token ids (`kvpot.bench.kvpress_runner.answer`): the context prefilled under `press(compression_ratio=r)`,
 which keeps `int(n * (1 - r))` of its n entries per layer and KV head before the question is seen; the
 question at the positions after the uncompressed context; greedy decoding until an EOS id or the case's
-`max_new_tokens`. Each answer is one JSON line of `--out` (token ids, the entries each layer kept,
-seconds), flushed as it finishes; the parent decodes and scores it with the case's own metric. The
-last stdout line is one JSON object: the press, its settings, versions and counts, or
-`{"error": ..., "import_error": true}` (exit 3) when kvpress cannot be imported.
+`max_new_tokens`. Each answer is one JSON line of `--out` (the case's key, token ids, the entries each
+layer kept, seconds), flushed as it finishes; the parent decodes and scores it with the case's own metric.
+Answers already in `--out` (same case key and ratio: a stopped run's) are kept and not asked again.
+With `--deadline S`, no answer starts unless the longest one so far fits in what is left of S seconds
+(counted from this process's start, model loading included); at the deadline, or at SIGTERM, the worker
+stops answering and exits normally. The last stdout line is one JSON object: the press, its settings,
+versions and counts (`answers` now, `already` there, `left` unanswered, `stopped`: deadline, SIGTERM or
+null), or `{"error": ..., "import_error": true}` (exit 3) when kvpress cannot be imported.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import json
 import sys
 
 from kvpot.bench.kvpress_runner import IMPORT_ERROR_EXIT, _dist_version, answer
+from kvpot.eval.limits import Deadline, Interrupted, Terminate, read_jsonl
 
 #: our name -> kvpress class (presses that take `compression_ratio` and run with SDPA attention)
 PRESSES = {
@@ -39,7 +44,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ratios", required=True, help="compression ratios in [0, 1), e.g. 0.25,0.5,0.75")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16", help="torch dtype name of the model (kvpot's rows' dtype)")
-    p.add_argument("--out", required=True, help="answers.jsonl to write")
+    p.add_argument("--out", required=True, help="answers.jsonl to append to (answers already there are kept)")
+    p.add_argument("--deadline", type=float, default=None, metavar="SECONDS",
+                   help="start no answer that would not finish within SECONDS of this process's start; then "
+                        "exit normally, reporting how many (case, ratio) pairs were answered and left")
     args = p.parse_args(argv)
     try:
         args.ratios = [float(r) for r in args.ratios.split(",") if r.strip()]
@@ -47,10 +55,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--ratios: {args.ratios!r} is not a list of numbers")
     if not args.ratios or any(not 0.0 <= r < 1.0 for r in args.ratios):
         p.error("--ratios must hold numbers in [0, 1)")
+    if args.deadline is not None and args.deadline < 0:
+        p.error("--deadline must be a number of seconds, at least 0")
     return args
 
 
-def answer_all(args) -> dict:
+def answer_all(args, deadline: Deadline | None = None) -> dict:
     import dataclasses
 
     import torch
@@ -68,33 +78,56 @@ def answer_all(args) -> dict:
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=getattr(torch, args.dtype))
     model = model.to(args.device).eval()
     model.set_attn_implementation("sdpa")  # kvpress' presses score from hidden states; no eager weights
-    done = 0
-    with open(args.cases, encoding="utf-8") as cases, open(args.out, "w", encoding="utf-8") as out, torch.no_grad():
-        for line in cases:
-            if not line.strip():
-                continue
-            case = json.loads(line)
-            context = torch.tensor(case["context_ids"], device=args.device)
-            question = torch.tensor(case["question_ids"], device=args.device)
-            for ratio in args.ratios:
-                tokens, kept, timings = answer(model, press_class(compression_ratio=ratio), context, question,
-                                               case["max_new_tokens"], set(case["eos_ids"]))
-                out.write(json.dumps({"case": case["case"], "ratio": ratio, "tokens": tokens, "kept": kept,
-                                      **timings}) + "\n")
-                out.flush()
-                done += 1
+    stop = Terminate()
+    with stop.installed():
+        counts = _answer_cases(args, lambda case, ratio: answer(
+            model, press_class(compression_ratio=ratio), torch.tensor(case["context_ids"], device=args.device),
+            torch.tensor(case["question_ids"], device=args.device), case["max_new_tokens"], set(case["eos_ids"])),
+            deadline or Deadline(None))
     press = press_class(compression_ratio=args.ratios[0])
     settings = {k: v for k, v in dataclasses.asdict(press).items() if isinstance(v, (int, float, str, bool))} \
         if dataclasses.is_dataclass(press) else {}
-    return {"press": PRESSES[args.press], "press_settings": settings, "answers": done, "dtype": args.dtype,
+    return {"press": PRESSES[args.press], "press_settings": settings, **counts, "dtype": args.dtype,
             "versions": {"kvpress": getattr(kvpress, "__version__", None) or _dist_version("kvpress"),
                          "transformers": transformers.__version__, "torch": torch.__version__}}
+
+
+def _answer_cases(args, answer_one, deadline: Deadline) -> dict:
+    """Answer every (case, ratio) not already in `args.out`, until the deadline or SIGTERM (`Interrupted`,
+    from a handler the caller installed); how many were answered, already there, and left."""
+    import torch
+
+    already = {(a["key"], a["ratio"]) for a in read_jsonl(args.out, repair=True) if a.get("key") is not None}
+    counts = {"answers": 0, "already": 0, "left": 0, "stopped": None}
+    with open(args.cases, encoding="utf-8") as cases, open(args.out, "a", encoding="utf-8") as out:
+        try:
+            with torch.no_grad():
+                for case in (json.loads(line) for line in cases if line.strip()):
+                    for ratio in args.ratios:
+                        if (case.get("key"), ratio) in already:
+                            counts["already"] += 1
+                            continue
+                        if counts["stopped"] or not deadline.allows():
+                            counts["stopped"] = counts["stopped"] or "deadline"
+                            continue
+                        with deadline.step():
+                            tokens, kept, timings = answer_one(case, ratio)
+                            out.write(json.dumps({"case": case["case"], "key": case.get("key"), "ratio": ratio,
+                                                  "tokens": tokens, "kept": kept, **timings}) + "\n")
+                            out.flush()
+                        counts["answers"] += 1
+        except Interrupted:  # a line being written may be cut: read_jsonl drops it
+            counts["stopped"] = "SIGTERM"
+    with open(args.cases, encoding="utf-8") as cases:  # every (case, ratio), also those never reached
+        total = sum(1 for line in cases if line.strip()) * len(args.ratios)
+    counts["left"] = total - counts["answers"] - counts["already"]
+    return counts
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        result = answer_all(args)
+        result = answer_all(args, Deadline(args.deadline))
     except Exception as err:  # noqa: BLE001 - the parent reads one JSON line, whatever happened
         print(json.dumps({"error": f"{type(err).__name__}: {err}".splitlines()[0][:300]}))
         return 1

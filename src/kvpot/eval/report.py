@@ -87,6 +87,8 @@ def _depth_rows(summary: dict, label: str) -> tuple[list[str], list[list[str]]]:
 
 def eval_markdown(summary: dict) -> str:
     """`summary.md`: what ran, the comparison table, then each method's depth x length grid."""
+    from kvpot.eval.resume import completion_lines
+
     config = summary["config"]
     options = ", ".join(f"{k}={v}" for k, v in config["task_options"].items()) or "defaults"
     parts = [
@@ -98,6 +100,7 @@ def eval_markdown(summary: dict) -> str:
         f"{_chat(summary)}; seed {config['seed']}",
         f"- kvpot {summary['versions']['kvpot']}, torch {summary['versions']['torch']}, "
         f"transformers {summary['versions']['transformers']}; {summary['date']}",
+        *completion_lines(summary),
         "",
         "## Accuracy by method and context length",
         "",

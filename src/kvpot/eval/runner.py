@@ -15,15 +15,30 @@ if TYPE_CHECKING:
 
 
 def run_task_eval(config: EvalConfig, progress: bool = True, show: bool = True) -> dict:
-    """Evaluate every method (and kvpress press) on the same samples; write results, summary, tables and figures."""
+    """Evaluate every method (and kvpress press) on the same samples; write results, summary, tables and figures.
+
+    With `config.time_limit`, no sample starts that would not finish before the limit (kvpot.eval.limits);
+    a SIGTERM ends the answering the same way; either way the rows written so far (and the kvpress
+    answers given) are reported. With `config.resume`, samples already in the folder are skipped."""
+    from kvpot.eval import limits
+
+    deadline, stop = limits.Deadline(config.time_limit, limits.FINISH_SECONDS), limits.Terminate()
+    with stop.installed():
+        return _run_task_eval(config, progress, show, deadline, stop)
+
+
+def _run_task_eval(config: EvalConfig, progress: bool, show: bool, deadline, stop) -> dict:
     from tqdm.auto import tqdm
 
+    from kvpot.eval import resume
+    from kvpot.eval.limits import Interrupted
     from kvpot.eval.prompting import resolve_chat
     from kvpot.eval.suite import suite_cases
     from kvpot.tasks.suites import is_suite
 
     suite = is_suite(config.task)
     runs = make_runs(config)  # here: kvpot.methods loads torch; a bad spec fails before the model loads
+    done = resume.load(config, suite)  # a folder run with other options fails here, before the model loads
     model, tokenizer, path, device = load_model(config.model, config.device, config.dtype, config.device_map,
                                                 config.max_memory, config.gguf)
     prefix = special_prefix(tokenizer)
@@ -32,40 +47,88 @@ def run_task_eval(config: EvalConfig, progress: bool = True, show: bool = True) 
               "methods": {run.label: _describe(run, config) for run in [*runs, *presses]},
               "prompt_prefix_ids": prefix,
               "chat_flags": None if config.chat is None else resolve_chat(config.chat, tokenizer)}
-    count, cases = (suite_cases(config, tokenizer, model, prefix) if suite  # data errors before any output
-                    else task_cases(config, tokenizer, prefix))
+    labels, press_labels = [run.label for run in [*runs, *presses]], [p.label for p in presses]
+    skip = done.skip(labels)
+    count, cases = (suite_cases(config, tokenizer, model, prefix, skip) if suite  # data errors before any output
+                    else task_cases(config, tokenizer, prefix, skip))
     config.out.mkdir(exist_ok=True)
+    previous = _previous_kvpress(config) if done.rows else {}
     write_json(config.out / "config.json", header)
+    if not config.resume:
+        resume.remove_stale(config.out, presses)
     case_file = _case_file(config, tokenizer) if presses else None
-    rows: list[dict] = []
+    rows, resumed, stopped = list(done.rows), len(done.rows), None
     answer = _Answerer(model, tokenizer, config.batch_size)
-    with open(config.out / "results.jsonl", "w", encoding="utf-8") as results:
-        with tqdm(total=count * len(runs), unit="run", desc=f"eval {config.task}", disable=not progress) as bar:
-            for group in _groups(cases, config.batch_size):
-                answers = {run.label: answer(run, group) for run in runs}
-                for index, case in enumerate(group):
-                    if case_file is not None:
-                        case_file.add(case)
-                    for run in runs:
-                        row = _row(run, case, *answers[run.label][index], tokenizer)
-                        results.write(json.dumps(row) + "\n")
-                        results.flush()
-                        rows.append(row)
-                        bar.set_postfix_str(f"{run.label} @ {len(case.context_ids)} tokens")
-                        bar.update()
+    with open(config.out / "results.jsonl", "a" if done.rows else "w", encoding="utf-8") as results:
+        left = count * len(runs) - sum(done.count(run.label) for run in runs)
+        try:
+            with tqdm(total=left, unit="run", desc=f"eval {config.task}", disable=not progress) as bar:
+                for group in _groups(cases, config.batch_size, deadline.allows):
+                    with deadline.step():  # a step: answering a group and writing its rows
+                        answers = _answer_missing(answer, runs, group, done)
+                        with stop.held():  # a SIGTERM waits for the rows: a cut line would spoil the file
+                            for row in _write_group(group, runs, answers, tokenizer, results, done, case_file,
+                                                    press_labels):
+                                rows.append(row)
+                                bar.set_postfix_str(f"{row['method']} @ {row['stats']['context_tokens']} tokens")
+                                bar.update()
+        except Interrupted:
+            stopped = "SIGTERM"
+        stopped = stopped or ("time limit" if deadline.reached else None)
         if presses:
             from kvpot.eval.kvpress import run_presses
             from kvpot.models import resolve_model, resolve_source
 
             source = resolve_source(resolve_model(config.model, config.gguf), config.gguf)
             dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-            press_rows, header["kvpress"] = run_presses(presses, case_file, tokenizer, config, source,
-                                                        str(next(model.parameters()).device), dtype, results, show)
+            press_rows, info, stopped = run_presses(presses, case_file, tokenizer, config, source,
+                                                    str(next(model.parameters()).device), dtype, results, show,
+                                                    done, deadline, stop, stopped)
+            header["kvpress"] = {p: {**previous.get(p, {}), **i} if "not_started" in i else i for p, i in info.items()}
             rows += press_rows
-            answered = {r["method"] for r in press_rows}
+            answered = {r["method"] for r in rows}
             runs += [p for p in presses if p.label in answered]  # a press that could not run has no column
             header["methods"] = {k: v for k, v in header["methods"].items() if k in {r.label for r in runs}}
+    header["completion"] = resume.completion(done, count, labels, stopped, config.time_limit, resumed)
+    write_json(config.out / "config.json", header)
+    if show and stopped:
+        print(f"stopped ({stopped}): {header['completion']['rows_not_run']} of "
+              f"{header['completion']['rows_planned']} rows not run; --resume continues", flush=True)
     return _report(config, header, rows, runs, suite, show)
+
+
+def _write_group(group, runs, answers: dict, tokenizer, results, done, case_file, press_labels):
+    """Each case's rows (in the order of `runs`), written to `results` and yielded; a case some press has no
+    row for goes to the kvpress cases file."""
+    for index, case in enumerate(group):
+        if case_file is not None and done.missing(press_labels, case.key):
+            case_file.add(case)
+        for run in runs:
+            if (run.label, index) in answers:
+                row = _row(run, case, *answers[run.label, index], tokenizer)
+                results.write(json.dumps(row) + "\n")
+                results.flush()
+                done.add(row)
+                yield row
+
+
+def _answer_missing(answer, runs, group, done) -> dict:
+    """(run label, index in group) -> (token ids, stats, method), for each run's cases without a row."""
+    out = {}
+    for run in runs:
+        todo = [i for i, case in enumerate(group) if not done.has(run.label, case.key)]
+        for index, result in zip(todo, answer(run, [group[i] for i in todo])):
+            out[run.label, index] = result
+    return out
+
+
+def _previous_kvpress(config: EvalConfig) -> dict:
+    """What the kvpress processes of the run being resumed reported (kept for presses with nothing left)."""
+    path = config.out / "summary.json"
+    try:
+        return json.loads(path.read_text(encoding="utf-8")).get("kvpress") or {}
+    except (OSError, ValueError):
+        return {}
 
 
 def _report(config: EvalConfig, header: dict, rows: list[dict], runs, suite: bool, show: bool) -> dict:
@@ -163,15 +226,14 @@ class _Answerer:
         return out
 
 
-def _groups(cases, size: int):
-    """The cases, `size` at a time (they are built lazily: a long context is made when its group runs)."""
-    group = []
-    for case in cases:
-        group.append(case)
-        if len(group) == size:
-            yield group
-            group = []
-    if group:
+def _groups(cases, size: int, allows=lambda: True):
+    """The cases, `size` at a time (they are built lazily: a long context is made when its group runs), while
+    `allows()` (the time limit) lets another group start."""
+    cases = iter(cases)
+    while allows():
+        group = [case for _, case in zip(range(size), cases)]
+        if not group:
+            return
         yield group
 
 
@@ -193,9 +255,12 @@ def _answer(engine, group, batch_size: int) -> list[tuple[list[int], object]]:
     return [(r.tokens, r.stats) for r in requests]
 
 
-def task_cases(config: EvalConfig, tokenizer, prefix: list[int]):
+def task_cases(config: EvalConfig, tokenizer, prefix: list[int], skip=None):
     """(number of cases, the cases) of a synthetic task: every length x depth x template x chat x sample,
-    built when run (`chat`: inside the model's chat template, kvpot.eval.prompting)."""
+    built when run (`chat`: inside the model's chat template, kvpot.eval.prompting); `skip(key)` true
+    (`--resume`: every method has its row) leaves a case out unbuilt; the count is of them all."""
+    from kvpot.eval.resume import case_key
+
     from kvpot.eval.prompting import CHAT_SLACK_TOKENS, Wrapper, resolve_chat
     from kvpot.eval.suite import Case
     from kvpot.tasks import make_sample, score
@@ -207,6 +272,10 @@ def task_cases(config: EvalConfig, tokenizer, prefix: list[int]):
     def cases():
         for length, depth, template, chat, index in cells:
             seed = sample_seed(config.seed, index, length, depth, template, chat)
+            key = case_key({"length": length, "depth": depth, "template": template, "chat": chat, "sample": index,
+                            "seed": seed}, suite=False)
+            if skip is not None and skip(key):
+                continue
             sample = make_sample(config.task, tokenizer, length, depth, seed, config.haystack, template,
                                  **config.task_options)
             row = {"task": config.task, "task_options": sample.options, "length": length, "depth": depth,
@@ -215,7 +284,7 @@ def task_cases(config: EvalConfig, tokenizer, prefix: list[int]):
             budget = config.max_new_tokens or (default_max_new_tokens(tokenizer, sample.answers)
                                                + (CHAT_SLACK_TOKENS if chat else 0))
             yield Case(*wrap(sample.context_ids, sample.question_ids, chat), sample.answers, budget, row,
-                       lambda prediction, answers=sample.answers: score(config.task, prediction, answers))
+                       lambda prediction, answers=sample.answers: score(config.task, prediction, answers), key)
 
     return len(cells), cases()
 

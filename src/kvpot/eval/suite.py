@@ -27,15 +27,18 @@ class Case:
     max_new_tokens: int
     row: dict = field(default_factory=dict)  # task-specific fields of its results.jsonl rows
     score: Callable[[str], float] = lambda prediction: 0.0
+    key: str = ""  # the sample it is (kvpot.eval.resume.case_key): what --resume and kvpress' files match on
 
 
-def suite_cases(config, tokenizer, model, prefix: list[int]) -> tuple[int, Iterator]:
-    """(number of cases, the cases) of the suite ``config.task``; loading errors surface here.
+def suite_cases(config, tokenizer, model, prefix: list[int], skip=None) -> tuple[int, Iterator]:
+    """(number of cases, the cases) of the suite ``config.task``; loading errors surface here. ``skip(key)``
+    true (``--resume``: every method has its row) leaves an item out unencoded; the count is of them all.
 
     RULER's items come in every template and chat flag asked for (``config.templates``, ``config.chat``);
     a chat item's ids are wrapped in the model's chat template (kvpot.eval.prompting)."""
     from kvpot.engine import Engine
     from kvpot.eval.prompting import Wrapper, resolve_chat
+    from kvpot.eval.resume import case_key
     from kvpot.tasks.suites import load_items, score_item
 
     variants = {}
@@ -49,6 +52,10 @@ def suite_cases(config, tokenizer, model, prefix: list[int]) -> tuple[int, Itera
 
     def cases():
         for item in items:
+            key = case_key({"subtask": item.task, "id": item.id, "group": item.group, "sample": item.index,
+                            "template": item.extra.get("template"), "chat": item.extra.get("chat")}, suite=True)
+            if skip is not None and skip(key):
+                continue
             if item.make_ids is not None:
                 context_ids, question_ids = wrap(*item.make_ids(), item.chat)
             else:
@@ -59,7 +66,7 @@ def suite_cases(config, tokenizer, model, prefix: list[int]) -> tuple[int, Itera
             if "template" in item.extra:
                 row.update(template=item.extra["template"], chat=item.extra["chat"])
             yield Case(context_ids, list(question_ids), item.answers, config.max_new_tokens or item.max_new_tokens, row,
-                       lambda prediction, item=item: score_item(item, prediction))
+                       lambda prediction, item=item: score_item(item, prediction), key)
 
     return len(items), cases()
 
@@ -99,7 +106,8 @@ def summarize_suite(rows: Sequence[dict], runs: Sequence, config, _cost: Callabl
                                for g in groups}
         overall[run.label] = _mean(v for v in scores[run.label].values() if v is not None)
         cost[run.label] = {**_cost(mine), "by_task": {t: _cost([r for r in mine if r["subtask"] == t]) for t in tasks}}
-    counts = {t: {g: sum(1 for r in rows if r["subtask"] == t and r["group"] == g and r["method"] == runs[0].label)
+    first = runs[0].label if runs else None
+    counts = {t: {g: sum(1 for r in rows if r["subtask"] == t and r["group"] == g and r["method"] == first)
                   for g in groups} for t in tasks}
     return {"runs": len(rows), "tasks": tasks, "groups": groups, "counts": counts, "scores": scores,
             "scores_by_group": by_task_group, "by_group": by_group, "overall": overall, "cost": cost,
@@ -145,6 +153,7 @@ def _group_rows(summary: dict, label: str) -> tuple[list[str], list[list[str]]]:
 
 
 def suite_markdown(summary: dict) -> str:
+    from kvpot.eval.resume import completion_lines
     from kvpot.reporting import markdown_table, method_params
 
     config = summary["config"]
@@ -156,6 +165,7 @@ def suite_markdown(summary: dict) -> str:
         f"- items per task: {counts}" + (f"; data: `{config['data_dir']}`" if config.get("data_dir") else ""),
         f"- kvpot {summary['versions']['kvpot']}, torch {summary['versions']['torch']}, "
         f"transformers {summary['versions']['transformers']}; {summary['date']}",
+        *completion_lines(summary),
         "",
         "## Score by method and task",
         "",
@@ -228,4 +238,3 @@ def write_suite_reports(summary: dict, out: Path) -> list[str]:
         accuracy_png(out / "accuracy.png", curve)
         written.append("accuracy.png")
     return written
-
