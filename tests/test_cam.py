@@ -78,3 +78,41 @@ def test_configuration_and_budget():
         kvpot.CaM(recent=0)
     with pytest.raises(KvpotError, match="positions"):
         kvpot.CaM(positions="reset")
+
+
+def test_a_replacing_step_merges_into_the_entries_after_the_evicted_one_by_stream_position(model):
+    """Decoding at the budget, entries in a ring's places (start=2, recent=5, m=3): the oldest entry after
+    the start (stream position 10, at place 4) leaves, its value merged into positions 11, 12, 13 (places 5,
+    6, 2), wherever they sit; the newest entry (15) takes its slot. The same as the top-k path in stream order."""
+    method = kvpot.CaM(start=2, recent=5, merge_budget=3, chunk_size=8, positions="absolute")
+    cache = kvpot.Engine(model, method=method).prefill_ids(torch.randint(3, VOCAB, (8,))).cache
+    layer = cache.layers[0]
+    layer.n = 8
+    stream = torch.tensor([0, 1, 13, 14, 10, 11, 12, 15])  # places -> stream positions
+    layer.positions[0, :, :8] = stream
+    values = torch.arange(1.0, 9.0).view(1, 1, 8, 1).expand(1, layer.kv_heads, 8, layer.values.shape[-1]).clone()
+    layer.values[:, :, :8] = values
+    keys = layer.keys[:, :, :8].clone()
+    # head 0: A(10) = 1, A(11..13) = 2, 2, 2 -> p = 0.5; head 1: A(10) = 0 -> p = 0
+    layer.score(SCORE)[0] = torch.tensor([[9.0, 9.0, 2.0, 7.0, 1.0, 2.0, 2.0, 0.0], [9.0, 9.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0]])
+    order = stream.argsort()
+    twin = cache.clone()
+    ordered = twin.layers[0]  # the same entries in stream order, for the top-k path
+    for buf in (ordered.keys, ordered.values):
+        buf[:, :, :8] = buf[:, :, :8][:, :, order]
+    ordered.positions[:, :, :8] = ordered.positions[:, :, :8][:, :, order]
+    ordered.scores[SCORE][:, :, :8] = ordered.scores[SCORE][:, :, :8][:, :, order]
+    method.replace(layer)
+    assert layer.n == 7 and layer.positions[0, 0, :7].tolist() == [0, 1, 13, 14, 15, 11, 12]
+    share = 0.5 * 5.0 / 3  # p * V(10) / m, on head 0 only
+    torch.testing.assert_close(layer.values[0, 0, :7, 0], torch.tensor([1.0, 2.0, 3.0 + share, 4.0, 8.0, 6.0 + share, 7.0 + share]))
+    assert layer.values[0, 1, :7, 0].tolist() == [1.0, 2.0, 3.0, 4.0, 8.0, 6.0, 7.0]
+    assert torch.equal(layer.keys[:, :, :7], keys[:, :, [0, 1, 2, 3, 7, 5, 6]])  # keys are never merged
+    assert layer.scores[SCORE][0, 0, 4] == 0.0  # the newest entry's score moved with it
+    ordered.observation = torch.zeros(1, layer.kv_heads, 8)
+    for other in twin.layers[1:]:
+        other.observation = torch.zeros(1, layer.kv_heads, other.n)
+    method.after_forward(twin, Step("context", 1))  # not a fixed-shape step: the top-k path
+    back = layer.positions[0, 0, :7].argsort()
+    assert torch.equal(ordered.positions[:, :, :7], layer.positions[:, :, :7][:, :, back])
+    assert torch.equal(ordered.values[:, :, :7], layer.values[:, :, :7][:, :, back])

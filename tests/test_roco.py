@@ -6,7 +6,8 @@ import torch
 import kvpot
 from conftest import VOCAB, build
 from kvpot.errors import KvpotError
-from kvpot.methods.base import DECODE_STEP, Step, top_indices
+from kvpot.methods import replace
+from kvpot.methods.base import DECODE_STEP, Step, protect, top_indices
 from kvpot.methods.roco import COUNT, SQUARES, SUM, RoCo, rows_seen, statistics
 
 
@@ -79,3 +80,63 @@ def test_the_bound_holds_in_prefill_and_decoding(model, one_thread):
 def test_bad_parameters_are_refused(kwargs, fragment):
     with pytest.raises(KvpotError, match=fragment):
         RoCo(**kwargs)
+
+
+def _set_statistics(layer, mean: torch.Tensor, variance: torch.Tensor, count: float = 1.0) -> None:
+    n = mean.shape[-1]
+    layer.score(COUNT).fill_(count)
+    layer.score(SUM)[:] = (count * mean).view(1, -1, n)
+    layer.score(SQUARES)[:] = (count * (mean.square() + variance)).view(1, -1, n)
+
+
+def _old_scores(method: RoCo, layer) -> torch.Tensor:
+    """RoCo's rule as it was written over places (the entries in stream order): protect, then the
+    `volatile` largest std outside the protected set."""
+    mean, std = statistics(layer)
+    kept = protect(mean, sinks=method.sinks, recent=method.recent)
+    volatile = min(method.volatile_count(), layer.n)
+    spread = std.masked_fill(kept.isinf(), float("-inf"))
+    return kept.scatter_(-1, spread.topk(volatile, dim=-1).indices, float("inf"))
+
+
+@pytest.mark.parametrize("sinks,recent", [(0, 0), (2, 3), (4, 10)])
+def test_the_ranking_in_stream_order_is_the_old_rule_over_places(model, sinks, recent):
+    layer = layer_of(model, 40)
+    generator = torch.Generator().manual_seed(sinks + recent)
+    _set_statistics(layer, torch.rand(2, 40, generator=generator), torch.rand(2, 40, generator=generator) / 10, 3.0)
+    method = RoCo(budget=30, sinks=sinks, recent=recent, volatile=0.2)
+    new = method.scores(layer, DECODE_STEP)
+    assert new.isinf().sum(dim=-1).tolist() == [[min(40, sinks + recent + 6)] * 2]
+    assert torch.equal(new, _old_scores(method, layer))
+
+
+def test_the_scope_reads_stream_positions_not_places_and_ties_go_to_the_older(model):
+    """Entries moved around by replacement (sinks in place, newest last), std with many ties: the volatile
+    entries, and so the dropped one, are those of the same entries in stream order; among equal std the
+    older entry is spared first."""
+    n, sinks, recent = 14, 2, 3
+    method = RoCo(budget=13, sinks=sinks, recent=recent, volatile=0.25)  # 3 volatile entries
+    generator = torch.Generator().manual_seed(1)
+    ordered, moved = layer_of(model, n), layer_of(model, n)
+    for trial in range(30):
+        mean = torch.randint(0, 4, (2, n), generator=generator).float() / 4  # exact binary fractions: ties
+        variance = torch.tensor([0.0, 0.25, 1.0])[torch.randint(0, 3, (2, n), generator=generator)]
+        _set_statistics(ordered, mean, variance)
+        stream = torch.arange(100, 100 + n)
+        ordered.positions[0, :, :n] = stream
+        places = torch.cat([torch.arange(sinks), sinks + torch.randperm(n - sinks - 1, generator=generator),
+                            torch.tensor([n - 1])])
+        _set_statistics(moved, mean[:, places], variance[:, places])
+        moved.positions[0, :, :n] = stream[places]
+        by_index = method.scores(ordered, DECODE_STEP)
+        ranking = method.ranking(moved, DECODE_STEP)
+        assert torch.equal(ranking.scores[..., places.argsort()].isinf(), by_index.isinf() & ~protect(
+            torch.zeros(1, 1, n), sinks=sinks, recent=recent).isinf())
+        drop = replace.drop_index(ranking.scores, moved.positions[:, :, :n], ranking.sinks, ranking.recent)
+        kept = top_indices(by_index, n - 1)
+        gone = n * (n - 1) // 2 - kept.sum(dim=-1, keepdim=True)
+        assert torch.equal(moved.positions[0, :, :n].gather(-1, drop[0]), stream[gone[0]])
+    ordered.positions[0, :, :n] = torch.arange(n)
+    _set_statistics(ordered, torch.zeros(2, n), torch.full((2, n), 0.25))  # every std equal
+    volatile = method.ranking(ordered, DECODE_STEP).scores[0, 0].isinf().nonzero().flatten().tolist()
+    assert volatile == [2, 3, 4]  # the three oldest outside the sinks

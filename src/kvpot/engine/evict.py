@@ -34,6 +34,11 @@ class RowsView:
         self.observation = observation  # [B, kv_heads, n]: each row's step observation
         self.gathered: dict[str, torch.Tensor] = {}  # score name -> [B, kv_heads, n] (written back after)
 
+    @property
+    def positions(self) -> torch.Tensor:
+        """[B, kv_heads, n] the rows' stream positions (a ranking that reads them: RoCo's scope)."""
+        return self.storage.positions[self.rows, :, : self.n]
+
     def score(self, name: str) -> torch.Tensor:
         if name not in self.gathered:
             self.gathered[name] = self.storage.score(name)[self.rows, :, : self.n]

@@ -6,6 +6,7 @@ import torch
 
 from kvpot.attention import AttentionRequest
 from kvpot.errors import KvpotError
+from kvpot.methods import replace
 from kvpot.methods.base import EvictionMethod, Step, check_policy, check_positive
 from kvpot.methods.h2o import accumulate
 
@@ -90,10 +91,16 @@ class CaM(EvictionMethod):
         accumulate(layers, SCORE, rows, live)
 
     def after_forward(self, cache, step: Step) -> bool:
-        evicted = False
         keep = self.start + self.recent
         for layer in cache.layers:
             layer.score(SCORE).add_(layer.observation)
+        if cache.static and replace.enabled and step.n_new == 1 and all(layer.n == keep + 1 for layer in cache.layers):
+            for layer in cache.layers:  # a steady fixed-shape step: one entry out of every layer, no compaction
+                self.replace(layer)
+            return True
+        replace.restore_order(cache)  # what follows reads the entries' order from their places
+        evicted = False
+        for layer in cache.layers:
             if layer.n <= keep:
                 continue
             gone = slice(self.start, layer.n - self.recent)  # entries in original order: the window's leavers
@@ -102,6 +109,17 @@ class CaM(EvictionMethod):
             layer.select(start_and_recent(layer, self.start, self.recent))
             evicted = True
         return evicted
+
+    def replace(self, layer) -> None:
+        """The eviction of a decoding step's one extra entry by replacement (`kvpot.methods.replace`): the
+        oldest entry after the start leaves (StreamingLLM's ring), its value merged first into the m entries
+        that follow it in stream order, found by their stored positions; the newest entry takes its slot."""
+        if not self.merge:
+            replace.take_newest(layer, None, sinks=self.start)
+            return
+        drop = replace.find_drop(layer, None, sinks=self.start)  # [b, kv, 1]: the same entry in every head
+        merge_into_next(layer, drop, min(self.merge_budget, self.recent))
+        replace.take_newest(layer, drop=drop)
 
 
 def merge_probability(evicted: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -124,6 +142,24 @@ def merge_values(layer, gone: slice, budget: int) -> None:
     share = torch.matmul(prob.unsqueeze(-2).to(values.dtype), values[:, :, gone]).float() / m  # [b, kv, 1, d]
     kept = values[:, :, targets]
     kept.copy_((kept.float() + share).to(values.dtype))
+
+
+def merge_into_next(layer, drop: torch.Tensor, m: int) -> None:
+    """`merge_values` of the one entry `drop` [b, kv, 1] into the m entries after it in stream order, in any
+    places: those whose stored positions follow its own (the window's positions are consecutive), in the
+    order of their positions, so the mean and the sums are `merge_values`' own."""
+    positions = layer.positions[:, :1, : layer.n]  # [b, 1, n]: a shared selection, every head the same
+    gone = positions.gather(-1, drop[:, :1])  # [b, 1, 1]
+    following = gone + torch.arange(1, m + 1, device=positions.device).view(1, 1, m, 1)  # [b, 1, m, 1]
+    targets = (positions.unsqueeze(-2) == following).to(torch.uint8).argmax(dim=-1)  # [b, 1, m]: their places
+    targets = targets.expand(-1, layer.kv_heads, -1)
+    accumulated = layer.score(SCORE)
+    prob = merge_probability(accumulated.gather(-1, drop), accumulated.gather(-1, targets))  # [b, kv, 1]
+    values = layer.values
+    d = values.shape[-1]
+    share = torch.matmul(prob.unsqueeze(-2).to(values.dtype), values.gather(2, drop.unsqueeze(-1).expand(-1, -1, -1, d)))
+    at = targets.unsqueeze(-1).expand(-1, -1, -1, d)
+    values.scatter_(2, at, (values.gather(2, at).float() + share.float() / m).to(values.dtype))
 
 
 def start_and_recent(layer, start: int, recent: int) -> torch.Tensor:

@@ -6,7 +6,7 @@ import torch
 
 from kvpot.attention import AttentionRequest
 from kvpot.errors import KvpotError
-from kvpot.methods.base import EvictionMethod, Step, check_policy, check_positive, protect
+from kvpot.methods.base import EvictionMethod, Ranking, Step, check_policy, check_positive
 
 SUM = "roco.sum"  # attention each entry received, summed over the queries that saw it
 SQUARES = "roco.squares"  # the same for the attention squared (the second moment)
@@ -107,14 +107,31 @@ class RoCo(EvictionMethod):
     def keep_count(self, layer, step: Step) -> int:
         return self.budget
 
-    def scores(self, layer, step: Step) -> torch.Tensor:
+    def ranking(self, layer, step: Step) -> Ranking:
         mean, std = statistics(layer)
-        kept = protect(mean, sinks=self.sinks, recent=self.recent)
         volatile = min(self.volatile_count(), layer.n)
         if volatile:  # the entries whose attention swings most are not in the eviction scope
-            spread = std.masked_fill(kept.isinf(), float("-inf"))
-            kept.scatter_(-1, spread.topk(volatile, dim=-1).indices, float("inf"))
-        return kept
+            outside = protected(layer.positions[..., : layer.n], self.sinks, self.recent)
+            mean = mean.masked_fill(most_volatile(std, layer.positions[..., : layer.n], outside, volatile), float("inf"))
+        return Ranking(mean, sinks=self.sinks, recent=self.recent)
+
+
+def protected(positions: torch.Tensor, sinks: int, recent: int) -> torch.Tensor:
+    """[b, kv, n] bool: the first `sinks` places (sinks never leave, so never move) and the `recent` newest
+    entries by stream position (the newest last): `protect`'s entries in stream order, in any places."""
+    places = torch.arange(positions.shape[-1], device=positions.device)
+    return (places < sinks) | (positions > positions[..., -1:] - recent)
+
+
+def most_volatile(std: torch.Tensor, positions: torch.Tensor, outside: torch.Tensor, count: int) -> torch.Tensor:
+    """[b, kv, n] bool: the `count` entries of largest std among those not `outside` the scope already, the
+    older first among equal ones. The tie-break reads stream positions, not places, so a cache whose entries
+    replacement moved picks the same entries as one in stream order: one top-k over int64 keys, the std's
+    bits (a non-negative float orders as its bits) above the age."""
+    key = (std.view(torch.int32).long() << 32) - 1 - positions  # positions < 2**32: the age never reaches the bits
+    key = key.masked_fill(outside, torch.iinfo(torch.long).min)
+    chosen = torch.zeros_like(outside)
+    return chosen.scatter_(-1, key.topk(count, dim=-1).indices, True)
 
 
 def statistics(layer) -> tuple[torch.Tensor, torch.Tensor]:
