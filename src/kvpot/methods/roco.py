@@ -83,8 +83,13 @@ class RoCo(EvictionMethod):
         return self.request(step=None)  # the statistics grow at every step, evicting or not
 
     def update_scores(self, layer, step: Step) -> None:
-        seen = rows_seen(layer.n, step.n_new, layer.device)
         observed = layer.observation  # [b, kv, n]: attention summed over the forward's queries
+        if step.n_new == 1:  # a decoding step: one query saw every entry (fewer kernels in each captured step)
+            layer.score(SUM).add_(observed)
+            layer.score(SQUARES).add_(observed.square())
+            layer.score(COUNT).add_(1.0)
+            return
+        seen = rows_seen(layer.n, step.n_new, layer.device)
         layer.score(SUM).add_(observed)
         layer.score(SQUARES).add_(observed.square() / seen)  # each query taken at the forward's mean
         layer.score(COUNT).add_(seen)
@@ -119,8 +124,9 @@ class RoCo(EvictionMethod):
 def protected(positions: torch.Tensor, sinks: int, recent: int) -> torch.Tensor:
     """[b, kv, n] bool: the first `sinks` places (sinks never leave, so never move) and the `recent` newest
     entries by stream position (the newest last): `protect`'s entries in stream order, in any places."""
-    places = torch.arange(positions.shape[-1], device=positions.device)
-    return (places < sinks) | (positions > positions[..., -1:] - recent)
+    outside = positions > positions[..., -1:] - recent
+    outside[..., :sinks] = True
+    return outside
 
 
 def most_volatile(std: torch.Tensor, positions: torch.Tensor, outside: torch.Tensor, count: int) -> torch.Tensor:
@@ -128,10 +134,10 @@ def most_volatile(std: torch.Tensor, positions: torch.Tensor, outside: torch.Ten
     older first among equal ones. The tie-break reads stream positions, not places, so a cache whose entries
     replacement moved picks the same entries as one in stream order: one top-k over int64 keys, the std's
     bits (a non-negative float orders as its bits) above the age."""
-    key = (std.view(torch.int32).long() << 32) - 1 - positions  # positions < 2**32: the age never reaches the bits
+    key = (std.view(torch.int32).long() << 32) - positions  # 0 <= positions < 2**32: the age never reaches the bits
     key = key.masked_fill(outside, torch.iinfo(torch.long).min)
     chosen = torch.zeros_like(outside)
-    return chosen.scatter_(-1, key.topk(count, dim=-1).indices, True)
+    return chosen.scatter_(-1, key.topk(count, dim=-1, sorted=False).indices, True)
 
 
 def statistics(layer) -> tuple[torch.Tensor, torch.Tensor]:
