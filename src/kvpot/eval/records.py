@@ -42,9 +42,11 @@ class Records:
                depths: Sequence[float] | None = None, group: str | None = None, ratio: float | None = None,
                options: dict | None = None) -> list[dict]:
         """The rows of `spec` (a `--method` spec as written: a method at a compression ratio is its spec and
-        `ratio`), optionally of one task, length, length group (RULER), depths and task options."""
+        `ratio`), optionally of one task, length, length group, depths and task options."""
         return [r for r in self.rows if r["spec"] == spec and (task is None or r["task"] == task)
-                and (length is None or r["length"] == length) and (group is None or r.get("group") == group)
+                and (length is None or r["length"] == length)
+                # a length group is RULER's; other tasks' rows are grouped by their length
+                and (group is None or (r.get("group") or str(r["length"])) == group)
                 and r.get("compression_ratio") == ratio
                 and (options is None or all((r.get("task_options") or {}).get(k) == v for k, v in options.items()))
                 and (depths is None or r["depth"] is None or any(abs(r["depth"] - d) < 1e-9 for d in depths))]
