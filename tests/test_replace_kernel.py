@@ -144,8 +144,11 @@ def test_merge_kernel_matches_d2os_pytorch_merge(shape, first, dtype):
     merge_nearest(got_k, got_v, to(positions), n, to(drop), got_tau, beta, first,
                   None if rows is None else to(torch.tensor(rows)))
     torch.testing.assert_close(got_tau.cpu(), new_tau, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(got_k.cpu(), expected_k, rtol=0, atol=2e-3)
-    torch.testing.assert_close(got_v.cpu(), expected_v, rtol=0, atol=2e-3)
+    # the kernel's merge rounds to the cache's dtype once, in another order than PyTorch's: on an H100, in
+    # bfloat16, one element of the one-sequence shape came out one unit in the last place (2**-8) away
+    tol = dict(rtol=0, atol=2e-3) if dtype == torch.float16 else dict(rtol=2**-8, atol=2e-3)
+    torch.testing.assert_close(got_k.cpu(), expected_k, **tol)
+    torch.testing.assert_close(got_v.cpu(), expected_v, **tol)
     untouched = torch.ones(slots, kv, capacity, dtype=torch.bool)
     untouched[at.view(-1, 1), torch.arange(kv).view(1, -1), target[..., 0]] = False
     assert torch.equal(got_k.cpu()[untouched], keys[untouched])  # only the targets change

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-LAST = 9223372036854775807  # int64 max: a position no entry has (loses every tie)
+LAST = tl.constexpr(9223372036854775807)  # int64 max: a position no entry has (loses every tie); constexpr: a global a jit function reads
 BLOCK = 1024  # entries per loop step
 
 
