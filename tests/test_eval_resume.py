@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -144,51 +143,13 @@ def test_a_sigterm_is_held_while_rows_are_written(monkeypatch):
 
 # ---------------------------------------------------------------------------- kvpress
 
-STAND_IN = '''
-"""Stand-in for kvpress: keeps the first entries; sleeps $STAND_IN_SLEEP s per prefill (a slow press)."""
-import os
-import time
-from contextlib import contextmanager
-from dataclasses import dataclass
+from kvpress_stand_in import write_stand_in  # noqa: E402
 
-from kvpot.compat import cache_from_kwargs
-
-__version__ = "0.0-resume-test"
-
-
-@dataclass
-class SnapKVPress:
-    compression_ratio: float = 0.0
-
-    def hook(self, module, args, kwargs, output):
-        cache, q_len = cache_from_kwargs(kwargs), kwargs["hidden_states"].shape[1]
-        layer = cache.layers[module.layer_idx]
-        n = layer.keys.shape[2]
-        if n != q_len:
-            return output
-        if module.layer_idx == 0:
-            time.sleep(float(os.environ.get("STAND_IN_SLEEP", "0")))
-        kept = int(n * (1 - self.compression_ratio))
-        layer.keys, layer.values = layer.keys[:, :, :kept].contiguous(), layer.values[:, :, :kept].contiguous()
-        return output
-
-    @contextmanager
-    def __call__(self, model):
-        hooks = [layer.self_attn.register_forward_hook(self.hook, with_kwargs=True) for layer in model.model.layers]
-        try:
-            yield
-        finally:
-            for h in hooks:
-                h.remove()
-'''
 
 
 @pytest.fixture
 def kvpress_site(tmp_path):
-    site = tmp_path / "kvpress-site"
-    (site / "kvpress").mkdir(parents=True)
-    (site / "kvpress" / "__init__.py").write_text(textwrap.dedent(STAND_IN))
-    return site
+    return write_stand_in(tmp_path / "kvpress-site")
 
 
 def write_cases(path: Path, count: int) -> None:
