@@ -2,7 +2,7 @@
 # Issue 31's comparison methods on the bundled reference model under issue 32's protocol, on CPU: the same
 # passkey cells as run.sh (3 templates x depths 0.1/0.5/0.9, 2 samples each: 18 per cell) at 1,900 tokens and
 # 4K, every compressed method held to 512 KV entries per layer and KV head; Self-Extend and InfLLM keep every
-# entry (their defaults on a 2,048-token window). 8K was left out to fit the session's CPU time.
+# entry (their defaults on a 2,048-token window). 8K and beyond: run-long.sh.
 # Run from the repository root (PYTHONPATH may point at a clean copy of src/):
 #   bash benchmarks/protocol-reference-cpu/run-comparison.sh [OUT]
 set -euo pipefail
