@@ -90,14 +90,16 @@ def evict_rows(method: EvictionMethod, pool, caches: list, batch_rows: list[int]
         n = caches[0].layers[index].n  # the same in every slot of the group
         probs = storage.probs
         view = RowsView(storage, rows, n, None if probs is None else probs[picks, :, :n])
-        method.update_scores(view, DECODE_STEP)
-        if n <= (keep := method.keep_count(view, DECODE_STEP)):
-            _write_scores(view, rows, n)
-            continue
-        if replacing and keep == n - 1:
-            _replace_rows(method, storage, view, rows, n, renumbers)
-        else:
-            _select_rows(method, storage, view, rows, span, n, keep, renumbers)
+        keep = method.keep_count(view, DECODE_STEP)
+        if not (replacing and keep == n - 1 and method.replace_fused(view, DECODE_STEP, storage, rows, renumbers)):
+            method.update_scores(view, DECODE_STEP)
+            if n <= keep:
+                _write_scores(view, rows, n)
+                continue
+            if replacing and keep == n - 1:
+                _replace_rows(method, storage, view, rows, n, renumbers)
+            else:
+                _select_rows(method, storage, view, rows, span, n, keep, renumbers)
         pool.lengths[index, rows] = keep
         for cache in caches:
             layer = cache.layers[index]

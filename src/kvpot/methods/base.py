@@ -275,8 +275,18 @@ class EvictionMethod(Method):
         return replace.enabled and replaces_by_ranking(self) and step.n_new == 1 and all(
             layer.n == self.keep_count(layer, step) + 1 for layer in cache.layers)
 
+    def replace_fused(self, layer, step: Step, storage, rows: torch.Tensor | None, renumbers: bool) -> bool:
+        """A steady step's `update_scores`, `ranking` and replacement of `layer` (a `PotLayer`, or the batched
+        engine's view of pool slots: its `n` and `observation`) done at once on `storage`'s buffers (`keys`,
+        `values`, `positions`, `rope_positions`, `scores`; the layer itself, or the pool's layer with `rows`
+        its slots), as one kernel (RoCo's). False: nothing done, the generic path runs."""
+        return False
+
     def _replace(self, cache: PotCache, step: Step) -> bool:
         for layer in cache.layers:
+            if self.replace_fused(layer, step, layer, None, cache.policy.renumbers):
+                replace.took_newest(layer)
+                continue
             self.update_scores(layer, step)
             ranking = self.ranking(layer, step)
             replace.take_newest(layer, ranking.scores, ranking.sinks, ranking.recent)

@@ -4,8 +4,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpot import kernels
 from kvpot.attention import AttentionRequest
 from kvpot.errors import KvpotError
+from kvpot.methods import replace
 from kvpot.methods.base import EvictionMethod, Ranking, Step, check_policy, check_positive
 
 SUM = "roco.sum"  # attention each entry received, summed over the queries that saw it
@@ -114,11 +116,34 @@ class RoCo(EvictionMethod):
 
     def ranking(self, layer, step: Step) -> Ranking:
         mean, std = statistics(layer)
-        volatile = min(self.volatile_count(), layer.n)
-        if volatile:  # the entries whose attention swings most are not in the eviction scope
-            outside = protected(layer.positions[..., : layer.n], self.sinks, self.recent)
-            mean = mean.masked_fill(most_volatile(std, layer.positions[..., : layer.n], outside, volatile), float("inf"))
-        return Ranking(mean, sinks=self.sinks, recent=self.recent)
+        scores = in_scope(mean, std, layer.positions[..., : layer.n], self.sinks, self.recent,
+                          min(self.volatile_count(), layer.n))
+        return Ranking(scores, sinks=self.sinks, recent=self.recent)
+
+    def replace_fused(self, layer, step: Step, storage, rows, renumbers: bool) -> bool:
+        """The steady step (`update_scores`, `ranking`, the replacement) in one Triton launch per layer
+        (`kvpot.kernels.roco`) where the kernels run and a head's entries fit one tile; else False."""
+        observed = layer.observation
+        if step.n_new != 1 or observed is None or not kernels.available(storage.keys.device):
+            return False
+        from kvpot.kernels.roco import fits, roco_step
+
+        stats = [storage.scores.get(name) for name in (SUM, SQUARES, COUNT)]
+        if not fits(layer.n) or any(t is None for t in stats) or observed.dtype != torch.float32:
+            return False
+        roco_step(storage.keys, storage.values, storage.positions, storage.rope_positions, *stats, observed, layer.n,
+                  rows, self.sinks, self.recent, min(self.volatile_count(), layer.n), renumbers)
+        return True
+
+
+def in_scope(mean: torch.Tensor, std: torch.Tensor, positions: torch.Tensor, sinks: int, recent: int,
+             volatile: int) -> torch.Tensor:
+    """The means [b, kv, n] a replacement ranks by: +inf for the `volatile` entries whose attention swings
+    most (they are not in the eviction scope; the sinks and recent entries are protected by the ranking)."""
+    if not volatile:
+        return mean
+    outside = protected(positions, sinks, recent)
+    return mean.masked_fill(most_volatile(std, positions, outside, volatile), float("inf"))
 
 
 def protected(positions: torch.Tensor, sinks: int, recent: int) -> torch.Tensor:
@@ -142,10 +167,35 @@ def most_volatile(std: torch.Tensor, positions: torch.Tensor, outside: torch.Ten
 
 def statistics(layer) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean and standard deviation [b, kv, n] of the attention each live entry received."""
-    count = layer.score(COUNT).clamp_min(1.0)
-    mean = layer.score(SUM) / count
-    variance = (layer.score(SQUARES) / count - mean.square()).clamp_min(0.0)
+    return moments(layer.score(SUM), layer.score(SQUARES), layer.score(COUNT))
+
+
+def moments(sums: torch.Tensor, squares: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and standard deviation from the stored sum, sum of squares and count."""
+    count = counts.clamp_min(1.0)
+    mean = sums / count
+    variance = (squares / count - mean.square()).clamp_min(0.0)
     return mean, variance.sqrt()
+
+
+def steady_reference(keys, values, positions, rope_positions, stats: list[torch.Tensor], observation: torch.Tensor,
+                     n: int, rows: torch.Tensor | None = None, sinks: int = 0, recent: int = 0, volatile: int = 0,
+                     renumbers: bool = False) -> torch.Tensor:
+    """`kernels.roco.roco_step` in PyTorch, on the buffers (`stats`: sums, squares, counts [S, kv, C]):
+    `update_scores` of a decoding step, `ranking`, then `replace.replace_reference`. Returns the drops."""
+    at = slice(None) if rows is None else rows
+    live = [t[at, :, :n] for t in stats]  # views without rows, else copies written back
+    observed = observation[..., :n]
+    live[0].add_(observed)
+    live[1].add_(observed.square())
+    live[2].add_(1.0)
+    if rows is not None:
+        for t, values_ in zip(stats, live):
+            t[rows, :, :n] = values_
+    mean, std = moments(*live)
+    scores = in_scope(mean, std, positions[at, :, :n], sinks, recent, volatile)
+    return replace.replace_reference(keys, values, positions, rope_positions, list(stats), n, scores, rows, sinks,
+                                     recent, renumbers)
 
 
 def rows_seen(n: int, new: int, device) -> torch.Tensor:

@@ -1,0 +1,93 @@
+"""RoCo's steady step in one Triton launch (`kvpot.kernels.roco.roco_step`) against its PyTorch path
+(`kvpot.methods.roco.steady_reference`: `update_scores`, `ranking`, `replace_reference`), over named shapes:
+the same entry dropped and every buffer equal after the step, ties in std and in mean included.
+
+Runs on CUDA; on a CPU machine with Triton installed, `TRITON_INTERPRET=1` runs it in Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import KERNEL_DEVICE, interpreter_runtime_loops, needs_kernels
+
+from kvpot.methods.roco import steady_reference
+
+DEVICE = KERNEL_DEVICE
+pytestmark = needs_kernels()
+interpreter_runtime_loops()
+
+# (name, slots, kv heads, capacity, head dim, live n, batch rows' slots or None, sinks, recent, volatile)
+SHAPES = [
+    ("one-sequence", 1, 2, 40, 64, 33, None, 2, 4, 5),
+    ("no-volatile", 1, 2, 24, 32, 24, None, 0, 0, 0),
+    ("no-sinks-no-recent", 1, 3, 30, 16, 29, None, 0, 0, 6),
+    ("one-left-in-scope", 1, 2, 20, 16, 20, None, 4, 6, 9),  # the scope holds 10 entries, 9 of them volatile
+    ("rows", 5, 2, 36, 64, 20, [3, 0, 4], 2, 5, 3),
+    ("tile-2048", 1, 2, 1200, 16, 1100, None, 4, 10, 110),
+]
+if DEVICE == "cuda":
+    SHAPES += [("llama3-8b", 1, 8, 6144, 128, 4097, None, 4, 10, 410),
+               ("llama3-8b-rows", 9, 8, 6144, 128, 4097, [0, 3, 5, 8], 4, 10, 410)]
+IDS = [s[0] for s in SHAPES]
+
+
+def inputs(shape, renumber: bool, ties: bool, seed: int):
+    """Buffers as replacement leaves them (each head's places shuffled, sinks first, newest last) and
+    statistics: with `ties`, drawn from a few (sum, squares, count) triples and a few observed values, so
+    many entries share their std and their mean exactly; else continuous."""
+    _, slots, kv, capacity, d, n, rows, sinks, recent, volatile = shape
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(slots, kv, capacity, d, generator=g)
+    values = torch.randn(slots, kv, capacity, d, generator=g)
+    order = torch.stack([torch.cat([torch.arange(sinks), sinks + torch.randperm(n - sinks - 1, generator=g),
+                                    torch.tensor([n - 1])]) for _ in range(slots * kv)]).view(slots, kv, n)
+    positions = torch.randint(0, 10**6, (slots, kv, capacity), generator=g)
+    positions[..., :n] = 500 + order * 3 // 2  # increasing with stream order, with gaps
+    rope_positions = torch.randint(0, 10**6, (slots, kv, capacity), generator=g)
+    rope_positions[..., :n] = order if renumber else positions[..., :n]
+    batch = slots if rows is None else len(rows)
+    if ties:
+        triples = torch.tensor([[0.5, 0.25, 2.0], [0.5, 0.5, 2.0], [1.0, 0.75, 3.0], [0.0, 0.0, 1.0], [0.25, 0.125, 1.0]])
+        stats = triples[torch.randint(0, len(triples), (slots, kv, capacity), generator=g)].permute(3, 0, 1, 2)
+        observation = torch.tensor([0.0, 0.25, 0.5])[torch.randint(0, 3, (batch, kv, capacity + 3), generator=g)]
+    else:
+        count = torch.randint(1, 20, (slots, kv, capacity), generator=g).float()
+        sums = torch.rand(slots, kv, capacity, generator=g) * count
+        squares = sums.square() / count + torch.rand(slots, kv, capacity, generator=g) / 10
+        stats = torch.stack([sums, squares, count])
+        observation = torch.rand(batch, kv, capacity + 3, generator=g)
+    stats = stats.clone()
+    stats[..., n - 1] = 0.0  # the newest entry, appended with no statistics yet
+    to = lambda t: t.to(DEVICE)  # noqa: E731
+    rows_t = None if rows is None else torch.tensor(rows, dtype=torch.long, device=DEVICE)
+    buffers = [to(t) for t in (keys, values, positions, rope_positions)] + [to(t.contiguous()) for t in stats]
+    return buffers, to(observation), rows_t
+
+
+@pytest.mark.parametrize("ties", [True, False], ids=["ties", "continuous"])
+@pytest.mark.parametrize("renumber", [True, False], ids=["rank", "absolute"])
+@pytest.mark.parametrize("shape", SHAPES, ids=IDS)
+def test_kernel_steps_as_pytorch(shape, renumber, ties):
+    from kvpot.kernels.roco import roco_step
+
+    n, sinks, recent, volatile = shape[5], shape[7], shape[8], shape[9]
+    for seed in range(3):
+        buffers, observation, rows_t = inputs(shape, renumber, ties, seed)
+        expected = [b.clone() for b in buffers]
+        want = steady_reference(*expected[:4], expected[4:], observation, n, rows_t, sinks, recent, volatile, renumber)
+        got = roco_step(*buffers, observation, n, rows_t, sinks, recent, volatile, renumber)
+        assert torch.equal(got, want), (seed, got.flatten().tolist(), want.flatten().tolist())
+        for name, a, b in zip(("keys", "values", "positions", "rope", "sums", "squares", "counts"), buffers, expected):
+            assert torch.equal(a, b), (name, seed)
+
+
+def test_ties_decide_the_drop():
+    """The tie cases are not vacuous: the dropped entry's mean is shared by other entries of its scope."""
+    shape = SHAPES[0]
+    n, sinks, recent, volatile = shape[5], shape[7], shape[8], shape[9]
+    buffers, observation, _ = inputs(shape, True, True, 0)
+    drop = steady_reference(*buffers[:4], buffers[4:], observation, n, None, sinks, recent, volatile, True)
+    sums, counts = buffers[4][0, 0, : n - 1], buffers[6][0, 0, : n - 1]  # after the step: the drop holds the newest
+    assert drop[0, 0, 0] >= sinks
+    assert len(set((sums / counts).tolist())) < n // 3  # few distinct means among many entries
