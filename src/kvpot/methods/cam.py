@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpot import kernels
 from kvpot.attention import AttentionRequest
 from kvpot.errors import KvpotError
 from kvpot.methods import replace
@@ -92,12 +93,16 @@ class CaM(EvictionMethod):
 
     def after_forward(self, cache, step: Step) -> bool:
         keep = self.start + self.recent
-        for layer in cache.layers:
-            layer.score(SCORE).add_(layer.observation)
         if cache.static and replace.enabled and step.n_new == 1 and all(layer.n == keep + 1 for layer in cache.layers):
             for layer in cache.layers:  # a steady fixed-shape step: one entry out of every layer, no compaction
+                if self.replace_fused(layer, step, layer, None, cache.policy.renumbers):
+                    replace.took_newest(layer)
+                    continue
+                layer.score(SCORE).add_(layer.observation)
                 self.replace(layer)
             return True
+        for layer in cache.layers:
+            layer.score(SCORE).add_(layer.observation)
         replace.restore_order(cache)  # what follows reads the entries' order from their places
         evicted = False
         for layer in cache.layers:
@@ -120,6 +125,19 @@ class CaM(EvictionMethod):
         drop = replace.find_drop(layer, None, sinks=self.start)  # [b, kv, 1]: the same entry in every head
         merge_into_next(layer, drop, min(self.merge_budget, self.recent))
         replace.take_newest(layer, drop=drop)
+
+    def replace_fused(self, layer, step: Step, storage, rows, renumbers: bool) -> bool:
+        """The steady step (A's update, `replace` after it) in one Triton launch per layer
+        (`kvpot.kernels.cam`) where the kernels run; else False, nothing done."""
+        observed = layer.observation
+        if (step.n_new != 1 or observed is None or observed.dtype != torch.float32
+                or not kernels.available(storage.keys.device) or storage.scores.get(SCORE) is None):
+            return False
+        from kvpot.kernels.cam import cam_step
+
+        cam_step(storage.keys, storage.values, storage.positions, storage.rope_positions, storage.scores[SCORE],
+                 observed, layer.n, rows, self.start, min(self.merge_budget, self.recent), self.merge, renumbers)
+        return True
 
 
 def merge_probability(evicted: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -148,18 +166,42 @@ def merge_into_next(layer, drop: torch.Tensor, m: int) -> None:
     """`merge_values` of the one entry `drop` [b, kv, 1] into the m entries after it in stream order, in any
     places: those whose stored positions follow its own (the window's positions are consecutive), in the
     order of their positions, so the mean and the sums are `merge_values`' own."""
-    positions = layer.positions[:, :1, : layer.n]  # [b, 1, n]: a shared selection, every head the same
+    merge_next(layer.values, layer.positions[:, :, : layer.n], layer.score(SCORE), drop, m)
+
+
+def merge_next(values: torch.Tensor, positions: torch.Tensor, accumulated: torch.Tensor, drop: torch.Tensor,
+               m: int) -> None:
+    """`merge_into_next` on buffers: values [b, kv, C, d] (written), positions and accumulated [b, kv, n]."""
+    positions = positions[:, :1]  # [b, 1, n]: a shared selection, every head the same
     gone = positions.gather(-1, drop[:, :1])  # [b, 1, 1]
-    following = gone + torch.arange(1, m + 1, device=positions.device).view(1, 1, m, 1)  # [b, 1, m, 1]
+    following = gone.unsqueeze(-1) + torch.arange(1, m + 1, device=positions.device).view(1, 1, m, 1)  # [b, 1, m, 1]
     targets = (positions.unsqueeze(-2) == following).to(torch.uint8).argmax(dim=-1)  # [b, 1, m]: their places
-    targets = targets.expand(-1, layer.kv_heads, -1)
-    accumulated = layer.score(SCORE)
+    targets = targets.expand(-1, values.shape[1], -1)
     prob = merge_probability(accumulated.gather(-1, drop), accumulated.gather(-1, targets))  # [b, kv, 1]
-    values = layer.values
     d = values.shape[-1]
     share = torch.matmul(prob.unsqueeze(-2).to(values.dtype), values.gather(2, drop.unsqueeze(-1).expand(-1, -1, -1, d)))
     at = targets.unsqueeze(-1).expand(-1, -1, -1, d)
     values.scatter_(2, at, (values.gather(2, at).float() + share.float() / m).to(values.dtype))
+
+
+def steady_reference(keys, values, positions, rope_positions, accumulated: torch.Tensor, observation: torch.Tensor,
+                     n: int, rows: torch.Tensor | None = None, start: int = 0, m: int = 1, merge: bool = True,
+                     renumbers: bool = False) -> torch.Tensor:
+    """`kernels.cam.cam_step` in PyTorch, on the buffers (accumulated [S, kv, C]): `after_forward`'s steady
+    step (A += observation, then `CaM.replace`) for the rows' slots `rows` (None: all). Returns the drops."""
+    at = slice(None) if rows is None else rows
+    live = accumulated[at, :, :n]  # a view without rows, else a copy written back
+    live.add_(observation[..., :n])
+    drop = replace.drop_index(None, positions[at, :, :n], sinks=start).expand(-1, keys.shape[1], 1)
+    if merge:
+        row_values = values[at]
+        merge_next(row_values, positions[at, :, :n], live, drop, m)
+        if rows is not None:
+            values[rows] = row_values
+    if rows is not None:
+        accumulated[rows, :, :n] = live
+    return replace.replace_reference(keys, values, positions, rope_positions, [accumulated], n, rows=rows,
+                                     renumbers=renumbers, drop=drop, find=False)
 
 
 def start_and_recent(layer, start: int, recent: int) -> torch.Tensor:
