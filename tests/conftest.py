@@ -112,6 +112,7 @@ def interpreter_runtime_loops() -> None:
         return
     from triton.runtime import interpreter
 
+    _interpreter_bf16_to_nearest(interpreter)
     original = interpreter._patch_lang_tensor
     if getattr(original, "kvpot_fixed", False):
         return
@@ -122,6 +123,26 @@ def interpreter_runtime_loops() -> None:
 
     patched.kvpot_fixed = True
     interpreter._patch_lang_tensor = patched
+
+
+def _interpreter_bf16_to_nearest(interpreter) -> None:
+    """Triton 3.6's interpreter casts float32 to bfloat16 by dropping the low bits (and its "rtne" adds the
+    cut-off bit, carrying wrongly); compiled kernels round to nearest even, as PyTorch does. Cast as they do."""
+    import numpy as np
+    from triton import language as tl
+
+    original = interpreter._convert_float
+    if getattr(original, "kvpot_fixed", False):
+        return
+
+    def convert(input, input_dtype, output_dtype, rounding_mode):
+        if input_dtype == tl.float32 and output_dtype == tl.bfloat16 and rounding_mode != interpreter._ir.ROUNDING_MODE.RTZ:
+            wide = torch.from_numpy(np.array(input, dtype=np.float32).reshape(-1))
+            return wide.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).reshape(np.shape(input))
+        return original(input, input_dtype, output_dtype, rounding_mode)
+
+    convert.kvpot_fixed = True
+    interpreter._convert_float = convert
 
 
 def skip_interpreted_bf16(dtype: torch.dtype) -> None:
