@@ -91,3 +91,21 @@ def test_ties_decide_the_drop():
     sums, counts = buffers[4][0, 0, : n - 1], buffers[6][0, 0, : n - 1]  # after the step: the drop holds the newest
     assert drop[0, 0, 0] >= sinks
     assert len(set((sums / counts).tolist())) < n // 3  # few distinct means among many entries
+
+
+def test_kth_largest_over_the_whole_int32_range():
+    """The search behind the scope (`_kth_largest`), against a sort: values up to 2**31 - 1 (every bit
+    pair), many ties, k from 1 to past the chosen count (then 0)."""
+    from kvpot.kernels.roco import kth_largest
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(12):
+        high = [2**31 - 1, 2**31 - 1, 5, 2**20][trial % 4]
+        values = torch.randint(0, high, (64,), generator=g, dtype=torch.int32)
+        values[:4] = high - 1  # the top bits set
+        chosen = (torch.rand(64, generator=g) < 0.7).to(torch.int32)
+        ranked = values[chosen.bool()].sort(descending=True).values
+        for k in (1, 2, len(ranked) // 2, len(ranked), len(ranked) + 3):
+            out = kth_largest(values.to(DEVICE), chosen.to(DEVICE), torch.tensor([k], dtype=torch.int32, device=DEVICE))
+            want = int(ranked[k - 1]) if k <= len(ranked) else 0
+            assert int(out.item()) == want, (trial, k)

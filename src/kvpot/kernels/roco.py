@@ -30,26 +30,28 @@ import triton.language as tl
 from kvpot.kernels.replace import LAST, _move
 
 MAX_ENTRIES = 16384  # one tile of int32/float32 arrays in registers (32 warps): RoCo budgets up to 16K
-BITS = tl.constexpr(31)  # a non-negative float32's bits, and an age below 2**31, fit in 31 bits
-TOP = tl.constexpr(1 << 30)  # the highest of them
-
-
-@triton.jit
-def _count_at_least(values, chosen, threshold):
-    """How many `chosen` entries have `values >= threshold`."""
-    return tl.sum((chosen & (values >= threshold)).to(tl.int32), axis=0)
+TOP = tl.constexpr(1 << 30)  # the highest bit of a non-negative float32's bits, and of an age below 2**31
+FIELD = tl.constexpr(0xFFFF)  # three counts (each at most MAX_ENTRIES) share one int64 sum, 16 bits apiece
 
 
 @triton.jit
 def _kth_largest(values, chosen, k):
-    """The k-th largest of the non-negative int32 `values` where `chosen` (0 if fewer than k): the
-    largest t with at least k chosen values >= t, built bit by bit from the top."""
-    t = tl.full((), 0, tl.int32)
-    bit = tl.full((), TOP, tl.int32)
-    for _ in range(BITS):
-        candidate = t | bit
-        t = tl.where(_count_at_least(values, chosen, candidate) >= k, candidate, t)
-        bit = bit >> 1
+    """The k-th largest of the non-negative int32 `values` where `chosen` (0 if fewer than k): the largest
+    t with at least k chosen values >= t, built from the top bit down. Bit 30 alone, then two bits a step,
+    whose three candidates are counted in one reduction: 16 reductions in all (each a barrier)."""
+    top = tl.full((), TOP, tl.int32)
+    t = tl.where(tl.sum((chosen & (values >= top)).to(tl.int32), axis=0) >= k, top, tl.full((), 0, tl.int32))
+    unit = tl.full((), TOP >> 2, tl.int32)  # the lower bit of the pair
+    for _ in range(15):
+        c1 = t + unit
+        c2 = c1 + unit
+        c3 = c2 + unit  # below 2**31: t holds no bit under the pair
+        packed = ((values >= c1).to(tl.int64) + ((values >= c2).to(tl.int64) << 16)
+                  + ((values >= c3).to(tl.int64) << 32))
+        counts = tl.sum(tl.where(chosen, packed, 0), axis=0)
+        t = tl.where((counts >> 32) >= k, c3, tl.where(((counts >> 16) & FIELD) >= k, c2,
+                                                       tl.where((counts & FIELD) >= k, c1, t)))
+        unit = unit >> 2
     return t
 
 
@@ -162,3 +164,17 @@ def roco_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
         num_warps=max(4, min(32, block // 512)), enable_fp_fusion=False,  # fused multiply-adds round otherwise
     )
     return drop.view(batch, kv, 1)
+
+
+@triton.jit
+def _kth_kernel(VALUES, CHOSEN, K, OUT, BLOCK: tl.constexpr):
+    j = tl.arange(0, BLOCK)
+    tl.store(OUT, _kth_largest(tl.load(VALUES + j), tl.load(CHOSEN + j) != 0, tl.load(K)))
+
+
+def kth_largest(values: torch.Tensor, chosen: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """`_kth_largest` alone (its test): values [N] int32 >= 0, chosen [N] int32 (0: not), k [1] int32, N a
+    power of two -> [1] int32."""
+    out = torch.zeros(1, dtype=torch.int32, device=values.device)
+    _kth_kernel[(1,)](values, chosen, k, out, BLOCK=values.numel())
+    return out
