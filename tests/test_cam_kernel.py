@@ -96,3 +96,39 @@ def test_the_merge_is_not_vacuous():
     steady_reference(*plain, observation, n, rows, start, m, False, True)
     changed = (merged[1][0, :, : n - 1] != plain[1][0, :, : n - 1]).any(dim=-1).sum(dim=-1)  # [kv] entries changed
     assert changed.tolist() == [m, 0]  # head 1 never attended anything: p = 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", SHAPES[-2:], ids=IDS[-2:])
+def test_captured_steps_replay_as_pytorch(shape):
+    """The step captured once in a CUDA graph (it never waits for the host) and replayed step after step,
+    each after a new entry was appended: the reference's entries at every step."""
+    from kvpot.kernels.cam import cam_step
+
+    n, start, m = shape[5], shape[7], shape[8]
+    buffers, observation, rows = inputs(shape, torch.bfloat16, True, 0)
+    expected = [b.clone() for b in buffers]
+    args = (n, rows, start, m, True, True)
+    warm = [b.clone() for b in buffers]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        cam_step(*warm, observation, *args)  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        drop = cam_step(*buffers, observation, *args)
+    for step in range(4):
+        if step:
+            for buf in (buffers, expected):  # the next token appended at place n - 1
+                newest = buf[2][..., : n - 1].amax(dim=-1)
+                buf[2][..., n - 1] = newest + 1
+                buf[3][..., n - 1] = n - 1
+                buf[4][..., n - 1] = 0.0
+        observation.uniform_()
+        graph.replay()
+        want = steady_reference(*expected, observation, *args)
+        assert torch.equal(drop, want), step
+        for a, b in zip([buffers[0], *buffers[2:]], [expected[0], *expected[2:]]):
+            assert torch.equal(a, b), step
+        torch.testing.assert_close(buffers[1], expected[1], **TOLERANCE[torch.bfloat16])

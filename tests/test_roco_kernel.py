@@ -109,3 +109,46 @@ def test_kth_largest_over_the_whole_int32_range():
             out = kth_largest(values.to(DEVICE), chosen.to(DEVICE), torch.tensor([k], dtype=torch.int32, device=DEVICE))
             want = int(ranked[k - 1]) if k <= len(ranked) else 0
             assert int(out.item()) == want, (trial, k)
+
+
+def append_newest(buffers, n: int, renumber: bool) -> None:
+    """A decoding step's append at place n - 1 (after a step left n - 1 live entries): the next stream
+    position, no statistics yet."""
+    positions, rope_positions = buffers[2], buffers[3]
+    newest = positions[..., : n - 1].amax(dim=-1)
+    positions[..., n - 1] = newest + 1
+    rope_positions[..., n - 1] = n - 1 if renumber else newest + 1
+    for stat in buffers[4:]:
+        stat[..., n - 1] = 0.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", SHAPES[-2:], ids=IDS[-2:])
+def test_captured_steps_replay_as_pytorch(shape):
+    """The step captured once in a CUDA graph (it never waits for the host) and replayed step after step,
+    each after a new entry was appended: the reference's buffers at every step."""
+    from kvpot.kernels.roco import roco_step
+
+    n, sinks, recent, volatile = shape[5], shape[7], shape[8], shape[9]
+    buffers, observation, rows = inputs(shape, True, False, 0)
+    expected = [b.clone() for b in buffers]
+    args = (n, rows, sinks, recent, volatile, True)
+    warm = [b.clone() for b in buffers]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        roco_step(*warm, observation, *args)  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        drop = roco_step(*buffers, observation, *args)
+    for step in range(4):
+        if step:
+            append_newest(buffers, n, True)
+            append_newest(expected, n, True)
+        observation.uniform_()
+        graph.replay()
+        want = steady_reference(*expected[:4], expected[4:], observation, *args)
+        assert torch.equal(drop, want), step
+        for a, b in zip(buffers, expected):
+            assert torch.equal(a, b), step
