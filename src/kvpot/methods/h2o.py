@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 from kvpot.attention import AttentionRequest
 from kvpot.errors import KvpotError
+from kvpot.methods import replace
 from kvpot.methods.base import EvictionMethod, Ranking, Step, check_policy, check_positive
 
 SCORE = "h2o"
@@ -66,6 +67,11 @@ class H2O(EvictionMethod):
 
     def ranking(self, layer, step: Step) -> Ranking:
         return Ranking(layer.score(SCORE), recent=self.recent)
+
+    def replace_fused(self, layer, step: Step, storage, rows, renumbers: bool) -> bool:
+        """A steady step in one launch: the observation added into the stored scores, the lowest sum outside
+        the recent window dropped, the newest entry written into its slot (`replace.fold_replace`)."""
+        return replace.fold_replace(layer, step, storage, rows, renumbers, "add", SCORE, recent=self.recent)
 
 
 def accumulate(layers, name: str, rows, live) -> None:

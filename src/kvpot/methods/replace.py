@@ -116,6 +116,28 @@ def replace_reference(keys, values, positions, rope_positions, stored, n, scores
     return drop
 
 
+def fold_replace(layer, step, storage, rows: torch.Tensor | None, renumbers: bool, fold: str, score: str | None = None,
+                 sinks: int = 0, recent: int = 0) -> bool:
+    """A steady step's `update_scores`, `ranking` and replacement of `layer` in one launch, ranked by the step's
+    observation folded in (`kvpot.kernels.replace.replace_newest`'s `fold`): "add" into stored score `score`
+    (H2O's accumulated attention), or "heads" (its sum over the KV heads: TOVA's). `storage` holds the buffers
+    (the layer, or the pool's layer with `rows` its slots; `EvictionMethod.replace_fused`'s arguments). False
+    where the kernels do not run or the layer stores other scores that would have to move: nothing done."""
+    from kvpot import kernels
+
+    observed = layer.observation
+    if step.n_new != 1 or observed is None or observed.dtype != torch.float32 or not kernels.available(storage.keys.device):
+        return False
+    if list(storage.scores) != ([] if score is None else [score]):
+        return False
+    from kvpot.kernels.replace import replace_newest as kernel
+
+    kernel(storage.keys, storage.values, storage.positions, storage.rope_positions, layer.n, None,
+           None if score is None else storage.scores[score], rows, sinks, recent, renumbers, observation=observed,
+           fold=fold)
+    return True
+
+
 def take_newest(layer, scores: torch.Tensor | None = None, sinks: int = 0, recent: int = 0,
                 drop: torch.Tensor | None = None) -> torch.Tensor:
     """Layer `layer` (a `PotLayer`, `n` entries, the newest last) drops one entry (by `scores`, `sinks`,

@@ -2,7 +2,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from kvpot.attention import AttentionRequest
+from kvpot.methods import replace
 from kvpot.methods.base import EvictionMethod, Ranking, Step, check_policy, check_positive
 
 
@@ -12,7 +15,8 @@ class TOVA(EvictionMethod):
 
     Oren et al., "Transformers are Multi-State RNNs" (2024), Sec. 3.3: when the cache exceeds its
     budget, drop the entry with the lowest attention from the current (last) query, averaged over
-    the layer's heads, so one selection is shared by all heads of a layer. Run over chunks (as in
+    the layer's heads, so one selection is shared by all heads of a layer (ranked by the heads' sum,
+    `head_total`: the mean's order without its division, added in one fixed order on every path). Run over chunks (as in
     InfiniPot's comparison), the chunk's last token is the query; during generation each new token
     evicts one entry.
 
@@ -44,4 +48,19 @@ class TOVA(EvictionMethod):
         return self.budget
 
     def ranking(self, layer, step: Step) -> Ranking:
-        return Ranking(layer.observation.mean(dim=1, keepdim=True))  # [b, 1, n]: all heads of the layer
+        return Ranking(head_total(layer.observation))  # [b, 1, n]: all heads of the layer
+
+    def replace_fused(self, layer, step: Step, storage, rows, renumbers: bool) -> bool:
+        """A steady step in one launch: the heads' sum and the drop found in the kernel, the newest entry
+        written into the dropped one's slot (`replace.fold_replace`)."""
+        return replace.fold_replace(layer, step, storage, rows, renumbers, "heads")
+
+
+def head_total(observation: torch.Tensor) -> torch.Tensor:
+    """[b, kv, n] -> [b, 1, n]: the sum over the KV heads, added in head order (`kernels.replace`'s HEADS adds
+    them so; a reduction kernel's order is its own, and float sums depend on the order: the kept set would
+    differ between paths at near-ties). The mean's ranking: dividing by the head count keeps the order."""
+    total = observation[:, :1]
+    for head in range(1, observation.shape[1]):
+        total = total + observation[:, head : head + 1]
+    return total

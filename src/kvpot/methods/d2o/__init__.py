@@ -9,12 +9,13 @@ from kvpot.methods.d2o.budget import inverse_variance_budgets
 from kvpot.errors import KvpotError
 from kvpot.methods import replace
 from kvpot.methods.d2o.merge import kernel_merges, merge_one, nearest_kept, nearest_other, weighted_merge
-from kvpot.methods.base import Method, Ranking, Step, check_policy, check_positive, top_indices
+from kvpot.methods.base import DECODE_STEP, Method, Ranking, Step, check_policy, check_positive, top_indices
 from kvpot.methods.h2o import accumulate
 
 SCORE = "d2o"  # accumulated attention per entry (eq. 6)
 BUDGETS = "d2o.budgets"  # per-layer S_l, fixed at the end of the prompt
 TAU = "d2o.tau"  # per-layer EMA thresholds [b, kv_heads] (eq. 10)
+COUNTS = "d2o.counts"  # per-layer [b, kv_heads] int32 zeros: the one-launch step's count of finished splits
 VARIANCE = "d2o.variance"  # the per-layer F_v the budgets came from (for Fig. 4-style plots)
 
 
@@ -138,19 +139,20 @@ class D2O(Method):
 
     # ------------------------------------------------------------------ eviction
     def after_forward(self, cache, step: Step) -> bool:
+        budgets = cache.method_state.get(BUDGETS)  # set only where something is compressed (not ratio 1)
+        if (budgets is not None and cache.static and replace.enabled and step.n_new == 1
+                and all(layer.n == size + 1 for layer, size in zip(cache.layers, budgets))):
+            for index, size in enumerate(budgets):  # a steady fixed-shape step: one entry out of every layer
+                self.replace(cache, index, size)  # the step's attention added there (eq. 6), maybe in its kernel
+            return True
         for layer in cache.layers:
             layer.score(SCORE).add_(layer.observation)
         if self.budget is None and float(self.ratio) == 1.0:
             return False  # ratio 1: nothing is compressed
-        budgets = cache.method_state.get(BUDGETS)
         if budgets is None:
             if not step.prompt_end:
                 return False
             budgets = cache.method_state[BUDGETS] = self.layer_budgets(cache)
-        if cache.static and replace.enabled and step.n_new == 1 and all(layer.n == size + 1 for layer, size in zip(cache.layers, budgets)):
-            for index, size in enumerate(budgets):  # a steady fixed-shape step: one entry out of every layer
-                self.replace(cache, index, size)
-            return True
         replace.restore_order(cache)  # what follows reads the entries' order from their places
         evicted = False
         for index, (layer, size) in enumerate(zip(cache.layers, budgets)):
@@ -171,11 +173,15 @@ class D2O(Method):
         return top_indices(self.ranking(layer, size).by_index(layer), size)
 
     def replace(self, cache, index: int, size: int) -> None:
-        """`evict` of the one entry a decoding step adds (`kvpot.methods.replace`): the entry leaves, merged
-        into its nearest other entry first (eqs. 9-12), and the new entry takes its slot."""
+        """`evict` of the one entry a decoding step adds (`kvpot.methods.replace`), the step's attention
+        added to the scores first (eq. 6): the entry leaves, merged into its nearest other entry (eqs.
+        9-12), and the new entry takes its slot. One launch where the kernels run (`fused`)."""
         layer = cache.layers[index]
+        if self.fused(cache, index, size):
+            replace.took_newest(layer)
+            return
+        layer.score(SCORE).add_(layer.observation)
         n, ranking = layer.n, self.ranking(layer, size)
-        positions = layer.positions[:, :, :n]
         if not self.merge:
             replace.take_newest(layer, ranking.scores, ranking.sinks, ranking.recent)
             return
@@ -183,24 +189,49 @@ class D2O(Method):
         if kernel_merges(layer.keys):  # one launch: eqs. 9-12 for every head
             from kvpot.kernels.replace import merge_nearest
 
-            taus = cache.method_state.setdefault(TAU, {})
-            first = index not in taus
-            if first:
-                taus[index] = torch.zeros(layer.batch, layer.kv_heads, dtype=torch.float32, device=layer.device)
-            stored = list(layer.scores.values())
-            fused = len(stored) == 1  # the newest entry takes the slot in the same launch
-            merge_nearest(layer.keys, layer.values, layer.positions, n, drop, taus[index], float(self.beta), first,
-                          rope_positions=layer.rope_positions if fused else None, stored=stored[0] if fused else None,
-                          renumber=cache.policy.renumbers)
-            if fused:
-                replace.took_newest(layer)
-                return
+            first, tau = self._tau(cache, index, layer)
+            merge_nearest(layer.keys, layer.values, layer.positions, n, drop, tau, float(self.beta), first)
         else:
             keys, values = layer.keys[:, :, :n], layer.values[:, :, :n]
-            similarity, target = nearest_other(keys, drop, positions)
+            similarity, target = nearest_other(keys, drop, layer.positions[:, :, :n])
             merge = similarity >= self._threshold(cache, index, similarity)
             merge_one(keys, values, drop, target, similarity, merge)
         replace.take_newest(layer, drop=drop)
+
+    def fused(self, cache, index: int, size: int) -> bool:
+        """The steady step of layer `index` as one kernel where the kernels run and its scores are the only
+        ones stored: `kernels.replace.d2o_step` (eq. 6's update, eqs. 7-8's drop, 9-12's merge, the move), or
+        without merging, `replace_newest` ranking by the scores with the observation added. False: not run."""
+        layer = cache.layers[index]
+        observed = layer.observation
+        if observed is None or observed.dtype != torch.float32 or list(layer.scores) != [SCORE]:
+            return False
+        ranking = self.ranking(layer, size)  # its sinks and recent (the kernel adds the observation to the scores)
+        renumbers = cache.policy.renumbers
+        if not self.merge:
+            return replace.fold_replace(layer, DECODE_STEP, layer, None, renumbers, "add", SCORE, ranking.sinks,
+                                        ranking.recent)
+        if not kernel_merges(layer.keys):
+            return False
+        from kvpot.kernels.replace import d2o_step
+
+        first, tau = self._tau(cache, index, layer)
+        count = cache.method_state.setdefault(COUNTS, {})
+        if index not in count:  # zeros the kernel leaves at zero (made before a graph captures the step)
+            count[index] = torch.zeros(layer.batch, layer.kv_heads, dtype=torch.int32, device=layer.device)
+        d2o_step(layer.keys, layer.values, layer.positions, layer.rope_positions, layer.scores[SCORE], observed,
+                 layer.n, tau, float(self.beta), first, count[index], sinks=ranking.sinks, recent=ranking.recent,
+                 renumber=renumbers)
+        return True
+
+    def _tau(self, cache, index: int, layer) -> tuple[bool, torch.Tensor]:
+        """Layer `index`'s eq. 10 threshold [b, kv] for a merge kernel, and whether this is its first eviction
+        (a fresh tensor then, which the kernel sets to the similarity)."""
+        taus = cache.method_state.setdefault(TAU, {})
+        first = index not in taus
+        if first:
+            taus[index] = torch.zeros(layer.batch, layer.kv_heads, dtype=torch.float32, device=layer.device)
+        return first, taus[index]
 
     def evict(self, cache, index: int, size: int) -> None:
         layer = cache.layers[index]
