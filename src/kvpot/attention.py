@@ -58,6 +58,32 @@ class AttentionRequest:
             raise KvpotError(f"head_reduce must be 'mean', 'max' or 'none', not {self.head_reduce!r}.")
 
 
+class LayerView:
+    """`cache.layers[index]` as the whole cache of one decoder layer's call in a compiled decoding step
+    (`kvpot.engine.regions`), for a PotCache or a batched step's StepCache.
+
+    transformers' attention modules find their cache layer by index (`cache.update(k, v, self.layer_idx)`),
+    and `torch.compile` treats an nn.Module's integer attributes as constants: a decoder layer compiled
+    once for all layers would be recompiled for each `layer_idx`. A view carries its layer instead:
+    `update` leaves the index unread and `kvpot_attention` takes the layer from the view (`layer_of`),
+    so the layers differ only in tensors and share one compilation.
+    """
+
+    def __init__(self, cache, index: int):
+        self.cache = cache
+        self.layer = cache.layers[index]
+
+    def update(self, key_states, value_states, layer_idx=None, *args, **kwargs):
+        return self.layer.update(key_states, value_states, *args, **kwargs)
+
+
+def layer_of(cache, module):
+    """(cache, layer) that the attention module `module` reads: from a view, without its `layer_idx`."""
+    if isinstance(cache, LayerView):
+        return cache.cache, cache.layer
+    return cache, cache.layers[module.layer_idx]
+
+
 # kwargs that would change the attention's meaning; kvpot refuses them rather than ignore them.
 _REFUSED = {
     "sliding_window": "sliding-window attention",
@@ -79,9 +105,9 @@ def kvpot_attention(
 ) -> tuple[torch.Tensor, None]:
     _refuse_unsupported(attention_mask, dropout, kvpot_cache, kwargs)
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    kvpot_cache, layer = layer_of(kvpot_cache, module)  # a compiled step hands each layer a LayerView
     if getattr(kvpot_cache, "batched", False):  # one token for each of many pool slots (kvpot.engine.batch)
-        return kvpot_cache.attend(module.layer_idx, query, scaling), None
-    layer = kvpot_cache.layers[module.layer_idx]
+        return kvpot_cache.attend(layer, query, scaling), None
     if kvpot_cache.static:  # a fixed-shape decoding step (kvpot.engine.decoding)
         if kvpot_cache.attention is not None:  # a method's sparse attention in fixed shapes (InfLLM)
             output = kvpot_cache.attention.static_attention(layer, kvpot_cache.rope.unscale(query), key, value, scaling)

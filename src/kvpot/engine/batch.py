@@ -40,6 +40,8 @@ class StepLayer(CacheLayerMixin):
         super().__init__()
         self.step, self.index = cache, index
         self.storage = cache.pool.layers[index]
+        self.lengths = cache.pool.lengths[index]  # [slots + 1] view: each slot's live entries in this layer
+        self.appended: torch.Tensor | None = None  # [B] after a step: where each row wrote
         self.heads = torch.arange(self.storage.kv_heads, device=cache.pool.device).view(1, -1)
         # a device scalar: writing a Python float through advanced indexing copies it from the host,
         # which a CUDA graph capture refuses
@@ -53,7 +55,9 @@ class StepLayer(CacheLayerMixin):
         """key/value_states [B, kv_heads, 1, d] (keys un-rotated): written at each row's slot."""
         step, storage = self.step, self.storage
         rows, rope = step.rows, step.rope
-        lengths = step.pool.lengths[self.index]
+        # the layer's own views, never `step.pool.lengths[self.index]`: a compiled step's layers share one
+        # compilation only if nothing they read is picked by a Python integer (kvpot.attention.LayerView)
+        lengths = self.lengths
         index = lengths[rows]  # [B]: the new entry's place in its slot
         keys = rope.unscale(key_states)
         if step.policy.stores_rotated:  # absolute: rotated once, at the token's stream position
@@ -71,7 +75,7 @@ class StepLayer(CacheLayerMixin):
         storage.query_position[rows] = rope_new
         step.policy.decode_positions(storage.positions, storage.rope_positions, storage.query_position, rows, index)
         lengths[rows] = index + 1
-        step.appended[self.index] = index
+        self.appended = index
         return storage.keys, storage.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -95,21 +99,25 @@ class StepCache(Cache):
         self.stream_positions: torch.Tensor | None = None  # [B] long: each token's position in its stream
         self.max_position = 0  # host bound of every stream position (sizes RoPE tables without a sync)
         self.request: AttentionRequest | None = None
-        self.appended: list[torch.Tensor | None] = [None] * pool.num_layers  # per layer [B]: where each row wrote
         super().__init__(layers=[StepLayer(self, i) for i in range(pool.num_layers)])
+
+    @property
+    def appended(self) -> list[torch.Tensor | None]:
+        """Per layer [B]: where each row wrote in the last step."""
+        return [layer.appended for layer in self.layers]
 
     @property
     def is_compileable(self) -> bool:  # noqa: D401 - transformers' API
         return False
 
-    def attend(self, index: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """Attention of each row's token over its slot: query [B, heads, 1, d] un-rotated -> [B, 1, heads, d]."""
-        storage, rope = self.pool.layers[index], self.rope
+    def attend(self, layer: StepLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Attention of each row's token over its slot in `layer`: query [B, heads, 1, d] un-rotated -> [B, 1, heads, d]."""
+        storage, rope = layer.storage, self.rope
         b, heads, _, d = query.shape
         query = rope.unscale(query)
         probs = storage.observation_buffer()[:b] if self.request is not None else None
         kernel = batch_kernel(query.device, d)
-        lengths = self.pool.lengths[index]
+        lengths = layer.lengths
         if self.policy.stores_rotated:
             turned = rope.rotate(query, self.stream_positions.view(-1, 1, 1).expand(-1, storage.kv_heads, 1),
                                  self.max_position)

@@ -21,6 +21,7 @@ from kvpot.attention import AttentionRequest, register
 from kvpot.cache import PotCache
 from kvpot.compat import cache_kwargs
 from kvpot.engine.decoding import MODES, Decoder, decode_eager, resolve_mode
+from kvpot.engine.regions import CompiledStep
 from kvpot.engine.score import Scoring
 from kvpot.engine.text import TextApi
 from kvpot.engine.results import Result, ScoreResult, State, Stats, _Run  # noqa: F401 - ScoreResult: public via kvpot
@@ -102,14 +103,14 @@ class Engine(TextApi, Scoring):
                    compile_step=compile_step)
 
     def step_decoder(self):
-        """The decoder that fixed-shape decoding steps run: with `compile_step`, `torch.compile`d once per
-        engine, so the norms, activations, residual adds and cache writes around the weights fuse into fewer
-        kernels (the step is then captured as a CUDA graph as before). Dynamic from the start: the host-side
-        counts it reads change at every step, and a recompile must never fall inside a graph capture."""
+        """The decoder that fixed-shape decoding steps run: with `compile_step`, its decoder layer
+        `torch.compile`d once per engine and reused for every layer (`kvpot.engine.regions`), so the norms,
+        activations, residual adds and cache writes around the weights fuse into fewer kernels (the step
+        is then captured as a CUDA graph as before)."""
         if not self.compile_step:
             return self.decoder
         if self._step_decoder is None:
-            self._step_decoder = torch.compile(self.decoder, dynamic=True)
+            self._step_decoder = CompiledStep(self.decoder)
         return self._step_decoder
 
     @property

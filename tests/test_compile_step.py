@@ -1,0 +1,128 @@
+"""Regional compilation of the decoding step (`kvpot.engine.regions`, `Engine(compile_step=True)`).
+
+The step compiles one decoder layer and runs every layer through it. The tests count what the
+compiler is handed (a backend that records each graph and runs it as traced): one graph for every
+layer and every step, whatever the depth, every layer's call going through it (none falls back to
+eager), the eager path's tokens, and the user's model left as it was.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvpot
+from conftest import VOCAB, build
+from kvpot.engine.offline import run_all
+from kvpot.engine.scheduler import Request, Scheduler
+
+CONTEXT, QUESTION, NEW = 160, 6, 24
+
+
+class Counting:
+    """A torch.compile backend: the graphs dynamo hands it, and how often each compiled graph ran."""
+
+    def __init__(self):
+        self.graphs, self.runs = [], 0
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+
+        def run(*args):
+            self.runs += 1
+            return gm.forward(*args)
+
+        return run
+
+
+@pytest.fixture
+def counting(monkeypatch) -> Counting:
+    torch._dynamo.reset()
+    backend, real = Counting(), torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": backend}))
+    yield backend
+    torch._dynamo.reset()
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    torch.manual_seed(1)
+    return torch.randint(3, VOCAB, (CONTEXT,)), torch.randint(3, VOCAB, (QUESTION,))
+
+
+def generate(model, method, inputs, decode, **kw):
+    engine = kvpot.Engine(model, method=method, decode=decode, **kw)
+    return engine.generate_ids(*inputs, max_new_tokens=NEW, ignore_eos=True)
+
+
+def deep(arch: str, depth: int):
+    return build(arch, num_hidden_layers=depth, layer_types=["full_attention"] * depth)
+
+
+def streaming():
+    return kvpot.StreamingLLM(sinks=4, window=172, chunk_size=32)  # appends, then evicts at every step
+
+
+@pytest.mark.parametrize("depth", [2, 6])
+@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+def test_one_compilation_serves_every_layer_and_step(arch, depth, inputs, counting, one_thread):
+    model = deep(arch, depth)
+    eager = generate(model, streaming(), inputs, "eager")
+    out = generate(model, streaming(), inputs, "static", compile_step=True)
+    assert out.token_ids == eager.token_ids
+    steps = out.stats.decode["static_steps"]
+    assert steps > 0 and out.stats.compressions > 0  # append steps and steady (evicting) steps
+    assert len(counting.graphs) == 1  # one layer's graph, not one per layer nor per step kind
+    assert counting.runs == depth * steps  # every layer of every step ran the compiled graph
+
+
+def test_the_model_is_left_as_it_was(inputs, counting, one_thread):
+    model = deep("llama3", 3)
+    layers = model.get_decoder().layers
+    before = generate(model, kvpot.InfiniPot(pot_size=64, catalyst=None), inputs, "static")
+    compiled = generate(model, kvpot.InfiniPot(pot_size=64, catalyst=None), inputs, "static", compile_step=True)
+    after = generate(model, kvpot.InfiniPot(pot_size=64, catalyst=None), inputs, "static")
+    assert before.token_ids == compiled.token_ids == after.token_ids
+    assert all(layer._compiled_call_impl is None for layer in layers)
+    runs = counting.runs
+    generate(model, kvpot.InfiniPot(pot_size=64, catalyst=None), inputs, "eager")
+    assert counting.runs == runs  # nothing compiled runs outside a compiled engine's steps
+
+
+def test_a_failing_step_still_restores_the_layers(inputs, counting, one_thread):
+    model = build("llama3")
+    engine = kvpot.Engine(model, method=kvpot.Full(), decode="static", compile_step=True)
+    with pytest.raises(Exception):
+        engine.step_decoder()(input_ids=torch.zeros(1, 1, dtype=torch.long), use_cache=True)  # no kvpot cache
+    assert all(layer._compiled_call_impl is None for layer in model.get_decoder().layers)
+
+
+def test_batched_steps_share_the_compilation_and_give_the_tokens_alone(inputs, counting, one_thread):
+    model = deep("llama3", 4)
+    torch.manual_seed(2)
+    prompts = [(torch.randint(3, VOCAB, (n,)).tolist(), torch.randint(3, VOCAB, (5,)).tolist()) for n in (90, 160)]
+    alone = kvpot.Engine(model, method=kvpot.InfiniPot(pot_size=64, catalyst=None), decode="eager")
+    expected = [alone.generate_ids(c, q, max_new_tokens=12, ignore_eos=True).token_ids for c, q in prompts]
+    engine = kvpot.Engine(model, method=kvpot.InfiniPot(pot_size=64, catalyst=None), compile_step=True)
+    scheduler = Scheduler(engine, slots=2, decode="static")
+    requests = [Request(c, q, max_new_tokens=12, ignore_eos=True) for c, q in prompts]
+    run_all(scheduler, requests)
+    assert [r.tokens for r in requests] == expected
+    # one graph per batch size the steps ran at (1 and 2 rows: a recompile outside any capture)
+    assert 1 <= len(counting.graphs) <= 2 and counting.runs > 0 and counting.runs % 4 == 0
+
+
+@pytest.mark.slow
+def test_a_method_whose_attention_indexes_by_layer_compiles_each_layer_and_none_runs_eagerly(inputs, counting,
+                                                                                             one_thread):
+    # InfLLM's fixed-shape attention reads its per-layer memory by `layer.layer_idx`: no shared compilation,
+    # but every layer compiles (none past PyTorch's recompile limit, 8 by default, falls back to eager)
+    depth = 9
+    model = deep("llama3", depth)
+    method = lambda: kvpot.InfLLM(initial=4, window=32, block_size=8, representatives=2, topk=3, lookup=16,  # noqa: E731
+                                  chunk_size=32)
+    eager = generate(model, method(), inputs, "eager")
+    out = generate(model, method(), inputs, "static", compile_step=True)
+    assert out.token_ids == eager.token_ids
+    assert len(counting.graphs) >= depth
+    assert counting.runs == depth * out.stats.decode["static_steps"]
