@@ -126,3 +126,38 @@ def test_a_method_whose_attention_indexes_by_layer_compiles_each_layer_and_none_
     assert out.token_ids == eager.token_ids
     assert len(counting.graphs) >= depth
     assert counting.runs == depth * out.stats.decode["static_steps"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["streaming", "infinipot", "h2o"])
+def test_a_compiled_graph_step_of_six_layers_compiles_once_and_gives_the_eager_tokens_on_cuda(name, inputs):
+    # inductor for real, the step captured and replayed: one compiled layer for six, none inside a capture
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    method = {"streaming": streaming, "infinipot": lambda: kvpot.InfiniPot(pot_size=64, catalyst=None),
+              "h2o": lambda: kvpot.H2O(heavy=24, recent=24, chunk_size=16)}[name]
+    model = deep("llama3", 6).cuda()
+    cuda_inputs = tuple(t.cuda() for t in inputs)
+    eager = generate(model, method(), cuda_inputs, "eager")
+    graphs = counters["stats"]["unique_graphs"]
+    out = generate(model, method(), cuda_inputs, "graph", compile_step=True)
+    assert out.token_ids == eager.token_ids
+    assert out.stats.decode["replays"] > 0
+    assert counters["stats"]["unique_graphs"] - graphs == 1
+
+
+@pytest.mark.gpu
+def test_compiled_graph_batches_give_each_request_its_tokens_alone_on_cuda():
+    torch._dynamo.reset()
+    model = deep("llama3", 4).cuda()
+    torch.manual_seed(2)
+    prompts = [(torch.randint(3, VOCAB, (n,)).cuda(), torch.randint(3, VOCAB, (5,)).cuda()) for n in (90, 160, 40)]
+    method = lambda: kvpot.H2O(heavy=24, recent=24, chunk_size=16)  # noqa: E731 - appends, then evicts per token
+    alone = kvpot.Engine(model, method=method(), decode="eager")
+    expected = [alone.generate_ids(c, q, max_new_tokens=24, ignore_eos=True).token_ids for c, q in prompts]
+    scheduler = Scheduler(kvpot.Engine(model, method=method(), compile_step=True), slots=3, decode="graph")
+    requests = [Request(c, q, max_new_tokens=24, ignore_eos=True) for c, q in prompts]
+    run_all(scheduler, requests)
+    assert [r.tokens for r in requests] == expected
+    assert scheduler.decoder.replays > 0

@@ -217,13 +217,18 @@ def test_a_compiled_step_compiles_once_and_gives_the_eager_tokens(model, inputs,
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                     reason="inductor compiles C++ on a CPU and needs a C compiler")
 def test_an_inductor_compiled_step_gives_the_eager_tokens(inputs, one_thread):
-    # the real compiler (fused kernels, not the traced graph): greedy tokens through evictions at the budget
+    # the real compiler (fused kernels, not the traced graph): greedy tokens through evictions at the budget,
+    # one layer compiled for the four
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
-    model = build("llama3")
+    model = build("llama3", num_hidden_layers=4)
     eager = generate(model, methods()["streaming-short"], inputs, "eager")
     context, question = inputs
     engine = kvpot.Engine(model, method=methods()["streaming-short"], decode="static", compile_step=True)
+    graphs = counters["stats"]["unique_graphs"]
     assert engine.generate_ids(context, question, max_new_tokens=NEW, ignore_eos=True).token_ids == eager.token_ids
+    assert counters["stats"]["unique_graphs"] - graphs == 1
 
 
 def test_compile_step_is_checked():

@@ -65,9 +65,9 @@ def add_decode_argument(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--compile-step", action="store_true",
-        help="torch.compile the fixed-shape decoding step (graph and static paths): norms, activations, residual "
-             "adds and cache writes fuse into fewer kernels around the weights; the first step pays the "
-             "compilation (tens of seconds on a GPU)",
+        help="torch.compile the fixed-shape decoding step (graph and static paths), one decoder layer compiled "
+             "once for every layer: norms, activations, residual adds and cache writes fuse into fewer kernels "
+             "around the weights; the first step pays the compilation",
     )
 
 

@@ -102,9 +102,10 @@ def register(sub) -> None:
     p.add_argument("--decode", default="auto", choices=["auto", "graph", "static", "eager"],
                    help="decode: kvpot's decoding path (auto: CUDA graphs on a GPU, eager on a CPU)")
     p.add_argument("--compile-step", action="store_true",
-                   help="decode and throughput: torch.compile the fixed-shape decoding step (norms, activations, "
-                        "residual adds and cache writes fused around the weights) before it is captured; the first "
-                        "step then takes the compilation (tens of seconds), outside the timed steps")
+                   help="decode and throughput: torch.compile the fixed-shape decoding step, one decoder layer "
+                        "compiled once for every layer (norms, activations, residual adds and cache writes fused "
+                        "around the weights) before it is captured; the first step then takes the compilation, "
+                        "outside the timed steps")
     t = p.add_argument_group("throughput")
     t.add_argument("--users", type=int, default=16, help="requests arriving together (default 16)")
     t.add_argument("--new-tokens", type=int, default=128, help="tokens each request generates, EOS off (default 128)")
