@@ -8,6 +8,8 @@ eager), the eager path's tokens, and the user's model left as it was.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -161,3 +163,19 @@ def test_compiled_graph_batches_give_each_request_its_tokens_alone_on_cuda():
     run_all(scheduler, requests)
     assert [r.tokens for r in requests] == expected
     assert scheduler.decoder.replays > 0
+
+
+def test_bench_decode_compiles_the_step_and_reports_the_warm_up(capsys, tmp_path, counting, one_thread):
+    from conftest import run
+
+    out = tmp_path / "out"
+    code, _, err = run(capsys, "bench", "decode", "--shape", "tiny", "--device", "cpu", "--out", str(out),
+                       "--method", "infinipot", "--method", "streaming", "--budget", "128", "--lengths", "300",
+                       "--decode-steps", "5", "--warmup-steps", "2", "--no-floor", "--decode", "static",
+                       "--compile-step")
+    assert code == 0, err
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert [r["method"] for r in rows] == ["infinipot", "streaming"]
+    assert all(r["warmup_seconds"] > 0 and r["decode"]["static_steps"] > 0 for r in rows)
+    # at most one compilation per method (their steps read different things), none per layer: 4 layers a step
+    assert 1 <= len(counting.graphs) <= len(rows) and counting.runs > 0 and counting.runs % 4 == 0

@@ -33,9 +33,13 @@ def bench_decode(config: BenchConfig, model, runs, results, progress) -> None:
                for run in runs}
     count = config.warmup_steps + config.decode_steps + 1  # +1: n tokens give n - 1 timed steps
     warm = min(WARMUP_TOKENS, config.lengths[0])
+    warmup_seconds = {}  # per method: with --compile-step, mostly the step's compilation
     for run in runs:
+        started = time.perf_counter()
         state = engines[run.label].prefill_ids(random_tokens(vocab, warm, config.seed + 2, config.device), question)
         engines[run.label].generate_ids(state=state, max_new_tokens=min(count, 8), ignore_eos=True, keep_state=False)
+        synchronize(config.devices)
+        warmup_seconds[run.label] = round(time.perf_counter() - started, 3)
 
     def floor_steps(steps: int) -> list[float]:
         times = []
@@ -87,6 +91,7 @@ def bench_decode(config: BenchConfig, model, runs, results, progress) -> None:
             "max_kv_entries": None if stats is None else stats.max_kv_entries,
             "kv_cache_bytes": None if stats is None else stats.max_kv_entries * kv_bytes,
             "final_kv_entries": None if stats is None else stats.final_kv_entries,
+            "warmup_seconds": None if entry == FLOOR else warmup_seconds[entry.label],
             "method_report": None if stats is None else stats.method,
             **extra,
         }
