@@ -82,3 +82,25 @@ def test_a_steady_step_is_one_launch_per_layer(name, monkeypatch, one_thread):
     assert set(rest) == {((), (kernel,) * layers)}, rest  # per layer: one launch, no PyTorch operation
     assert first[1] == (kernel,) * layers
     assert set(first[0]) <= {"zeros"} and len(first[0]) <= layers  # D2O's counters, made once
+
+
+def test_a_steady_steps_counts_settle_in_one_operation():
+    """After the eviction the device-side counts go back to the host's: one `_foreach_sub_` for every layer
+    where each dropped one entry (not a `fill_` per layer), each layer's own count otherwise."""
+    from types import SimpleNamespace
+
+    from kvpot.engine.decoding import settle_lengths
+
+    def layers(counts, devices):
+        return [SimpleNamespace(n=n, length=torch.tensor([d])) for n, d in zip(counts, devices)]
+
+    steady = layers([24, 30, 24], [25, 31, 25])  # the append's count on the device, the eviction's on the host
+    counter = Launches()
+    counter.counting = True
+    with counter:
+        settle_lengths(steady, [25, 31, 25])
+    assert counter.aten == ["_foreach_sub_"]
+    assert [layer.length.item() for layer in steady] == [24, 30, 24]
+    mixed = layers([24, 31], [25, 31])  # the second layer did not evict: each set from its host count
+    settle_lengths(mixed, [25, 31])
+    assert [layer.length.item() for layer in mixed] == [24, 31]

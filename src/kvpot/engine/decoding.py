@@ -252,9 +252,9 @@ class Decoder:
                 if plan == "append":
                     method.decode_append(cache, step)
                 else:
+                    appended = cache.lengths()
                     method.after_forward(cache, step)
-                    for layer in cache.layers:
-                        layer.length.fill_(layer.n)  # the count a steady step returns to
+                    settle_lengths(cache.layers, appended)
         finally:
             cache.static = False
             cache.begin_forward(None, -1, None)
@@ -330,3 +330,14 @@ class Decoder:
                 cache.note_entries(layer.n)
         else:  # steady: back to the counts it was captured at
             self._set_host_state(effect)
+
+
+def settle_lengths(layers, appended: list[int]) -> None:
+    """The device-side counts after a steady step's eviction (`appended`: the host counts before it): where
+    every layer dropped exactly one entry, one `_foreach_sub_` for all layers (one launch, not one per layer:
+    the device count, incremented by the append, goes back by one); else each set from its host count."""
+    if all(layer.n == n - 1 for layer, n in zip(layers, appended)):
+        torch._foreach_sub_([layer.length for layer in layers], 1)
+        return
+    for layer in layers:
+        layer.length.fill_(layer.n)

@@ -140,7 +140,9 @@ def _replace_kernel(
     newest_pos = tl.load(pos + n - 1)
     if FIND:
         score = SCORES + b.to(tl.int64) * stride_sb + h * stride_sh  # stride_sh 0: shared by the heads
-        obs = OBS + b.to(tl.int64) * stride_ob + (0 if HEADS else h * stride_oh)
+        obs = OBS + b.to(tl.int64) * stride_ob  # HEADS: every head's program reads them all
+        if not HEADS:
+            obs += h * stride_oh
         drop = _find(pos, score, stride_ss, sc, obs, stride_oh, n, sinks, recent, newest_pos,
                      KV, BLOCK_N, AGE, ADD, HEADS, MOVE)
         tl.store(DROP + b.to(tl.int64) * KV + h, drop)
