@@ -196,3 +196,102 @@ def test_d2o_step_is_update_find_merge_move(shape, first, dtype):
     torch.testing.assert_close(got[1].cpu(), v, **tol)
     changed = (got[0].cpu() != keys).any(dim=-1)  # the dropped slot (the newest moved in) and the merge target
     assert changed.sum() <= 2 * batch * kv
+
+
+def append_newest(bufs, observation, n: int, renumber: bool) -> None:
+    """A decoding step's append at place n - 1 (after a step left n - 1 live entries): the next stream
+    position, a fresh score, a fresh observation."""
+    positions, rope = bufs[2], bufs[3]
+    newest = positions[..., : n - 1].amax(dim=-1)
+    positions[..., n - 1] = newest + 1
+    rope[..., n - 1] = n - 1 if renumber else newest + 1
+    bufs[4][..., n - 1] = 0.0
+    observation.copy_(torch.randint(0, 3, observation.shape, device=observation.device).float() / 4)
+
+
+def captured(step, warm_args):
+    """`step()` captured once in a CUDA graph, after one uncaptured run on copies (Triton compiles there)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step(*warm_args)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fold", ["add", "heads"])
+def test_captured_folds_replay_as_pytorch(fold):
+    """H2O's and TOVA's one-launch step captured in a CUDA graph and replayed step after step at the
+    llama3-8b shape, each after an append: the PyTorch path's buffers and drops at every step."""
+    from kvpot.kernels.replace import replace_newest
+
+    shape = SHAPES[-2]
+    n, sinks, recent = shape[5], shape[7], shape[8]
+    bufs, observation, _ = buffers(shape, True, 0, shared=fold == "heads")
+    if fold == "heads":
+        bufs[4].zero_()  # TOVA stores no score; the array rides along unchanged
+    expected = [b.clone() for b in bufs]
+    got, obs = [b.cuda() for b in bufs], observation.cuda()
+
+    def step(*args):
+        target = args or got
+        return replace_newest(*target[:4], n, None, target[4] if fold == "add" else None, None, sinks, recent,
+                              True, observation=obs, fold=fold)
+
+    graph, drop = captured(step, [b.clone() for b in got])
+    for index in range(4):
+        if index:
+            append_newest(got, obs, n, True)
+            append_newest(expected, observation, n, True)
+            observation.copy_(obs.cpu())
+        graph.replay()
+        if fold == "add":
+            live = expected[4][:, :, :n] + observation[..., :n]
+            expected[4][:, :, :n] = live
+            want = replace_reference(*expected[:4], [expected[4]], n, live, None, sinks, recent, True)
+        else:
+            want = replace_reference(*expected[:4], [], n, head_total(observation[..., :n]), None, sinks, recent,
+                                     True)
+        assert torch.equal(drop.cpu(), want.expand_as(drop)), index
+        for a, b in zip(got, expected):
+            assert torch.equal(a.cpu(), b), index
+
+
+@pytest.mark.gpu
+def test_captured_d2o_steps_replay_as_uncaptured_launches():
+    """D2O's one-launch step captured in a CUDA graph and replayed step after step at the llama3-8b shape:
+    the uncaptured kernel's buffers at every step, exactly (the split counter is back at zero after each)."""
+    from kvpot.kernels.replace import d2o_step
+
+    shape = D2O_SHAPES[-1]
+    n, sinks, recent = shape[5], shape[7], shape[8]
+    bufs, observation, _ = buffers(shape, False, 3)
+    bufs = [b.to(torch.bfloat16) if i < 2 else b for i, b in enumerate(bufs)]
+    got, obs = [b.cuda() for b in bufs], observation.cuda()
+    plain, plain_obs = [b.clone() for b in got], obs.clone()
+    kv = shape[2]
+    tau, count = torch.zeros(1, kv, device="cuda"), torch.zeros(1, kv, dtype=torch.int32, device="cuda")
+    plain_tau, plain_count = tau.clone(), count.clone()
+    d2o_step(*got, obs, n, tau, 0.7, True, count, None, sinks, recent)  # the first eviction: tau set
+    d2o_step(*plain, plain_obs, n, plain_tau, 0.7, True, plain_count, None, sinks, recent)
+
+    def step(*args):  # the warm run on copies (the threshold too: it is rewritten)
+        target, threshold = (args[:5], args[5]) if args else (got, tau)
+        return d2o_step(*target, obs, n, threshold, 0.7, False, count, None, sinks, recent)
+
+    graph, drop = captured(step, [b.clone() for b in got] + [tau.clone()])
+    assert not count.any()
+    for index in range(4):
+        append_newest(got, obs, n, False)
+        append_newest(plain, plain_obs, n, False)
+        plain_obs.copy_(obs)
+        graph.replay()
+        want = d2o_step(*plain, plain_obs, n, plain_tau, 0.7, False, plain_count, None, sinks, recent)
+        assert torch.equal(drop, want), index
+        assert torch.equal(tau, plain_tau) and not count.any(), index
+        for a, b in zip(got, plain):
+            assert torch.equal(a, b), index

@@ -43,14 +43,25 @@ def tile(n: int) -> tuple[int, int]:
 def _move(k, v, pos, rp, sc, drop, n, newest_pos, stride_kn, stride_vn,
           D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, RENUMBER: tl.constexpr,
           HAS_SC: tl.constexpr):
-    """One head's newest entry (n - 1) written over entry `drop` (pointers at the head's entries)."""
+    """One head's newest entry (n - 1) written over entry `drop` (pointers at the head's entries). Everything
+    it reads (the newest entry, the ranks' first tile) is loaded before anything is written: one round trip
+    to memory, then the stores."""
     newest = n - 1
+    dd = tl.arange(0, BLOCK_D)
+    inside = dd < D
+    key = tl.load(k + newest * stride_kn + dd, mask=inside)
+    value = tl.load(v + newest * stride_vn + dd, mask=inside)
+    if HAS_SC:
+        score = tl.load(sc + newest)
     if RENUMBER:
+        j = tl.arange(0, BLOCK_N)
+        first = tl.load(rp + j, mask=j < n, other=0)
         rank = tl.load(rp + drop)
         moved = tl.load(rp + newest)
         moved = moved - (moved > rank).to(tl.int64)
-        tl.debug_barrier()  # every thread has read both ranks before any is rewritten
-        for start in range(0, n, BLOCK_N):
+        tl.debug_barrier()  # every thread has read both ranks (and the first tile) before any is rewritten
+        tl.store(rp + j, tl.where(j == drop, moved, first - (first > rank).to(tl.int64)), mask=j < n)
+        for start in range(BLOCK_N, n, BLOCK_N):
             j = start + tl.arange(0, BLOCK_N)
             live = j < n
             r = tl.load(rp + j, mask=live, other=0)
@@ -60,11 +71,9 @@ def _move(k, v, pos, rp, sc, drop, n, newest_pos, stride_kn, stride_vn,
         tl.store(rp + drop, tl.load(rp + newest))
     tl.store(pos + drop, newest_pos)
     if HAS_SC:
-        tl.store(sc + drop, tl.load(sc + newest))
-    dd = tl.arange(0, BLOCK_D)
-    inside = dd < D
-    tl.store(k + drop * stride_kn + dd, tl.load(k + newest * stride_kn + dd, mask=inside), mask=inside)
-    tl.store(v + drop * stride_vn + dd, tl.load(v + newest * stride_vn + dd, mask=inside), mask=inside)
+        tl.store(sc + drop, score)
+    tl.store(k + drop * stride_kn + dd, key, mask=inside)
+    tl.store(v + drop * stride_vn + dd, value, mask=inside)
 
 
 @triton.jit
