@@ -17,6 +17,7 @@ import kvpot
 from conftest import VOCAB, build
 from kvpot.engine.offline import run_all
 from kvpot.engine.scheduler import Request, Scheduler
+from kvpot.errors import KvpotError
 
 CONTEXT, QUESTION, NEW = 160, 6, 24
 
@@ -94,7 +95,7 @@ def test_the_model_is_left_as_it_was(inputs, counting, one_thread):
 def test_a_failing_step_still_restores_the_layers(inputs, counting, one_thread):
     model = build("llama3")
     engine = kvpot.Engine(model, method=kvpot.Full(), decode="static", compile_step=True)
-    with pytest.raises(Exception):
+    with pytest.raises(KvpotError, match="compile_step"):
         engine.step_decoder()(input_ids=torch.zeros(1, 1, dtype=torch.long), use_cache=True)  # no kvpot cache
     assert all(layer._compiled_call_impl is None for layer in model.get_decoder().layers)
 

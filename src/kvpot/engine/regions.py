@@ -19,7 +19,7 @@ limit is set above that count, so no layer silently falls back to eager.
 The compiled layer is installed only while the step runs, in the slot `nn.Module.compile()` fills
 (`_compiled_call_impl`), and the slot's previous value is put back after it: the model's forward is
 never replaced, and the model's other calls (prefill, eager steps, another engine on the same model)
-run exactly as without `compile_step`.
+run exactly as without `compile_step` (kvpot runs a model's forwards on one thread: the server's worker).
 """
 
 from __future__ import annotations
