@@ -133,21 +133,25 @@ def test_a_method_whose_attention_indexes_by_layer_compiles_each_layer_and_none_
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["streaming", "infinipot", "h2o"])
-def test_a_compiled_graph_step_of_six_layers_compiles_once_and_gives_the_eager_tokens_on_cuda(name, inputs):
-    # inductor for real, the step captured and replayed: one compiled layer for six, none inside a capture
+def test_a_compiled_graph_step_compiles_as_much_for_six_layers_as_for_two_on_cuda(name, inputs):
+    # inductor for real, the step captured and replayed, the eager path's tokens; the compiled graphs (one,
+    # or a few if the Triton attention's wrapper breaks the graph) do not grow with the depth
     from torch._dynamo.utils import counters
 
-    torch._dynamo.reset()
     method = {"streaming": streaming, "infinipot": lambda: kvpot.InfiniPot(pot_size=64, catalyst=None),
               "h2o": lambda: kvpot.H2O(heavy=24, recent=24, chunk_size=16)}[name]
-    model = deep("llama3", 6).cuda()
     cuda_inputs = tuple(t.cuda() for t in inputs)
-    eager = generate(model, method(), cuda_inputs, "eager")
-    graphs = counters["stats"]["unique_graphs"]
-    out = generate(model, method(), cuda_inputs, "graph", compile_step=True)
-    assert out.token_ids == eager.token_ids
-    assert out.stats.decode["replays"] > 0
-    assert counters["stats"]["unique_graphs"] - graphs == 1
+    graphs = {}
+    for depth in (2, 6):
+        torch._dynamo.reset()
+        model = deep("llama3", depth).cuda()
+        eager = generate(model, method(), cuda_inputs, "eager")
+        before = counters["stats"]["unique_graphs"]
+        out = generate(model, method(), cuda_inputs, "graph", compile_step=True)
+        assert out.token_ids == eager.token_ids
+        assert out.stats.decode["replays"] > 0
+        graphs[depth] = counters["stats"]["unique_graphs"] - before
+    assert 1 <= graphs[6] == graphs[2] < 6
 
 
 @pytest.mark.gpu
