@@ -11,9 +11,10 @@ One compilation serves all layers only if nothing a layer reads is picked by a P
 differs between layers: transformers' attention passes `self.layer_idx`, an nn.Module integer that
 the compiler specialises on, into the cache. Each layer is therefore handed a `LayerView` of kvpot's
 cache, which carries its layer (`kvpot.attention.LayerView`). Where a method's fixed-shape attention
-still indexes by layer (InfLLM, InfiniteHiP), the layers compile one by one, each in full: their
-graphs name their inputs after the layer they were read from (`...layers[3]...`), so inductor's
-FX-graph cache does not serve one layer's code to the next (measured on a CPU: no hits). The recompile
+still indexes by layer (InfLLM, InfiniteHiP), the layers compile one by one, each in full: the
+compiler names each dynamic size after where it was read (`...layers[3].keys.size(2)` -> `s87`), so
+the layers' graphs differ in those names and inductor's FX-graph cache serves none of them to the next
+layer (measured on a CPU: every layer a miss). The recompile
 limit is set above that count, so no layer silently falls back to eager.
 
 The compiled layer is installed only while the step runs, in the slot `nn.Module.compile()` fills
