@@ -59,11 +59,12 @@ class CompiledStep:
         # recompilation must never fall inside a CUDA graph's capture
         self.block = torch.compile(_run_layer, dynamic=True,
                                    recompile_limit=_FORMS_PER_LAYER * len(self.layers) + _SPARE_COMPILES)
+        self.callers = [self._caller(index, layer) for index, layer in enumerate(self.layers)]
 
     def __call__(self, *args, **kwargs):
         previous = [layer._compiled_call_impl for layer in self.layers]
-        for index, layer in enumerate(self.layers):
-            layer._compiled_call_impl = self._caller(index, layer)
+        for layer, caller in zip(self.layers, self.callers):
+            layer._compiled_call_impl = caller
         try:
             return self.decoder(*args, **kwargs)
         finally:
