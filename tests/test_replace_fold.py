@@ -191,7 +191,9 @@ def test_d2o_step_is_update_find_merge_move(shape, first, dtype):
     torch.testing.assert_close(got_tau.cpu(), new_tau, rtol=1e-5, atol=1e-6)
     for name, a, b in zip(("positions", "rope", "stored"), got[2:], (positions, rope, stored)):
         assert torch.equal(a.cpu(), b), name
-    tol = dict(rtol=0, atol=2e-3) if dtype == torch.float16 else dict(rtol=2**-8, atol=2e-3)
+    # bf16: one unit in the last place (2**-7 relative): on the H100 the kernel's merge, computed in float32 and
+    # rounded once, differed from the reference's bf16 operations by one unit at 2 of 5,120 values
+    tol = dict(rtol=0, atol=2e-3) if dtype == torch.float16 else dict(rtol=2**-7, atol=2e-3)
     torch.testing.assert_close(got[0].cpu(), k, **tol)
     torch.testing.assert_close(got[1].cpu(), v, **tol)
     changed = (got[0].cpu() != keys).any(dim=-1)  # the dropped slot (the newest moved in) and the merge target

@@ -57,8 +57,8 @@ class CompiledStep:
         self.layers = decoder_layers(decoder)
         # dynamic from the start: the host-side counts a layer reads change at every step, and a
         # recompilation must never fall inside a CUDA graph's capture
-        self.block = torch.compile(_run_layer, dynamic=True,
-                                   recompile_limit=_FORMS_PER_LAYER * len(self.layers) + _SPARE_COMPILES)
+        self.block = torch.compile(_run_layer, dynamic=True)
+        self.limit = _FORMS_PER_LAYER * len(self.layers) + _SPARE_COMPILES
         self.callers = [self._caller(index, layer) for index, layer in enumerate(self.layers)]
 
     def __call__(self, *args, **kwargs):
@@ -66,7 +66,8 @@ class CompiledStep:
         for layer, caller in zip(self.layers, self.callers):
             layer._compiled_call_impl = caller
         try:
-            return self.decoder(*args, **kwargs)
+            with recompile_limit(self.limit):
+                return self.decoder(*args, **kwargs)
         finally:
             for layer, slot in zip(self.layers, previous):
                 layer._compiled_call_impl = slot
@@ -78,6 +79,17 @@ class CompiledStep:
             return block(layer, *args, **_with_view(kwargs, index))
 
         return call
+
+
+def recompile_limit(limit: int):
+    """Dynamo's per-function recompile limit raised to at least `limit` while the step runs (a context
+    manager). `torch.compile(recompile_limit=...)` is newer than the torch range kvpot allows
+    (torch 2.11 on the H100 refused the keyword; 2.13 takes it), and the setting was `cache_size_limit`
+    before torch 2.6."""
+    import torch._dynamo.config as config
+
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    return config.patch(**{name: max(getattr(config, name), limit)})
 
 
 def _with_view(kwargs: dict, index: int) -> dict:
