@@ -297,3 +297,39 @@ def test_captured_d2o_steps_replay_as_uncaptured_launches():
         assert torch.equal(tau, plain_tau) and not count.any(), index
         for a, b in zip(got, plain):
             assert torch.equal(a, b), index
+
+
+# (splits, warps, block_n): launch shapes `d2o_step` may be tuned to; the results must not move with them
+D2O_LAUNCHES = [(1, 4, 16), (2, 4, 64), (8, 8, 32), (16, 16, 128)]
+
+
+@pytest.mark.parametrize("launch", D2O_LAUNCHES, ids=["x".join(map(str, s)) for s in D2O_LAUNCHES])
+def test_d2o_step_does_not_depend_on_its_launch_shape(launch):
+    """The split count, warps and search block change who searches which entries, not the nearest key found
+    (the oldest among equal similarities, whichever split holds it), the merge or the move."""
+    from kvpot.kernels.replace import d2o_step
+
+    shape = D2O_SHAPES[3]  # 1,050 live entries: several splits, several search blocks per split
+    _, slots, kv, capacity, d, n, rows, sinks, recent = shape
+    bufs, observation, rows_t = buffers(shape, False, 5)
+    bufs = [b.to(torch.float16) if i < 2 else b for i, b in enumerate(bufs)]
+    bufs[0][:, :, 700] = bufs[0][:, :, 3]  # twins in different splits: a tie the oldest must win
+    runs = []
+    for tuned in [None, launch]:
+        got = [to(b.clone()) for b in bufs]
+        tau, count = to(torch.zeros(slots, kv)), to(torch.zeros(slots, kv, dtype=torch.int32))
+        drop = d2o_step(*got, to(observation), n, tau, 0.7, True, count, sinks=sinks, recent=recent,
+                        **({} if tuned is None else dict(zip(("splits", "warps", "block_n"), tuned))))
+        runs.append([drop, tau, *got])
+    for name, a, b in zip(("drop", "tau", "keys", "values", "positions", "rope", "stored"), *runs):
+        assert torch.equal(a, b), name
+
+
+def test_d2o_step_refuses_a_launch_shape_that_is_not_a_power_of_two():
+    from kvpot.kernels.replace import d2o_step
+
+    bufs, observation, _ = buffers(D2O_SHAPES[0], False, 0)
+    bufs = [to(b.to(torch.float16) if i < 2 else b) for i, b in enumerate(bufs)]
+    with pytest.raises(ValueError, match="powers of two"):
+        d2o_step(*bufs, to(observation), 33, to(torch.zeros(1, 2)), 0.7, True,
+                 to(torch.zeros(1, 2, dtype=torch.int32)), splits=3)

@@ -475,13 +475,17 @@ def _d2o_kernel(
 def d2o_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, rope_positions: torch.Tensor,
              stored: torch.Tensor, observation: torch.Tensor, n: int, tau: torch.Tensor, beta: float, first: bool,
              count: torch.Tensor, rows: torch.Tensor | None = None, sinks: int = 0, recent: int = 0,
-             renumber: bool = False) -> torch.Tensor:
+             renumber: bool = False, splits: int | None = None, warps: int | None = None,
+             block_n: int = 64) -> torch.Tensor:
     """D2O's steady decoding step in one launch: `stored` [S, KV, C] float32 (the accumulated attention)
     += `observation` [B, KV, >= n] float32 over the `n` live entries; each head drops the lowest sum
     (`replace_newest`'s rule with `sinks`, `recent`), merged into its most similar other entry as
     `merge_nearest` (`tau` [B, KV] float32, `beta`, `first`); the newest entry takes its slot.
     keys/values [S, KV, C, D] half precision, positions/rope_positions [S, KV, C] int64, rows [B] int64 the
-    slots (None: all S), `count` [B, KV] int32 zeros (left at zero). Returns the dropped entries [B, KV, 1]."""
+    slots (None: all S), `count` [B, KV] int32 zeros (left at zero). Returns the dropped entries [B, KV, 1].
+    Launch shape (the results do not depend on it; tuning only): `splits` programs per head (a power of
+    two; default `_splits(capacity)`), `warps` per program (default `tile(n)`'s), `block_n` keys per step
+    of the nearest-key search."""
     slots, kv, capacity, d = keys.shape
     batch = slots if rows is None else rows.numel()
     _check_merge(keys, values, tau, batch, kv)
@@ -491,12 +495,15 @@ def d2o_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, 
             raise ValueError(f"d2o_step: buffers must be [{slots}, {kv}, {capacity}] with entries contiguous")
     if count.shape != (batch, kv) or count.dtype != torch.int32 or not count.is_contiguous():
         raise ValueError(f"d2o_step: count must be a contiguous int32 [{batch}, {kv}] tensor of zeros")
-    splits = _splits(capacity)
+    splits = _splits(capacity) if splits is None else splits
+    if splits < 1 or splits & (splits - 1) or block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"d2o_step: splits ({splits}) and block_n ({block_n} >= 16) must be powers of two")
     best = torch.empty(batch, kv, splits, dtype=torch.float32, device=keys.device)
     best_p = torch.empty(batch, kv, splits, dtype=torch.long, device=keys.device)
     best_j = torch.empty(batch, kv, splits, dtype=torch.int32, device=keys.device)
     drop = torch.empty(batch, kv, dtype=torch.long, device=keys.device)
-    block, warps = tile(n)
+    block, tiled = tile(n)
+    warps = tiled if warps is None else warps
     _d2o_kernel[(batch, kv, splits)](
         keys, values, positions, rope_positions, stored, observation, positions if rows is None else rows, drop,
         tau, best, best_p, best_j, count, n, sinks, recent, float(beta),
@@ -504,7 +511,7 @@ def d2o_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, 
         keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
         positions.stride(0), positions.stride(1), rope_positions.stride(0), rope_positions.stride(1),
         stored.stride(0), stored.stride(1),
-        KV=kv, SPLITS=splits, D=d, BLOCK_F=block, BLOCK_N=64, BLOCK_D=triton.next_power_of_2(d),
+        KV=kv, SPLITS=splits, D=d, BLOCK_F=block, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(d),
         HAS_ROWS=rows is not None, FIRST=first, RENUMBER=renumber, num_warps=warps,
     )
     return drop.view(batch, kv, 1)

@@ -132,14 +132,15 @@ def fits(n: int) -> bool:
 def roco_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, rope_positions: torch.Tensor,
               sums: torch.Tensor, squares: torch.Tensor, counts: torch.Tensor, observation: torch.Tensor, n: int,
               rows: torch.Tensor | None = None, sinks: int = 0, recent: int = 0, volatile: int = 0,
-              renumber: bool = False) -> torch.Tensor:
+              renumber: bool = False, warps: int | None = None) -> torch.Tensor:
     """RoCo's steady step in place: fold `observation` into the statistics, drop each row's and head's
     entry by mean within the scope, write the newest entry (`n - 1`) over it. Returns the drops [B, KV, 1].
 
     keys/values [S, KV, C, D] (last stride 1), positions/rope_positions [S, KV, C] int64 and the statistics
     sums/squares/counts [S, KV, C] float32 (entries of a head contiguous; the three alike), observation
     [B, KV, >= n] float32 (last stride 1), rows [B] int64 each batch row's slot (None: row b is slot b),
-    `volatile` the number of largest-std entries kept out of the scope (already capped at n)."""
+    `volatile` the number of largest-std entries kept out of the scope (already capped at n). `warps` per
+    program (default from the tile; the results do not depend on it: tuning only)."""
     slots, kv, capacity, d = keys.shape
     batch = slots if rows is None else rows.numel()
     if not fits(n) or n < 2:
@@ -161,7 +162,7 @@ def roco_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
         positions.stride(0), positions.stride(1), rope_positions.stride(0), rope_positions.stride(1),
         sums.stride(0), sums.stride(1),
         KV=kv, D=d, BLOCK_N=block, BLOCK_D=triton.next_power_of_2(d), RENUMBER=renumber, HAS_ROWS=rows is not None,
-        num_warps=max(4, min(32, block // 512)), enable_fp_fusion=False,  # fused multiply-adds round otherwise
+        num_warps=max(4, min(32, block // 512)) if warps is None else warps, enable_fp_fusion=False,  # fused multiply-adds round otherwise
     )
     return drop.view(batch, kv, 1)
 

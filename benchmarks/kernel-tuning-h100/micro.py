@@ -1,0 +1,121 @@
+"""Time D2O's and RoCo's steady-step kernels alone over their launch shapes, beside H2O's replacement.
+
+One CUDA graph replays `--layers` launches (a decoding step's worth, on one layer's buffers: each launch
+replaces the newest entry as a steady step does); the figure is microseconds per launch (median of
+`--repeats` replays). Shapes: the `llama3-8b` step at bound 4,096 (batch 1, 8 KV heads, 128 dims), D2O's
+capacity as its prefill leaves it (a 32K prompt: 32,800) and its live entries at two per-layer budgets.
+Writes one JSON line per configuration to stdout; the launch shape never changes the results (the
+kernel tests pin them), only the time."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+
+from kvpot.kernels.replace import d2o_step, replace_newest, _splits, tile
+from kvpot.kernels.roco import roco_step
+
+
+def state(capacity: int, n: int, kv: int = 8, d: int = 128, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    keys = torch.randn(1, kv, capacity, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    values = torch.randn(1, kv, capacity, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    positions = torch.empty(1, kv, capacity, dtype=torch.long, device="cuda")
+    for h in range(kv):  # stream positions out of order (as replacement leaves them), the newest last
+        positions[0, h, : n - 1] = torch.randperm(32768, generator=g, device="cuda")[: n - 1]
+    positions[:, :, n - 1:] = 40000
+    rope = positions.clone()
+    observation = torch.rand(1, kv, capacity, device="cuda", generator=g) / n
+    scores = torch.rand(1, kv, capacity, device="cuda", generator=g)
+    return keys, values, positions, rope, observation, scores
+
+
+def time_graph(launch, layers: int, repeats: int) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            launch()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(layers):
+            launch()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / layers)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def d2o_rows(args):
+    capacity = args.d2o_capacity
+    for n in args.d2o_n:
+        keys, values, positions, rope, observation, scores = state(capacity, n)
+        tau = torch.zeros(1, 8, device="cuda")
+        count = torch.zeros(1, 8, dtype=torch.int32, device="cuda")
+        default = (_splits(capacity), tile(n)[1], 64)
+        for splits, warps, block_n in itertools.product(args.splits, args.warps, args.block_n):
+            def launch():
+                d2o_step(keys, values, positions, rope, scores, observation, n, tau, 0.7, False, count,
+                         sinks=4, recent=1024, splits=splits, warps=warps, block_n=block_n)
+            us = time_graph(launch, args.layers, args.repeats)
+            print(json.dumps({"kernel": "d2o_step", "capacity": capacity, "n": n, "splits": splits, "warps": warps,
+                              "block_n": block_n, "default": (splits, warps, block_n) == default, "us": us}), flush=True)
+        h2o = lambda: replace_newest(keys, values, positions, rope, n, stored=scores, sinks=0, recent=1024,  # noqa: E731
+                                     observation=observation, fold="add")
+        print(json.dumps({"kernel": "replace_newest(fold=add): H2O", "capacity": capacity, "n": n,
+                          "us": time_graph(h2o, args.layers, args.repeats)}), flush=True)
+
+
+def roco_rows(args):
+    n, capacity = args.roco_n, args.roco_n + 2047
+    keys, values, positions, rope, observation, sums = state(capacity, n, seed=1)
+    squares = sums * sums * 0.5
+    counts = torch.full_like(sums, 7.0)
+    for warps in args.roco_warps:
+        def launch():
+            roco_step(keys, values, positions, rope, sums, squares, counts, observation, n, sinks=4, recent=10,
+                      volatile=round(0.1 * (n - 1)), warps=warps)
+        us = time_graph(launch, args.layers, args.repeats)
+        default = warps == max(4, min(32, max(16, triton_pow2(n)) // 512))
+        print(json.dumps({"kernel": "roco_step", "capacity": capacity, "n": n, "warps": warps, "default": default,
+                          "us": us}), flush=True)
+    stream = lambda: replace_newest(keys, values, positions, rope, n, sinks=4)  # noqa: E731
+    print(json.dumps({"kernel": "replace_newest(age): StreamingLLM", "capacity": capacity, "n": n,
+                      "us": time_graph(stream, args.layers, args.repeats)}), flush=True)
+
+
+def triton_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--d2o-capacity", type=int, default=32800)
+    parser.add_argument("--d2o-n", type=int, nargs="+", default=[4097, 5424])
+    parser.add_argument("--splits", type=int, nargs="+", default=[2, 4, 8, 16, 32])
+    parser.add_argument("--warps", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--block-n", type=int, nargs="+", default=[32, 64, 128])
+    parser.add_argument("--roco-n", type=int, default=4097)
+    parser.add_argument("--roco-warps", type=int, nargs="+", default=[2, 4, 8, 16, 32])
+    parser.add_argument("--only", choices=["d2o", "roco"])
+    args = parser.parse_args()
+    if args.only != "roco":
+        d2o_rows(args)
+    if args.only != "d2o":
+        roco_rows(args)
+
+
+if __name__ == "__main__":
+    main()
