@@ -15,6 +15,7 @@ from kvpot.eval.config import (
     EvalConfig,
     literal,
     parse_depths,
+    parse_key_formats,
     parse_lengths,
     parse_templates,
 )
@@ -40,6 +41,8 @@ def register(sub) -> None:
             "--samples 5 --out runs/passkey\n"
             "  kvpot eval niah --task-set num_keys=4 --method streaming:window=1020,chunk_size=256 "
             "--method streaming:window=2044 --out runs/niah\n"
+            "  kvpot eval passkey --key-formats digits,uuid,words --method full --method snapkv:budget=512 "
+            "--lengths 1900 --out runs/formats\n"
             "  kvpot eval perplexity --method full --method streaming --budget 2048 --length 128k "
             "--window 4096 --out runs/ppl\n"
             "  kvpot eval longbench --data-dir data/longbench/data --tasks narrativeqa,hotpotqa "
@@ -79,6 +82,12 @@ def register(sub) -> None:
                    help="prompt wordings of passkey, niah, vt and ruler's tasks to spread samples over: 'all' or "
                         "numbers such as 0,2 (default all: a score on one wording measures the wording too; "
                         "--samples is per template); other tasks have template 0 only")
+    p.add_argument("--key-formats", default=None, metavar="LIST",
+                   help="passkey and niah: formats of the hidden key to spread samples over, of digits, words, "
+                        "uuid (passkey's key, niah's value), e.g. digits,uuid,words; --samples is per format "
+                        "(default 'task': the task's own format, --task-set key_format / value_format or its "
+                        "default; that format keeps its samples' seeds, so its rows are those of a run without "
+                        "the option)")
     p.add_argument("--chat", choices=["both", "plain", "chat"], default=None,
                    help="synthetic tasks and ruler: read each sample as plain text, inside the model's chat "
                         "template, or both ways (default both; plain only where the tokenizer has no chat "
@@ -158,7 +167,7 @@ def config_from_args(args) -> EvalConfig:
         max_new_tokens=args.max_new_tokens, window=args.window, prompt_tokens=args.prompt_tokens,
         model=args.model, device=args.device, dtype=args.dtype, device_map=args.device_map,
         max_memory=args.max_memory, gguf=args.gguf, batch_size=args.batch_size,
-        templates=parse_templates(args.templates), chat=args.chat,
+        templates=parse_templates(args.templates), key_formats=parse_key_formats(args.key_formats), chat=args.chat,
         compression_ratios=None if args.compression_ratios is None else parse_ratios(args.compression_ratios),
         baselines=[b.strip() for item in args.baseline for b in item.split(",") if b.strip()], presses=args.press,
         kvpress_path=args.kvpress_path or (os.environ.get("KVPOT_KVPRESS_PATH") if args.baseline else None) or None,

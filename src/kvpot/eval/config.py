@@ -83,6 +83,17 @@ def parse_templates(text: str) -> list[int] | None:
     return sorted(picked)
 
 
+def parse_key_formats(text: str | None) -> list[str] | None:
+    """`--key-formats digits,uuid,words` -> those formats in the order given (distinct); None or `task`:
+    the task's own format (its `--task-set` option or its default), as before key formats were a dimension."""
+    if text is None or str(text).strip().lower() == "task":
+        return None
+    picked = list(dict.fromkeys(p.strip().lower() for p in str(text).split(",") if p.strip()))
+    if not picked:
+        raise KvpotError("--key-formats is empty; give formats such as digits,uuid,words (or 'task').")
+    return picked
+
+
 def literal(value: str) -> Any:
     """A `--task-set` value: `none` -> None, integers and floats as numbers, else the string."""
     if value.lower() == "none":
@@ -123,6 +134,7 @@ class EvalConfig:
     gguf: str | None = None  # a GGUF file (`--gguf`), alone or inside `model`
     batch_size: int = 1  # samples decoded together per method (kvpot.engine.scheduler); 1: one at a time
     templates: list[int] | None = None  # prompt wordings of passkey/niah/vt/ruler (None: all); resolved to a list
+    key_formats: list[str] | None = None  # passkey's key / niah's value formats to spread over (None: the task's)
     chat: str | None = None  # tasks and ruler: both/plain/chat (None: both); kvpot.eval.prompting
     compression_ratios: list[float] | None = None  # each budgeted method (and press) per ratio; kvpot.eval.ratios
     baselines: list[str] = field(default_factory=list)  # "kvpress": its presses on the same cases (kvpot.eval.kvpress)
@@ -157,6 +169,7 @@ class EvalConfig:
                     raise KvpotError(f"task {self.task!r} has no option {key!r}; its options are: "
                                      f"{', '.join(allowed) or 'none'}.")
         self.templates = _resolve_templates(self.task, self.templates)
+        _check_key_formats(self.task, self.key_formats, self.task_options)
         self.chat = _resolve_chat(self.task, self.chat)
         self._check_baselines()
         if not self.lengths or any(n < 1 for n in self.lengths):
@@ -271,13 +284,39 @@ def _resolve_templates(task: str, templates: list[int] | None) -> list[int]:
     return sorted(set(templates))
 
 
-def sample_seed(seed: int, index: int, length: int, depth: float, template: int = 0, chat: bool = False) -> int:
+def _check_key_formats(task: str, formats: list[str] | None, options: dict) -> None:
+    """`--key-formats`: formats of kvpot.tasks.keys, for a task whose needle hides a key, not also set by
+    `--task-set`. RULER is refused: its niah tasks are defined by their formats (RULER's synthetic.yaml)."""
+    from kvpot.tasks.keys import FORMAT_OPTION, FORMATS
+
+    if formats is None:
+        return
+    if task == "ruler":
+        raise KvpotError("--key-formats is for passkey and niah; RULER's niah tasks fix their own formats "
+                         "(niah_single_1/2: 7-digit values, niah_single_3: UUID values, niah_multikey_3: UUID keys "
+                         "and values), so the suite already spans them; pick tasks with --tasks.")
+    if task not in FORMAT_OPTION:
+        raise KvpotError(f"--key-formats is for tasks whose needle hides a key: {', '.join(FORMAT_OPTION)} "
+                         f"(not {task}).")
+    if not isinstance(formats, list) or not formats or len(set(formats)) != len(formats):
+        raise KvpotError(f"--key-formats: give distinct formats such as digits,uuid,words, got {formats!r}.")
+    bad = [f for f in formats if f not in FORMATS]
+    if bad:
+        raise KvpotError(f"--key-formats: {task} takes the key formats {', '.join(FORMATS)}, not {bad[0]!r}.")
+    if FORMAT_OPTION[task] in options:
+        raise KvpotError(f"--key-formats sets {task}'s {FORMAT_OPTION[task]}; drop --task-set "
+                         f"{FORMAT_OPTION[task]}={options[FORMAT_OPTION[task]]} (or give that one format alone).")
+
+
+def sample_seed(seed: int, index: int, length: int, depth: float, template: int = 0, chat: bool = False,
+                key_format: str | None = None) -> int:
     """The seed of one sample: stable across processes (a hash, not Python's salted `hash`).
 
-    Each template and chat flag gets its own seeds (independent samples, so the interval over all
-    of them is honest); template 0 without the chat template keeps the seeds runs had before
-    either existed.
+    Each template, chat flag and key format gets its own seeds (independent samples, so the interval
+    over all of them is honest); template 0 without the chat template in the task's own key format
+    (`key_format` None) keeps the seeds runs had before any of them existed.
     """
     tail = (f"/t{template}" if template else "") + ("/chat" if chat else "")
+    tail += f"/k{key_format}" if key_format else ""
     digest = hashlib.sha256(f"kvpot-eval/{seed}/{index}/{length}/{depth:g}{tail}".encode()).hexdigest()
     return int(digest[:8], 16)

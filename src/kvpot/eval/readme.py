@@ -7,8 +7,9 @@ comments `<!-- kvpot-readme:NAME -->` and `<!-- /kvpot-readme:NAME -->` of the R
 it is typed by hand, and `kvpot report --check` (a test) fails when the README and the records differ.
 
 A cell is correct/total whole answers with the 95% Wilson interval (`kvpot.eval.stats`), plus the
-range of per-template accuracy and plain/chat accuracy where the rows have them; rows written before
-prompt templates render as one wording, and the caption says which protocol each table used. Ranking
+range of per-template accuracy, of per-key-format accuracy and plain/chat accuracy where the rows have
+them; rows written before prompt templates render as one wording, and the caption says which protocol
+each table used. Ranking
 statements are generated per column: the highest cell, the cells whose intervals do not separate from
 it, and those below it with separated intervals; nothing else is claimed. A table whose folders do not
 exist yet renders its `pending` text (the command that will record it).
@@ -40,13 +41,15 @@ def load_manifest(path: Path) -> list[dict]:
 
 
 def _fmt_stats(stats: dict) -> str:
-    """`28/30 [0.79, 0.98]`, then `tpl 0.80-1.00` and `plain 0.90, chat 0.97` where they exist."""
+    """`28/30 [0.79, 0.98]`, then `tpl 0.80-1.00`, `fmt 0.60-1.00` and `plain 0.90, chat 0.97` where they exist."""
     if not stats or not stats["total"]:
         return "-"
     low, high = stats["wilson95"]
     text = f"{stats['correct']}/{stats['total']} [{low:.2f}, {high:.2f}]"
     if stats.get("template_spread"):
         text += f" tpl {stats['template_spread'][0]:.2f}-{stats['template_spread'][1]:.2f}"
+    if stats.get("key_format_spread"):
+        text += f" fmt {stats['key_format_spread'][0]:.2f}-{stats['key_format_spread'][1]:.2f}"
     if stats.get("chat_spread"):
         text += " " + ", ".join(f"{k} {v:.2f}" for k, v in stats["by_chat"].items())
     return text
@@ -159,6 +162,8 @@ def render(table: dict, base: Path) -> str:
         "Each cell: correct/total whole answers and the 95% Wilson interval"
         + ("; tpl: the range of per-template accuracy" if any(s and s.get("template_spread") for v in stats.values()
                                                           for s in v.values()) else "")
+        + ("; fmt: the range of per-key-format accuracy" if any(
+            s and s.get("key_format_spread") for v in stats.values() for s in v.values()) else "")
         + ("; plain/chat: accuracy without and with the chat template" if any(
             s and s.get("chat_spread") for v in stats.values() for s in v.values()) else "") + ".",
         "",

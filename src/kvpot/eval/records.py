@@ -126,4 +126,8 @@ def describe_protocol(rows: Sequence[dict]) -> str:
     chats = sorted({bool(r.get("chat")) for r in rows})
     chat = {(False,): "plain text", (True,): "inside the chat template",
             (False, True): "plain and inside the chat template"}[tuple(chats)]
-    return f"templates {', '.join(map(str, templates))}; {chat}; filler cut at sentence ends"
+    from kvpot.eval.stats import key_format_of
+
+    formats = sorted({key_format_of(r) for r in rows} - {None})
+    keys = f"; key formats {', '.join(formats)}" if len(formats) > 1 else ""  # one format: as before formats varied
+    return f"templates {', '.join(map(str, templates))}{keys}; {chat}; filler cut at sentence ends"

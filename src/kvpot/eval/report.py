@@ -25,12 +25,13 @@ from kvpot.reporting import (
 
 
 def format_accuracy(mean: float | None, stats: dict | None, terminal: bool = False) -> str:
-    """A cell: `0.60 (6/10, 95% 0.31-0.83; templates 0.40-0.80; plain 0.80, chat 0.40)`, or the bare mean
-    for an older summary (the chat part only where both ran).
+    """A cell: `0.60 (6/10, 95% 0.31-0.83; templates 0.40-0.80; key formats 0.20-0.90; plain 0.80, chat 0.40)`,
+    or the bare mean for an older summary (the key-format and chat parts only where several ran).
 
     The interval is part of the cell, not a footnote, so no one reads 0.60 against 0.50 as a ranking
     when both intervals overlap (issue 32). `terminal`: one part per line (`[low, high]` for the
-    interval, "tpl" for the template range), so a table of several lengths still fits 120 columns.
+    interval, "tpl" for the template range, "fmt" for the key formats'), so a table of several lengths still
+    fits 120 columns.
     """
     if not stats or stats.get("wilson95") is None:
         return format_number(mean)
@@ -40,6 +41,9 @@ def format_accuracy(mean: float | None, stats: dict | None, terminal: bool = Fal
     parts = [format_number(mean), f"{stats['correct']}/{stats['total']}", interval]
     if spread:
         parts.append(f"{'tpl' if terminal else 'templates'} {spread[0]:.2f}-{spread[1]:.2f}")
+    formats = stats.get("key_format_spread")
+    if formats:
+        parts.append(f"{'fmt' if terminal else 'key formats'} {formats[0]:.2f}-{formats[1]:.2f}")
     if stats.get("chat_spread"):
         parts.append(", ".join(f"{k} {v:.2f}" for k, v in stats["by_chat"].items()))
     if terminal:
@@ -96,8 +100,8 @@ def eval_markdown(summary: dict) -> str:
         "",
         f"- model: `{summary['model']}` ({summary['dtype']}, {summary['device']})",
         f"- task options: {options}; haystack: {config['haystack']}; "
-        f"{config['samples']} samples per cell, template and chat flag; templates {_templates(config)}; "
-        f"{_chat(summary)}; seed {config['seed']}",
+        f"{config['samples']} samples per cell, template{', key format' if config.get('key_formats') else ''} "
+        f"and chat flag; templates {_templates(config)}; {_key_formats(config)}{_chat(summary)}; seed {config['seed']}",
         f"- kvpot {summary['versions']['kvpot']}, torch {summary['versions']['torch']}, "
         f"transformers {summary['versions']['transformers']}; {summary['date']}",
         *completion_lines(summary),
@@ -105,8 +109,9 @@ def eval_markdown(summary: dict) -> str:
         "## Accuracy by method and context length",
         "",
         "Mean score (1 = every answer right), then correct/total with its 95% Wilson interval and, with "
-        "several templates, the range of per-template accuracy (and, with and without the chat template, "
-        "each one's accuracy); claim a ranking only where intervals separate. KV entries are per layer and "
+        "several templates, the range of per-template accuracy (with several key formats, the range of "
+        "per-format accuracy; with and without the chat template, each one's accuracy); claim a ranking only "
+        "where intervals separate. KV entries are per layer and "
         "KV head; seconds per sample.",
         "",
         markdown_table(*_accuracy_rows(summary)),
@@ -128,7 +133,9 @@ def eval_rich_table(summary: dict):
     config = summary["config"]
     table = rich_table(f"kvpot eval {config['task']}: accuracy by context length ({config['samples']} samples x "
                        f"{len(config['depths'])} depths x templates {_templates(config)} per cell; correct/total, "
-                       "[95% Wilson interval], tpl: min-max over templates)", *_accuracy_rows(summary, terminal=True))
+                       "[95% Wilson interval], tpl: min-max over templates"
+                       + (f", fmt: over key formats {','.join(config['key_formats'])}" if _several_formats(config)
+                          else "") + ")", *_accuracy_rows(summary, terminal=True))
     table.columns[0].no_wrap = True  # method labels are what a reader searches for; cells may wrap instead
     return table
 
@@ -142,6 +149,42 @@ def _chat(summary: dict) -> str:
 
 def _templates(config: dict) -> str:
     return ",".join(map(str, config.get("templates") or [0]))
+
+
+def _key_formats(config: dict) -> str:
+    """`key formats digits,uuid; ` where `--key-formats` set them ('' for the task's own format)."""
+    return f"key formats {','.join(config['key_formats'])}; " if config.get("key_formats") else ""
+
+
+def _several_formats(config: dict) -> bool:
+    return len(config.get("key_formats") or []) > 1
+
+
+def key_formats_png(path: Path, summary: dict) -> Path:
+    """Accuracy per key format, one group of bars per method (lengths, depths and templates pooled), each bar
+    with its 95% Wilson interval (`intervals_by_key_format`): drawn where `--key-formats` named several."""
+    import numpy as np
+
+    formats, labels = summary["config"]["key_formats"], list(summary["methods"])
+    figure = new_figure(max(5.0, 0.45 * len(labels) * len(formats) + 2.5), 4.0)
+    axes = figure.add_subplot()
+    width = 0.8 / len(formats)
+    for k, fmt in enumerate(formats):
+        cells = [summary["intervals_by_key_format"][label].get(fmt) or {"total": 0} for label in labels]
+        acc = [c["correct"] / c["total"] if c["total"] else math.nan for c in cells]
+        low = [a - c["wilson95"][0] if c["total"] else 0.0 for a, c in zip(acc, cells)]
+        high = [c["wilson95"][1] - a if c["total"] else 0.0 for a, c in zip(acc, cells)]
+        axes.bar(np.arange(len(labels)) + (k - (len(formats) - 1) / 2) * width, acc, width, yerr=[low, high],
+                 capsize=2, label=fmt)
+    axes.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=7)
+    axes.set_ylim(0.0, 1.03)
+    axes.set_ylabel("correct / total (bars: 95% Wilson interval)")
+    axes.set_title(f"kvpot eval {summary['config']['task']}: accuracy by key format", fontsize=10)
+    axes.grid(alpha=0.3, axis="y")
+    axes.legend(fontsize=8, title="key format")
+    figure.tight_layout()
+    figure.savefig(path)
+    return path
 
 
 def heatmap_png(

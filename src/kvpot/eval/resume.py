@@ -1,6 +1,6 @@
 """`kvpot eval --resume`: continue a stopped run in its own folder, and say what a run left out.
 
-Every sample of a run is seeded by its cell (`sample_seed`: length, depth, template, chat flag, index;
+Every sample of a run is seeded by its cell (`sample_seed`: length, depth, template, chat flag, key format, index;
 a RULER item by its task, id, length, template, chat flag), so a sample answered again gives the same
 row. A resumed run therefore reads the rows already in `results.jsonl`, skips each (method, sample)
 that has one, and appends the rest: the union is the rows one uninterrupted run would have written.
@@ -24,8 +24,14 @@ SUITE_KEY = ("subtask", "id", "group", "sample", "template", "chat")  # a suite 
 
 
 def case_key(fields: dict, suite: bool) -> str:
-    """The sample a row (or a case about to be built) answers, as a string (the kvpress files carry it)."""
-    return json.dumps([fields.get(name) for name in (SUITE_KEY if suite else TASK_KEY)])
+    """The sample a row (or a case about to be built) answers, as a string (the kvpress files carry it).
+
+    A task row's key format (`--key-formats`) ends its key; rows without one (the task's own format, as
+    every run before key formats were a dimension) keep the key they had."""
+    key = [fields.get(name) for name in (SUITE_KEY if suite else TASK_KEY)]
+    if not suite and fields.get("key_format") is not None:
+        key.append(fields["key_format"])
+    return json.dumps(key)
 
 
 class Done:

@@ -144,6 +144,7 @@ def _report(config: EvalConfig, header: dict, rows: list[dict], runs, suite: boo
         write_task_reports(summary, config.out)
         written = ["results.jsonl", "summary.json", "summary.md", "accuracy.png",
                    *(f"heatmap_{slug(run.label)}.png" for run in runs)]
+        written += ["key_formats.png"] if len(config.key_formats or []) > 1 else []
     if config.compression_ratios:
         from kvpot.eval.ratio_report import ratio_png
 
@@ -256,7 +257,7 @@ def _answer(engine, group, batch_size: int) -> list[tuple[list[int], object]]:
 
 
 def task_cases(config: EvalConfig, tokenizer, prefix: list[int], skip=None):
-    """(number of cases, the cases) of a synthetic task: every length x depth x template x chat x sample,
+    """(number of cases, the cases) of a synthetic task: every length x depth x template x chat x key format x sample,
     built when run (`chat`: inside the model's chat template, kvpot.eval.prompting); `skip(key)` true
     (`--resume`: every method has its row) leaves a case out unbuilt; the count is of them all."""
     from kvpot.eval.resume import case_key
@@ -264,23 +265,29 @@ def task_cases(config: EvalConfig, tokenizer, prefix: list[int], skip=None):
     from kvpot.eval.prompting import CHAT_SLACK_TOKENS, Wrapper, resolve_chat
     from kvpot.eval.suite import Case
     from kvpot.tasks import make_sample, score
+    from kvpot.eval.stats import answer_format
+    from kvpot.tasks.keys import FORMAT_OPTION
 
     wrap = Wrapper(tokenizer, prefix)
-    cells = [(n, d, t, c, i) for n in config.lengths for d in config.depths for t in config.templates
-             for c in resolve_chat(config.chat or "both", tokenizer) for i in range(config.samples)]
+    own = answer_format(config.task, config.task_options)
+    cells = [(n, d, t, c, f, i) for n in config.lengths for d in config.depths for t in config.templates
+             for c in resolve_chat(config.chat or "both", tokenizer) for f in config.key_formats or [None]
+             for i in range(config.samples)]
 
     def cases():
-        for length, depth, template, chat, index in cells:
-            seed = sample_seed(config.seed, index, length, depth, template, chat)
-            key = case_key({"length": length, "depth": depth, "template": template, "chat": chat, "sample": index,
-                            "seed": seed}, suite=False)
+        for length, depth, template, chat, fmt, index in cells:
+            # the task's own format keeps its seeds: its samples are those of a run without --key-formats
+            seed = sample_seed(config.seed, index, length, depth, template, chat, None if fmt == own else fmt)
+            fields = {"length": length, "depth": depth, "template": template, "chat": chat, "sample": index,
+                      "seed": seed, **({} if fmt is None else {"key_format": fmt})}
+            key = case_key(fields, suite=False)
             if skip is not None and skip(key):
                 continue
-            sample = make_sample(config.task, tokenizer, length, depth, seed, config.haystack, template,
-                                 **config.task_options)
+            options = config.task_options if fmt is None else {**config.task_options, FORMAT_OPTION[config.task]: fmt}
+            sample = make_sample(config.task, tokenizer, length, depth, seed, config.haystack, template, **options)
             row = {"task": config.task, "task_options": sample.options, "length": length, "depth": depth,
-                   "template": template, "chat": chat, "sample": index, "seed": seed,
-                   "needle_spans": sample.needle_spans}
+                   "template": template, "chat": chat, **({} if fmt is None else {"key_format": fmt}),
+                   "sample": index, "seed": seed, "needle_spans": sample.needle_spans}
             budget = config.max_new_tokens or (default_max_new_tokens(tokenizer, sample.answers)
                                                + (CHAT_SLACK_TOKENS if chat else 0))
             yield Case(*wrap(sample.context_ids, sample.question_ids, chat), sample.answers, budget, row,
@@ -294,13 +301,14 @@ def summarize(rows: Sequence[dict], runs: Sequence[MethodRun], config: EvalConfi
 
     `accuracy`, `accuracy_by_depth` and `overall` keep plain means (older readers); `intervals`,
     `intervals_by_depth` and `intervals_overall` hold correct/total, the 95% Wilson interval and the
-    spread over templates of the same cells (kvpot.eval.stats.accuracy_stats).
+    spread over templates (and key formats) of the same cells (kvpot.eval.stats.accuracy_stats);
+    with `--key-formats`, `intervals_by_key_format` holds each method's rows per format, all cells pooled.
     """
     from kvpot.eval.stats import accuracy_stats
     from kvpot.reporting import depth_key
 
     accuracy, by_depth, overall, cost = {}, {}, {}, {}
-    intervals, intervals_by_depth, intervals_overall = {}, {}, {}
+    intervals, intervals_by_depth, intervals_overall, by_format = {}, {}, {}, {}
     for run in runs:
         mine = [r for r in rows if r["method"] == run.label]
         at = {n: [r for r in mine if r["length"] == n] for n in config.lengths}
@@ -313,10 +321,12 @@ def summarize(rows: Sequence[dict], runs: Sequence[MethodRun], config: EvalConfi
         intervals_by_depth[run.label] = {str(n): {depth_key(d): accuracy_stats(cell[n, d]) for d in config.depths}
                                          for n in config.lengths}
         intervals_overall[run.label] = accuracy_stats(mine)
+        by_format[run.label] = {f: accuracy_stats([r for r in mine if r.get("key_format") == f])
+                                for f in config.key_formats or []}
         cost[run.label] = {**_cost(mine), "by_length": {str(n): _cost(at[n]) for n in config.lengths}}
     return {"runs": len(rows), "accuracy": accuracy, "accuracy_by_depth": by_depth, "overall": overall,
             "intervals": intervals, "intervals_by_depth": intervals_by_depth, "intervals_overall": intervals_overall,
-            "cost": cost}
+            **({"intervals_by_key_format": by_format} if config.key_formats else {}), "cost": cost}
 
 
 def _cost(rows: Sequence[dict]) -> dict:
@@ -353,8 +363,11 @@ def write_task_reports(summary: dict, out: Path) -> None:
     lengths, depths = summary["config"]["lengths"], summary["config"]["depths"]
     for label, method in summary["methods"].items():
         grid = [[summary["accuracy_by_depth"][label][str(n)][depth_key(d)] for n in lengths] for d in depths]
+        formats = summary["config"].get("key_formats") or []
         title = (f"{summary['config']['task']} - {label}\n{method_params(method['config'])}\n"
                  f"{summary['config']['samples']} samples x {len(summary['config'].get('templates') or [0])} "
-                 "templates per cell")
+                 f"templates{f' x {len(formats)} key formats' if formats else ''} per cell")
         report.heatmap_png(out / f"heatmap_{slug(label)}.png", grid, lengths, depths, title)
     report.accuracy_png(out / "accuracy.png", summary)
+    if len(summary["config"].get("key_formats") or []) > 1:
+        report.key_formats_png(out / "key_formats.png", summary)

@@ -56,6 +56,7 @@ from kvpot.errors import KvpotError
 from kvpot.tasks.haystack import Codec, codec_for, filler_pieces
 from kvpot.tasks.keys import ALL_WORD_KEYS as _ALL_KEYS
 from kvpot.tasks.keys import KEY_ADJECTIVES, KEY_NOUNS, check_format, draw  # noqa: F401 - re-exported
+from kvpot.tasks.keys import draw_distinct
 from kvpot.tasks.keys import make_uuid as _uuid
 from kvpot.tasks.needle_haystack import NEEDLES, line, needle_keys, needle_pieces
 from kvpot.tasks.placement import (  # noqa: F401 - Sample is part of this module's interface
@@ -184,10 +185,7 @@ def niah(
     rng = _rng("niah", seed)
     key_digits = _digits(digits, num_keys) if key_format == "digits" else 7
     keys = (needle_keys if in_needles else draw)(rng, num_keys, key_format, key_digits)
-    values = draw(rng, num_keys * num_values, value_format, _digits(digits, num_keys * num_values))
-    if set(keys) & set(values):  # a word or number both name and value: the question would be ambiguous
-        raise KvpotError("key_format and value_format drew the same key and value; give them different formats "
-                         "or another seed.")
+    values = draw_distinct(rng, keys, num_keys * num_values, value_format, _digits(digits, num_keys * num_values))
     form = line(wording.needle) if in_needles else wording.needle
     texts = [
         form.format(key=k, value=values[i * num_values + j])

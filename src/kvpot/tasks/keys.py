@@ -28,6 +28,10 @@ from kvpot.errors import KvpotError
 
 FORMATS = ("digits", "words", "uuid")
 
+#: The option holding the format of what a task's needle hides and the question asks for: passkey's key,
+#: niah's value (its key only names the needle). `kvpot eval --key-formats` spreads samples over it.
+FORMAT_OPTION = {"passkey": "key_format", "niah": "value_format"}
+
 #: Words of niah/recall keys ("adjective-noun"); disjoint from the haystack vocabulary.
 KEY_ADJECTIVES = (
     "abundant", "adorable", "ambitious", "ancient", "awesome", "bashful", "bitter", "blissful",
@@ -81,6 +85,23 @@ def draw(rng: random.Random, n: int, fmt: str, digits: int = 7) -> list[str]:
         if key not in keys:
             keys.append(key)
     return keys
+
+
+def draw_distinct(rng: random.Random, taken: list[str], n: int, fmt: str, digits: int = 7) -> list[str]:
+    """``draw(rng, n, fmt, digits)`` with none of ``taken`` (niah's values apart from its keys, else the question
+    is ambiguous): the first draw when it clashes with none (so every sample made before clashes were redrawn
+    is unchanged), else its clashing values replaced by further seeded draws (word keys with word values)."""
+    values, taken = draw(rng, n, fmt, digits), set(taken)
+    for _ in range(100):
+        kept = [v for v in values if v not in taken]
+        if len(kept) == n:
+            return values
+        for value in draw(rng, n, fmt, digits):
+            if len(kept) < n and value not in taken and value not in kept:
+                kept.append(value)
+        values = kept
+    raise KvpotError(f"could not draw {n} {fmt} values distinct from {len(taken)} keys; give key_format and "
+                     "value_format different formats, or fewer needles.")
 
 
 def format_of(key: str) -> str:
