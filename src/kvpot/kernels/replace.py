@@ -243,15 +243,16 @@ def _unit_gone(k, drop, stride_kn, D: tl.constexpr, BLOCK_D: tl.constexpr):
 def _nearest_split(k, pos, drop, n, split, stride_kn,
                    SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """D2O eq. 9 over split `split` of one head's live entries (pointers at the head's entries): the entry
-    most cosine-similar to entry `drop`, the oldest among equal ones -> (similarity, position, index)."""
+    most cosine-similar to entry `drop`, the oldest among equal ones -> (similarity, position, index).
+    Each lane keeps its own best over the split's tiles and the lanes are reduced once at the end: a
+    reduction is a barrier, and one per tile made the search latency-bound (H100: 4x slower)."""
     _, unit = _unit_gone(k, drop, stride_kn, D, BLOCK_D)
     dd = tl.arange(0, BLOCK_D)
     share = tl.cdiv(tl.cdiv(n, SPLITS), BLOCK_N) * BLOCK_N
     lo = split * share
     hi = tl.minimum(lo + share, n)
-    best = tl.full((), float("-inf"), tl.float32)
-    best_p = tl.full((), LAST, tl.int64)
-    best_j = tl.full((), 0, tl.int32)
+    lane = tl.full([BLOCK_N], LAST, tl.int64)  # (-similarity, position) packed: the lowest is the nearest
+    lane_j = tl.zeros([BLOCK_N], tl.int32)
     for start in range(lo, hi, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         live = j < hi
@@ -259,17 +260,19 @@ def _nearest_split(k, pos, drop, n, split, stride_kn,
                        other=0.0).to(tl.float32)
         norm = tl.maximum(tl.sqrt(tl.sum(rows * rows, axis=1)), 1e-12)
         s = tl.sum((rows / norm[:, None]) * unit[None, :], axis=1)
-        ok = live & (j != drop)
-        s = tl.where(ok, s, float("-inf"))
-        key = tl.where(ok, tl.load(pos + j, mask=live, other=0), LAST)
-        high = tl.max(s, axis=0)
-        oldest = tl.min(tl.where(s == high, key, LAST), axis=0)
-        first = tl.min(tl.where((s == high) & (key == oldest), j, 2147483647), axis=0)
-        better = (high > best) | ((high == best) & (oldest < best_p))
-        best = tl.where(better, high, best)
-        best_p = tl.where(better, oldest, best_p)
-        best_j = tl.where(better, first, best_j)
-    return best, best_p, best_j
+        p = tl.load(pos + j, mask=live, other=0)
+        key = tl.where(live & (j != drop), _order_key(-s, p), LAST)
+        better = key < lane
+        lane = tl.where(better, key, lane)
+        lane_j = tl.where(better, j, lane_j)
+    top = tl.min(lane, axis=0)
+    best_j = tl.min(tl.where(lane == top, lane_j, 2147483647), axis=0)
+    bits = (top >> 32).to(tl.int32)
+    bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # `_order_key`'s map is its own inverse
+    best = -(bits.to(tl.float32, bitcast=True))
+    empty = top == LAST  # no entry in this split: it loses to every other split
+    return (tl.where(empty, float("-inf"), best), tl.where(empty, LAST, top & 0xFFFFFFFF),
+            tl.where(empty, 0, best_j))
 
 
 @triton.jit

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvpot.kernels.replace import LAST, _move
+from kvpot.kernels.replace import LAST, _move, _order_key
 
 MAX_ENTRIES = 16384  # one tile of int32/float32 arrays in registers (32 warps): RoCo budgets up to 16K
 TOP = tl.constexpr(1 << 30)  # the highest bit of a non-negative float32's bits, and of an age below 2**31
@@ -101,18 +101,19 @@ def _roco_kernel(
         age = (newest_pos - p).to(tl.int32)  # the older, the larger (stream positions of one head differ)
         t = _kth_largest(bits, scope, count)
         tied = scope & (bits == t)
-        need = count - tl.sum((scope & (bits > t)).to(tl.int32), axis=0)
+        # both counts in one reduction (each at most MAX_ENTRIES < 2**16): above t, and tied at t
+        both = tl.sum((scope & (bits > t)).to(tl.int32) + (tied.to(tl.int32) << 16), axis=0)
+        need = count - (both & FIELD)
         oldest = tl.full((), 0, tl.int32)  # every tied entry goes out of the scope, unless more than `need` tie
-        if tl.sum(tied.to(tl.int32), axis=0) > need:
+        if (both >> 16) > need:
             oldest = _kth_largest(age, tied, need)
         volatile = scope & ((bits > t) | (tied & (age >= oldest)))
         mean = tl.where(volatile, float("inf"), mean)
-    # FIND: the lowest mean in the scope, the oldest among equal ones
-    mean = tl.where(scope, mean, float("inf"))
-    key = tl.where(scope, p, LAST)
-    low = tl.min(mean, axis=0)
-    first = tl.min(tl.where(mean == low, key, LAST), axis=0)
-    drop = tl.min(tl.where((mean == low) & (key == first), j, 2147483647), axis=0).to(tl.int64)
+    # FIND: the lowest mean in the scope, the oldest among equal ones (`replace._order_key`: one reduction;
+    # an empty scope gives place 0, as the comparisons it replaces did)
+    key = tl.where(scope, _order_key(mean, p), LAST)
+    _, drop = tl.min(key, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    drop = drop.to(tl.int64)
     tl.store(DROP + b.to(tl.int64) * KV + h, drop)
     # MOVE: the newest entry's (updated) statistics, then the rest of it, over the dropped one
     tl.debug_barrier()  # every statistic is written back before the newest one's is read
