@@ -189,3 +189,28 @@ def test_a_run_across_formats_resumes_to_the_rows_of_one_run(capsys, tiny_dir, t
     identity = lambda rs: sorted(tuple(r[f] for f in FIELDS) for r in rs)  # noqa: E731
     assert identity(rows_of(part / "results.jsonl")) == identity(rows)
     assert json.loads((part / "summary.json").read_text())["intervals"] == summary["intervals"]
+
+
+def test_a_key_formats_table_has_a_column_per_format_and_one_pooled(tmp_path):
+    from kvpot.eval.readme import cells, render
+    from kvpot.eval.records import read
+
+    run_dir = tmp_path / "runs" / "formats"
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.json").write_text(json.dumps({"date": "2026-11-26T00:00:00", "device": "cpu",
+                                                     "methods": {"full": {"spec": "full"}}}))
+    outcomes = {"digits": [1, 1, 1], "uuid": [0, 1, 0], "words": [0, 0, 0]}
+    rows = [{"method": "full", "task": "passkey", "task_options": {"key_format": f}, "length": 1900, "depth": 0.5,
+             "template": 0, "chat": False, "key_format": f, "sample": i, "seed": 10 * len(f) + i,
+             "score": float(c), "correct": bool(c)} for f, cs in outcomes.items() for i, c in enumerate(cs)]
+    (run_dir / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    table = {"name": "t", "title": "Formats.", "root": "runs", "folders": ["formats"], "task": "passkey",
+             "kind": "key_formats", "lengths": [1900], "key_formats": FORMATS,
+             "rows": [{"label": "Full", "spec": "full"}], "pending": "not yet"}
+    stats, used = cells(table, read(tmp_path / "runs", ["formats"]))
+    got = {head: (s["correct"], s["total"]) for head, s in stats["Full"].items()}
+    assert got == {"1900 digits": (3, 3), "1900 uuid": (1, 3), "1900 words": (0, 3), "1900 all": (4, 9)}
+    assert stats["Full"]["1900 all"]["key_format_spread"] == [0.0, 1.0] and len(used) == 18  # each format's column, then all
+    text = render(table, tmp_path)
+    assert "key formats digits, uuid, words" in text and "| 1900 digits | 1900 uuid | 1900 words | 1900 all |" in text
+    assert "4/9 [0.19, 0.73] fmt 0.00-1.00" in text and "fmt: the range of per-key-format accuracy" in text

@@ -2,7 +2,7 @@
 
 A manifest (`benchmarks/readme.json`) lists the tables: which run folders, which task, which methods as
 rows (their `--method` spec, a display label), which lengths as columns (or, `"kind": "ratios"`,
-length groups x compression ratios, RULER beside kvpress). Each table is rendered between the marker
+length groups x compression ratios, RULER beside kvpress; `"kind": "key_formats"`, lengths x key formats). Each table is rendered between the marker
 comments `<!-- kvpot-readme:NAME -->` and `<!-- /kvpot-readme:NAME -->` of the README, so no number in
 it is typed by hand, and `kvpot report --check` (a test) fails when the README and the records differ.
 
@@ -56,11 +56,18 @@ def _fmt_stats(stats: dict) -> str:
 
 
 def _columns(table: dict) -> list[tuple[str, dict]]:
-    """(header, selection) of each column: a length, or a length group at a compression ratio."""
+    """(header, selection) of each column: a length, a length group at a compression ratio, or (`"kind":
+    "key_formats"`) a length in each of `key_formats` and all of them pooled."""
     from kvpot.reporting import format_length
 
     if table.get("kind", "lengths") == "lengths":
         return [(format_length(n), {"length": n}) for n in table["lengths"]]
+    if table["kind"] == "key_formats":  # each format's rows (passkey's key / niah's value option), then all pooled
+        from kvpot.tasks.keys import FORMAT_OPTION
+
+        option = FORMAT_OPTION[table["task"]]
+        return [(f"{format_length(n)} {head}", {"length": n, **({"options": {option: fmt}} if fmt else {})})
+                for n in table["lengths"] for head, fmt in [*((f, f) for f in table["key_formats"]), ("all", None)]]
     cols = []
     for group in table["groups"]:
         for ratio in table["ratios"]:
@@ -79,8 +86,10 @@ def cells(table: dict, records) -> tuple[dict[str, dict[str, dict]], list[dict]]
     for row in table["rows"]:
         out[row["label"]] = {}
         for head, where in _columns(table):
+            where = dict(where)
+            options = {**(table.get("options") or {}), **where.pop("options", {})} or None
             picked = records.select(row["spec"], task=table.get("task"), depths=table.get("depths"),
-                                    options=table.get("options"), **where)
+                                    options=options, **where)
             protocol_of(picked)
             out[row["label"]][head] = accuracy_stats(picked) if picked else None
             used += picked
