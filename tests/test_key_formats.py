@@ -137,7 +137,8 @@ def test_accuracy_stats_spread_over_key_formats():
     assert accuracy_stats(rows[:2])["key_format_spread"] is None  # one format: no spread
     # rows without the field (runs before --key-formats) say theirs in their task options; niah's is its value
     assert key_format_of({"task": "passkey", "task_options": {"key_format": "uuid"}}) == "uuid"
-    assert key_format_of({"task": "niah", "task_options": {"key_format": "words", "value_format": "digits"}}) == "digits"
+    niah = {"task": "niah", "task_options": {"key_format": "words", "value_format": "digits"}}
+    assert key_format_of(niah) == "digits"
     assert key_format_of({"task": "vt", "task_options": {}}) is None and key_format_of({"task": "passkey"}) is None
 
     from kvpot.eval.readme import _fmt_stats
@@ -178,8 +179,9 @@ def test_a_run_across_formats_resumes_to_the_rows_of_one_run(capsys, tiny_dir, t
     assert (whole / "key_formats.png").stat().st_size > 1000
     assert "key formats digits,uuid" in (whole / "summary.md").read_text()
 
-    lines = lambda: len((part / "results.jsonl").read_text().splitlines()) if (part / "results.jsonl").exists() else 0  # noqa: E731
-    monkeypatch.setattr(limits, "_now", lambda: 100.0 * lines())
+    results = part / "results.jsonl"
+    written = lambda: len(results.read_text().splitlines()) if results.exists() else 0  # noqa: E731
+    monkeypatch.setattr(limits, "_now", lambda: 100.0 * written())  # 100 s per row written
     assert run(capsys, *ARGS, "--model", str(tiny_dir), "--out", str(part), "--time-limit", "450")[0] == 0
     assert len(rows_of(part / "results.jsonl")) == 4  # 2 of the 4 samples (200 s each, 10 s kept)
     other = [a if a != "digits,uuid" else "digits,words" for a in ARGS]
@@ -210,7 +212,8 @@ def test_a_key_formats_table_has_a_column_per_format_and_one_pooled(tmp_path):
     stats, used = cells(table, read(tmp_path / "runs", ["formats"]))
     got = {head: (s["correct"], s["total"]) for head, s in stats["Full"].items()}
     assert got == {"1900 digits": (3, 3), "1900 uuid": (1, 3), "1900 words": (0, 3), "1900 all": (4, 9)}
-    assert stats["Full"]["1900 all"]["key_format_spread"] == [0.0, 1.0] and len(used) == 18  # each format's column, then all
+    assert stats["Full"]["1900 all"]["key_format_spread"] == [0.0, 1.0]
+    assert len(used) == 18  # each format's column, then all
     text = render(table, tmp_path)
     assert "key formats digits, uuid, words" in text and "| 1900 digits | 1900 uuid | 1900 words | 1900 all |" in text
     assert "4/9 [0.19, 0.73] fmt 0.00-1.00" in text and "fmt: the range of per-key-format accuracy" in text

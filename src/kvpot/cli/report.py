@@ -14,8 +14,8 @@ def register(sub) -> None:
             "Render every table of a manifest (default benchmarks/readme.json) from the run folders it names "
             "(config.json + results.jsonl of kvpot eval): correct/total with 95% Wilson intervals, template, "
             "key-format and chat spreads, and ranking statements only where intervals separate. --write replaces "
-            "each table's block between <!-- kvpot-readme:NAME --> and <!-- /kvpot-readme:NAME --> in the README and redraws "
-            "the figures; --check exits 1 when a block differs from what the records give."
+            "each table's block between <!-- kvpot-readme:NAME --> and <!-- /kvpot-readme:NAME --> in the README "
+            "and redraws the figures; --check exits 1 when a block differs from what the records give."
         ),
         epilog="examples:\n  kvpot report --write README.md\n  kvpot report --check README.md",
         formatter_class=argparse.RawDescriptionHelpFormatter,
