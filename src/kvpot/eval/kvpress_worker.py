@@ -10,7 +10,9 @@ For each case and each compression ratio r, the press answers through kvpress' p
 token ids (`kvpot.bench.kvpress_runner.answer`): the context prefilled under `press(compression_ratio=r)`,
 which keeps `int(n * (1 - r))` of its n entries per layer and KV head before the question is seen; the
 question at the positions after the uncompressed context; greedy decoding until an EOS id or the case's
-`max_new_tokens`. Each answer is one JSON line of `--out` (the case's key, token ids, the entries each
+`max_new_tokens`. On CUDA, SDPA runs without cuDNN's attention (`kvpress_runner.attention_backends`: cuDNN
+builds a plan per key length, per layer and step for PyramidKVPress); the last line says which backends ran.
+Each answer is one JSON line of `--out` (the case's key, token ids, the entries each
 layer kept, seconds), flushed as it finishes; the parent decodes and scores it with the case's own metric.
 Answers already in `--out` (same case key and ratio: a stopped run's) are kept and not asked again.
 With `--deadline S`, no answer starts unless the longest one so far fits in what is left of S seconds
@@ -26,7 +28,7 @@ import argparse
 import json
 import sys
 
-from kvpot.bench.kvpress_runner import IMPORT_ERROR_EXIT, _dist_version, answer
+from kvpot.bench.kvpress_runner import IMPORT_ERROR_EXIT, _dist_version, answer, attention_backends
 from kvpot.eval.limits import Deadline, Interrupted, Terminate, read_jsonl
 
 #: our name -> kvpress class (presses that take `compression_ratio` and run with SDPA attention)
@@ -78,6 +80,7 @@ def answer_all(args, deadline: Deadline | None = None) -> dict:
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=getattr(torch, args.dtype))
     model = model.to(args.device).eval()
     model.set_attn_implementation("sdpa")  # kvpress' presses score from hidden states; no eager weights
+    backends = attention_backends(args.device)  # no cuDNN plan to build per key length (PyramidKVPress: per layer)
     stop = Terminate()
     with stop.installed():
         counts = _answer_cases(args, lambda case, ratio: answer(
@@ -88,6 +91,7 @@ def answer_all(args, deadline: Deadline | None = None) -> dict:
     settings = {k: v for k, v in dataclasses.asdict(press).items() if isinstance(v, (int, float, str, bool))} \
         if dataclasses.is_dataclass(press) else {}
     return {"press": PRESSES[args.press], "press_settings": settings, **counts, "dtype": args.dtype,
+            "sdpa_backends": backends,
             "versions": {"kvpress": getattr(kvpress, "__version__", None) or _dist_version("kvpress"),
                          "transformers": transformers.__version__, "torch": torch.__version__}}
 
