@@ -170,7 +170,7 @@ def test_d2o_step_is_update_find_merge_move(shape, first, dtype):
     at = torch.arange(slots) if rows is None else rows_t
     beta = 0.7
     batch = slots if rows is None else len(rows)
-    tau = torch.tensor([-1.0, 2.0, 0.0])[:kv].repeat(batch, 1)  # head 0 merges, head 1 does not (u <= 1)
+    tau = torch.tensor([-1.0, 2.0, 0.0]).repeat(kv)[:kv].repeat(batch, 1)  # head 0 merges, head 1 does not (u <= 1)
 
     k, v, positions, rope, stored = keys.clone(), values.clone(), *[b.clone() for b in bufs[2:]]
     live = stored[at, :, :n] + observation[..., :n]

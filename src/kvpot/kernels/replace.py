@@ -371,6 +371,13 @@ def _merge_kernel(
               tl.load(pos + n - 1), stride_kn, stride_vn, D, BLOCK_N, BLOCK_D, RENUMBER, HAS_SC)
 
 
+def d2o_splits(n: int) -> int:
+    """`d2o_step`'s programs per head for `n` live entries: about 512 entries each, at most 16. On an H100 at
+    4,097-5,424 entries and 8 heads, 16 splits took 30-35 us a launch, 32 took 38-44 and 8 took 48-65: past
+    one program per SM, every added split repeats the find over all entries."""
+    return max(1, min(16, triton.next_power_of_2(triton.cdiv(n, 512))))
+
+
 def _splits(capacity: int) -> int:
     """How many programs search one head's entries for the nearest key (from shapes alone)."""
     return max(1, min(32, triton.next_power_of_2(triton.cdiv(capacity, 512))))
@@ -479,7 +486,7 @@ def d2o_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, 
              stored: torch.Tensor, observation: torch.Tensor, n: int, tau: torch.Tensor, beta: float, first: bool,
              count: torch.Tensor, rows: torch.Tensor | None = None, sinks: int = 0, recent: int = 0,
              renumber: bool = False, splits: int | None = None, warps: int | None = None,
-             block_n: int = 64) -> torch.Tensor:
+             block_n: int = 32) -> torch.Tensor:
     """D2O's steady decoding step in one launch: `stored` [S, KV, C] float32 (the accumulated attention)
     += `observation` [B, KV, >= n] float32 over the `n` live entries; each head drops the lowest sum
     (`replace_newest`'s rule with `sinks`, `recent`), merged into its most similar other entry as
@@ -487,8 +494,9 @@ def d2o_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, 
     keys/values [S, KV, C, D] half precision, positions/rope_positions [S, KV, C] int64, rows [B] int64 the
     slots (None: all S), `count` [B, KV] int32 zeros (left at zero). Returns the dropped entries [B, KV, 1].
     Launch shape (the results do not depend on it; tuning only): `splits` programs per head (a power of
-    two; default `_splits(capacity)`), `warps` per program (default `tile(n)`'s), `block_n` keys per step
-    of the nearest-key search."""
+    two; default `d2o_splits(n)`), `warps` per program (default `tile(n)`'s), `block_n` keys per step
+    of the nearest-key search (defaults: the fastest on an H100 at the `llama3-8b` step,
+    `benchmarks/kernel-tuning-h100/`)."""
     slots, kv, capacity, d = keys.shape
     batch = slots if rows is None else rows.numel()
     _check_merge(keys, values, tau, batch, kv)
@@ -498,7 +506,7 @@ def d2o_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, 
             raise ValueError(f"d2o_step: buffers must be [{slots}, {kv}, {capacity}] with entries contiguous")
     if count.shape != (batch, kv) or count.dtype != torch.int32 or not count.is_contiguous():
         raise ValueError(f"d2o_step: count must be a contiguous int32 [{batch}, {kv}] tensor of zeros")
-    splits = _splits(capacity) if splits is None else splits
+    splits = d2o_splits(n) if splits is None else splits
     if splits < 1 or splits & (splits - 1) or block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"d2o_step: splits ({splits}) and block_n ({block_n} >= 16) must be powers of two")
     best = torch.empty(batch, kv, splits, dtype=torch.float32, device=keys.device)
