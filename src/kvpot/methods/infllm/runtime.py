@@ -51,13 +51,21 @@ def device_ints(values: list[int], device: torch.device) -> torch.Tensor:
     """A small long tensor on `device` without waiting for it: a copy from pageable memory would
     synchronise the stream, and with it the host, at every layer of every forward. An arithmetic run
     (the usual case: consecutive lookup chunks) is made on the device."""
-    step = values[1] - values[0] if len(values) > 1 else 0
-    if all(b - a == step for a, b in zip(values, values[1:])):
-        return values[0] + step * torch.arange(len(values), device=device)
+    run = arithmetic(values)
+    if run is not None:
+        return run[0] + run[1] * torch.arange(len(values), device=device)
     host = torch.tensor(values, dtype=torch.long)
     if device.type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def arithmetic(values: list[int]) -> tuple[int, int] | None:
+    """(first, step) when `values` is an arithmetic run (one value: step 0), else None."""
+    step = values[1] - values[0] if len(values) > 1 else 0
+    if any(b - a != step for a, b in zip(values, values[1:])):
+        return None
+    return values[0], step
 
 
 class InfLLMRuntime:
@@ -95,20 +103,21 @@ class InfLLMRuntime:
 
     # ------------------------------------------------------------------ reading entries
     def reader(self, index: int, keys: torch.Tensor, values: torch.Tensor, device: torch.device):
-        """read(tokens [c, L], valid [c, L]) -> keys, values [c, kv, L, d] on `device`."""
+        """read(tokens [c, L], valid [c, L] or None: all) -> keys, values [c, kv, L, d] on `device`."""
         n = keys.shape[1]
         if keys.device == device:
             heads = torch.arange(keys.shape[0], device=device).view(1, -1, 1)
 
-            def read(tokens, valid):  # one gather straight into [c, kv, L, d]
+            def read(tokens, valid=None):  # one gather straight into [c, kv, L, d]
                 at = tokens.clamp(0, n - 1).unsqueeze(1)
                 return keys[heads, at], values[heads, at]
 
             return read
         cache = self.gpu_cache(index, keys, device)
 
-        def read_through(tokens, valid):
+        def read_through(tokens, valid=None):
             rows_k, rows_v = [], []
+            valid = torch.ones_like(tokens, dtype=torch.bool) if valid is None else valid
             for row, ok in zip(tokens, valid):  # one touch per row: a row's tokens are distinct
                 cache.touch(row, ok, keys, values)
                 slot = cache.slot_of[row.clamp(0, n - 1)].long().clamp(min=0)
@@ -127,6 +136,24 @@ class InfLLMRuntime:
                                                         keys.dtype, device)
         cache.ensure(keys.shape[1])
         return cache
+
+    @staticmethod
+    def window_reader(keys: torch.Tensor, values: torch.Tensor, device: torch.device):
+        """windows(first, step, count, width) -> keys, values [count, kv, width, d]: the windows of `width`
+        tokens starting at first + i * step, as strided views of the buffers (no copy); None when the
+        entries are elsewhere (offloaded: they go through the GPU cache)."""
+        if keys.device != device:
+            return None
+
+        def windows(first: int, step: int, count: int, width: int):
+            def view(buf):
+                heads, tokens, dims = buf.stride()
+                return buf.as_strided((count, buf.shape[0], width, buf.shape[2]), (step * tokens, heads, tokens, dims),
+                                      buf.storage_offset() + first * tokens)
+
+            return view(keys), view(values)
+
+        return windows
 
     def block_reader(self, keys: torch.Tensor, values: torch.Tensor, device: torch.device):
         """read_block(start, stop) -> keys [kv, stop - start, d] on `device`, bypassing the GPU cache."""
@@ -173,7 +200,7 @@ class InfLLMRuntime:
             seen = keys[:, start:n]
         else:
             tokens = torch.arange(start, n, device=query.device).view(1, -1)
-            seen = read(tokens, torch.ones_like(tokens, dtype=torch.bool))[0][0]
+            seen = read(tokens)[0][0]
         add_scores(score, seen, query, start, s.window, rotate)
         chunks = [(c, min(s.lookup, n - c)) for c in range(first, n, s.lookup)]
         memory = self.form_for(layer, keys, values, chunks[-1][0])
@@ -186,8 +213,9 @@ class InfLLMRuntime:
             shape = (min(s.initial, w0), min(s.topk, units), w0 - rest, c + rows - w0, rows)
             groups.setdefault(shape, []).append(c)
             self.max_attended = max(self.max_attended, self._attended(c, c + rows - 1))
+        windows = self.window_reader(keys, values, query.device)
         for shape, starts in groups.items():
-            self._lookup(query, out, first, starts, shape, memory, read, scaling, rotate)
+            self._lookup(query, out, first, starts, shape, memory, read, scaling, rotate, windows)
         return out
 
     def _attended(self, c: int, t: int) -> int:
@@ -208,36 +236,53 @@ class InfLLMRuntime:
             memory.form(units, score, self.block_reader(keys, values, score.device), s.initial, s.block, s.reps)
         return memory
 
-    def _lookup(self, query, out, first, starts, shape, memory, read, scaling, rotate) -> None:
-        """Attention of the lookup chunks beginning at `starts` (all of one shape) into `out` [h, q, d]."""
+    def _lookup(self, query, out, first, starts, shape, memory, read, scaling, rotate, windows=None) -> None:
+        """Attention of the lookup chunks beginning at `starts` (all of one shape) into `out` [h, q, d].
+
+        Consecutive chunks (the usual group) are sliced from the forward's queries and written back as one
+        slice, and their windows are read as strided views of the layer's buffers (`windows`, when on the
+        device): no gather of the window, the rotation reads it in place. Other groups, and offloaded
+        entries, go through index tensors; both give the same tensors, element by element."""
         s = self.sizes
         initial, top, rest_len, width, rows = shape
         h, _, d = query.shape
         kv = memory.summaries.shape[1] if memory.summaries is not None else None
-        device = query.device
-        begin = device_ints([c - first for c in starts], device)  # each chunk's first row in this forward
-        rows_at = begin.view(-1, 1) + torch.arange(rows, device=device)  # [c, rows]
-        chunk_q = query[:, rows_at].transpose(0, 1)  # [c, h, rows, d]
-        starts_w0 = [max(0, c - s.window + 1) for c in starts]
+        device, c = query.device, len(starts)
+        run = arithmetic([b - first for b in starts])  # (first row, step): the rows are one slice if step == rows
+        if run is not None and (c == 1 or run[1] == rows):
+            rows_at = slice(run[0], run[0] + c * rows)
+            chunk_q = query[:, rows_at].unflatten(1, (c, rows)).contiguous().transpose(0, 1)  # [c, h, rows, d]
+        else:
+            begin = device_ints([b - first for b in starts], device)  # each chunk's first row in this forward
+            rows_at = begin.view(-1, 1) + torch.arange(rows, device=device)  # [c, rows]
+            chunk_q = query[:, rows_at].transpose(0, 1)
+        starts_w0 = [max(0, b - s.window + 1) for b in starts]
         w0 = device_ints(starts_w0, device)
         far_q = self.far_turn(chunk_q, rotate)
-        parts = [torch.arange(initial, device=device).expand(len(starts), -1)]
+        parts = [torch.arange(initial, device=device).expand(c, -1)]
         if top:
-            summed = far_q.float().view(len(starts), kv, h // kv, rows, d).sum((2, 3))  # [c, kv, d]
+            summed = far_q.float().view(c, kv, h // kv, rows, d).sum((2, 3))  # [c, kv, d]
             units = device_ints([unit_count(w, s.initial, s.block) for w in starts_w0], device)
             scores = relevance(summed, memory.summaries[: memory.formed], units)
             chosen = scores.topk(top, dim=-1).indices.sort(dim=-1).values  # [c, top]
             lane = torch.arange(s.block, device=device)
             parts.append((s.initial + chosen.unsqueeze(-1) * s.block + lane).flatten(1))
         parts.append(w0.view(-1, 1) - rest_len + torch.arange(rest_len, device=device))
-        far = torch.cat(parts, dim=1)
-        near = w0.view(-1, 1) + torch.arange(width, device=device)
-        far_k, far_v = read(far, torch.ones_like(far, dtype=torch.bool))
-        near_k, near_v = read(near, torch.ones_like(near, dtype=torch.bool))
-        near_k = rotate.span(near_k, 0)
+        far_k, far_v = read(torch.cat(parts, dim=1))
+        span = arithmetic(starts_w0)
+        if windows is not None and span is not None:
+            view_k, view_v = windows(span[0], span[1], c, width)  # [c, kv, width, d], strided, overlapping
+            near_k = rotate.span(view_k, 0, out=torch.empty(view_k.shape, dtype=view_k.dtype, device=device))
+            near_v = view_v.contiguous()
+        else:
+            near_k, near_v = read(w0.view(-1, 1) + torch.arange(width, device=device))
+            near_k = rotate.span(near_k, 0)
         near_q = rotate.span(chunk_q, width - rows)
         result = two_part_attention(far_q, far_k, far_v, near_q, near_k, near_v, scaling)  # [c, h, rows, d]
-        out[:, rows_at] = result.transpose(0, 1)
+        if isinstance(rows_at, slice):
+            out[:, rows_at].unflatten(1, (c, rows)).copy_(result.transpose(0, 1))
+        else:
+            out[:, rows_at] = result.transpose(0, 1)
 
     # ------------------------------------------------------------------ one query, fixed shapes
     def step(self, index, query, keys, values, score, t, scaling, rotate, eager: bool) -> torch.Tensor:

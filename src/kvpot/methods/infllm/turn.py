@@ -25,14 +25,16 @@ class Turner:
         cos, sin = self.rope.cos_sin(positions, self.like, self.bound)
         return x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)
 
-    def span(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        """x [..., n, d] rotated at positions start .. start + n - 1."""
+    def span(self, x: torch.Tensor, start: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., n, d] rotated at positions start .. start + n - 1 (into `out` when given: x may then be
+        a strided view, e.g. overlapping windows of a layer's buffer, and `out` fixes the layout)."""
         table = self._table(x.dtype)
         n = x.shape[-2]
         if table is None:
-            return self(x, torch.arange(start, start + n, device=x.device))
+            turned = self(x, torch.arange(start, start + n, device=x.device))
+            return turned if out is None else out.copy_(turned)
         cos, sin = table
-        return self._turn(x, cos[start : start + n], sin[start : start + n])
+        return self._turn(x, cos[start : start + n], sin[start : start + n], out)
 
     def at(self, x: torch.Tensor, position: int) -> torch.Tensor:
         """x [..., d] rotated at one position."""
@@ -51,9 +53,12 @@ class Turner:
         return table[0][0]
 
     @staticmethod
-    def _turn(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    def _turn(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, out: torch.Tensor | None = None
+              ) -> torch.Tensor:
         swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # (x2, x1)
-        return torch.addcmul(x * cos, swapped, signed_sin)
+        if out is None:
+            return torch.addcmul(x * cos, swapped, signed_sin)
+        return torch.mul(x, cos, out=out).addcmul_(swapped, signed_sin)  # the same arithmetic, element by element
 
     def _table(self, dtype: torch.dtype):
         if self.rope.dynamic:
