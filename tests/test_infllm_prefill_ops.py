@@ -53,12 +53,14 @@ def cpu_split(query, key, value, scaling, causal):
     return out, lse.reshape(query.shape[:3])
 
 
-def forwards(rope, dtype, log: Ops | None = None):
+def forwards(rope, dtype, log: Ops | None = None, device: str = "cpu"):
     torch.manual_seed(0)
     n = BOUNDS[-1]
     queries, keys, values = (torch.randn(KV * G, n, D, dtype=dtype), torch.randn(KV, n, D, dtype=dtype),
                              torch.randn(KV, n, D, dtype=dtype))
+    queries, keys, values = queries.to(device), keys.to(device), values.to(device)
     runtime, layer = InfLLMRuntime(SIZES, rope, kernels="torch"), Layer(n)
+    layer.scores[SCORE] = layer.scores[SCORE].to(device)
     outs = []
     for first, stop in zip(BOUNDS, BOUNDS[1:]):
         layer.n = stop
@@ -72,6 +74,18 @@ def forwards(rope, dtype, log: Ops | None = None):
     return outs, layer.scores[SCORE].clone(), runtime.memory(0).summaries.clone()
 
 
+def gathered(monkeypatch) -> None:
+    """Every group through index tensors, as before the views."""
+    monkeypatch.setattr(runtime_module, "arithmetic", lambda values: None)
+    monkeypatch.setattr(InfLLMRuntime, "window_reader", staticmethod(lambda *a: None))
+
+
+def assert_identical(a, b) -> None:
+    for x, y in zip(a[0], b[0]):
+        assert torch.equal(x, y)
+    assert torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
+
+
 @pytest.mark.parametrize("split", [False, True], ids=["reference", "split"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_views_and_slices_equal_the_gathered_path(rope, monkeypatch, split, dtype):
@@ -81,12 +95,17 @@ def test_views_and_slices_equal_the_gathered_path(rope, monkeypatch, split, dtyp
         monkeypatch.setattr(sdpa, "split_ok", lambda *a: True)
         monkeypatch.setattr(sdpa, "_cudnn", cpu_split)
     fast = forwards(rope, dtype)
-    monkeypatch.setattr(runtime_module, "arithmetic", lambda values: None)  # every group gathered, as before
-    monkeypatch.setattr(InfLLMRuntime, "window_reader", staticmethod(lambda *a: None))
-    gathered = forwards(rope, dtype)
-    for a, b in zip(fast[0], gathered[0]):
-        assert torch.equal(a, b)
-    assert torch.equal(fast[1], gathered[1]) and torch.equal(fast[2], gathered[2])
+    gathered(monkeypatch)
+    assert_identical(fast, forwards(rope, dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_views_equal_the_gathered_path_on_cudnn(rope, monkeypatch):
+    """On CUDA in bf16 (both parts on cuDNN when it runs): the same exactness."""
+    fast = forwards(rope, torch.bfloat16, device="cuda")
+    gathered(monkeypatch)
+    assert_identical(fast, forwards(rope, torch.bfloat16, device="cuda"))
 
 
 def test_a_forward_gathers_only_the_looked_up_units(rope, monkeypatch):
