@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from conftest import build_llama
 from kvpot.kernels import sdpa
 from kvpot.methods.infllm import runtime as runtime_module
-from kvpot.methods.infllm.memory import SCORE
+from kvpot.methods.infllm.memory import SCORE, ramp
 from kvpot.methods.infllm.runtime import InfLLMRuntime, Sizes
 from kvpot.rope import Rope
 
@@ -110,11 +110,21 @@ def test_views_equal_the_gathered_path_on_cudnn(rope, monkeypatch):
 
 def test_a_forward_gathers_only_the_looked_up_units(rope, monkeypatch):
     """A forward of whole lookups on the device path: the chunk's windows and queries are not gathered,
-    nor its output scattered. Its index operations are the distant keys and values (one each) and
-    the representative scores' two prefix reads."""
+    nor its output scattered, nor the representative scores' prefix sums read through index tensors.
+    Its index operations are the distant keys and values (one each)."""
     monkeypatch.setattr(sdpa, "split_ok", lambda *a: True)
     monkeypatch.setattr(sdpa, "_cudnn", cpu_split)
     log = Ops()
     forwards(rope, torch.float32, log)  # the forward 69 .. 133: lookups of 8 from 69, all of one shape
-    assert log.count["index"] == 4
+    assert log.count["index"] == 2
     assert log.count["index_put_"] == 0 and log.count["_index_put_impl_"] == 0
+
+
+def test_ramp_is_the_clamped_gather():
+    """ramp(prefix, offset, count) = prefix[:, clamp(arange(count) + offset, 0, q)], exactly, for offsets
+    that start before, inside and past the rows, and counts shorter and longer than them."""
+    prefix = torch.randn(2, 6, 3)  # q = 5
+    for offset in range(-9, 9):
+        for count in (1, 3, 5, 12):
+            index = (torch.arange(count) + offset).clamp(0, 5)
+            assert torch.equal(ramp(prefix, offset, count), prefix[:, index])

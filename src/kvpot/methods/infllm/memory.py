@@ -49,15 +49,23 @@ def add_scores(score: torch.Tensor, keys: torch.Tensor, query: torch.Tensor, sta
     first = score.shape[1] - q  # position of the forward's first query
     # the group's heads share a rotation, so they are summed before it (rotation is linear)
     summed = query.float().view(kv, h // kv, q, d).sum(1)  # [kv, q, d]
-    offsets = torch.arange(count, device=keys.device)
     turned = rotate.span(summed, first - start)  # positions relative to `start`
     prefix = torch.zeros(kv, q + 1, d, dtype=torch.float32, device=keys.device)
     prefix[:, 1:] = turned.cumsum(1)
-    token = start + offsets  # each key's position; queries t in [token, token + window - 1] see it
-    lo = (token - first).clamp(0, q)
-    hi = (token + window - first).clamp(0, q)
-    seen = prefix[:, hi] - prefix[:, lo]  # [kv, count, d]: the rotated queries that see each key
+    # key start + i is seen by the queries t in [start + i, start + i + window - 1]: prefix rows clamped to 0 .. q
+    seen = ramp(prefix, start + window - first, count) - ramp(prefix, start - first, count)  # [kv, count, d]
     score[:, start:] += (rotate.span(keys.float(), 0) * seen).sum(-1)
+
+
+def ramp(prefix: torch.Tensor, offset: int, count: int) -> torch.Tensor:
+    """prefix[:, clamp(i + offset, 0, q)] for i in 0 .. count - 1 (prefix [kv, q + 1, d]): the first row
+    repeated, a slice, the last row repeated, so no index tensor and no gather."""
+    q = prefix.shape[1] - 1
+    low = min(max(-offset, 0), count)  # rows i + offset < 0 take row 0
+    high = min(max(q - offset, low), count)  # rows i + offset >= q take row q
+    pieces = [prefix[:, :1].expand(-1, low, -1), prefix[:, low + offset : high + offset],
+              prefix[:, q:].expand(-1, count - high, -1)]
+    return torch.cat([p for p in pieces if p.shape[1]], dim=1)
 
 
 class Memory:
