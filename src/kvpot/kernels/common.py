@@ -42,12 +42,26 @@ def _merge_kernel(
         tl.store(LSE_OUT + row, tl.where(total > 0, top + tl.log2(total), float("-inf")))
 
 
+def next_power_of_2(n) -> int:
+    """`triton.next_power_of_2`, also for the symbolic sizes of `torch.compile(dynamic=True)` (kvpot's
+    compiled step). Triton's bit twiddling on a symbol grows into nested expressions that the compiler
+    never finished simplifying (on an H100 the compiled step of the 4-layer `tiny` shape did not finish
+    tracing in 60 s); comparisons instead give a constant under guards (`n <= p`), so a launch's tile
+    and split sizes stay plain numbers."""
+    if not torch.compiler.is_compiling():  # (a symbolic size passes for an int inside the compiler)
+        return triton.next_power_of_2(n)
+    power = 1
+    while power < n:
+        power *= 2
+    return power
+
+
 def merge(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, lse_out: torch.Tensor | None = None) -> None:
     """Write into `out` [rows, d] the softmax-weighted sum of the partials `part` [splits, rows, d]
     (contiguous, float32) with log2-sum-exps `lse` [splits, rows]; with `lse_out` [rows], also the
     merged log2-sum-exp of each row. One launch, no host synchronisation."""
     splits, rows, d = part.shape
-    block_s = max(2, triton.next_power_of_2(splits))
+    block_s = max(2, next_power_of_2(splits))
     _merge_kernel[(rows,)](part, lse, out, part if lse_out is None else lse_out, rows, splits, D=d,
                            BLOCK_S=block_s, CHUNK=min(block_s, 16), WRITE_LSE=lse_out is not None)
 

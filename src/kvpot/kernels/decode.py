@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from kvpot.errors import KvpotError
-from kvpot.kernels.common import merge, multiprocessors
+from kvpot.kernels.common import merge, multiprocessors, next_power_of_2
 from kvpot.kernels.decode_reference import (
     check_decode_batch_inputs,
     check_decode_inputs,
@@ -197,7 +197,7 @@ def default_splits(kv_heads: int, heads: int, capacity: int, device: torch.devic
 
 def _block_m(group: int) -> int:
     # 16 rows is the smallest matrix-unit tile: small groups pad up to it (the work is memory-bound)
-    return min(64, max(16, triton.next_power_of_2(group)))
+    return min(64, max(16, next_power_of_2(group)))
 
 
 def _stages(d: int, keys: torch.Tensor, cos: torch.Tensor | None) -> int:
@@ -292,7 +292,7 @@ def decode_attention_batch(
     if probs is not None:
         _probs_kernel[(batch * kv, triton.cdiv(capacity, BLOCK_J))](
             logits, lse_final, probs, rows, lengths, capacity, g, kv, rows.stride(0), lengths.stride(0),
-            *probs.stride(), BLOCK_G=max(2, triton.next_power_of_2(g)), BLOCK_J=BLOCK_J,
+            *probs.stride(), BLOCK_G=max(2, next_power_of_2(g)), BLOCK_J=BLOCK_J,
         )
     return out
 

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvpot.kernels.common import merge, multiprocessors
+from kvpot.kernels.common import merge, multiprocessors, next_power_of_2
 
 STYLES = {"absolute": 0, "relative": 1, "chunk": 2}
 # `do_not_specialize` below names the integer arguments that change as decoding goes on (context
@@ -280,7 +280,7 @@ def stage_scan(queries: torch.Tensor, rows_valid: torch.Tensor, keys: torch.Tens
         keys = keys.contiguous()
     starts, ends = starts.contiguous(), ends.contiguous()
     valid_rows = rows_valid.to(torch.int8).contiguous()
-    block_m = max(16, triton.next_power_of_2(m))
+    block_m = max(16, next_power_of_2(m))
     steps = max(0, math.ceil(math.log2(chunk)))
     ieee = q.dtype == torch.float32
     strides = (q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), cos.stride(0))
@@ -528,7 +528,7 @@ def sparse_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     if block_m is None:  # prefill blocks (a group's heads x 64 rows) in one tile: each key is loaded and
         # rotated once per block, not once per 64 rows (1M keys on an H100: 2.0 -> 1.0 ms per chunk)
         wide = m > 64 and query.dtype != torch.float32  # (float32 tiles of 256 rows: not measured)
-        block_m = 16 if m <= 16 else min(256, triton.next_power_of_2(m)) if wide else 64
+        block_m = 16 if m <= 16 else min(256, next_power_of_2(m)) if wide else 64
     tiles = triton.cdiv(m, block_m)
     block_n = 64
     programs = b * kv * tiles

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvpot.kernels.common import merge, multiprocessors
+from kvpot.kernels.common import merge, multiprocessors, next_power_of_2
 
 
 @triton.jit(do_not_specialize=["N", "PER"])
@@ -176,7 +176,7 @@ def decode_step(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
     g = h // kv
     top = selected.numel()
     if block_n is None:  # a tile never spans two parts: narrow tiles when units are small
-        block_n = max(16, min(64, triton.next_power_of_2(sizes.block)))
+        block_n = max(16, min(64, next_power_of_2(sizes.block)))
     t_init = triton.cdiv(sizes.initial, block_n)
     t_bs = triton.cdiv(sizes.block, block_n)
     t_win0 = t_init + (top + 1) * t_bs
@@ -202,7 +202,7 @@ def decode_step(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
         score.stride(0), out.stride(0), out.stride(1), gh, gn,
         G=g, INIT=sizes.initial, BS=sizes.block, TOPK=top, WIN=sizes.window, T_INIT=t_init, T_BS=t_bs,
         T_WIN0=t_win0, T_ALL=t_all, CACHED=gpu_cache is not None, HALF=d // 2, IEEE=query.dtype == torch.float32,
-        BLOCK_M=max(16, triton.next_power_of_2(g)), BLOCK_N=block_n, num_warps=4,
+        BLOCK_M=max(16, next_power_of_2(g)), BLOCK_N=block_n, num_warps=4,
         **({"num_stages": 1} if query.dtype == torch.float32 else {}),  # float32 tiles outgrow shared memory
     )
     merged = torch.empty(kv * g, d, dtype=query.dtype, device=query.device)
