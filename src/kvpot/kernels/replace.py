@@ -372,10 +372,11 @@ def _merge_kernel(
 
 
 def d2o_splits(n: int) -> int:
-    """`d2o_step`'s programs per head for `n` live entries: about 512 entries each, at most 16. On an H100 at
-    4,097-5,424 entries and 8 heads, 16 splits took 30-35 us a launch, 32 took 38-44 and 8 took 48-65: past
-    one program per SM, every added split repeats the find over all entries."""
-    return max(1, min(16, triton.next_power_of_2(triton.cdiv(n, 512))))
+    """`d2o_step`'s programs per head for `n` live entries: 16, fewer only below 64 entries a split. On an
+    H100 (8 KV heads, 4,097-5,424 entries, `benchmarks/kernel-tuning-h100/`) a split searched about 256
+    keys in 18 us, so its share sets the launch's time: 16 splits took 30-35 us a launch, 8 took 48-65;
+    32 took 38-44, because past one program per multiprocessor every added split repeats the find."""
+    return max(1, min(16, triton.next_power_of_2(triton.cdiv(n, 64))))
 
 
 def _splits(capacity: int) -> int:
