@@ -32,8 +32,8 @@ figures as `throughput` through an OpenAI-compatible HTTP server: one at `--url`
 launched in-process next to the engine on the same tokens (see `kvpot.bench.serve`).
 
 One module per mode (`prefill`, `decode`, `attention`), plus `config` (BenchConfig), `common`
-(machine record, memory, OOM, the run loop), `run` (run_bench), `report` (tables, plots) and
-`shapes` (the table of shapes).
+(machine record, memory, OOM, the run loop), `run` (run_bench), `report` (tables, plots),
+`backends` (SDPA's backends for a run: `--sdpa`) and `shapes` (the table of shapes).
 """
 
 from kvpot.bench.config import DEFAULT_LENGTHS, MODES, BenchConfig

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from kvpot.bench.backends import DEFAULT_SDPA, SDPA_CHOICES
 from kvpot.errors import KvpotError
 
 
@@ -78,6 +79,8 @@ class BenchConfig:
     prefill_tokens: int = 2048  # prompt tokens the scheduler reads per step
     sequential_users: int | None = None  # users the one-at-a-time row serves (None: all)
     hf_timeout: float = 200.0  # seconds before transformers' continuous batching is stopped
+    # SDPA's backends for every row of the run (kvpot.bench.backends): no cuDNN plan built per decoding step
+    sdpa: str = DEFAULT_SDPA
 
     def __post_init__(self):
         from kvpot.models.shapes import get_shape
@@ -122,6 +125,8 @@ class BenchConfig:
             raise KvpotError("--breakdown applies to bench decode.")
         if self.decode not in DECODE_MODES:
             raise KvpotError(f"--decode must be one of {', '.join(DECODE_MODES)}, got {self.decode!r}.")
+        if self.sdpa not in SDPA_CHOICES:
+            raise KvpotError(f"--sdpa must be one of {', '.join(SDPA_CHOICES)}, got {self.sdpa!r}.")
         if not self.lengths:
             raise KvpotError("--lengths is empty; give lengths such as 32k,128k.")
         if self.kvpress_path is not None:

@@ -29,7 +29,8 @@ def kvpress_command(config, press: str, length: int, kept: int, mode: str) -> li
     return [sys.executable, "-m", "kvpot.bench.kvpress_runner", "--shape", config.shape, "--device", config.device,
             "--dtype", config.dtype, "--length", str(length), "--question-tokens", str(config.question_tokens),
             "--decode-steps", str(config.decode_steps), "--warmup-steps", str(config.warmup_steps),
-            "--press", press, "--kept", str(kept), "--seed", str(config.seed), "--mode", mode]
+            "--press", press, "--kept", str(kept), "--seed", str(config.seed), "--mode", mode,
+            "--sdpa", config.sdpa]
 
 
 def run_kvpress(config, press: str, length: int, kept: int, mode: str) -> dict:

@@ -20,9 +20,9 @@ The protocol follows kvpress' own `KVPressTextGenerationPipeline`:
    timed on the host (HF's `generate`, and the pipeline's `.item()` EOS test, sync every step too).
    Unlike the pipeline, decoding never stops at EOS: weights are random and steps must be counted.
 
-On CUDA, SDPA runs without cuDNN's attention (`attention_backends`), which would build an execution plan
-for every new key length, i.e. inside every timed decoding step. Token ids and weights are kvpot's bench ones (same seeds), so kvpress rows read the same inputs as
-kvpot's rows. Prints one JSON object on the last stdout line; out of memory is a row with
+On CUDA, SDPA runs without cuDNN's attention (`kvpot.bench.backends`; `--sdpa default`: torch's choice), which
+would build an execution plan for every new key length, i.e. inside every timed decoding step. Token ids
+and weights are kvpot's bench ones (same seeds), so kvpress rows read the same inputs as kvpot's rows. Prints one JSON object on the last stdout line; out of memory is a row with
 `"error": "out of memory"` (exit 0); kvpress that cannot be imported exits 3 with `"import_error"`.
 """
 
@@ -34,7 +34,10 @@ import statistics
 import sys
 import time
 
+from kvpot.bench.backends import DEFAULT_SDPA, SDPA_CHOICES, attention_backends, set_sdpa_backends
 from kvpot.compat import cache_kwargs
+
+__all__ = ["attention_backends"]  # kept here for kvpress' worker and scripts; it lives in kvpot.bench.backends
 
 PRESSES = {  # our name -> kvpress class name (defaults of each press are kvpress' own)
     "snapkv": "SnapKVPress",
@@ -62,6 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kept", type=int, required=True, help="KV entries per layer and head to keep (K)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mode", choices=MODES, default="decode")
+    p.add_argument("--sdpa", choices=SDPA_CHOICES, default=DEFAULT_SDPA,
+                   help="SDPA's backends on CUDA (kvpot.bench.backends; default: no-cudnn)")
     args = p.parse_args(argv)
     for name, value, low in (("--length", args.length, 1), ("--question-tokens", args.question_tokens, 1),
                              ("--decode-steps", args.decode_steps, 1), ("--warmup-steps", args.warmup_steps, 0),
@@ -80,24 +85,6 @@ def compression_ratio(length: int, kept: int) -> float:
     if int(length * (1.0 - ratio)) < kept:
         ratio = 1.0 - (kept + 0.5) / length
     return ratio
-
-
-def attention_backends(device: str) -> dict:
-    """Leave cuDNN out of SDPA's backends on CUDA (flash, memory-efficient and math stay); which are on.
-
-    On an H100 with torch >= 2.11 (its cuDNN >= 9.15.1) SDPA tries cuDNN first, and cuDNN's attention
-    builds an execution plan for every new key length (torch's plan cache in aten/src/ATen/native/cudnn/
-    MHA.cpp is keyed by s_q and s_kv), tens of ms of host time each. A decoding step reads one key more
-    than the last, so every step builds a plan: one for a press that leaves every layer the same length,
-    one per layer for PyramidKVPress (SmolLM2: 30 a step, 2,000-4,900 for a first 4K or 16K answer, 73 ms
-    each on the shared GPU of benchmarks/protocol-smollm2-gpu). FlashAttention reads any length without a
-    plan. The attention is the same exact softmax attention; what the press keeps is its own code."""
-    import torch
-
-    if device.startswith("cuda"):
-        torch.backends.cuda.enable_cudnn_sdp(False)
-    return {name: getattr(torch.backends.cuda, f"{name}_sdp_enabled")()
-            for name in ("flash", "mem_efficient", "math", "cudnn")}
 
 
 def _sync(device: str) -> None:
@@ -221,7 +208,7 @@ def measure(args) -> dict:
     with torch.no_grad():
         model = shapes.build(args.shape, args.device, dtype, seed=args.seed)
         model.set_attn_implementation("sdpa")  # kvpress' presses score from hidden states; no eager weights
-        row["sdpa_backends"] = attention_backends(args.device)
+        row["sdpa"], row["sdpa_backends"] = args.sdpa, set_sdpa_backends(args.sdpa, args.device)
         row["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
         vocab = model.config.vocab_size
         question = random_tokens(vocab, args.question_tokens, args.seed + 1, args.device)

@@ -112,6 +112,7 @@ def summary_markdown(results: dict) -> str:
         f"- kvpot {m['versions']['kvpot']}, torch {m['versions']['torch']}, transformers "
         f"{m['versions']['transformers']}; commit {m['git_commit'] or 'unknown'}{' (modified)' if m.get('git_dirty') else ''}; {m['date']}",
         f"- command: `{' '.join(results['command'])}`",
+        *_sdpa_line(m),
         "",
         notes,
         "",
@@ -125,6 +126,15 @@ def summary_markdown(results: dict) -> str:
         parts += [f"- `{label}`: `{method_params(d['config']) or 'no parameters'}` (bound: {d['max_entries']})"
                   for label, d in results["methods"].items()]
     return "\n".join(parts) + "\n"
+
+
+def _sdpa_line(m: dict) -> list[str]:
+    """The SDPA setting and the backends it left on (`kvpot.bench.backends`); none in older results."""
+    if "sdpa" not in m:
+        return []
+    on = ", ".join(name for name, enabled in m["sdpa_backends"].items() if enabled) or "none"
+    where = "" if str(m["device"]).startswith("cuda") else "; flags left as they were: they apply on CUDA only"
+    return [f"- SDPA backends: `--sdpa {m['sdpa']}` (enabled: {on}{where})"]
 
 
 def rich_table(results: dict):

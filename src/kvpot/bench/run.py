@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from kvpot.bench.attention import bench_attention
+from kvpot.bench.backends import sdpa_backends
 from kvpot.bench.common import machine
 from kvpot.bench.config import BenchConfig
 from kvpot.bench.decode import bench_decode
@@ -53,14 +54,16 @@ def run_bench(config: BenchConfig, progress: bool = True, show: bool = True, mod
         "methods": {run.label: run.describe() for run in runs}, "complete": False, "rows": [],
     }
     config.out.mkdir(exist_ok=True)
-    if config.mode == "prefill":
-        bench_prefill(config, model, runs, results, progress)
-    elif config.mode == "decode":
-        bench_decode(config, model, runs, results, progress)
-    elif config.mode == "throughput":
-        bench_throughput(config, model, runs, results, progress)
-    else:
-        bench_attention(config, model_config, dtype, runs, results, progress)
+    with sdpa_backends(config.sdpa, config.device) as enabled:  # every row, warm-ups included
+        results["machine"].update(sdpa=config.sdpa, sdpa_backends=enabled)
+        if config.mode == "prefill":
+            bench_prefill(config, model, runs, results, progress)
+        elif config.mode == "decode":
+            bench_decode(config, model, runs, results, progress)
+        elif config.mode == "throughput":
+            bench_throughput(config, model, runs, results, progress)
+        else:
+            bench_attention(config, model_config, dtype, runs, results, progress)
     results["complete"] = True
     write_reports(results, config.out)
     if show:

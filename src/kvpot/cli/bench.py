@@ -6,6 +6,7 @@ import argparse
 import os
 from pathlib import Path
 
+from kvpot.bench.backends import DEFAULT_SDPA, SDPA_CHOICES
 from kvpot.bench.config import DEFAULT_LENGTHS, MODES, BenchConfig
 from kvpot.bench.serve_config import MODE as SERVE_MODE, ServeBenchConfig
 from kvpot.cli.args import METHOD_METAVAR, add_device_arguments, parse_length, parse_lengths
@@ -106,6 +107,13 @@ def register(sub) -> None:
                         "compiled once for every layer (norms, activations, residual adds and cache writes fused "
                         "around the weights) before it is captured; the first step then takes the compilation, "
                         "outside the timed steps")
+    p.add_argument("--sdpa", choices=SDPA_CHOICES, default=DEFAULT_SDPA,
+                   help="prefill, decode, attention, throughput: SDPA's backends on CUDA for every row of the run "
+                        "(the hf and kvpress baselines, and kvpot's rows where they call SDPA). no-cudnn (default): cuDNN's attention off, flash, memory-efficient "
+                        "and math on; torch >= 2.11 on an H100 prefers cuDNN, which builds an execution plan for "
+                        "every new key length, i.e. one in every decoding step of plain transformers. default: "
+                        "torch's own choice, to measure what an out-of-the-box user pays. Recorded in results.json "
+                        "and summary.md")
     t = p.add_argument_group("throughput")
     t.add_argument("--users", type=int, default=16, help="requests arriving together (default 16)")
     t.add_argument("--new-tokens", type=int, default=128, help="tokens each request generates, EOS off (default 128)")
@@ -183,6 +191,7 @@ def config_from_args(args) -> BenchConfig:
         kvpress_path=args.kvpress_path or os.environ.get("KVPOT_KVPRESS_PATH") or None,
         users=args.users, new_tokens=args.new_tokens, document=args.document, slots=args.slots,
         prefill_tokens=args.prefill_tokens, sequential_users=args.sequential_users, hf_timeout=args.hf_timeout,
+        sdpa=args.sdpa,
     )
 
 
