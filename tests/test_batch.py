@@ -277,8 +277,8 @@ def test_graph_batches_give_each_request_its_tokens_alone_on_cuda(arch, name, pr
     requests = [Request(c, q, max_new_tokens=NEW, ignore_eos=True) for c, q in cuda_prompts]
     run_all(scheduler, requests)
     assert [r.tokens for r in requests] == [e.token_ids for e in expected]
-    if name != "infinitehip":
-        assert scheduler.decoder.replays > 0
+    if name not in ("infinitehip", "infllm"):  # their own attention (`cache.attention`): the scheduler steps
+        assert scheduler.decoder.replays > 0  # their slots one at a time (`Scheduler._plan`), not in the graphs
 
 
 @pytest.mark.parametrize("arch", ["llama3", "mistral", "qwen2", "qwen3"])
