@@ -126,7 +126,7 @@ def test_merge_kernel_matches_d2os_pytorch_merge(shape, first, dtype):
     drop = torch.randint(0, n, (batch, kv, 1), generator=g)
     drop[0, 0, 0] = 9  # evicting one of the twins: the other is its nearest
     beta = 0.7
-    tau = torch.tensor([-1.0, 2.0, 0.0])[:kv].repeat(batch, 1)  # head 0 merges, head 1 does not (u <= 1)
+    tau = torch.tensor([-1.0, 2.0, 0.0]).repeat(kv)[:kv].repeat(batch, 1)  # head 0 merges, head 1 does not (u <= 1)
 
     # the PyTorch path, row by row: nearest other entry, eq. 10's threshold, eq. 12's merge
     expected_k, expected_v = keys.clone(), values.clone()
@@ -145,8 +145,9 @@ def test_merge_kernel_matches_d2os_pytorch_merge(shape, first, dtype):
                   None if rows is None else to(torch.tensor(rows)))
     torch.testing.assert_close(got_tau.cpu(), new_tau, rtol=1e-5, atol=1e-6)
     # the kernel's merge rounds to the cache's dtype once, in another order than PyTorch's: on an H100, in
-    # bfloat16, one element of the one-sequence shape came out one unit in the last place (2**-8) away
-    tol = dict(rtol=0, atol=2e-3) if dtype == torch.float16 else dict(rtol=2**-8, atol=2e-3)
+    # bf16: one unit in the last place (2**-7 relative): on the H100 the kernel's merge, computed in float32 and
+    # rounded once, differed from the reference's bf16 operations by one unit at 1-2 elements of a shape
+    tol = dict(rtol=0, atol=2e-3) if dtype == torch.float16 else dict(rtol=2**-7, atol=2e-3)
     torch.testing.assert_close(got_k.cpu(), expected_k, **tol)
     torch.testing.assert_close(got_v.cpu(), expected_v, **tol)
     untouched = torch.ones(slots, kv, capacity, dtype=torch.bool)
