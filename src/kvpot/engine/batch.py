@@ -289,6 +289,9 @@ class BatchDecoder:
         cache.max_position, cache.request = self.max_position, observe
         ids = self.last_token[rows].view(bucket, 1)
         nll = self.token_nll(rows) if method.needs_token_nll else None
+        if observe is not None:  # made here: first made inside a compiled layer, its existence is a guard there,
+            for layer in self.pool.layers:  # which the next step fails, recompiling inside a graph's capture
+                layer.observation_buffer()
         out = engine.step_decoder()(input_ids=ids, position_ids=self.zeros[:bucket], use_cache=True,
                                     kvpot_cache=cache, **cache_kwargs(engine.decoder, cache))
         logits = engine.head(out.last_hidden_state[:, -1]).float()  # [bucket, vocab]
