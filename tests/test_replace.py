@@ -222,7 +222,7 @@ def test_batched_replacement_gives_the_top_k_paths_tokens(model, inputs, name, m
 
 @pytest.mark.parametrize("name", ["streaming", "h2o", "tova", "d2o", "roco", "cam"])
 def test_half_precision_replacement_keeps_the_old_paths_entries(inputs, name, monkeypatch, one_thread):
-    """In bfloat16, where D2O's merge runs as one kernel (`kvpot.kernels.replace.merge_nearest`) when the
+    """In bfloat16, where D2O's steady step runs as one kernel (`kvpot.kernels.replace.d2o_step`) when the
     kernels run (CUDA, or TRITON_INTERPRET=1): the top-k path's entries and tokens at every step."""
     model = build("llama3").to(torch.bfloat16)
     new, new_steps, _ = run(model, methods()[name], inputs, "static", monkeypatch)

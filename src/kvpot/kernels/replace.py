@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 LAST = tl.constexpr(9223372036854775807)  # int64 max: a position no entry has (loses every tie); constexpr: a global a jit function reads
-BLOCK = 1024  # entries per loop step of a move's renumbering (D2O's merge; kernels/cam.py)
+BLOCK = 1024  # entries per loop step of a move's renumbering (kernels/cam.py)
 TILE = 8192  # entries per loop step: a steady step's n (bound + 1) in one tile up to a bound of 8191
 
 
@@ -309,68 +309,6 @@ def _merge_into(k, v, drop, tau, best_s, best_p, best_j, beta, stride_kn, stride
     tl.store(v + target * stride_vn + dd, merged.to(v.dtype.element_ty), mask=inside)
 
 
-@triton.jit(do_not_specialize=["n", "stride_ks", "stride_ps"])
-def _nearest_kernel(
-    K,  # [S, KV, C, D] keys (last stride 1)
-    POS,  # [S, KV, C] int64 stream positions (ties go to the oldest)
-    ROWS,  # [B] int64 each batch row's slot (HAS_ROWS; else row b is slot b)
-    DROP,  # [B, KV] int64 the entry each head evicts
-    BEST, BEST_P, BEST_J,  # [B, KV, SPLITS] each split's most similar entry: similarity, position, index
-    n, stride_ks, stride_kh, stride_kn, stride_ps, stride_ph,
-    KV: tl.constexpr, SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_ROWS: tl.constexpr,
-):
-    """D2O eq. 9 over one split of the live entries: the entry most cosine-similar to the evicted one."""
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    split = tl.program_id(2)
-    slot = b.to(tl.int64)
-    if HAS_ROWS:
-        slot = tl.load(ROWS + b).to(tl.int64)
-    at = b.to(tl.int64) * KV + h
-    best, best_p, best_j = _nearest_split(K + slot * stride_ks + h * stride_kh, POS + slot * stride_ps + h * stride_ph,
-                                          tl.load(DROP + at), n, split, stride_kn, SPLITS, D, BLOCK_N, BLOCK_D)
-    out = at * SPLITS + split
-    tl.store(BEST + out, best)
-    tl.store(BEST_P + out, best_p)
-    tl.store(BEST_J + out, best_j)
-
-
-@triton.jit(do_not_specialize=["n", "beta", "stride_ks", "stride_vs", "stride_ps", "stride_rs", "stride_cs"])
-def _merge_kernel(
-    K, V,  # [S, KV, C, D] half-precision keys and values (last stride 1)
-    POS, RP,  # [S, KV, C] int64 stream and RoPE positions
-    SC,  # [S, KV, C] float32 a stored score that moves with its entry (HAS_SC)
-    ROWS,  # [B] int64 each batch row's slot (HAS_ROWS; else row b is slot b)
-    DROP,  # [B, KV] int64 the entry each head evicts
-    TAU,  # [B, KV] float32 D2O's threshold: read (unless FIRST) and rewritten
-    BEST, BEST_P, BEST_J,  # [B, KV, SPLITS] `_nearest_kernel`'s partial answers
-    n, beta,
-    stride_ks, stride_kh, stride_kn, stride_vs, stride_vh, stride_vn, stride_ps, stride_ph,
-    stride_rs, stride_rh, stride_cs, stride_ch,
-    KV: tl.constexpr, SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_ROWS: tl.constexpr, FIRST: tl.constexpr, RENUMBER: tl.constexpr, HAS_SC: tl.constexpr, MOVE: tl.constexpr,
-):
-    """D2O eqs. 9-12 for one head: the splits' answers reduced to the nearest other entry, the threshold's
-    EMA, the weighted merge into that entry; then (MOVE) the newest entry written over the evicted one."""
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    slot = b.to(tl.int64)
-    if HAS_ROWS:
-        slot = tl.load(ROWS + b).to(tl.int64)
-    at = b.to(tl.int64) * KV + h
-    drop = tl.load(DROP + at)
-    k = K + slot * stride_ks + h * stride_kh
-    v = V + slot * stride_vs + h * stride_vh
-    pos = POS + slot * stride_ps + h * stride_ph
-    _merge_into(k, v, drop, TAU + at, BEST + at * SPLITS, BEST_P + at * SPLITS, BEST_J + at * SPLITS, beta,
-                stride_kn, stride_vn, SPLITS, D, BLOCK_D, FIRST)
-    if MOVE:
-        tl.debug_barrier()  # the merged target is written before the newest entry (maybe the target) moves
-        _move(k, v, pos, RP + slot * stride_rs + h * stride_rh, SC + slot * stride_cs + h * stride_ch, drop, n,
-              tl.load(pos + n - 1), stride_kn, stride_vn, D, BLOCK_N, BLOCK_D, RENUMBER, HAS_SC)
-
-
 def d2o_splits(n: int) -> int:
     """`d2o_step`'s programs per head for `n` live entries: 16, fewer only below 64 entries a split. On an
     H100 (8 KV heads, 4,097-5,424 entries, `benchmarks/kernel-tuning-h100/`) a split searched about 256
@@ -379,53 +317,11 @@ def d2o_splits(n: int) -> int:
     return max(1, min(16, triton.next_power_of_2(triton.cdiv(n, 64))))
 
 
-def _splits(capacity: int) -> int:
-    """How many programs search one head's entries for the nearest key (from shapes alone)."""
-    return max(1, min(32, triton.next_power_of_2(triton.cdiv(capacity, 512))))
-
-
-def merge_nearest(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, n: int, drop: torch.Tensor,
-                  tau: torch.Tensor, beta: float, first: bool, rows: torch.Tensor | None = None,
-                  rope_positions: torch.Tensor | None = None, stored: torch.Tensor | None = None,
-                  renumber: bool = False) -> None:
-    """D2O's merge of each head's evicted entry into its most similar other live entry (eqs. 9-12), in
-    place: keys/values [S, KV, C, D] in half precision (where `(k e) / e` is k itself, so only the target
-    is written), positions [S, KV, C], drop [B, KV(, 1)] the evicted entries, tau [B, KV] float32 the
-    threshold (rewritten; `first`: this is its first eviction, tau becomes the similarity). With
-    `rope_positions` (and `stored`, `renumber` as `replace_newest`), the newest entry then takes the evicted
-    one's slot in the same launch. Two launches: the search split over the entries, then the rest."""
-    slots, kv, capacity, d = keys.shape
-    batch = slots if rows is None else rows.numel()
-    _check_merge(keys, values, tau, batch, kv)
-    drop = drop.reshape(batch, kv).contiguous()
-    splits = _splits(capacity)
-    best = torch.empty(batch, kv, splits, dtype=torch.float32, device=keys.device)
-    best_p = torch.empty(batch, kv, splits, dtype=torch.long, device=keys.device)
-    best_j = torch.empty(batch, kv, splits, dtype=torch.int32, device=keys.device)
-    row_arg = positions if rows is None else rows
-    block_d = triton.next_power_of_2(d)
-    _nearest_kernel[(batch, kv, splits)](
-        keys, positions, row_arg, drop, best, best_p, best_j, n,
-        keys.stride(0), keys.stride(1), keys.stride(2), positions.stride(0), positions.stride(1),
-        KV=kv, SPLITS=splits, D=d, BLOCK_N=64, BLOCK_D=block_d, HAS_ROWS=rows is not None,
-    )
-    move = rope_positions is not None
-    rp = positions if rope_positions is None else rope_positions
-    sc = positions if stored is None else stored
-    _merge_kernel[(batch, kv)](
-        keys, values, positions, rp, sc, row_arg, drop, tau, best, best_p, best_j, n, float(beta),
-        keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
-        positions.stride(0), positions.stride(1), rp.stride(0), rp.stride(1), sc.stride(0), sc.stride(1),
-        KV=kv, SPLITS=splits, D=d, BLOCK_N=min(BLOCK, triton.next_power_of_2(capacity)), BLOCK_D=block_d,
-        HAS_ROWS=rows is not None, FIRST=first, RENUMBER=renumber, HAS_SC=stored is not None, MOVE=move,
-    )
-
-
 def _check_merge(keys, values, tau, batch: int, kv: int) -> None:
     if keys.dtype not in (torch.float16, torch.bfloat16) or values.dtype != keys.dtype:
-        raise ValueError(f"merge_nearest: keys and values must be float16 or bfloat16, got {keys.dtype}")
+        raise ValueError(f"d2o_step: keys and values must be float16 or bfloat16, got {keys.dtype}")
     if tau.shape != (batch, kv) or tau.dtype != torch.float32 or not tau.is_contiguous():
-        raise ValueError(f"merge_nearest: tau must be a contiguous float32 [{batch}, {kv}] tensor")
+        raise ValueError(f"d2o_step: tau must be a contiguous float32 [{batch}, {kv}] tensor")
 
 
 @triton.jit(do_not_specialize=["n", "sinks", "recent", "beta", "stride_ob", "stride_oh", "stride_ks", "stride_vs",
@@ -490,8 +386,9 @@ def d2o_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, 
              block_n: int = 32) -> torch.Tensor:
     """D2O's steady decoding step in one launch: `stored` [S, KV, C] float32 (the accumulated attention)
     += `observation` [B, KV, >= n] float32 over the `n` live entries; each head drops the lowest sum
-    (`replace_newest`'s rule with `sinks`, `recent`), merged into its most similar other entry as
-    `merge_nearest` (`tau` [B, KV] float32, `beta`, `first`); the newest entry takes its slot.
+    (`replace_newest`'s rule with `sinks`, `recent`), merged into its most similar other entry (eqs. 9-12:
+    `tau` [B, KV] float32 the threshold, rewritten; `first`: its first eviction, tau becomes the similarity;
+    in half precision, where `(k e) / e` is k, only the target is written); the newest entry takes its slot.
     keys/values [S, KV, C, D] half precision, positions/rope_positions [S, KV, C] int64, rows [B] int64 the
     slots (None: all S), `count` [B, KV] int32 zeros (left at zero). Returns the dropped entries [B, KV, 1].
     Launch shape (the results do not depend on it; tuning only): `splits` programs per head (a power of

@@ -175,7 +175,7 @@ class D2O(Method):
     def replace(self, cache, index: int, size: int) -> None:
         """`evict` of the one entry a decoding step adds (`kvpot.methods.replace`), the step's attention
         added to the scores first (eq. 6): the entry leaves, merged into its nearest other entry (eqs.
-        9-12), and the new entry takes its slot. One launch where the kernels run (`fused`)."""
+        9-12), and the new entry takes its slot. One launch where the kernels run (`fused`); else PyTorch."""
         layer = cache.layers[index]
         if self.fused(cache, index, size):
             replace.took_newest(layer)
@@ -186,16 +186,10 @@ class D2O(Method):
             replace.take_newest(layer, ranking.scores, ranking.sinks, ranking.recent)
             return
         drop = replace.find_drop(layer, ranking.scores, ranking.sinks, ranking.recent)
-        if kernel_merges(layer.keys):  # one launch: eqs. 9-12 for every head
-            from kvpot.kernels.replace import merge_nearest
-
-            first, tau = self._tau(cache, index, layer)
-            merge_nearest(layer.keys, layer.values, layer.positions, n, drop, tau, float(self.beta), first)
-        else:
-            keys, values = layer.keys[:, :, :n], layer.values[:, :, :n]
-            similarity, target = nearest_other(keys, drop, layer.positions[:, :, :n])
-            merge = similarity >= self._threshold(cache, index, similarity)
-            merge_one(keys, values, drop, target, similarity, merge)
+        keys, values = layer.keys[:, :, :n], layer.values[:, :, :n]
+        similarity, target = nearest_other(keys, drop, layer.positions[:, :, :n])
+        merge = similarity >= self._threshold(cache, index, similarity)
+        merge_one(keys, values, drop, target, similarity, merge)
         replace.take_newest(layer, drop=drop)
 
     def fused(self, cache, index: int, size: int) -> bool:

@@ -88,7 +88,7 @@ def merge_one(keys: torch.Tensor, values: torch.Tensor, drop: torch.Tensor, targ
 
 
 def kernel_merges(keys: torch.Tensor) -> bool:
-    """Whether `kvpot.kernels.replace.merge_nearest` merges these keys: a device the kernels run on, and half
+    """Whether `kvpot.kernels.replace.d2o_step` merges these keys: a device the kernels run on, and half
     precision (where it writes the target alone, `(k e) / e` being k)."""
     from kvpot import kernels
 
