@@ -163,7 +163,8 @@ def roco_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
         positions.stride(0), positions.stride(1), rope_positions.stride(0), rope_positions.stride(1),
         sums.stride(0), sums.stride(1),
         KV=kv, D=d, BLOCK_N=block, BLOCK_D=triton.next_power_of_2(d), RENUMBER=renumber, HAS_ROWS=rows is not None,
-        num_warps=max(4, min(32, block // 512)) if warps is None else warps, enable_fp_fusion=False,  # fused multiply-adds round otherwise
+        num_warps=max(4, min(32, block // 512)) if warps is None else warps,
+        enable_fp_fusion=False,  # fused multiply-adds round otherwise
     )
     return drop.view(batch, kv, 1)
 
