@@ -187,11 +187,11 @@ def model_kv_bytes(model) -> int:
     return kv_bytes_per_token(model.config, next(model.parameters()).element_size())
 
 
-def engine_for(model, run, vocab, decode: str = "auto", compile_step: bool = False):
+def engine_for(model, run, vocab, decode: str = "auto", compile_step: bool = False, linear: str = "auto"):
     from kvpot.engine import Engine
 
     return Engine(model, IdTokenizer(vocab), method=run.method, chat_template=False, decode=decode,
-                  compile_step=compile_step)
+                  compile_step=compile_step, linear=linear)
 
 
 def floor_forward(model, ids, chunk: int) -> None:

@@ -67,6 +67,7 @@ class BenchConfig:
     breakdown: bool = False  # decode: a step's time by part (kvpot.bench.breakdown)
     decode: str = "auto"  # the engine's decoding path (kvpot.engine.decoding)
     compile_step: bool = False  # torch.compile the fixed-shape step's decoder (Engine(compile_step=True))
+    linear: str = "auto"  # single-token linear layers (Engine(linear=...), kvpot.engine.linear)
     baselines: list[str] = field(default_factory=list)  # "hf", "kvpress" (kvpot.bench.baselines)
     # folder holding transformers 5.2 + kvpress (benchmarks/kvpress-env/make_wheels.sh): the kvpress
     # baseline rows run in a second Python process with it first on PYTHONPATH; None: no kvpress rows
@@ -125,6 +126,8 @@ class BenchConfig:
             raise KvpotError("--breakdown applies to bench decode.")
         if self.decode not in DECODE_MODES:
             raise KvpotError(f"--decode must be one of {', '.join(DECODE_MODES)}, got {self.decode!r}.")
+        if self.linear not in ("auto", "gemv", "torch"):
+            raise KvpotError(f"--linear must be auto, gemv or torch, got {self.linear!r}.")
         if self.sdpa not in SDPA_CHOICES:
             raise KvpotError(f"--sdpa must be one of {', '.join(SDPA_CHOICES)}, got {self.sdpa!r}.")
         if not self.lengths:

@@ -29,8 +29,8 @@ def bench_decode(config: BenchConfig, model, runs, results, progress) -> None:
     vocab = model.config.vocab_size
     kv_bytes = model_kv_bytes(model)
     question = random_tokens(vocab, config.question_tokens, config.seed + 1, config.device)
-    engines = {run.label: engine_for(model, run, vocab, decode=config.decode, compile_step=config.compile_step)
-               for run in runs}
+    engines = {run.label: engine_for(model, run, vocab, decode=config.decode, compile_step=config.compile_step,
+                                     linear=config.linear) for run in runs}
     count = config.warmup_steps + config.decode_steps + 1  # +1: n tokens give n - 1 timed steps
     warm = min(WARMUP_TOKENS, config.lengths[0])
     warmup_seconds = {}  # per method: with --compile-step, mostly the step's compilation
@@ -93,6 +93,7 @@ def bench_decode(config: BenchConfig, model, runs, results, progress) -> None:
             "final_kv_entries": None if stats is None else stats.final_kv_entries,
             "warmup_seconds": None if entry == FLOOR else warmup_seconds[entry.label],
             "method_report": None if stats is None else stats.method,
+            "linear": None if entry == FLOOR else engine.linear,  # --linear as resolved on this device
             **extra,
         }
 

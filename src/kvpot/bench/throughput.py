@@ -83,7 +83,8 @@ def _kvpot_row(config: BenchConfig, model, run, prompts: dict, kind: str, tokeni
 
     engine = Engine(model, tokenizer or IdTokenizer(model.config.vocab_size), method=run.method, chat_template=False,
                     # bench serve's config (also passed here) has no compile_step: its server compiles nothing
-                    decode=config.decode, compile_step=getattr(config, "compile_step", False))
+                    decode=config.decode, compile_step=getattr(config, "compile_step", False),
+                    linear=getattr(config, "linear", "auto"))
     extra, state = {}, None
     if prompts["document"] is not None:
         synchronize(config.devices)

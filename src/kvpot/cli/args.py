@@ -69,6 +69,12 @@ def add_decode_argument(parser: argparse.ArgumentParser) -> None:
              "once for every layer: norms, activations, residual adds and cache writes fuse into fewer kernels "
              "around the weights; the first step pays the compilation",
     )
+    parser.add_argument(
+        "--linear", default="auto", choices=["auto", "gemv", "torch"],
+        help="single-token steps' linear layers: auto (default) runs them through kvpot's Triton matrix-vector "
+             "kernel on a GPU (read at the memory's speed; sums in another order than cuBLAS) and through torch "
+             "elsewhere; gemv / torch force one (gemv needs CUDA and Triton)",
+    )
 
 
 def add_gguf_argument(parser: argparse.ArgumentParser) -> None:

@@ -107,6 +107,9 @@ def register(sub) -> None:
                         "compiled once for every layer (norms, activations, residual adds and cache writes fused "
                         "around the weights) before it is captured; the first step then takes the compilation, "
                         "outside the timed steps")
+    p.add_argument("--linear", default="auto", choices=["auto", "gemv", "torch"],
+                   help="decode and throughput: kvpot's single-token linear layers (Engine(linear=...)): auto "
+                        "(default) kvpot's Triton matrix-vector kernel on a GPU, torch elsewhere; gemv / torch force one")
     p.add_argument("--sdpa", choices=SDPA_CHOICES, default=DEFAULT_SDPA,
                    help="prefill, decode, attention, throughput: SDPA's backends on CUDA for every row of the run "
                         "(the hf and kvpress baselines, and kvpot's rows where they call SDPA). no-cudnn (default): cuDNN's attention off, flash, memory-efficient "
@@ -186,7 +189,7 @@ def config_from_args(args) -> BenchConfig:
         question_tokens=args.question_tokens, floor=args.floor, floor_chunk=args.floor_chunk, block=args.block,
         min_time=args.min_time, threads=args.threads, seed=args.seed, profile=args.profile,
         breakdown=args.breakdown, decode=args.decode,
-        compile_step=args.compile_step,
+        compile_step=args.compile_step, linear=args.linear,
         baselines=[b.strip() for item in args.baseline for b in item.split(",") if b.strip()],
         kvpress_path=args.kvpress_path or os.environ.get("KVPOT_KVPRESS_PATH") or None,
         users=args.users, new_tokens=args.new_tokens, document=args.document, slots=args.slots,

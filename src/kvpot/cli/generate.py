@@ -104,7 +104,7 @@ def run(args) -> int:
     engine = Engine.from_pretrained(
         resolve_model(args.model, args.gguf), method=method, device=device, dtype=resolve_dtype(args.dtype),
         chat_template=template, device_map=device_map, max_memory=max_memory, gguf_file=args.gguf,
-        decode=args.decode, compile_step=args.compile_step,
+        decode=args.decode, compile_step=args.compile_step, linear=args.linear,
     )
     stream = None if args.json else (lambda piece: print(piece, end="", flush=True))
     result = engine.generate(

@@ -116,7 +116,7 @@ def run(args) -> int:
     template = {"auto": "auto", "on": True, "off": False}[config.chat_template]
     engine = Engine.from_pretrained(resolve_model(config.model), method=method, device=resolve_device(config.device),
                                     dtype=resolve_dtype(config.dtype), chat_template=template, decode=args.decode,
-                                    compile_step=args.compile_step)
+                                    compile_step=args.compile_step, linear=args.linear)
     if engine.tokenizer is None:
         raise KvpotError(f"{resolve_model(config.model)} has no tokenizer; kvpot serve needs one.")
     app = create_app(engine, config)

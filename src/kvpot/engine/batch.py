@@ -292,9 +292,10 @@ class BatchDecoder:
         if observe is not None:  # made here: first made inside a compiled layer, its existence is a guard there,
             for layer in self.pool.layers:  # which the next step fails, recompiling inside a graph's capture
                 layer.observation_buffer()
-        out = engine.step_decoder()(input_ids=ids, position_ids=self.zeros[:bucket], use_cache=True,
-                                    kvpot_cache=cache, **cache_kwargs(engine.decoder, cache))
-        logits = engine.head(out.last_hidden_state[:, -1]).float()  # [bucket, vocab]
+        with engine.single_row():  # a bucket of one: its linear layers as a single sequence's (engine.linear)
+            out = engine.step_decoder()(input_ids=ids, position_ids=self.zeros[:bucket], use_cache=True,
+                                        kvpot_cache=cache, **cache_kwargs(engine.decoder, cache))
+            logits = engine.head(out.last_hidden_state[:, -1]).float()  # [bucket, vocab]
         method.batch_append(self.pool.layers, rows, cache.appended, live, Step("decode", 1, segment_end=True,
                                                                                token_nll=nll))
         self.logits[rows] = logits

@@ -240,12 +240,13 @@ class Decoder:
         cache.static = True
         try:
             cache.begin_forward(self.position, self.max_position, method.decode_request(plan))
-            with record_function("kvpot.step.decoder"):
-                hidden = engine.step_decoder()(input_ids=self.token.view(1, 1), position_ids=self.zero,
-                                               use_cache=True, kvpot_cache=cache,
-                                               **cache_kwargs(engine.decoder, cache)).last_hidden_state[0]
-            with record_function("kvpot.step.head"):
-                logits = engine.head(hidden[-1]).float()
+            with engine.single_row():
+                with record_function("kvpot.step.decoder"):
+                    hidden = engine.step_decoder()(input_ids=self.token.view(1, 1), position_ids=self.zero,
+                                                   use_cache=True, kvpot_cache=cache,
+                                                   **cache_kwargs(engine.decoder, cache)).last_hidden_state[0]
+                with record_function("kvpot.step.head"):
+                    logits = engine.head(hidden[-1]).float()
             with record_function("kvpot.step.method"):
                 nll = F.cross_entropy(self.logits.view(1, -1), self.token) if method.needs_token_nll else None
                 step = Step("decode", 1, segment_end=True, token_nll=None if nll is None else nll.view(1))

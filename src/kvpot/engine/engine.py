@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from contextlib import nullcontext
 from collections.abc import Callable, Iterator
 
 import torch
@@ -21,6 +22,7 @@ from kvpot.attention import AttentionRequest, register
 from kvpot.cache import PotCache
 from kvpot.compat import cache_kwargs
 from kvpot.engine.decoding import MODES, Decoder, decode_eager, resolve_mode
+from kvpot.engine.linear import resolve_linear, single_row_scope
 from kvpot.engine.regions import CompiledStep
 from kvpot.engine.score import Scoring
 from kvpot.engine.text import TextApi
@@ -55,6 +57,7 @@ class Engine(TextApi, Scoring):
         chat_template: bool | str = "auto",
         decode: str = "auto",
         compile_step: bool = False,
+        linear: str = "auto",
     ):
         architecture_of(model.config)
         if chat_template not in (True, False, "auto"):
@@ -77,6 +80,9 @@ class Engine(TextApi, Scoring):
         # split by accelerate (device_map), each layer's cache lives on its layer's device (kvpot.models.devices)
         self._device, self.output_device = input_device(model), output_device(model)
         self.devices = model_devices(model)
+        # single-token steps' linear layers: kvpot's matrix-vector kernel on a GPU (kvpot.engine.linear)
+        self.linear = resolve_linear(linear, self._device)
+        self._linear_devices = ("cuda",)
 
     @classmethod
     def from_pretrained(
@@ -88,6 +94,7 @@ class Engine(TextApi, Scoring):
         chat_template: bool | str = "auto",
         decode: str = "auto",
         compile_step: bool = False,
+        linear: str = "auto",
         device_map: str | dict | None = None,
         max_memory: dict | None = None,
         gguf_file: str | None = None,
@@ -100,7 +107,7 @@ class Engine(TextApi, Scoring):
         model, tokenizer = load_pretrained(name_or_path, device=device, dtype=dtype, device_map=device_map,
                                            max_memory=max_memory, gguf_file=gguf_file)
         return cls(model, tokenizer, method=method, chat_template=chat_template, decode=decode,
-                   compile_step=compile_step)
+                   compile_step=compile_step, linear=linear)
 
     def step_decoder(self):
         """The decoder that fixed-shape decoding steps run: with `compile_step`, its decoder layer
@@ -112,6 +119,11 @@ class Engine(TextApi, Scoring):
         if self._step_decoder is None:
             self._step_decoder = CompiledStep(self.decoder)
         return self._step_decoder
+
+    def single_row(self):
+        """The context every single-token forward runs in (eager, static or captured alike, so the decoding
+        paths agree): with `linear="gemv"`, its linear layers go through kvpot's kernel."""
+        return single_row_scope(self.linear, self._linear_devices)
 
     @property
     def device(self) -> torch.device:
@@ -287,13 +299,16 @@ class Engine(TextApi, Scoring):
         tail, request = self.method.tail_probe(run.cache, step), self.method.request(step)
         observation = None
         if tail is None:
-            hidden = self._run_model(run, ids, request)  # [q, hidden]
+            with self.single_row() if ids.numel() == 1 else nullcontext():
+                hidden = self._run_model(run, ids, request)  # [q, hidden]
+                logits = self.head(hidden[-1]).float()  # [vocab]
         elif request is not None:
             raise KvpotError(f"{self.method.name} asked for an observation and a tail probe in one forward.")
         else:
             hidden, observation = self._forward_with_tail(run, ids, *tail)
+            logits = self.head(hidden[-1]).float()
         token_nll = self._token_nll(run.logits, hidden, ids) if self.method.needs_token_nll else None
-        run.logits = self.head(hidden[-1]).float()  # [vocab]
+        run.logits = logits
         run.next_position += ids.numel()
         step = dataclasses.replace(step, token_nll=token_nll, tail_observation=observation,
                                    probe=lambda probe_ids, request, cache=None: self.probe(

@@ -147,7 +147,7 @@ class Service:
 
                 engine = Engine(self.default.model, self.default.tokenizer, method=method,
                                 chat_template=self.default.chat_template, decode=self.default.decode,
-                                compile_step=self.default.compile_step)
+                                compile_step=self.default.compile_step, linear=self.default.linear)
                 self.engines[key] = engine
         return engine
 

@@ -1,0 +1,89 @@
+"""Single-token steps' linear layers through kvpot's matrix-vector kernel (`Engine(linear="gemv")`).
+
+A decoding step at batch 1 multiplies every weight by one row; `kvpot.kernels.gemv` reads the weights
+at the memory's speed where cuBLAS' general kernels do not (issue 30). The model's modules are left as
+they are: while a single-token step runs, a `TorchFunctionMode` (PyTorch's public hook for every
+`torch.*` call from Python) sends each `F.linear` whose input is one row on a CUDA device to the kernel,
+and every other call through unchanged. A CUDA graph records the kernel like any other launch; under the
+compiled step the kernel is one opaque operator (`kvpot::gemv`), so the compiler neither traces into the
+Triton kernel (inductor's functionalisation of user kernels failed on the H100, as for the decode
+kernels) nor breaks its graph there.
+
+The engine applies the mode to every single-token forward, eager and captured alike, so a decoding
+loop's paths agree with each other; prefill (many rows) never meets it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from kvpot.errors import KvpotError
+
+LINEARS = ("auto", "gemv", "torch")
+
+
+@torch.library.custom_op("kvpot::gemv", mutates_args=())
+def gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear` of one row: kvpot's kernel on CUDA; elsewhere (the mode's CPU tests) the plain
+    product, or the kernel in Triton's interpreter when it runs."""
+    from kvpot import kernels
+
+    if kernels.available(x.device):
+        from kvpot.kernels.gemv import gemv
+
+        return gemv(x, weight, bias)
+    # not F.linear: at run time a compiled step calls this op with the mode still active
+    out = x @ weight.t()
+    return out if bias is None else out + bias
+
+
+@gemv_op.register_fake
+def _(x, weight, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+class SingleRowLinear(TorchFunctionMode):
+    """Sends `F.linear` calls of one row on `devices` to `kvpot::gemv`. (It keeps no count: the compiled
+    step traces this method, and a changing attribute would be a guard that fails at every step.)"""
+
+    def __init__(self, devices: tuple[str, ...] = ("cuda",)):
+        super().__init__()
+        self.devices = devices
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if self._takes(x, weight, bias):
+                return gemv_op(x, weight, bias)
+        return func(*args, **kwargs)
+
+    def _takes(self, x, weight, bias) -> bool:
+        if x.device.type not in self.devices or weight.device != x.device:
+            return False
+        if x.numel() != x.shape[-1] or weight.dim() != 2 or weight.stride(-1) != 1 or weight.dtype != x.dtype:
+            return False
+        return bias is None or (bias.dtype == x.dtype and bias.device == x.device)
+
+
+def resolve_linear(linear: str, device: torch.device) -> str:
+    """`auto`: the kernel where kvpot's kernels run on a CUDA device, else torch's."""
+    if linear not in LINEARS:
+        raise KvpotError(f"linear must be one of {LINEARS}, got {linear!r}.")
+    from kvpot import kernels
+
+    if linear == "gemv" and not (device.type == "cuda" and kernels.available(device)):
+        raise KvpotError("linear='gemv' runs kvpot's Triton kernel: it needs a CUDA device and Triton.")
+    if linear == "auto":
+        return "gemv" if device.type == "cuda" and kernels.available(device) else "torch"
+    return linear
+
+
+def single_row_scope(linear: str, devices: tuple[str, ...] = ("cuda",)):
+    """The context a single-token forward runs in: the routing mode for `gemv`, nothing for `torch`."""
+    return SingleRowLinear(devices) if linear == "gemv" else contextlib.nullcontext()
