@@ -4,13 +4,16 @@ Each product is timed the way a decoding step meets it: a CUDA graph replays `--
 on its own copy of the weights (together well past the 50 MB L2 cache, as a step's 14 GB are), and the
 figure is microseconds per product (median of `--repeats` replays) and the bandwidth it reached. Shapes:
 the `llama3-8b` and `llama3.2-1b` steps' products (bf16). One JSON line per (shape, implementation,
-launch shape); `"default": true` marks the shape `gemv.config` picks at this commit."""
+launch shape); `"default": true` marks the shape `gemv.config` picks at this commit. The launch shapes run
+in a shuffled order (`--seed`) and cuBLAS is timed before and after them (`"when"`), so a drift of the
+machine over the sweep (its clocks, its temperature) shows instead of favouring the shapes timed first."""
 
 from __future__ import annotations
 
 import argparse
 import itertools
 import json
+import random
 
 import torch
 import torch.nn.functional as F
@@ -53,20 +56,22 @@ def rows(name: str, n: int, k: int, args) -> None:
     x = torch.randn(1, 1, k, device="cuda", dtype=torch.bfloat16)
     picks = [weights[i % copies] for i in range(args.launches)]
 
-    def emit(impl: str, shape, us: float) -> None:
-        print(json.dumps({"shape": name, "n": n, "k": k, "impl": impl, "launch": shape,
+    def emit(impl: str, shape, us: float, when: str | None = None) -> None:
+        print(json.dumps({"shape": name, "n": n, "k": k, "impl": impl, "launch": shape, "when": when,
                           "default": shape == config(n, k), "us": round(us, 3),
                           "tb_per_s": round(2 * n * k / us / 1e6, 3)}), flush=True)
 
-    emit("F.linear", None, time_graph([lambda w=w: F.linear(x, w) for w in picks], args.repeats))
+    cublas = [lambda w=w: F.linear(x, w) for w in picks]
+    emit("F.linear", None, time_graph(cublas, args.repeats), "before")
     reference = F.linear(x.float(), weights[0].float())
-    for shape in itertools.product(args.block_n, args.block_k, args.warps):
-        if shape[1] > k:
-            continue
+    shapes = [s for s in itertools.product(args.block_n, args.block_k, args.warps) if s[1] <= max(k, 16)]
+    random.Random(args.seed).shuffle(shapes)
+    for shape in shapes:
         out = gemv(x, weights[0], shape=shape)
         if not torch.allclose(out.float(), reference, rtol=2**-7, atol=2e-2):
             raise SystemExit(f"gemv {shape} on {name}: wrong result")
         emit("gemv", shape, time_graph([lambda w=w: gemv(x, w, shape=shape) for w in picks], args.repeats))
+    emit("F.linear", None, time_graph(cublas, args.repeats), "after")
     del weights
 
 
@@ -78,6 +83,7 @@ def main() -> None:
     parser.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--launches", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--seed", type=int, default=0, help="the launch shapes' shuffled order")
     parser.add_argument("--bytes-in-flight", type=int, default=1 << 30, help="weights' bytes a graph cycles through")
     args = parser.parse_args()
     for name in args.shapes:
