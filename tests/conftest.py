@@ -113,6 +113,7 @@ def interpreter_runtime_loops() -> None:
     from triton.runtime import interpreter
 
     _interpreter_bf16_to_nearest(interpreter)
+    _interpreter_vectorized_reduce(interpreter)
     original = interpreter._patch_lang_tensor
     if getattr(original, "kvpot_fixed", False):
         return
@@ -123,6 +124,54 @@ def interpreter_runtime_loops() -> None:
 
     patched.kvpot_fixed = True
     interpreter._patch_lang_tensor = patched
+
+
+def _interpreter_vectorized_reduce(interpreter) -> None:
+    """Triton 3.6's interpreter runs a reduction with a kernel's own combine function (`tl.reduce` over a
+    tuple: `kernels.roco`'s packed counts) one element at a time in Python, seconds per reduction over a
+    tile of thousands. Reduce in log2(n) vectorized rounds instead, each combining adjacent pairs: the
+    order is kept, so any associative combine function gives what the element loop gives (one that cannot
+    take whole arrays, e.g. Python's `or` on tensors, raises and takes the element loop)."""
+    import numpy as np
+
+    ops = interpreter.ReduceOps
+    original = ops.generic_reduce
+    if getattr(original, "kvpot_fixed", False):
+        return
+
+    def generic_reduce(self, input):
+        try:
+            return vectorized(self, input)
+        except Exception:
+            return original(self, input)
+
+    def vectorized(self, input):
+        axis = 0 if self.axis is None else self.axis
+        data = [t.handle.data.reshape(-1) if self.axis is None else t.handle.data for t in input]
+        length = data[0].shape[axis]
+        if length < 1 or length & (length - 1):
+            return original(self, input)
+        dtypes = [t.dtype for t in input]
+        while data[0].shape[axis] > 1:
+            halves = [self.to_tensor(np.take(d, np.arange(first, d.shape[axis], 2), axis=axis), dt)
+                      for first in (0, 1) for d, dt in zip(data, dtypes)]
+            out = self.combine_fn.fn(*halves)
+            out = out if isinstance(out, tuple) else (out,)
+            if not all(isinstance(o, interpreter.tl.core.tensor) for o in out):
+                return original(self, input)
+            data = [np.broadcast_to(o.handle.data, halves[0].handle.data.shape) for o in out]
+        ret = []
+        for d, dt in zip(data, dtypes):
+            if self.axis is None:
+                d = d.reshape(-1)[0]
+                d = np.reshape(d, (1,) * len(input[0].shape)) if self.keep_dims else d.item()
+            elif not self.keep_dims:
+                d = np.squeeze(d, axis=axis)
+            ret.append(self.to_tensor(d, dt))
+        return ret
+
+    generic_reduce.kvpot_fixed = True
+    ops.generic_reduce = generic_reduce
 
 
 def _interpreter_bf16_to_nearest(interpreter) -> None:

@@ -111,6 +111,87 @@ def test_kth_largest_over_the_whole_int32_range():
             assert int(out.item()) == want, (trial, k)
 
 
+# (name, values, chosen, ks): the k-th largest search on its own, against a sort. Each case also takes k = 1,
+# k = the number chosen and one past it.
+def _kth_cases():
+    g = torch.Generator().manual_seed(1)
+    top = 2**31 - 1
+
+    def rand(n, low, high):
+        return torch.randint(low, high, (n,), generator=g, dtype=torch.int64).to(torch.int32)
+
+    every = torch.ones(64, dtype=torch.int32)
+    some = (torch.rand(64, generator=g) < 0.6).to(torch.int32)
+    edges = torch.tensor([(i << 27) + e for i in range(16) for e in (-1, 0, 1, 2)], dtype=torch.int64)
+    return [
+        ("distinct", rand(64, 0, top), some, [7, 20]),
+        ("all-equal", torch.full((64,), 12345, dtype=torch.int32), every, [32]),
+        ("top-bit-30", torch.cat([rand(48, 2**30, top), torch.tensor([top, 2**30] * 2, dtype=torch.int32),
+                                  rand(12, 0, 2**30)]), every, [3, 48, 52, 53]),
+        ("all-max", torch.full((64,), top, dtype=torch.int32), some, [5]),
+        ("zeros", torch.zeros(64, dtype=torch.int32), every, [17]),
+        ("zeros-and-ones", torch.arange(64, dtype=torch.int32) % 2, every, [32, 33]),
+        ("many-ties", torch.tensor([0, 1, 2**20, 2**30 + 5, top])[torch.randint(0, 5, (64,), generator=g)].to(torch.int32),
+         some, [2, 10, 25]),
+        ("bin-edges", edges.clamp(0, top).to(torch.int32), every, [5, 6, 7, 8, 33]),  # one below, at and above each bin
+        ("sparse-mask", rand(64, 0, top), (torch.arange(64) % 29 == 3).to(torch.int32), [2]),
+        ("empty-mask", rand(64, 0, top), torch.zeros(64, dtype=torch.int32), [2]),
+        ("unchosen-larger", torch.cat([rand(32, 0, 1000), rand(32, 2**30, top)]),
+         (torch.arange(64) < 32).to(torch.int32), [10]),
+        ("k-below-one", rand(64, 0, top), some, [0, -3]),  # every t qualifies: the largest int32
+        ("full-tile", rand(16384, 0, top), torch.ones(16384, dtype=torch.int32), [8192]),  # counts at 2**14
+        ("full-tile-equal", torch.full((16384,), 7, dtype=torch.int32), torch.ones(16384, dtype=torch.int32), [16383]),
+    ]
+
+
+KTH_CASES = _kth_cases()
+
+
+def kth_reference(values: torch.Tensor, chosen: torch.Tensor, k: int) -> int:
+    ranked = values[chosen.bool()].sort(descending=True).values
+    if k < 1:
+        return 2**31 - 1
+    return int(ranked[k - 1]) if k <= len(ranked) else 0
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("case", KTH_CASES, ids=[c[0] for c in KTH_CASES])
+def test_kth_largest_cases(case, bits):
+    """The search (`_kth_largest`, 2, 3 or 4 bits a step) against a sort, over named edge cases: the largest
+    t with at least k chosen values >= t, 0 where fewer than k are chosen."""
+    from kvpot.kernels.roco import kth_largest
+
+    _, values, chosen, ks = case
+    many = int(chosen.sum())
+    for k in sorted(set(ks) | {1, many, many + 1}):
+        got = kth_largest(values.to(DEVICE), chosen.to(DEVICE), torch.tensor([k], dtype=torch.int32, device=DEVICE), bits)
+        assert int(got.item()) == kth_reference(values, chosen, k), (k, int(got.item()))
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+def test_search_bits_do_not_change_the_step(bits):
+    """Settling 2 or 3 bits a search step instead of 4 (tuning only): the same step, ties in std included."""
+    from kvpot.kernels.roco import roco_step
+
+    shape = SHAPES[0]
+    n, sinks, recent, volatile = shape[5], shape[7], shape[8], shape[9]
+    for ties in (True, False):
+        buffers, observation, _ = inputs(shape, True, ties, 0)
+        expected = [b.clone() for b in buffers]
+        want = steady_reference(*expected[:4], expected[4:], observation, n, None, sinks, recent, volatile, True)
+        got = roco_step(*buffers, observation, n, None, sinks, recent, volatile, True, bits=bits)
+        assert torch.equal(got, want)
+        assert all(torch.equal(a, b) for a, b in zip(buffers, expected))
+
+
+def test_search_bits_are_checked():
+    from kvpot.kernels.roco import roco_step
+
+    buffers, observation, _ = inputs(SHAPES[0], True, False, 0)
+    with pytest.raises(ValueError, match="2, 3 or 4 bits"):
+        roco_step(*buffers, observation, SHAPES[0][5], bits=5)
+
+
 def append_newest(buffers, n: int, renumber: bool) -> None:
     """A decoding step's append at place n - 1 (after a step left n - 1 live entries): the next stream
     position, no statistics yet."""

@@ -10,8 +10,9 @@ For each batch row b (pool slot `rows[b]`) and KV head h, one program holds the 
   eviction scope is every entry but the first `sinks` places and those whose stream position is within
   `recent` of the newest's; the `count` entries of the scope with the largest std (the older first
   among equal ones: `roco.most_volatile`'s int64 key, std bits above the age) leave the scope. They are
-  found by a bitwise search for the count-th largest key: first over the std's bits, then, among the
-  entries tied at that std, over their age. No sort, no host synchronisation;
+  found by a bitwise search for the count-th largest key (`_kth_largest`, 3 bits a reduction): first
+  over the std's bits, then, among the entries tied at that std, over their age. No sort, no host
+  synchronisation;
 - FIND: the lowest mean in the scope leaves, the oldest among equal means (`replace.drop_index`);
 - MOVE: the newest entry (`n - 1`) is written over it: keys, values, positions, RoPE positions (ranks
   renumbered with RENUMBER) and the three statistics (`replace._move`).
@@ -30,29 +31,106 @@ import triton.language as tl
 from kvpot.kernels.replace import LAST, _move, _order_key
 
 MAX_ENTRIES = 16384  # one tile of int32/float32 arrays in registers (32 warps): RoCo budgets up to 16K
-TOP = tl.constexpr(1 << 30)  # the highest bit of a non-negative float32's bits, and of an age below 2**31
-FIELD = tl.constexpr(0xFFFF)  # three counts (each at most MAX_ENTRIES) share one int64 sum, 16 bits apiece
+MOST = tl.constexpr(MAX_ENTRIES)  # the most chosen keys a search counts (2**14: each count fits 15 bits)
+FIELD = tl.constexpr(0xFFFF)  # counts share an int64 (or int32) sum, 16 bits apiece
+ONES = tl.constexpr(0x0001000100010001)  # 1 in each of an int64's four 16-bit fields
+SEARCH_BITS = 3  # bits the k-th largest search settles per reduction (2, 3 or 4; results do not depend on it)
 
 
 @triton.jit
-def _kth_largest(values, chosen, k):
-    """The k-th largest of the non-negative int32 `values` where `chosen` (0 if fewer than k): the largest
-    t with at least k chosen values >= t, built from the top bit down. Bit 30 alone, then two bits a step,
-    whose three candidates are counted in one reduction: 16 reductions in all (each a barrier)."""
-    top = tl.full((), TOP, tl.int32)
-    t = tl.where(tl.sum((chosen & (values >= top)).to(tl.int32), axis=0) >= k, top, tl.full((), 0, tl.int32))
-    unit = tl.full((), TOP >> 2, tl.int32)  # the lower bit of the pair
-    for _ in range(15):
-        c1 = t + unit
-        c2 = c1 + unit
-        c3 = c2 + unit  # below 2**31: t holds no bit under the pair
-        packed = ((values >= c1).to(tl.int64) + ((values >= c2).to(tl.int64) << 16)
-                  + ((values >= c3).to(tl.int64) << 32))
-        counts = tl.sum(tl.where(chosen, packed, 0), axis=0)
-        t = tl.where((counts >> 32) >= k, c3, tl.where(((counts >> 16) & FIELD) >= k, c2,
-                                                       tl.where((counts & FIELD) >= k, c1, t)))
-        unit = unit >> 2
-    return t
+def _add2(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
+def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
+    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
+
+
+@triton.jit
+def _histogram(keys, t, shift, BINS: tl.constexpr):
+    """How many `keys` fall in each of the BINS bins of width 2**shift from t (the top bin also takes every
+    key above; keys below t, -1 included, none), bin 4w + f in 16-bit field f of int64 word w: each key adds
+    a one-hot value to one word, and the words are summed in one reduction (one barrier for all of them)."""
+    d = tl.minimum((keys - t) >> shift, BINS - 1)  # no overflow: keys >= -1, 0 <= t < 2**31
+    word = d >> 2  # negative below t: matches no word
+    one = tl.full(d.shape, 1, tl.int64) << ((d & 3) << 4).to(tl.int64)
+    zero = tl.full((), 0, tl.int64)
+    h1, h2, h3 = zero, zero, zero
+    if BINS <= 4:
+        h0 = tl.sum(tl.where(word == 0, one, 0), axis=0)
+    elif BINS <= 8:
+        h0, h1 = tl.reduce((tl.where(word == 0, one, 0), tl.where(word == 1, one, 0)), 0, _add2)
+    else:
+        h0, h1, h2, h3 = tl.reduce((tl.where(word == 0, one, 0), tl.where(word == 1, one, 0),
+                                    tl.where(word == 2, one, 0), tl.where(word == 3, one, 0)), 0, _add4)
+    return h0, h1, h2, h3
+
+
+@triton.jit
+def _suffix(h):
+    """Field f of the result: the sum of h's fields f to 3 (no carry: all four sum to at most MOST)."""
+    s = h + (h >> 16)
+    return s + (s >> 32)
+
+
+@triton.jit
+def _bins_reaching(h0, h1, h2, h3, k):
+    """How many of bins 1..15 have at least k (1 <= k <= MOST) keys in them or above, from `_histogram`'s
+    words. All fields at once, within int64 scalars (every thread repeats this, so its cost counts 16 warps
+    over): suffix sums within and across words, then field + MOST - k in [0, 2**15) has bit 14 set exactly
+    where field >= k."""
+    s3, s2, s1, s0 = _suffix(h3), _suffix(h2), _suffix(h1), _suffix(h0)
+    t3 = s3 & FIELD  # a word's keys in all: its field 0
+    t2 = t3 + (s2 & FIELD)
+    t1 = t2 + (s1 & FIELD)
+    bias = (-k.to(tl.int64) + MOST) * ONES  # the tensor first: the interpreter would wrap constexpr - tensor
+    flags = ((((s0 + t1 * ONES + bias) >> 14) & (ONES - 1))  # not bin 0: t itself
+             + (((s1 + t2 * ONES + bias) >> 14) & ONES) + (((s2 + t3 * ONES + bias) >> 14) & ONES)
+             + (((s3 + bias) >> 14) & ONES))
+    flags = flags + (flags >> 32)
+    flags = flags + (flags >> 16)
+    return (flags & FIELD).to(tl.int32)
+
+
+@triton.jit
+def _kth_largest(values, chosen, k, BITS: tl.constexpr):
+    """The k-th largest of the non-negative int32 `values` where `chosen` (0 if fewer than k; 2**31 - 1 if
+    k < 1): the largest t with at least k chosen values >= t, built from the top bit down, BITS bits a
+    step (the first step takes what is left of 31).
+
+    Each step is one reduction over the tile, a block-wide barrier, and each depends on the one before:
+    BITS = 4 takes 8 (3 + 7 x 4 bits), 3 takes 11 (1 + 10 x 3), 2 takes 16 (as the three-threshold search
+    before it did). A step counts the chosen keys in each of its 2**BITS bins one-hot, bin 4w + f in 16-bit
+    field f of int64 word w (2**BITS / 4 words, reduced together in one `tl.reduce`), and the scalar tail
+    (`_bins_reaching`) turns the bin counts into "keys at or above" counts and picks the highest bin with k.
+
+    Why 3 bits a step (`SEARCH_BITS`), one-hot: every warp repeats the per-key work (at bound 4,096 the
+    tile is 8,192 wide: 16 keys a thread at 16 warps), so a step costs its per-key work and the reduction's
+    shuffles (2 x 9 a word, each warp) besides the barriers. Per key: a subtraction, a shift, a minimum, the
+    one-hot value (a 64-bit shift) and, per word, a compare, two selects and a 64-bit add. Compiled for
+    sm_90 (ptxas, llama3-8b tile, 16 warps), a step's loop is 251 instructions a thread at 2 bits (the old
+    three-threshold count: 249), 376 at 3 and 658 at 4 (four words; ptxas also spills more): about 125
+    instructions a bit at 2 and 3 bits, 165 at 4. So 3 bits cuts the dependent steps from 16 to 11 for the
+    same work; 4 bits cut 3 more for a third more work a bit (which wins is the H100's to say:
+    benchmarks/kernel-tuning-h100/micro.py times each). The scalar tail runs
+    on the uniform datapath. Narrowing first (a max/min reduction to skip the chosen keys' common high
+    bits) is left out: a std below 2 never sets bit 30 and the stds' exponents differ, so it would save
+    at most one step for the reduction it costs; only the rare age search could gain."""
+    tl.static_assert(values.shape[0] <= MOST, "counts must fit a 16-bit field with a flag bit to spare")
+    STEPS: tl.constexpr = (31 + BITS - 1) // BITS
+    FIRST: tl.constexpr = 31 - BITS * (STEPS - 1)  # bits the first step takes
+    keys = tl.where(chosen, values, -1)  # below every threshold: counted nowhere
+    kk = tl.minimum(tl.maximum(k, 1), MOST)
+    zero = tl.full((), 0, tl.int32)
+    h0, h1, h2, h3 = _histogram(keys, zero, 31 - FIRST, 1 << FIRST)
+    t = _bins_reaching(h0, h1, h2, h3, kk) << (31 - FIRST)
+    for i in range(1, STEPS):
+        shift = 31 - FIRST - BITS * i
+        h0, h1, h2, h3 = _histogram(keys, t, shift, 1 << BITS)
+        t += _bins_reaching(h0, h1, h2, h3, kk) << shift
+    # k above MOST: fewer are chosen (the tile holds at most MOST)
+    return tl.where(k < 1, 0x7FFFFFFF, tl.where(k > MOST, zero, t))
 
 
 @triton.jit(do_not_specialize=["n", "sinks", "recent", "count", "stride_ob", "stride_oh", "stride_ks",
@@ -69,7 +147,7 @@ def _roco_kernel(
     stride_ob, stride_oh, stride_ks, stride_kh, stride_kn, stride_vs, stride_vh, stride_vn,
     stride_ps, stride_ph, stride_rs, stride_rh, stride_ss, stride_sh,
     KV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    RENUMBER: tl.constexpr, HAS_ROWS: tl.constexpr,
+    RENUMBER: tl.constexpr, HAS_ROWS: tl.constexpr, BITS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -99,14 +177,14 @@ def _roco_kernel(
     if count > 0:
         bits = std.to(tl.int32, bitcast=True)  # a non-negative float orders as its bits
         age = (newest_pos - p).to(tl.int32)  # the older, the larger (stream positions of one head differ)
-        t = _kth_largest(bits, scope, count)
+        t = _kth_largest(bits, scope, count, BITS)
         tied = scope & (bits == t)
         # both counts in one reduction (each at most MAX_ENTRIES < 2**16): above t, and tied at t
         both = tl.sum((scope & (bits > t)).to(tl.int32) + (tied.to(tl.int32) << 16), axis=0)
         need = count - (both & FIELD)
         oldest = tl.full((), 0, tl.int32)  # every tied entry goes out of the scope, unless more than `need` tie
         if (both >> 16) > need:
-            oldest = _kth_largest(age, tied, need)
+            oldest = _kth_largest(age, tied, need, BITS)
         volatile = scope & ((bits > t) | (tied & (age >= oldest)))
         mean = tl.where(volatile, float("inf"), mean)
     # FIND: the lowest mean in the scope, the oldest among equal ones (`replace._order_key`: one reduction;
@@ -133,7 +211,7 @@ def fits(n: int) -> bool:
 def roco_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, rope_positions: torch.Tensor,
               sums: torch.Tensor, squares: torch.Tensor, counts: torch.Tensor, observation: torch.Tensor, n: int,
               rows: torch.Tensor | None = None, sinks: int = 0, recent: int = 0, volatile: int = 0,
-              renumber: bool = False, warps: int | None = None) -> torch.Tensor:
+              renumber: bool = False, warps: int | None = None, bits: int = SEARCH_BITS) -> torch.Tensor:
     """RoCo's steady step in place: fold `observation` into the statistics, drop each row's and head's
     entry by mean within the scope, write the newest entry (`n - 1`) over it. Returns the drops [B, KV, 1].
 
@@ -141,11 +219,14 @@ def roco_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
     sums/squares/counts [S, KV, C] float32 (entries of a head contiguous; the three alike), observation
     [B, KV, >= n] float32 (last stride 1), rows [B] int64 each batch row's slot (None: row b is slot b),
     `volatile` the number of largest-std entries kept out of the scope (already capped at n). `warps` per
-    program (default from the tile; the results do not depend on it: tuning only)."""
+    program (default from the tile) and `bits` settled per step of the k-th largest search (2, 3 or 4):
+    the results do not depend on them (tuning only)."""
     slots, kv, capacity, d = keys.shape
     batch = slots if rows is None else rows.numel()
     if not fits(n) or n < 2:
         raise ValueError(f"roco_step: {n} live entries; one launch takes 2 to {MAX_ENTRIES}")
+    if bits not in (2, 3, 4):
+        raise ValueError(f"roco_step: the search settles 2, 3 or 4 bits a step, not {bits}")
     for t in (positions, rope_positions, sums, squares, counts):
         if t.stride(-1) != 1:
             raise ValueError("roco_step: a head's entries must be contiguous")
@@ -163,6 +244,7 @@ def roco_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
         positions.stride(0), positions.stride(1), rope_positions.stride(0), rope_positions.stride(1),
         sums.stride(0), sums.stride(1),
         KV=kv, D=d, BLOCK_N=block, BLOCK_D=triton.next_power_of_2(d), RENUMBER=renumber, HAS_ROWS=rows is not None,
+        BITS=bits,
         num_warps=max(4, min(32, block // 512)) if warps is None else warps,
         enable_fp_fusion=False,  # fused multiply-adds round otherwise
     )
@@ -170,14 +252,14 @@ def roco_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
 
 
 @triton.jit
-def _kth_kernel(VALUES, CHOSEN, K, OUT, BLOCK: tl.constexpr):
+def _kth_kernel(VALUES, CHOSEN, K, OUT, BLOCK: tl.constexpr, BITS: tl.constexpr):
     j = tl.arange(0, BLOCK)
-    tl.store(OUT, _kth_largest(tl.load(VALUES + j), tl.load(CHOSEN + j) != 0, tl.load(K)))
+    tl.store(OUT, _kth_largest(tl.load(VALUES + j), tl.load(CHOSEN + j) != 0, tl.load(K), BITS))
 
 
-def kth_largest(values: torch.Tensor, chosen: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+def kth_largest(values: torch.Tensor, chosen: torch.Tensor, k: torch.Tensor, bits: int = SEARCH_BITS) -> torch.Tensor:
     """`_kth_largest` alone (its test): values [N] int32 >= 0, chosen [N] int32 (0: not), k [1] int32, N a
-    power of two -> [1] int32."""
+    power of two up to MAX_ENTRIES, `bits` a step (2, 3 or 4) -> [1] int32."""
     out = torch.zeros(1, dtype=torch.int32, device=values.device)
-    _kth_kernel[(1,)](values, chosen, k, out, BLOCK=values.numel())
+    _kth_kernel[(1,)](values, chosen, k, out, BLOCK=values.numel(), BITS=bits)
     return out
