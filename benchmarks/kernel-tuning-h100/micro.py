@@ -16,7 +16,7 @@ import json
 import torch
 
 from kvpot.kernels.replace import d2o_step, replace_newest, _splits, tile
-from kvpot.kernels.roco import roco_step
+from kvpot.kernels.roco import SEARCH_BITS, roco_step
 
 
 def state(capacity: int, n: int, kv: int = 8, d: int = 128, seed: int = 0):
@@ -81,14 +81,14 @@ def roco_rows(args):
     keys, values, positions, rope, observation, sums = state(capacity, n, seed=1)
     squares = sums * sums * 0.5
     counts = torch.full_like(sums, 7.0)
-    for warps in args.roco_warps:
+    for warps, bits in itertools.product(args.roco_warps, args.roco_bits):
         def launch():
             roco_step(keys, values, positions, rope, sums, squares, counts, observation, n, sinks=4, recent=10,
-                      volatile=round(0.1 * (n - 1)), warps=warps)
+                      volatile=round(0.1 * (n - 1)), warps=warps, bits=bits)
         us = time_graph(launch, args.layers, args.repeats)
-        default = warps == max(4, min(32, max(16, triton_pow2(n)) // 512))
-        print(json.dumps({"kernel": "roco_step", "capacity": capacity, "n": n, "warps": warps, "default": default,
-                          "us": us}), flush=True)
+        default = warps == max(4, min(32, max(16, triton_pow2(n)) // 512)) and bits == SEARCH_BITS
+        print(json.dumps({"kernel": "roco_step", "capacity": capacity, "n": n, "warps": warps, "bits": bits,
+                          "default": default, "us": us}), flush=True)
     stream = lambda: replace_newest(keys, values, positions, rope, n, sinks=4)  # noqa: E731
     print(json.dumps({"kernel": "replace_newest(age): StreamingLLM", "capacity": capacity, "n": n,
                       "us": time_graph(stream, args.layers, args.repeats)}), flush=True)
@@ -109,6 +109,8 @@ def main() -> None:
     parser.add_argument("--block-n", type=int, nargs="+", default=[32, 64, 128])
     parser.add_argument("--roco-n", type=int, default=4097)
     parser.add_argument("--roco-warps", type=int, nargs="+", default=[2, 4, 8, 16, 32])
+    parser.add_argument("--roco-bits", type=int, nargs="+", default=[SEARCH_BITS],
+                        help="bits RoCo's k-th largest search settles per reduction (2, 3 or 4)")
     parser.add_argument("--only", choices=["d2o", "roco"])
     args = parser.parse_args()
     if args.only != "roco":
