@@ -57,11 +57,9 @@ def _gemv_kernel(
 
 def config(n: int, k: int) -> tuple[int, int, int]:
     """The launch shape for an `[n, k]` weight: (rows per program, columns per tile, warps). From the H100
-    sweep (benchmarks/kernel-tuning-h100/, `gemv.py`): four rows a program in tiles of up to 2,048 columns
-    came within 3% of each product's best shape of a decoder layer (`llama3-8b`, `llama3.2-1b`); the vocabulary
-    head (N past 64K) is fastest as one row a program, two warps, 256 columns a tile."""
-    if n >= 65536:
-        return 1, min(256, max(16, triton.next_power_of_2(k))), 2
+    sweep (benchmarks/decode-gemv-h100/, `bf3d1c6`): four rows a program in tiles of up to 2,048 columns,
+    four warps, came within 3% of the fastest of 48 shapes for every product of the `llama3-8b` and
+    `llama3.2-1b` steps, the vocabulary head included, and 1.1x to 2.1x faster than cuBLAS."""
     return 4, min(2048, max(16, triton.next_power_of_2(k))), 4
 
 
