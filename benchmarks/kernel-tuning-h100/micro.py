@@ -15,7 +15,7 @@ import json
 
 import torch
 
-from kvpot.kernels.replace import d2o_step, replace_newest, _splits, tile
+from kvpot.kernels.replace import d2o_splits, d2o_step, replace_newest, tile
 from kvpot.kernels.roco import SEARCH_BITS, roco_step
 
 
@@ -62,7 +62,7 @@ def d2o_rows(args):
         keys, values, positions, rope, observation, scores = state(capacity, n)
         tau = torch.zeros(1, 8, device="cuda")
         count = torch.zeros(1, 8, dtype=torch.int32, device="cuda")
-        default = (_splits(capacity), tile(n)[1], 64)
+        default = (d2o_splits(n), tile(n)[1], 32)  # d2o_step's defaults
         for splits, warps, block_n in itertools.product(args.splits, args.warps, args.block_n):
             def launch():
                 d2o_step(keys, values, positions, rope, scores, observation, n, tau, 0.7, False, count,
