@@ -122,6 +122,7 @@ def _kth_cases():
 
     every = torch.ones(64, dtype=torch.int32)
     some = (torch.rand(64, generator=g) < 0.6).to(torch.int32)
+    ties = torch.tensor([0, 1, 2**20, 2**30 + 5, top], dtype=torch.int32)
     edges = torch.tensor([(i << 27) + e for i in range(16) for e in (-1, 0, 1, 2)], dtype=torch.int64)
     return [
         ("distinct", rand(64, 0, top), some, [7, 20]),
@@ -131,8 +132,7 @@ def _kth_cases():
         ("all-max", torch.full((64,), top, dtype=torch.int32), some, [5]),
         ("zeros", torch.zeros(64, dtype=torch.int32), every, [17]),
         ("zeros-and-ones", torch.arange(64, dtype=torch.int32) % 2, every, [32, 33]),
-        ("many-ties", torch.tensor([0, 1, 2**20, 2**30 + 5, top])[torch.randint(0, 5, (64,), generator=g)].to(torch.int32),
-         some, [2, 10, 25]),
+        ("many-ties", ties[torch.randint(0, 5, (64,), generator=g)], some, [2, 10, 25]),
         ("bin-edges", edges.clamp(0, top).to(torch.int32), every, [5, 6, 7, 8, 33]),  # one below, at and above each bin
         ("sparse-mask", rand(64, 0, top), (torch.arange(64) % 29 == 3).to(torch.int32), [2]),
         ("empty-mask", rand(64, 0, top), torch.zeros(64, dtype=torch.int32), [2]),
@@ -158,14 +158,21 @@ def kth_reference(values: torch.Tensor, chosen: torch.Tensor, k: int) -> int:
 @pytest.mark.parametrize("case", KTH_CASES, ids=[c[0] for c in KTH_CASES])
 def test_kth_largest_cases(case, bits):
     """The search (`_kth_largest`, 2, 3 or 4 bits a step) against a sort, over named edge cases: the largest
-    t with at least k chosen values >= t, 0 where fewer than k are chosen."""
-    from kvpot.kernels.roco import kth_largest
+    t with at least k chosen values >= t, 0 where fewer than k are chosen; and the chosen values above and
+    at t that `_kth_search` counts on the way (the kernel's tie-break reads them)."""
+    from kvpot.kernels.roco import MAX_ENTRIES, SEARCH_BITS, kth_largest, kth_search
 
     _, values, chosen, ks = case
     many = int(chosen.sum())
+    picked = values[chosen.bool()]
     for k in sorted(set(ks) | {1, many, many + 1}):
-        got = kth_largest(values.to(DEVICE), chosen.to(DEVICE), torch.tensor([k], dtype=torch.int32, device=DEVICE), bits)
-        assert int(got.item()) == kth_reference(values, chosen, k), (k, int(got.item()))
+        args = values.to(DEVICE), chosen.to(DEVICE), torch.tensor([k], dtype=torch.int32, device=DEVICE), bits
+        want = kth_reference(values, chosen, k)
+        if 1 <= k <= MAX_ENTRIES:  # the search itself, and the counts it brings: above t, at t
+            counts = [want, int((picked > want).sum()), int((picked == want).sum())]
+            assert kth_search(*args).tolist() == counts, k
+        if bits == SEARCH_BITS or not 1 <= k <= MAX_ENTRIES:  # the wrapper for any k (interpreted: slow)
+            assert int(kth_largest(*args).item()) == want, k
 
 
 @pytest.mark.parametrize("bits", [2, 3])

@@ -32,7 +32,7 @@ from kvpot.kernels.replace import LAST, _move, _order_key
 
 MAX_ENTRIES = 16384  # one tile of int32/float32 arrays in registers (32 warps): RoCo budgets up to 16K
 MOST = tl.constexpr(MAX_ENTRIES)  # the most chosen keys a search counts (2**14: each count fits 15 bits)
-FIELD = tl.constexpr(0xFFFF)  # counts share an int64 (or int32) sum, 16 bits apiece
+FIELD = tl.constexpr(0xFFFF)  # counts share an int64 sum, 16 bits apiece
 ONES = tl.constexpr(0x0001000100010001)  # 1 in each of an int64's four 16-bit fields
 SEARCH_BITS = 3  # bits the k-th largest search settles per reduction (2, 3 or 4; results do not depend on it)
 
@@ -68,69 +68,96 @@ def _histogram(keys, t, shift, BINS: tl.constexpr):
 
 
 @triton.jit
-def _suffix(h):
-    """Field f of the result: the sum of h's fields f to 3 (no carry: all four sum to at most MOST)."""
-    s = h + (h >> 16)
-    return s + (s >> 32)
+def _at_or_above(h0, h1, h2, h3):
+    """From `_histogram`'s words, the keys in each bin or above, packed as the bins are: suffix sums within
+    each word (field f: fields f to 3; no carry, as all fields sum to at most MOST), plus every later
+    word's keys (its field 0 after the suffix) in all four fields."""
+    s0, s1, s2, s3 = h0 + (h0 >> 16), h1 + (h1 >> 16), h2 + (h2 >> 16), h3 + (h3 >> 16)
+    s0, s1, s2, s3 = s0 + (s0 >> 32), s1 + (s1 >> 32), s2 + (s2 >> 32), s3 + (s3 >> 32)
+    t3 = s3 & FIELD
+    t2 = t3 + (s2 & FIELD)
+    t1 = t2 + (s1 & FIELD)
+    return s0 + t1 * ONES, s1 + t2 * ONES, s2 + t3 * ONES, s3
 
 
 @triton.jit
-def _bins_reaching(h0, h1, h2, h3, k):
-    """How many of bins 1..15 have at least k (1 <= k <= MOST) keys in them or above, from `_histogram`'s
-    words. All fields at once, within int64 scalars (every thread repeats this, so its cost counts 16 warps
-    over): suffix sums within and across words, then field + MOST - k in [0, 2**15) has bit 14 set exactly
-    where field >= k."""
-    s3, s2, s1, s0 = _suffix(h3), _suffix(h2), _suffix(h1), _suffix(h0)
-    t3 = s3 & FIELD  # a word's keys in all: its field 0
-    t2 = t3 + (s2 & FIELD)
-    t1 = t2 + (s1 & FIELD)
+def _reaching(n0, n1, n2, n3, k):
+    """How many of bins 1..15 have at least k (1 <= k <= MOST) keys at or above them (`_at_or_above`'s
+    words), all fields at once: field + MOST - k lies in [0, 2**15) and has bit 14 set exactly where
+    field >= k. Scalar work, but every thread repeats it (on the uniform datapath, compiled for sm_90)."""
     bias = (-k.to(tl.int64) + MOST) * ONES  # the tensor first: the interpreter would wrap constexpr - tensor
-    flags = ((((s0 + t1 * ONES + bias) >> 14) & (ONES - 1))  # not bin 0: t itself
-             + (((s1 + t2 * ONES + bias) >> 14) & ONES) + (((s2 + t3 * ONES + bias) >> 14) & ONES)
-             + (((s3 + bias) >> 14) & ONES))
+    flags = ((((n0 + bias) >> 14) & (ONES - 1))  # not bin 0: t itself
+             + (((n1 + bias) >> 14) & ONES) + (((n2 + bias) >> 14) & ONES) + (((n3 + bias) >> 14) & ONES))
     flags = flags + (flags >> 32)
     flags = flags + (flags >> 16)
     return (flags & FIELD).to(tl.int32)
 
 
 @triton.jit
-def _kth_largest(values, chosen, k, BITS: tl.constexpr):
-    """The k-th largest of the non-negative int32 `values` where `chosen` (0 if fewer than k; 2**31 - 1 if
-    k < 1): the largest t with at least k chosen values >= t, built from the top bit down, BITS bits a
-    step (the first step takes what is left of 31).
+def _field(n0, n1, n2, n3, i):
+    """Bin i's field (0 <= i < 16) of the packed words."""
+    w = i >> 2
+    word = tl.where(w == 0, n0, tl.where(w == 1, n1, tl.where(w == 2, n2, n3)))
+    return ((word >> ((i & 3) << 4).to(tl.int64)) & FIELD).to(tl.int32)
+
+
+@triton.jit
+def _step(keys, t, above, k, shift, BINS: tl.constexpr):
+    """One step of the search over the window [t, t + BINS << shift): t moved to the highest bin with at
+    least k keys at or above it; `above` (the keys at or above the window's end) to the keys at or above
+    the new bin's end; and the keys at or above the new t."""
+    h0, h1, h2, h3 = _histogram(keys, t, shift, BINS)
+    n0, n1, n2, n3 = _at_or_above(h0, h1, h2, h3)
+    c = _reaching(n0, n1, n2, n3, k)
+    above = tl.where(c + 1 < BINS, _field(n0, n1, n2, n3, c + 1), above)  # the top bin ends with the window
+    return t + (c << shift), above, _field(n0, n1, n2, n3, c)
+
+
+@triton.jit
+def _kth_search(keys, k, BITS: tl.constexpr):
+    """For 1 <= k <= MOST: the k-th largest of the int32 `keys` (chosen keys non-negative, the others -1;
+    0 if fewer than k are chosen), that is the largest t with at least k chosen keys >= t, and how many
+    chosen keys are above t and at t. Built from the top bit down, BITS bits a step (the first step takes
+    what is left of 31). The counts come with the steps (the keys at or above each bin are what a step
+    counts), so the kernel needs no reduction of its own for them; and the caller masks the keys, so the
+    unmasked values need not stay in registers beside them (ptxas runs short of registers here).
 
     Each step is one reduction over the tile, a block-wide barrier, and each depends on the one before:
     BITS = 4 takes 8 (3 + 7 x 4 bits), 3 takes 11 (1 + 10 x 3), 2 takes 16 (as the three-threshold search
     before it did). A step counts the chosen keys in each of its 2**BITS bins one-hot, bin 4w + f in 16-bit
-    field f of int64 word w (2**BITS / 4 words, reduced together in one `tl.reduce`), and the scalar tail
-    (`_bins_reaching`) turns the bin counts into "keys at or above" counts and picks the highest bin with k.
+    field f of int64 word w (2**BITS / 4 words, reduced together in one `tl.reduce`); the scalar tail
+    (`_at_or_above`, `_reaching`) turns the bin counts into counts at or above each bin, all fields at once.
 
     Why 3 bits a step (`SEARCH_BITS`), one-hot: every warp repeats the per-key work (at bound 4,096 the
     tile is 8,192 wide: 16 keys a thread at 16 warps), so a step costs its per-key work and the reduction's
-    shuffles (2 x 9 a word, each warp) besides the barriers. Per key: a subtraction, a shift, a minimum, the
-    one-hot value (a 64-bit shift) and, per word, a compare, two selects and a 64-bit add. Compiled for
-    sm_90 (ptxas, llama3-8b tile, 16 warps), a step's loop is 251 instructions a thread at 2 bits (the old
-    three-threshold count: 249), 376 at 3 and 658 at 4 (four words; ptxas also spills more): about 125
-    instructions a bit at 2 and 3 bits, 165 at 4. So 3 bits cuts the dependent steps from 16 to 11 for the
-    same work; 4 bits cut 3 more for a third more work a bit (which wins is the H100's to say:
-    benchmarks/kernel-tuning-h100/micro.py times each). The scalar tail runs
-    on the uniform datapath. Narrowing first (a max/min reduction to skip the chosen keys' common high
-    bits) is left out: a std below 2 never sets bit 30 and the stds' exponents differ, so it would save
-    at most one step for the reduction it costs; only the rare age search could gain."""
-    tl.static_assert(values.shape[0] <= MOST, "counts must fit a 16-bit field with a flag bit to spare")
+    shuffles (2 x 9 a word, in each warp) besides its barriers. Per key: a subtraction, a shift, a minimum,
+    the one-hot value (a 64-bit shift) and, per word, a compare, two selects and a 64-bit add. Compiled for
+    sm_90 (ptxas, the llama3-8b tile at 16 warps), a step's loop is 258 instructions a thread at 2 bits
+    (the old three-threshold count of two bits: 249), 397 at 3, 675 at 4 (four words, and more spills):
+    about 130 a bit at 2 and 3 bits, 170 at 4. So 3 bits cut the dependent steps from 16 to 11 for about
+    the same work; 4 bits cut 3 more for a third more work a bit (which wins is the H100's to say:
+    benchmarks/kernel-tuning-h100/micro.py --roco-bits times each). The scalar tail runs on the uniform
+    datapath. Narrowing first (a max/min reduction to skip the chosen keys' common high bits) is left out:
+    a std below 2 never sets bit 30 and the stds' exponents differ, so it would save at most one step for
+    the reduction it costs; only the rare age search could gain."""
+    tl.static_assert(keys.shape[0] <= MOST, "counts must fit a 16-bit field with a flag bit to spare")
     STEPS: tl.constexpr = (31 + BITS - 1) // BITS
     FIRST: tl.constexpr = 31 - BITS * (STEPS - 1)  # bits the first step takes
-    keys = tl.where(chosen, values, -1)  # below every threshold: counted nowhere
-    kk = tl.minimum(tl.maximum(k, 1), MOST)
     zero = tl.full((), 0, tl.int32)
-    h0, h1, h2, h3 = _histogram(keys, zero, 31 - FIRST, 1 << FIRST)
-    t = _bins_reaching(h0, h1, h2, h3, kk) << (31 - FIRST)
+    t, above, at = _step(keys, zero, zero, k, 31 - FIRST, 1 << FIRST)  # no key reaches 2**31
     for i in range(1, STEPS):
-        shift = 31 - FIRST - BITS * i
-        h0, h1, h2, h3 = _histogram(keys, t, shift, 1 << BITS)
-        t += _bins_reaching(h0, h1, h2, h3, kk) << shift
-    # k above MOST: fewer are chosen (the tile holds at most MOST)
-    return tl.where(k < 1, 0x7FFFFFFF, tl.where(k > MOST, zero, t))
+        t, above, at = _step(keys, t, above, k, 31 - FIRST - BITS * i, 1 << BITS)
+    return t, above, at - above  # the last bins are one value wide: above t = at or above t + 1
+
+
+@triton.jit
+def _kth_largest(values, chosen, k, BITS: tl.constexpr):
+    """The k-th largest of the non-negative int32 `values` where `chosen`, for any k (`_kth_search`): the
+    largest t with at least k chosen values >= t; 0 if fewer than k are chosen (always when k > MOST: the
+    tile holds at most MOST), 2**31 - 1 if k < 1 (every t qualifies)."""
+    keys = tl.where(chosen, values, -1)  # below every window: counted nowhere
+    t, _, _ = _kth_search(keys, tl.minimum(tl.maximum(k, 1), MOST), BITS)
+    return tl.where(k < 1, 0x7FFFFFFF, tl.where(k > MOST, 0, t))
 
 
 @triton.jit(do_not_specialize=["n", "sinks", "recent", "count", "stride_ob", "stride_oh", "stride_ks",
@@ -175,18 +202,15 @@ def _roco_kernel(
     newest_pos = tl.load(pos + n - 1)
     scope = live & (j >= sinks) & (p <= newest_pos - recent)
     if count > 0:
-        bits = std.to(tl.int32, bitcast=True)  # a non-negative float orders as its bits
-        age = (newest_pos - p).to(tl.int32)  # the older, the larger (stream positions of one head differ)
-        t = _kth_largest(bits, scope, count, BITS)
-        tied = scope & (bits == t)
-        # both counts in one reduction (each at most MAX_ENTRIES < 2**16): above t, and tied at t
-        both = tl.sum((scope & (bits > t)).to(tl.int32) + (tied.to(tl.int32) << 16), axis=0)
-        need = count - (both & FIELD)
+        keys = tl.where(scope, std.to(tl.int32, bitcast=True), -1)  # a non-negative float orders as its bits
+        t, greater, ties = _kth_search(keys, count, BITS)  # 1 <= count <= n <= MAX_ENTRIES
+        need = count - greater
+        # the ages of the entries tied at t (the older, the larger: stream positions of one head differ)
+        aged = tl.where(keys == t, (newest_pos - p).to(tl.int32), -1)
         oldest = tl.full((), 0, tl.int32)  # every tied entry goes out of the scope, unless more than `need` tie
-        if (both >> 16) > need:
-            oldest = _kth_largest(age, tied, need, BITS)
-        volatile = scope & ((bits > t) | (tied & (age >= oldest)))
-        mean = tl.where(volatile, float("inf"), mean)
+        if ties > need:
+            oldest, _, _ = _kth_search(aged, need, BITS)  # 1 <= need <= ties
+        mean = tl.where((keys > t) | (aged >= oldest), float("inf"), mean)
     # FIND: the lowest mean in the scope, the oldest among equal ones (`replace._order_key`: one reduction;
     # an empty scope gives place 0, as the comparisons it replaces did)
     key = tl.where(scope, _order_key(mean, p), LAST)
@@ -227,6 +251,8 @@ def roco_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
         raise ValueError(f"roco_step: {n} live entries; one launch takes 2 to {MAX_ENTRIES}")
     if bits not in (2, 3, 4):
         raise ValueError(f"roco_step: the search settles 2, 3 or 4 bits a step, not {bits}")
+    if not 0 <= volatile <= n:
+        raise ValueError(f"roco_step: {volatile} volatile entries of {n}")
     for t in (positions, rope_positions, sums, squares, counts):
         if t.stride(-1) != 1:
             raise ValueError("roco_step: a head's entries must be contiguous")
@@ -252,14 +278,31 @@ def roco_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
 
 
 @triton.jit
-def _kth_kernel(VALUES, CHOSEN, K, OUT, BLOCK: tl.constexpr, BITS: tl.constexpr):
+def _kth_kernel(VALUES, CHOSEN, K, OUT, BLOCK: tl.constexpr, BITS: tl.constexpr, COUNTS: tl.constexpr):
     j = tl.arange(0, BLOCK)
-    tl.store(OUT, _kth_largest(tl.load(VALUES + j), tl.load(CHOSEN + j) != 0, tl.load(K), BITS))
+    values, chosen, k = tl.load(VALUES + j), tl.load(CHOSEN + j) != 0, tl.load(K)
+    if COUNTS:
+        t, greater, ties = _kth_search(tl.where(chosen, values, -1), k, BITS)
+        tl.store(OUT, t)
+        tl.store(OUT + 1, greater)
+        tl.store(OUT + 2, ties)
+    else:
+        tl.store(OUT, _kth_largest(values, chosen, k, BITS))
 
 
 def kth_largest(values: torch.Tensor, chosen: torch.Tensor, k: torch.Tensor, bits: int = SEARCH_BITS) -> torch.Tensor:
     """`_kth_largest` alone (its test): values [N] int32 >= 0, chosen [N] int32 (0: not), k [1] int32, N a
     power of two up to MAX_ENTRIES, `bits` a step (2, 3 or 4) -> [1] int32."""
-    out = torch.zeros(1, dtype=torch.int32, device=values.device)
-    _kth_kernel[(1,)](values, chosen, k, out, BLOCK=values.numel(), BITS=bits)
+    return _kth(values, chosen, k, bits, False)
+
+
+def kth_search(values: torch.Tensor, chosen: torch.Tensor, k: torch.Tensor, bits: int = SEARCH_BITS) -> torch.Tensor:
+    """`_kth_search` alone (its test), as `kth_largest` takes its arguments, 1 <= k <= MAX_ENTRIES -> [3]
+    int32: the k-th largest t, the chosen values above t, the chosen values equal to t."""
+    return _kth(values, chosen, k, bits, True)
+
+
+def _kth(values, chosen, k, bits, counts):
+    out = torch.zeros(3 if counts else 1, dtype=torch.int32, device=values.device)
+    _kth_kernel[(1,)](values, chosen, k, out, BLOCK=values.numel(), BITS=bits, COUNTS=counts)
     return out
