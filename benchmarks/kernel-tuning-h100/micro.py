@@ -10,6 +10,7 @@ kernel tests pin them), only the time."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import json
 
@@ -81,14 +82,26 @@ def roco_rows(args):
     keys, values, positions, rope, observation, sums = state(capacity, n, seed=1)
     squares = sums * sums * 0.5
     counts = torch.full_like(sums, 7.0)
-    for warps, bits in itertools.product(args.roco_warps, args.roco_bits):
+    if args.roco_ties:  # every entry the same statistics, step after step: all tied, the age search every time
+        observation.zero_()
+        sums.fill_(1.0)
+        squares.fill_(1.0)
+    step, bit_widths, source = roco_step, args.roco_bits, "kvpot"
+    if args.roco_from:  # another copy of kernels/roco.py (one without `bits`: times it as it is)
+        spec = importlib.util.spec_from_file_location("roco_from", args.roco_from)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        step, source = module.roco_step, args.roco_from
+        bit_widths = bit_widths if hasattr(module, "SEARCH_BITS") else [None]
+    for warps, bits in itertools.product(args.roco_warps, bit_widths):
         def launch():
-            roco_step(keys, values, positions, rope, sums, squares, counts, observation, n, sinks=4, recent=10,
-                      volatile=round(0.1 * (n - 1)), warps=warps, bits=bits)
+            extra = {} if bits is None else {"bits": bits}
+            step(keys, values, positions, rope, sums, squares, counts, observation, n, sinks=4, recent=10,
+                 volatile=round(0.1 * (n - 1)), warps=warps, **extra)
         us = time_graph(launch, args.layers, args.repeats)
-        default = warps == max(4, min(32, max(16, triton_pow2(n)) // 512)) and bits == SEARCH_BITS
-        print(json.dumps({"kernel": "roco_step", "capacity": capacity, "n": n, "warps": warps, "bits": bits,
-                          "default": default, "us": us}), flush=True)
+        default = warps == max(4, min(32, max(16, triton_pow2(n)) // 512)) and bits in (None, SEARCH_BITS)
+        print(json.dumps({"kernel": "roco_step", "source": source, "ties": args.roco_ties, "capacity": capacity,
+                          "n": n, "warps": warps, "bits": bits, "default": default, "us": us}), flush=True)
     stream = lambda: replace_newest(keys, values, positions, rope, n, sinks=4)  # noqa: E731
     print(json.dumps({"kernel": "replace_newest(age): StreamingLLM", "capacity": capacity, "n": n,
                       "us": time_graph(stream, args.layers, args.repeats)}), flush=True)
@@ -111,6 +124,9 @@ def main() -> None:
     parser.add_argument("--roco-warps", type=int, nargs="+", default=[2, 4, 8, 16, 32])
     parser.add_argument("--roco-bits", type=int, nargs="+", default=[SEARCH_BITS],
                         help="bits RoCo's k-th largest search settles per reduction (2, 3 or 4)")
+    parser.add_argument("--roco-from", help="time roco_step from this copy of kernels/roco.py instead (a baseline)")
+    parser.add_argument("--roco-ties", action="store_true",
+                        help="every entry's statistics equal: RoCo's age search runs at every step (its worst case)")
     parser.add_argument("--only", choices=["d2o", "roco"])
     args = parser.parse_args()
     if args.only != "roco":
