@@ -25,6 +25,9 @@ SHAPES = [
     ("one-left-in-scope", 1, 2, 20, 16, 20, None, 4, 6, 9),  # the scope holds 10 entries, 9 of them volatile
     ("rows", 5, 2, 36, 64, 20, [3, 0, 4], 2, 5, 3),
     ("tile-2048", 1, 2, 1200, 16, 1100, None, 4, 10, 110),
+    # n = 2**k + 1 with a recent window of one place: the tile holds the 64 entries before the newest,
+    # which is updated apart (as at bound 4,096: 4,097 entries, a 4,096-lane tile)
+    ("newest-past-the-tile", 1, 2, 80, 16, 65, None, 2, 1, 7),
 ]
 if DEVICE == "cuda":
     SHAPES += [("llama3-8b", 1, 8, 6144, 128, 4097, None, 4, 10, 410),

@@ -174,7 +174,7 @@ def _roco_kernel(
     stride_ob, stride_oh, stride_ks, stride_kh, stride_kn, stride_vs, stride_vh, stride_vn,
     stride_ps, stride_ph, stride_rs, stride_rh, stride_ss, stride_sh,
     KV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    RENUMBER: tl.constexpr, HAS_ROWS: tl.constexpr, BITS: tl.constexpr,
+    RENUMBER: tl.constexpr, HAS_ROWS: tl.constexpr, BITS: tl.constexpr, NEWEST_APART: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -184,16 +184,26 @@ def _roco_kernel(
     head = slot * stride_ss + h * stride_sh  # the three statistics share one layout
     sums, squares, counts = SUM + head, SQUARES + head, COUNT + head
     pos = POS + slot * stride_ps + h * stride_ph
+    obs = OBS + b.to(tl.int64) * stride_ob + h * stride_oh
+    newest = n - 1
+    # NEWEST_APART (a recent window of at least one place): the newest entry is never in the scope, so the
+    # tile holds the n - 1 entries before it (at bound 4,096, a tile of 4,096 lanes, not 8,192) and the
+    # newest is updated on its own
     j = tl.arange(0, BLOCK_N)
-    live = j < n
+    live = j < (newest if NEWEST_APART else n)
     # UPDATE (one query saw every entry): sum += o, squares += o * o, count += 1
-    o = tl.load(OBS + b.to(tl.int64) * stride_ob + h * stride_oh + j, mask=live, other=0.0)
+    o = tl.load(obs + j, mask=live, other=0.0)
     s = tl.load(sums + j, mask=live, other=0.0) + o
     q = tl.load(squares + j, mask=live, other=0.0) + o * o
     c = tl.load(counts + j, mask=live, other=0.0) + 1.0
     tl.store(sums + j, s, mask=live)
     tl.store(squares + j, q, mask=live)
     tl.store(counts + j, c, mask=live)
+    if NEWEST_APART:
+        o_new = tl.load(obs + newest)
+        tl.store(sums + newest, tl.load(sums + newest) + o_new)
+        tl.store(squares + newest, tl.load(squares + newest) + o_new * o_new)
+        tl.store(counts + newest, tl.load(counts + newest) + 1.0)
     # RANK: mean and std as `statistics` computes them
     c = tl.maximum(c, 1.0)
     mean = tl.math.div_rn(s, c)
@@ -219,7 +229,6 @@ def _roco_kernel(
     tl.store(DROP + b.to(tl.int64) * KV + h, drop)
     # MOVE: the newest entry's (updated) statistics, then the rest of it, over the dropped one
     tl.debug_barrier()  # every statistic is written back before the newest one's is read
-    newest = n - 1
     tl.store(squares + drop, tl.load(squares + newest))
     tl.store(counts + drop, tl.load(counts + newest))
     _move(K + slot * stride_ks + h * stride_kh, V + slot * stride_vs + h * stride_vh, pos,
@@ -261,7 +270,8 @@ def roco_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
     if observation.shape[:2] != (batch, kv) or observation.shape[2] < n or observation.stride(2) != 1:
         raise ValueError(f"roco_step: observation must be [{batch}, {kv}, >= {n}] with contiguous entries")
     drop = torch.empty(batch, kv, dtype=torch.long, device=keys.device)
-    block = max(16, triton.next_power_of_2(n))
+    apart = recent >= 1  # the newest entry is within the recent window: outside the scope, outside the tile
+    block = max(16, triton.next_power_of_2(n - 1 if apart else n))
     _roco_kernel[(batch, kv)](
         observation, sums, squares, counts, positions, rope_positions, keys, values,
         positions if rows is None else rows, drop, n, sinks, recent, volatile,
@@ -270,7 +280,7 @@ def roco_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
         positions.stride(0), positions.stride(1), rope_positions.stride(0), rope_positions.stride(1),
         sums.stride(0), sums.stride(1),
         KV=kv, D=d, BLOCK_N=block, BLOCK_D=triton.next_power_of_2(d), RENUMBER=renumber, HAS_ROWS=rows is not None,
-        BITS=bits,
+        BITS=bits, NEWEST_APART=apart,
         num_warps=max(4, min(32, block // 512)) if warps is None else warps,
         enable_fp_fusion=False,  # fused multiply-adds round otherwise
     )
