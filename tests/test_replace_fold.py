@@ -149,6 +149,8 @@ D2O_SHAPES = [
     ("rows", 4, 3, 30, 32, 30, [2, 0], 0, 3),
     ("d128", 1, 2, 70, 128, 65, None, 4, 9),
     ("splits", 1, 2, 1100, 32, 1050, None, 4, 100),  # the search split over four programs per head
+    ("newest-past-the-tile", 1, 2, 80, 32, 65, None, 2, 1),  # the find ranks the 64 before the newest
+    ("no-recent", 1, 2, 40, 32, 33, None, 2, 0),  # the newest may go: the find ranks all 33
 ]
 if DEVICE == "cuda":
     D2O_SHAPES += [("llama3-8b", 1, 8, 4097, 128, 4097, None, 4, 1023)]

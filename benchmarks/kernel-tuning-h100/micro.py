@@ -99,7 +99,7 @@ def roco_rows(args):
             step(keys, values, positions, rope, sums, squares, counts, observation, n, sinks=4, recent=10,
                  volatile=round(0.1 * (n - 1)), warps=warps, **extra)
         us = time_graph(launch, args.layers, args.repeats)
-        default = warps == max(4, min(32, max(16, triton_pow2(n)) // 512)) and bits in (None, SEARCH_BITS)
+        default = warps == max(4, min(32, max(16, triton_pow2(n - 1)) // 512)) and bits in (None, SEARCH_BITS)
         print(json.dumps({"kernel": "roco_step", "source": source, "ties": args.roco_ties, "capacity": capacity,
                           "n": n, "warps": warps, "bits": bits, "default": default, "us": us}), flush=True)
     stream = lambda: replace_newest(keys, values, positions, rope, n, sinks=4)  # noqa: E731

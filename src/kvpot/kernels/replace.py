@@ -324,7 +324,7 @@ def _check_merge(keys, values, tau, batch: int, kv: int) -> None:
         raise ValueError(f"d2o_step: tau must be a contiguous float32 [{batch}, {kv}] tensor")
 
 
-@triton.jit(do_not_specialize=["n", "sinks", "recent", "beta", "stride_ob", "stride_oh", "stride_ks", "stride_vs",
+@triton.jit(do_not_specialize=["n", "ranked", "sinks", "recent", "beta", "stride_ob", "stride_oh", "stride_ks", "stride_vs",
                                "stride_ps", "stride_rs", "stride_cs"])
 def _d2o_kernel(
     K, V,  # [S, KV, C, D] half-precision keys and values (last stride 1)
@@ -336,11 +336,12 @@ def _d2o_kernel(
     TAU,  # [B, KV] float32 D2O's threshold: read (unless FIRST) and rewritten
     BEST, BEST_P, BEST_J,  # [B, KV, SPLITS] scratch: each split's nearest entry (similarity, position, index)
     COUNT,  # [B, KV] int32 splits finished per head: zero before, reset to zero by the last
-    n, sinks, recent, beta,
+    n, ranked, sinks, recent, beta,  # ranked: the entries the find ranks (n - 1 when the newest is recent)
     stride_ob, stride_oh, stride_ks, stride_kh, stride_kn, stride_vs, stride_vh, stride_vn,
     stride_ps, stride_ph, stride_rs, stride_rh, stride_cs, stride_ch,
-    KV: tl.constexpr, SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, HAS_ROWS: tl.constexpr, FIRST: tl.constexpr, RENUMBER: tl.constexpr,
+    KV: tl.constexpr, SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_ROWS: tl.constexpr, FIRST: tl.constexpr,
+    RENUMBER: tl.constexpr,
 ):
     """D2O's steady step for one split of one head: the drop (every split finds the same), this split's
     nearest entry to it; the last split to finish merges, adds the observation into the scores and moves."""
@@ -357,8 +358,11 @@ def _d2o_kernel(
     sc = SC + slot * stride_cs + h * stride_ch
     obs = OBS + b.to(tl.int64) * stride_ob + h * stride_oh
     newest_pos = tl.load(pos + n - 1)
-    # the scores are read, not written, until every split has found the drop from them
-    drop = _find(pos, sc, 0, sc, obs, 0, n, sinks, recent, newest_pos, KV, BLOCK_F, False, True, False, False)
+    # the scores are read, not written, until every split has found the drop from them. Every split repeats
+    # the find: over the entries before the newest where a recent window keeps the newest out of reach
+    # (at bound 4,096: one 4,096-lane tile, not 8,192)
+    drop = _find(pos, sc, 0, sc, obs, 0, ranked, sinks, recent, newest_pos, KV, BLOCK_R, False, True, False,
+                 False)
     best, best_p, best_j = _nearest_split(k, pos, drop, n, split, stride_kn, SPLITS, D, BLOCK_N, BLOCK_D)
     out = at * SPLITS + split
     tl.store(BEST + out, best)
@@ -413,14 +417,16 @@ def d2o_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, 
     drop = torch.empty(batch, kv, dtype=torch.long, device=keys.device)
     block, tiled = tile(n)
     warps = tiled if warps is None else warps
+    ranked = n - 1 if recent >= 1 else n  # the newest entry within the recent window is never dropped
     _d2o_kernel[(batch, kv, splits)](
         keys, values, positions, rope_positions, stored, observation, positions if rows is None else rows, drop,
-        tau, best, best_p, best_j, count, n, sinks, recent, float(beta),
+        tau, best, best_p, best_j, count, n, ranked, sinks, recent, float(beta),
         observation.stride(0), observation.stride(1),
         keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
         positions.stride(0), positions.stride(1), rope_positions.stride(0), rope_positions.stride(1),
         stored.stride(0), stored.stride(1),
-        KV=kv, SPLITS=splits, D=d, BLOCK_F=block, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(d),
+        KV=kv, SPLITS=splits, D=d, BLOCK_F=block, BLOCK_R=tile(ranked)[0], BLOCK_N=block_n,
+        BLOCK_D=triton.next_power_of_2(d),
         HAS_ROWS=rows is not None, FIRST=first, RENUMBER=renumber, num_warps=warps,
     )
     return drop.view(batch, kv, 1)
