@@ -283,7 +283,7 @@ class EvictionMethod(Method):
         return False
 
     def _replace(self, cache: PotCache, step: Step) -> bool:
-        for layer in cache.layers:
+        for _, layer in replace.spread(cache.layers):  # side by side on a GPU's streams
             if self.replace_fused(layer, step, layer, None, cache.policy.renumbers):
                 replace.took_newest(layer)
                 continue

@@ -142,8 +142,9 @@ class D2O(Method):
         budgets = cache.method_state.get(BUDGETS)  # set only where something is compressed (not ratio 1)
         if (budgets is not None and cache.static and replace.enabled and step.n_new == 1
                 and all(layer.n == size + 1 for layer, size in zip(cache.layers, budgets))):
-            for index, size in enumerate(budgets):  # a steady fixed-shape step: one entry out of every layer
-                self.replace(cache, index, size)  # the step's attention added there (eq. 6), maybe in its kernel
+            # a steady fixed-shape step: one entry out of every layer, the layers side by side on a GPU's streams
+            for index, _ in replace.spread(cache.layers):
+                self.replace(cache, index, budgets[index])  # the step's attention added there (eq. 6), maybe in its kernel
             return True
         for layer in cache.layers:
             layer.score(SCORE).add_(layer.observation)
