@@ -94,7 +94,8 @@ class CaM(EvictionMethod):
     def after_forward(self, cache, step: Step) -> bool:
         keep = self.start + self.recent
         if cache.static and replace.enabled and step.n_new == 1 and all(layer.n == keep + 1 for layer in cache.layers):
-            for layer in cache.layers:  # a steady fixed-shape step: one entry out of every layer, no compaction
+            # a steady fixed-shape step: one entry out of every layer, no compaction; side by side on a GPU's streams
+            for _, layer in replace.spread(cache.layers):
                 if self.replace_fused(layer, step, layer, None, cache.policy.renumbers):
                     replace.took_newest(layer)
                     continue
