@@ -150,6 +150,7 @@ def test_decode_per_step_medians(capsys, tmp_path):
         assert row["timing"].startswith("per-step")
         assert row["ms_per_token_p90"] >= row["ms_per_token"]
         assert row["prefill_seconds"] > 0
+        assert row["linear"] == "torch"  # `--linear auto` as resolved on a CPU
     full, pot = results["rows"]
     assert full["max_kv_entries"] == 300 + 32 + 7  # context + question + the 7 decoded forwards, no eviction
     assert pot["max_kv_entries"] <= 128

@@ -128,3 +128,19 @@ def test_the_compiled_step_holds_the_operator_in_its_one_graph(inputs, monkeypat
 
 def targets(gm) -> list:
     return [node.target for node in gm.graph.nodes if node.op == "call_function"]
+
+
+def test_the_cli_says_when_the_kernel_cannot_run(capsys):
+    from conftest import run
+
+    code, _, err = run(capsys, "generate", "--linear", "gemv", "--context", "abc", "--question", "x",
+                       "--max-new-tokens", "2")
+    assert code != 0 and "linear='gemv'" in err and "CUDA" in err
+
+
+def test_bench_refuses_an_unknown_linear(tmp_path):
+    from kvpot.bench.config import BenchConfig
+
+    with pytest.raises(KvpotError, match="--linear"):
+        BenchConfig(mode="decode", shape="tiny", out=tmp_path / "out", methods=["streaming"], lengths=[256],
+                    linear="cublas")
