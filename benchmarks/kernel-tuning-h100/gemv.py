@@ -18,6 +18,7 @@ import random
 import torch
 import torch.nn.functional as F
 
+from graphs import time_graph  # this folder's: the script's own directory is on the path
 from kvpot.kernels.gemv import config, gemv
 
 SHAPES = {  # name: (N outputs, K inputs)
@@ -25,29 +26,6 @@ SHAPES = {  # name: (N outputs, K inputs)
     "8b-head": (128256, 4096),
     "1b-q/o": (2048, 2048), "1b-k/v": (512, 2048), "1b-gate/up": (8192, 2048), "1b-down": (2048, 8192),
 }
-
-
-def time_graph(launches, repeats: int) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for launch in launches[:3]:
-            launch()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for launch in launches:
-            launch()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / len(launches))
-    times.sort()
-    return times[len(times) // 2]
 
 
 def rows(name: str, n: int, k: int, args) -> None:

@@ -16,6 +16,7 @@ import json
 
 import torch
 
+from graphs import time_graph  # this folder's: the script's own directory is on the path
 from kvpot.kernels.replace import d2o_splits, d2o_step, replace_newest, tile
 from kvpot.kernels.roco import SEARCH_BITS, roco_step
 
@@ -34,29 +35,6 @@ def state(capacity: int, n: int, kv: int = 8, d: int = 128, seed: int = 0):
     return keys, values, positions, rope, observation, scores
 
 
-def time_graph(launch, layers: int, repeats: int) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            launch()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(layers):
-            launch()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / layers)
-    times.sort()
-    return times[len(times) // 2]
-
-
 def d2o_rows(args):
     capacity = args.d2o_capacity
     for n in args.d2o_n:
@@ -68,13 +46,13 @@ def d2o_rows(args):
             def launch():
                 d2o_step(keys, values, positions, rope, scores, observation, n, tau, 0.7, False, count,
                          sinks=4, recent=1024, splits=splits, warps=warps, block_n=block_n)
-            us = time_graph(launch, args.layers, args.repeats)
+            us = time_graph([launch] * args.layers, args.repeats)
             print(json.dumps({"kernel": "d2o_step", "capacity": capacity, "n": n, "splits": splits, "warps": warps,
                               "block_n": block_n, "default": (splits, warps, block_n) == default, "us": us}), flush=True)
         h2o = lambda: replace_newest(keys, values, positions, rope, n, stored=scores, sinks=0, recent=1024,  # noqa: E731
                                      observation=observation, fold="add")
         print(json.dumps({"kernel": "replace_newest(fold=add): H2O", "capacity": capacity, "n": n,
-                          "us": time_graph(h2o, args.layers, args.repeats)}), flush=True)
+                          "us": time_graph([h2o] * args.layers, args.repeats)}), flush=True)
 
 
 def roco_rows(args):
@@ -98,13 +76,13 @@ def roco_rows(args):
             extra = {} if bits is None else {"bits": bits}
             step(keys, values, positions, rope, sums, squares, counts, observation, n, sinks=4, recent=10,
                  volatile=round(0.1 * (n - 1)), warps=warps, **extra)
-        us = time_graph(launch, args.layers, args.repeats)
+        us = time_graph([launch] * args.layers, args.repeats)
         default = warps == max(4, min(32, max(16, triton_pow2(n - 1)) // 512)) and bits in (None, SEARCH_BITS)
         print(json.dumps({"kernel": "roco_step", "source": source, "ties": args.roco_ties, "capacity": capacity,
                           "n": n, "warps": warps, "bits": bits, "default": default, "us": us}), flush=True)
     stream = lambda: replace_newest(keys, values, positions, rope, n, sinks=4)  # noqa: E731
     print(json.dumps({"kernel": "replace_newest(age): StreamingLLM", "capacity": capacity, "n": n,
-                      "us": time_graph(stream, args.layers, args.repeats)}), flush=True)
+                      "us": time_graph([stream] * args.layers, args.repeats)}), flush=True)
 
 
 def triton_pow2(n: int) -> int:
