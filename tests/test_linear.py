@@ -14,12 +14,13 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import kvpot
-from conftest import VOCAB, build
+from conftest import VOCAB, build, interpreter_runtime_loops
 from kvpot.engine import linear as linear_module
 from kvpot.engine.linear import SingleRowLinear, resolve_linear
 from kvpot.errors import KvpotError
 
 CONTEXT, QUESTION, NEW = 120, 5, 10
+interpreter_runtime_loops()  # under TRITON_INTERPRET=1 the operator runs the kernel interpreted
 
 
 class Spy:
