@@ -68,6 +68,9 @@ def test_the_mode_routes_one_row_and_passes_the_rest(monkeypatch):
         assert spy.calls == 1
     torch.testing.assert_close(out_one, F.linear(one, weight, bias))
     torch.testing.assert_close(out_two, F.linear(two, weight, bias))
+    with SingleRowLinear(("cpu",)):  # a dtype the kernel does not take: torch's product
+        F.linear(one.double(), weight.double(), bias.double())
+    assert spy.calls == 1
     with SingleRowLinear(("cuda",)):  # not this device
         F.linear(one, weight, bias)
     assert spy.calls == 1

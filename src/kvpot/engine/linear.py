@@ -71,6 +71,8 @@ class SingleRowLinear(TorchFunctionMode):
             return False
         if x.numel() != x.shape[-1] or weight.dim() != 2 or weight.stride(-1) != 1 or weight.dtype != x.dtype:
             return False
+        if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            return False
         return bias is None or (bias.dtype == x.dtype and bias.device == x.device)
 
 

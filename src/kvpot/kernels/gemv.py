@@ -63,14 +63,6 @@ def config(n: int, k: int) -> tuple[int, int, int]:
     return 4, min(2048, max(16, triton.next_power_of_2(k))), 4
 
 
-def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `gemv` takes this product: one row on a CUDA device, weights with contiguous rows, both of
-    one floating dtype."""
-    return (x.is_cuda and weight.is_cuda and x.numel() == x.shape[-1] and weight.dim() == 2
-            and weight.stride(1) == 1 and x.dtype == weight.dtype
-            and x.dtype in (torch.bfloat16, torch.float16, torch.float32))
-
-
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          shape: tuple[int, int, int] | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for one row: x [..., K] with one row in all, weight [N, K] (rows
