@@ -88,8 +88,11 @@ def test_every_single_token_forward_routes_every_linear_layer(arch, inputs, monk
     assert spy.calls == (NEW - 1) * (7 * layers + 1)  # q, k, v, o, gate, up, down per layer, then the head
 
 
-@pytest.mark.parametrize("method", [lambda: kvpot.StreamingLLM(sinks=4, window=92, chunk_size=32),
-                                    lambda: kvpot.InfiniPot(pot_size=64, catalyst=None)], ids=["streaming", "infinipot"])
+METHODS = {"streaming": lambda: kvpot.StreamingLLM(sinks=4, window=92, chunk_size=32),
+           "infinipot": lambda: kvpot.InfiniPot(pot_size=64, catalyst=None)}
+
+
+@pytest.mark.parametrize("method", list(METHODS.values()), ids=list(METHODS))
 def test_the_decoding_paths_route_alike(method, inputs, monkeypatch, one_thread):
     """The operator rounds otherwise than F.linear (on a GPU: the kernel's float32 sums against cuBLAS'):
     eager and static steps both routed give the same tokens, routed or not."""
@@ -137,8 +140,8 @@ def targets(gm) -> list:
 def test_the_cli_says_when_the_kernel_cannot_run(capsys):
     from conftest import run
 
-    code, _, err = run(capsys, "generate", "--linear", "gemv", "--context", "abc", "--question", "x",
-                       "--max-new-tokens", "2")
+    code, _, err = run(capsys, "generate", "--device", "cpu", "--linear", "gemv", "--context", "abc",
+                       "--question", "x", "--max-new-tokens", "2")
     assert code != 0 and "linear='gemv'" in err and "CUDA" in err
 
 

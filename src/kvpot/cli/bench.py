@@ -109,7 +109,8 @@ def register(sub) -> None:
                         "outside the timed steps")
     p.add_argument("--linear", default="auto", choices=["auto", "gemv", "torch"],
                    help="decode and throughput: kvpot's single-token linear layers (Engine(linear=...)): auto "
-                        "(default) kvpot's Triton matrix-vector kernel on a GPU, torch elsewhere; gemv / torch force one")
+                        "(default) kvpot's Triton matrix-vector kernel on a GPU, torch elsewhere; gemv / torch "
+                        "force one")
     p.add_argument("--sdpa", choices=SDPA_CHOICES, default=DEFAULT_SDPA,
                    help="prefill, decode, attention, throughput: SDPA's backends on CUDA for every row of the run "
                         "(the hf and kvpress baselines, and kvpot's rows where they call SDPA). no-cudnn (default): cuDNN's attention off, flash, memory-efficient "

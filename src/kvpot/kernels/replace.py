@@ -324,8 +324,8 @@ def _check_merge(keys, values, tau, batch: int, kv: int) -> None:
         raise ValueError(f"d2o_step: tau must be a contiguous float32 [{batch}, {kv}] tensor")
 
 
-@triton.jit(do_not_specialize=["n", "ranked", "sinks", "recent", "beta", "stride_ob", "stride_oh", "stride_ks", "stride_vs",
-                               "stride_ps", "stride_rs", "stride_cs"])
+@triton.jit(do_not_specialize=["n", "ranked", "sinks", "recent", "beta", "stride_ob", "stride_oh", "stride_ks",
+                               "stride_vs", "stride_ps", "stride_rs", "stride_cs"])
 def _d2o_kernel(
     K, V,  # [S, KV, C, D] half-precision keys and values (last stride 1)
     POS, RP,  # [S, KV, C] int64 stream and RoPE positions (the newest entry at n - 1)

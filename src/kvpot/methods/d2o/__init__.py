@@ -144,7 +144,8 @@ class D2O(Method):
                 and all(layer.n == size + 1 for layer, size in zip(cache.layers, budgets))):
             # a steady fixed-shape step: one entry out of every layer, the layers side by side on a GPU's streams
             for index, _ in replace.spread(cache.layers):
-                self.replace(cache, index, budgets[index])  # the step's attention added there (eq. 6), maybe in its kernel
+                # the step's attention added there (eq. 6), maybe in its kernel
+                self.replace(cache, index, budgets[index])
             return True
         for layer in cache.layers:
             layer.score(SCORE).add_(layer.observation)
