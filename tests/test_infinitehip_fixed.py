@@ -1,6 +1,7 @@
 """InfiniteHiP's fixed-shape decoding step (kvpot.methods.infinitehip.fixed): the same selections and
 outputs as the eager step (reference.sparse_attention with a MaskCache), through mask refreshes; the
-engine's static and graph decoding give the eager tokens; offloaded decoding reports its host traffic.
+engine's static and graph decoding give the eager tokens, offloaded too; offloaded decoding reports its
+host traffic.
 
 The kernel cases run on CUDA, or on a CPU under `TRITON_INTERPRET=1`; the graph tests are marked gpu.
 """
@@ -97,6 +98,37 @@ def test_fixed_steps_on_the_kernels_match_the_eager_kernel_steps(prune_rope, sha
         assert err < 1e-5, (step, err)
 
 
+@pytest.mark.parametrize("prune_rope, shared, refresh", CASES[:3], ids=[f"{r}-{'shared' if s else 'head'}-{f}"
+                                                                        for r, s, f in CASES[:3]])
+def test_offloads_fixed_accounting_matches_the_eager_steps(prune_rope, shared, refresh):
+    """Offloaded fixed-shape steps name the same keys as read (the GPU cache's input) and count the same
+    stage-scan bytes as the eager steps, from their fixed buffers and host counts."""
+    from kvpot.methods.infinitehip.fixed import fixed_used_tokens
+    from kvpot.methods.infinitehip.offload import fixed_scan_bytes, scan_bytes, used_tokens
+
+    plan = make_plan(prune_rope, shared)
+    width = width_bound(plan.window, refresh)
+    d, kv, n0, last_keep = 16, 2, 555, 32
+    total = 0
+    for step, _, _, masks, fixed in run_steps(plan, refresh, "cpu", kernels=False, d=d):
+        n = n0 + step + 1
+        due = tuple(refresh_due(step, refresh))
+        row = kv * d * 4
+        eager_bytes = scan_bytes(plan, masks, torch.empty(kv, n, d))
+        assert fixed_scan_bytes(plan, last_keep, due, n - 1, row) == eager_bytes, step
+        total += eager_bytes
+        selection = masks.stages[-1]
+        w0 = int(selection.window_starts[0])
+        tokens, valid = used_tokens(min(plan.sink, w0), selection.starts.flatten(), selection.ends.flatten(),
+                                    plan.stages[-1].chunk, w0, n)
+        fixed_tokens, fixed_valid = fixed_used_tokens(
+            plan.sink, fixed.memo["nsink"], fixed.starts[-1].flatten(), fixed.ends[-1].flatten(),
+            plan.stages[-1].chunk, fixed.final_start, width, torch.tensor([n - 1]))
+        assert sorted(tokens[valid].tolist()) == sorted(fixed_tokens[fixed_valid].tolist()), step
+        assert int(fixed_valid.sum()) > plan.window  # sinks, a selection and the window
+    assert total > 0
+
+
 def test_width_bound_and_stage_sizes():
     assert width_bound(1024, (32, 16, 8)) == 1024 + 31
     assert width_bound(16, (4, 2, 1)) == 16 + 3
@@ -191,6 +223,27 @@ def test_static_decoding_on_the_kernels_gives_the_eager_tokens(one_thread):
     assert runs["static"][0].stats.decode["static_steps"] == 7
 
 
+@needs_kernels()
+@pytest.mark.slow
+def test_offloaded_static_decoding_gives_the_eager_tokens_and_reads(one_thread):
+    """Offloaded fixed-shape steps (the GPU cache updated inside the step, the entry appended by a kernel
+    where the buffers are in host memory) decode the eager steps' tokens, and count their reads and scan
+    bytes: the read set is the same, only the cache's victims may differ."""
+    model = build("llama3", hidden_size=128, head_dim=32).to(KERNEL_DEVICE)
+    torch.manual_seed(3)
+    ids = torch.randint(3, VOCAB, (160,))
+    settings = dict(kernels="triton", refresh=(4, 2, 1), chunk_size=80)
+    # (offloaded eager steps give the resident tokens: test_kernels.py)
+    runs = decode_both(model, ids, 8, offload=True, gpu_cache_tokens=160, **settings)
+    eager, static = runs["eager"][0], runs["static"][0]
+    assert static.token_ids == eager.token_ids
+    assert static.stats.decode["static_steps"] == 7 and static.stats.decode["eager_steps"] == 0
+    fixed, reference = static.stats.method["offload"], eager.stats.method["offload"]
+    assert fixed["reads"] == reference["reads"] > 0
+    assert fixed["scan_host_bytes"] == reference["scan_host_bytes"] > 0
+    assert 0 < fixed["hits"] < fixed["reads"]  # 160 slots: the cache evicts
+
+
 # ---------------------------------------------------------------------------- on a GPU
 
 
@@ -225,18 +278,26 @@ def test_graph_decoding_with_the_reference_attention_gives_the_eager_tokens():
 
 
 @pytest.mark.gpu
-def test_offloaded_decoding_stays_eager_and_reports_its_host_traffic():
+def test_offloaded_graph_decoding_gives_the_resident_tokens_and_reports_its_host_traffic():
     model = build("llama3", hidden_size=128, head_dim=32).to("cuda")
     torch.manual_seed(5)
     ids = torch.randint(3, VOCAB, (700,))
     resident = kvpot.Engine(model, method=method(kernels="triton"), decode="graph").generate_ids(
         ids, max_new_tokens=24, ignore_eos=True)
-    offloaded = kvpot.Engine(model, method=method(offload=True, gpu_cache_tokens=512), decode="graph").generate_ids(
+    engine = kvpot.Engine(model, method=method(offload=True, gpu_cache_tokens=512), decode="graph")
+    state = engine.prefill_ids(ids)
+    assert state.cache.layers[0].keys.device.type == "cpu" and state.cache.layers[0].keys.is_pinned()
+    offloaded = engine.generate_ids(state=state, max_new_tokens=24, ignore_eos=True)
+    eager = kvpot.Engine(model, method=method(offload=True, gpu_cache_tokens=512), decode="eager").generate_ids(
         ids, max_new_tokens=24, ignore_eos=True)
-    assert offloaded.token_ids == resident.token_ids
-    assert offloaded.stats.decode["eager_steps"] == 23 and offloaded.stats.decode["captures"] == 0
+    assert offloaded.token_ids == resident.token_ids == eager.token_ids
+    # captured like the resident steps: the entry written to host memory and the GPU cache updated in the graph
+    decode = offloaded.stats.decode
+    assert decode["eager_steps"] == 0 and decode["captures"] == 4 and decode["replays"] == 23 - 4
     report = offloaded.stats.method["offload"]
     assert 0 < report["hits"] < report["reads"] and report["scan_host_bytes"] > 0
+    assert report["reads"] == eager.stats.method["offload"]["reads"]
+    assert report["scan_host_bytes"] == eager.stats.method["offload"]["scan_host_bytes"]
     assert report["host_bytes"] == 2 * report["fetched_bytes"] + report["scan_host_bytes"]
     row = 2 * 2 * 32 * 4  # key + value, 2 KV heads, head dim 32, float32
     assert report["fetched_bytes"] == (report["reads"] - report["hits"]) * row

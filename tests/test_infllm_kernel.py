@@ -96,7 +96,7 @@ def test_step_kernel_matches_the_reference(shape, where, dtype):
 @pytestmark_kernels
 @pytest.mark.skipif(DEVICE != "cuda", reason="pinned host memory needs CUDA")
 def test_step_kernel_reads_host_memory_through_the_gpu_cache():
-    from kvpot.cache import host_empty
+    from kvpot.host_memory import host_empty
     from kvpot.kernels.infllm import decode_step
     from kvpot.methods.infinitehip.offload import GpuKvCache
 

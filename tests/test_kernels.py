@@ -292,6 +292,39 @@ def test_gpu_cache_keeps_the_most_recently_used_entries():
         touch(list(range(100, 109)))  # 9 reads need 18 slots
 
 
+@pytest.mark.parametrize("kv, dk, dv", [(2, 32, 32), (3, 64, 48), (1, 128, 128)], ids=["kv2-d32", "kv3-dk64-dv48", "kv1-d128"])
+def test_store_entry_writes_one_entry_at_the_device_slot(kv, dk, dv):
+    """The offloaded append of a fixed-shape step: key, value and both positions land at the device-side
+    slot of the host buffers (pinned on CUDA), every other entry untouched."""
+    from kvpot.host_memory import host_empty
+    from kvpot.kernels.hip import store_entry
+
+    n = 40
+    gen = torch.Generator(device="cpu").manual_seed(kv * dk + dv)
+
+    def buffer(*shape, dtype=torch.float32):
+        out = host_empty(shape, dtype) if DEVICE == "cuda" else torch.empty(shape, dtype=dtype)
+        return out.copy_(torch.randn(shape, generator=gen).to(dtype) if dtype.is_floating_point
+                         else torch.randint(0, 1000, shape, generator=gen))
+
+    keys, values = buffer(kv, n, dk, dtype=torch.bfloat16), buffer(kv, n, dv, dtype=torch.bfloat16)
+    positions, rope_positions = buffer(kv, n, dtype=torch.long), buffer(kv, n, dtype=torch.long)
+    before = [t.clone() for t in (keys, values, positions, rope_positions)]
+    key = torch.randn(kv, dk, generator=gen).to(DEVICE, torch.bfloat16)
+    value = torch.randn(kv, dv, generator=gen).to(DEVICE, torch.bfloat16)
+    position = torch.full((kv,), 123456, device=DEVICE)
+    rope_position = torch.arange(kv, device=DEVICE) + 7
+    slot = torch.tensor([17], device=DEVICE)
+    store_entry(keys, values, positions, rope_positions, slot, key, value, position, rope_position)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    expected = [b.clone() for b in before]
+    for buf, new in zip(expected, (key, value, position, rope_position)):
+        buf[:, 17] = new.cpu()
+    for got, want in zip((keys, values, positions, rope_positions), expected):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("gpu_cache_tokens, refresh", [(160, (4, 2, 1)), (4096, (4, 4, 4))])
 def test_offloaded_and_resident_runs_produce_the_same_tokens(gpu_cache_tokens, refresh):
     """offload=True (entries in pinned host memory on CUDA, read through an LRU GPU cache) computes the
@@ -328,7 +361,7 @@ def test_host_buffers_are_page_locked_at_their_exact_size_and_unlocked_when_free
     """Offloaded caches take exactly their size (torch's pinned cache would round 1 GiB + 2 MiB up to
     2 GiB); a kernel reads them in place; freeing unlocks them, so the same pages lock again."""
     from kvpot.kernels.hip import fetch
-    from kvpot.cache import host_empty
+    from kvpot.host_memory import host_empty
 
     for _ in range(3):  # a page still locked after its tensor died would make the next lock fail
         keys = host_empty((2, 1000, 64), torch.float16)

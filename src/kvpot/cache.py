@@ -17,14 +17,13 @@ per KV head. The cache records the largest count any layer reached (`max_entries
 
 from __future__ import annotations
 
-import math
-import mmap
 import weakref
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvpot.errors import KvpotError
+from kvpot.host_memory import copy_buffer, empty_buffer, grow_buffer, on_host, store_on_host
 from kvpot.positions import PositionPolicy
 from kvpot.rope import Rope
 
@@ -74,10 +73,10 @@ class PotLayer(CacheLayerMixin):
         capacity = max(self.cache.capacity_hint, 1)
         # offloading (InfiniteHiP): entries live in page-locked host memory, which kernels read directly
         host = self.cache.host_storage and self.device.type == "cuda"
-        self.keys = _empty((b, kv_heads, capacity, head_dim), self.dtype, self.device, host)
-        self.values = _empty((b, kv_heads, capacity, value_states.shape[-1]), value_states.dtype, self.device, host)
-        self.positions = _empty((b, kv_heads, capacity), torch.long, self.device, host)
-        self.rope_positions = _empty((b, kv_heads, capacity), torch.long, self.device, host)
+        self.keys = empty_buffer((b, kv_heads, capacity, head_dim), self.dtype, self.device, host)
+        self.values = empty_buffer((b, kv_heads, capacity, value_states.shape[-1]), value_states.dtype, self.device, host)
+        self.positions = empty_buffer((b, kv_heads, capacity), torch.long, self.device, host)
+        self.rope_positions = empty_buffer((b, kv_heads, capacity), torch.long, self.device, host)
         self.is_initialized = True
 
     def update(
@@ -124,10 +123,13 @@ class PotLayer(CacheLayerMixin):
         key_states = cache.rope.unscale(key_states)
         if policy.stores_rotated:
             key_states = cache.rope.rotate(key_states, rope_new, cache.pending_max_position)
-        self.keys.index_copy_(2, self.slot, key_states)
-        self.values.index_copy_(2, self.slot, value_states)
-        self.positions.index_copy_(2, self.slot, original)
-        self.rope_positions.index_copy_(2, self.slot, rope_new)
+        if on_host(self.keys, self.device):  # offloaded (InfiniteHiP): a kernel writes into pinned host memory
+            store_on_host(self, key_states, value_states, original, rope_new)
+        else:
+            self.keys.index_copy_(2, self.slot, key_states)
+            self.values.index_copy_(2, self.slot, value_states)
+            self.positions.index_copy_(2, self.slot, original)
+            self.rope_positions.index_copy_(2, self.slot, rope_new)
         for score in self.scores.values():
             score.index_fill_(2, self.slot, 0.0)
         self.query_position.copy_(rope_new.reshape(-1)[:1])
@@ -170,11 +172,11 @@ class PotLayer(CacheLayerMixin):
         # cache that decodes one more token does not ask for twice its memory
         step = self.capacity if self.capacity < 65536 else self.capacity // 8
         new_capacity = max(size, self.capacity + step)
-        self.keys = _grow(self.keys, new_capacity, self.n, self.device)
-        self.values = _grow(self.values, new_capacity, self.n, self.device)
-        self.positions = _grow(self.positions, new_capacity, self.n, self.device)
-        self.rope_positions = _grow(self.rope_positions, new_capacity, self.n, self.device)
-        self.scores = {k: _grow(v, new_capacity, self.n, self.device) for k, v in self.scores.items()}
+        self.keys = grow_buffer(self.keys, new_capacity, self.n, self.device)
+        self.values = grow_buffer(self.values, new_capacity, self.n, self.device)
+        self.positions = grow_buffer(self.positions, new_capacity, self.n, self.device)
+        self.rope_positions = grow_buffer(self.rope_positions, new_capacity, self.n, self.device)
+        self.scores = {k: grow_buffer(v, new_capacity, self.n, self.device) for k, v in self.scores.items()}
 
     def attention_keys(self) -> torch.Tensor:
         """Keys [b, kv_heads, n, d] rotated at their current positions.
@@ -271,9 +273,9 @@ class PotLayer(CacheLayerMixin):
         if self.is_initialized:
             twin.batch, twin.kv_heads, twin.head_dim = self.batch, self.kv_heads, self.head_dim
             twin.dtype, twin.device = self.dtype, self.device
-            twin.keys, twin.values = _copy(self.keys, self.device), _copy(self.values, self.device)
-            twin.positions = _copy(self.positions, self.device)
-            twin.rope_positions = _copy(self.rope_positions, self.device)
+            twin.keys, twin.values = copy_buffer(self.keys, self.device), copy_buffer(self.values, self.device)
+            twin.positions = copy_buffer(self.positions, self.device)
+            twin.rope_positions = copy_buffer(self.rope_positions, self.device)
             twin.scores = {k: v.clone() for k, v in self.scores.items()}
             twin.is_initialized = True
         return twin
@@ -284,31 +286,6 @@ def _clone_state(value):
     if callable(getattr(value, "clone", None)):  # tensors, caches, InfiniteHiP's runtime
         return value.clone()
     return value
-
-
-def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, host: bool) -> torch.Tensor:
-    """A buffer on `device`, or with `host`, in page-locked host memory of exactly its size."""
-    if not host:
-        return torch.empty(shape, dtype=dtype, device=device)
-    return host_empty(shape, dtype)
-
-
-def _on_host(buf: torch.Tensor, device: torch.device) -> bool:
-    """Whether a layer on `device` keeps `buf` in host memory (offloading)."""
-    return buf.device.type == "cpu" and device.type == "cuda"
-
-
-def _copy(buf: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A copy that stays in page-locked memory when `buf` is (kernels read it directly)."""
-    if not _on_host(buf, device):
-        return buf.clone()
-    return _empty(tuple(buf.shape), buf.dtype, buf.device, True).copy_(buf)
-
-
-def _grow(buf: torch.Tensor, capacity: int, used: int, device: torch.device) -> torch.Tensor:
-    new = _empty((*buf.shape[:2], capacity, *buf.shape[3:]), buf.dtype, buf.device, _on_host(buf, device))
-    new[:, :, :used] = buf[:, :, :used]
-    return new
 
 
 class PotCache(Cache):
@@ -413,36 +390,3 @@ class PotCache(Cache):
     @property
     def is_compileable(self) -> bool:  # noqa: D401 - transformers' API
         return False
-
-
-_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
-
-
-class _LockedPages(mmap.mmap):
-    """Anonymous host pages, page-locked for the GPU (`cudaHostRegister`) for as long as they live."""
-
-    address = 0
-
-    def __del__(self):
-        if self.address:  # the last tensor on these pages is gone: unlock before the pages are unmapped
-            torch.cuda.cudart().cudaHostUnregister(self.address)
-            self.address = 0
-
-
-def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor in page-locked memory that GPU kernels read directly, of exactly
-    its size. (`pin_memory=True` goes through torch's pinned-memory cache, which rounds every block
-    up to a power of two: one llama3-8b layer's keys for 512K tokens plus a few new ones, 1 GiB +
-    2 MiB, would take 2 GiB, and the whole cache 128 GiB instead of 64.)"""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if nbytes == 0:
-        return torch.empty(shape, dtype=dtype, pin_memory=True)
-    pages = _LockedPages(-1, nbytes)
-    flat = torch.frombuffer(pages, dtype=torch.uint8)  # keeps `pages` alive as long as its storage
-    # cudaHostRegisterPortable: pinned for every GPU's context, so a model split over GPUs reads it from each
-    error = int(torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), nbytes, _HOST_REGISTER_PORTABLE))
-    if error:
-        raise KvpotError(f"infinitehip: could not page-lock {nbytes / 2**30:.2f} GiB of host memory for offloading "
-                         f"(cudaHostRegister error {error}); free host memory or shorten the context.")
-    pages.address = flat.data_ptr()
-    return flat.view(dtype).view(shape)

@@ -151,9 +151,11 @@ class Decoder:
             layer.enter_static()
             if getattr(layer, "probs", None) is None or layer.probs.shape[-1] != layer.capacity:
                 layer.probs = torch.zeros(layer.kv_heads, layer.capacity, dtype=torch.float32, device=layer.device)
-        keys = cache.layers[0].keys
-        # sized now, so no step (and no capture) grows a table
-        cache.rope.table(max(capacity, self.max_position) + 1, keys)
+        layer0 = cache.layers[0]
+        # sized now, so no step (and no capture) grows a table; on the layer's device (offloaded
+        # buffers are on the host)
+        like = torch.empty(0, layer0.head_dim, dtype=layer0.dtype, device=layer0.device)
+        cache.rope.table(max(capacity, self.max_position) + 1, like)
         self._addresses = self._buffer_addresses()
 
     def _buffer_addresses(self) -> tuple:

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from kvpot.cache import PotCache, PotLayer, _empty
+from kvpot.cache import PotCache, PotLayer
+from kvpot.host_memory import empty_buffer
 from kvpot.errors import KvpotError
 from kvpot.positions import make_policy
 
@@ -267,7 +268,7 @@ class _Reader:
         capacity = max(entry["capacity"], layer.n, 1)
 
         def place(saved: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-            buf = _empty((*saved.shape[:2], capacity, *saved.shape[3:]), dtype, device, host)
+            buf = empty_buffer((*saved.shape[:2], capacity, *saved.shape[3:]), dtype, device, host)
             buf[:, :, : layer.n] = saved
             return buf
 

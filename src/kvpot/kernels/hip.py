@@ -603,3 +603,47 @@ def fetch(keys: torch.Tensor, values: torch.Tensor, gpu_keys: torch.Tensor, gpu_
     _fetch_kernel[(triton.cdiv(length, block), kv)](
         keys, values, gpu_keys, gpu_values, tokens.contiguous(), slots.contiguous(), length,
         keys.stride(0), keys.stride(1), gpu_keys.stride(0), gpu_keys.stride(1), D=d, BLOCK=block)
+
+
+@triton.jit
+def _store_kernel(
+    K, V,  # [KV, N, DK] / [KV, N, DV] keys and values in pinned host memory (written over the bus)
+    P, RP,  # [KV, N] int64 stream and RoPE positions, there too
+    NEW_K, NEW_V,  # [KV, DK] / [KV, DV] the step's key and value rows (on the GPU)
+    NEW_P, NEW_RP,  # [KV] int64 their positions
+    SLOT,  # [1] int64: the entry to write (a device value: a captured step writes where the count says)
+    stride_kh, stride_kn, stride_vh, stride_vn, stride_ph, stride_rh, stride_nk, stride_nv,
+    DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    h = tl.program_id(0)
+    slot = tl.load(SLOT)
+    dk = tl.arange(0, BLOCK_K)
+    dv = tl.arange(0, BLOCK_V)
+    tl.store(K + h * stride_kh + slot * stride_kn + dk, tl.load(NEW_K + h * stride_nk + dk, mask=dk < DK),
+             mask=dk < DK)
+    tl.store(V + h * stride_vh + slot * stride_vn + dv, tl.load(NEW_V + h * stride_nv + dv, mask=dv < DV),
+             mask=dv < DV)
+    tl.store(P + h * stride_ph + slot, tl.load(NEW_P + h))
+    tl.store(RP + h * stride_rh + slot, tl.load(NEW_RP + h))
+
+
+def store_entry(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, rope_positions: torch.Tensor,
+                slot: torch.Tensor, key: torch.Tensor, value: torch.Tensor, position: torch.Tensor,
+                rope_position: torch.Tensor) -> None:
+    """Write one entry at `slot` ([1] long on the device) of a layer's host buffers: keys/values [kv, n, d]
+    and positions/rope_positions [kv, n] in pinned host memory, from key/value [kv, d] and
+    position/rope_position [kv] on the GPU. One launch and no host synchronisation, so a captured
+    decoding step can append to an offloaded cache (a torch copy into a CPU tensor would synchronise)."""
+    kv, _, dk = keys.shape
+    dv = values.shape[-1]
+    if keys.stride(-1) != 1 or values.stride(-1) != 1 or positions.stride(-1) != 1 or rope_positions.stride(-1) != 1:
+        raise ValueError("store_entry writes rows of contiguous last dimensions")
+    key, value = key.contiguous(), value.contiguous()
+    position = position.to(torch.int64).contiguous()
+    rope_position = rope_position.to(torch.int64).contiguous()
+    _store_kernel[(kv,)](
+        keys, values, positions, rope_positions, key, value, position, rope_position, slot,
+        keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), positions.stride(0),
+        rope_positions.stride(0), key.stride(0), value.stride(0),
+        DK=dk, DV=dv, BLOCK_K=next_power_of_2(dk), BLOCK_V=next_power_of_2(dv),
+    )

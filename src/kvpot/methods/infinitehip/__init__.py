@@ -9,7 +9,7 @@ from kvpot.errors import KvpotError
 from kvpot.methods.base import Method, Setup, Step, check_positive
 from kvpot.rope import Rope, rotate_half
 from kvpot.methods.infinitehip.fixed import FixedMasks, fixed_step, width_bound
-from kvpot.methods.infinitehip.offload import GpuKvCache, scan_bytes, used_tokens
+from kvpot.methods.infinitehip.offload import GpuKvCache, fixed_scan_bytes, scan_bytes, used_tokens
 from kvpot.methods.infinitehip.reference import LayerPlan, MaskCache, Stage, refresh_due, sparse_attention
 
 log = logging.getLogger("kvpot")
@@ -20,6 +20,8 @@ RELEASE_WINDOW = 1024
 RELEASE_KEEP = (32768, 8192, 2048)
 RELEASE_EARLY_KEEP = 4096  # the last stage keeps more in the first layers
 DEFAULT_GPU_CACHE = 32768  # offloading: GPU-cached entries per layer (128 MiB a layer for llama3-8b in bf16)
+OFFLOAD_NEEDS_KERNELS = ("infinitehip: offload=True needs the Triton kernels (CUDA with Triton, head dims 32-256, "
+                         "a RoPE with a fixed table).")
 
 
 def _ints(value, what: str) -> tuple[int, ...] | None:
@@ -201,8 +203,8 @@ class InfiniteHiP(Method):
             runtime.restart()
 
     def decode_plan(self, cache) -> str:
-        """Fixed-shape steps ("append": captured once per pattern of due stages), except offloaded
-        (the engine's forward writes the entries to host memory: eager steps)."""
+        """Fixed-shape steps ("append": captured once per pattern of due stages), offloaded or not;
+        eager where the RoPE has no fixed table."""
         return "append" if cache.attention.prepare_fixed(cache) else "eager"
 
     def decode_key(self, cache) -> tuple:
@@ -276,13 +278,13 @@ class HipRuntime:
 
     # ------------------------------------------------------------------ fixed-shape decoding
     def prepare_fixed(self, cache) -> bool:
-        """Before a decoding step, from host counts only: False where the step must run eagerly
-        (offloading: the engine's forward writes entries to host memory and the GPU cache is updated
-        between steps; a RoPE without a fixed table). Else size the stage
-        buffers and the RoPE table for the whole decode (no captured step allocates them) and set
-        the stages this step recomputes (`due`, part of its graph key), advancing the schedule."""
+        """Before a decoding step, from host counts only: False where the step must run eagerly (a
+        RoPE without a fixed table). Else size the stage buffers, the RoPE table and, offloaded, the
+        GPU caches' slot tables for the whole decode (no captured step allocates them), set the
+        stages this step recomputes (`due`, part of its graph key), advancing the schedule, and count
+        the host bytes its stage scans will ask for."""
         layer0 = cache.layers[0]
-        if self.gpu_cache_tokens is not None or self.rope.dynamic:
+        if self.rope.dynamic:
             return False
         capacity = layer0.capacity
         if self.latest == "eager" or (capacity != self.fixed_capacity and self.step):
@@ -294,15 +296,31 @@ class HipRuntime:
         # positions used: up to the capacity (absolute), candidates + window (chunk-indexed), sinks +
         # selection + the widest window (streaming)
         self.bound = capacity + self.width + 2
-        if self.table(layer0.keys, self.bound + 1) is None:
-            self.rope.table(self.bound + 1, layer0.keys)  # the reference rotates from the same table
+        like = torch.empty(0, layer0.head_dim, dtype=layer0.dtype, device=layer0.device)  # (offloaded: keys on the host)
+        if self.table(like, self.bound + 1) is None:
+            if self.gpu_cache_tokens is not None:
+                raise KvpotError(OFFLOAD_NEEDS_KERNELS)
+            self.rope.table(self.bound + 1, like)  # the reference rotates from the same table
         self.due = tuple(refresh_due(self.step, self.refresh))
         recomputed = [i for i, due in enumerate(self.due) if due]
         for masks in self.masks:
             masks.recomputed.append(recomputed)
+        if self.gpu_cache_tokens is not None:
+            self._prepare_offload(cache, capacity)
         self.step += 1
         self.latest = "fixed"
         return True
+
+    def _prepare_offload(self, cache, capacity: int) -> None:
+        """Offloaded fixed-shape steps: each layer's GPU cache with a slot table for `capacity` entries,
+        and the host bytes this step's stage scans ask for (counted here: the captured step cannot)."""
+        for index, layer in enumerate(cache.layers):
+            if self.gpu_caches[index] is None:
+                self.gpu_caches[index] = GpuKvCache(self.gpu_cache_tokens, layer.kv_heads, layer.head_dim,
+                                                    layer.dtype, layer.device)
+            self.gpu_caches[index].ensure(capacity)
+            row = layer.kv_heads * layer.head_dim * layer.keys.element_size()
+            self.scan_bytes += fixed_scan_bytes(self.plans[index], self.last_keep[index], self.due, layer.n, row)
 
     def static_attention(self, layer, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                          scaling: float) -> torch.Tensor:
@@ -318,7 +336,7 @@ class HipRuntime:
         def step() -> torch.Tensor:
             return fixed_step(query[0], keys[0], values[0], scaling, layer.slot, self.plans[index],
                               self.last_keep[index], self.due, self.fixed[index], self.width, rotate,
-                              self.table(query, bound + 1)).unsqueeze(0)
+                              self.table(query, bound + 1), self.gpu_caches[index]).unsqueeze(0)
 
         if query.device.type != "cuda":
             return step()
@@ -354,8 +372,7 @@ class HipRuntime:
         gpu_cache = None
         if self.gpu_cache_tokens is not None:
             if table is None:
-                raise KvpotError("infinitehip: offload=True needs the Triton kernels (CUDA with Triton, head dims "
-                                 "32-256, a RoPE with a fixed table).")
+                raise KvpotError(OFFLOAD_NEEDS_KERNELS)
             gpu_cache = self.gpu_caches[index]
             if gpu_cache is None:
                 gpu_cache = self.gpu_caches[index] = GpuKvCache(self.gpu_cache_tokens, keys.shape[0], keys.shape[2],

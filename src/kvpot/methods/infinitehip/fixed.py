@@ -110,11 +110,14 @@ class FixedMasks:
 
 def fixed_step(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, t: torch.Tensor,
                plan: LayerPlan, last_keep: int, due: tuple[bool, ...], masks: FixedMasks, width: int,
-               rotate: Rotate, table: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+               rotate: Rotate, table: tuple[torch.Tensor, torch.Tensor] | None, gpu_cache=None) -> torch.Tensor:
     """One decoding query [h, 1, d] (un-rotated) at position `t` ([1] long on the device) over a layer's
     whole buffers keys/values [kv, capacity, d]: the stages that are `due` rerun into `masks`, then
     sinks + selection + window are attended (Triton with a RoPE `table`, else the PyTorch reference).
-    No host value depends on `t`. Returns [h, 1, d]."""
+    Offloaded (`gpu_cache`, a `kvpot.methods.infinitehip.offload.GpuKvCache`; keys/values in pinned host
+    memory), the attention reads through the GPU cache, which then takes the keys it read: the whole
+    read set after a new selection, else only the newest key (as the eager step). No host value
+    depends on `t`. Returns [h, 1, d]."""
     h, _, d = query.shape
     kv = keys.shape[0]
     if any(due):
@@ -123,14 +126,28 @@ def fixed_step(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sc
     if table is not None:
         from kvpot.kernels import hip
 
-        return hip.sparse_attention(query, keys, values, scaling, masks.starts[-1], masks.ends[-1], chunk,
-                                    masks.final_start, width, plan.sink, 1, plan.final_rope == "streaming", *table,
-                                    memo=masks.memo, position=t)
+        out = hip.sparse_attention(query, keys, values, scaling, masks.starts[-1], masks.ends[-1], chunk,
+                                   masks.final_start, width, plan.sink, 1, plan.final_rope == "streaming", *table,
+                                   memo=masks.memo, position=t, gpu_cache=gpu_cache)
+        if gpu_cache is not None:
+            _touch(gpu_cache, keys, values, t, plan, due, masks, width)
+        return out
     selection = Selection(masks.starts[-1], masks.ends[-1], masks.final_start)
     rows_valid = torch.ones(1, 1, dtype=torch.bool, device=keys.device)
     out = _final_attention(query.view(1, h, 1, d), keys, values, scaling, selection, chunk, plan, t.view(1, 1),
                            rows_valid, rotate, width)  # [1, h, 1, d]
     return out[0]
+
+
+def _touch(gpu_cache, keys: torch.Tensor, values: torch.Tensor, t: torch.Tensor, plan: LayerPlan,
+           due: tuple[bool, ...], masks: FixedMasks, width: int) -> None:
+    """The GPU cache takes what this step read: a new selection's whole read set, else the newest key."""
+    if not any(due):
+        gpu_cache.touch_newest(t, keys, values)
+        return
+    tokens, valid = fixed_used_tokens(plan.sink, masks.memo["nsink"], masks.starts[-1].flatten(),
+                                      masks.ends[-1].flatten(), plan.stages[-1].chunk, masks.final_start, width, t)
+    gpu_cache.touch(tokens, valid, keys, values)
 
 
 def _prune(grouped: torch.Tensor, keys: torch.Tensor, t: torch.Tensor, plan: LayerPlan, last_keep: int,
@@ -164,3 +181,20 @@ def _prune(grouped: torch.Tensor, keys: torch.Tensor, t: torch.Tensor, plan: Lay
         masks.memo["nsink"].copy_(nsink)
         masks.memo["selbase"].copy_(nsink.view(1, -1, 1) + lengths.cumsum(-1) - lengths)
         masks.memo["base"].copy_(nsink.view(1, -1) + lengths.sum(-1))
+
+
+def fixed_used_tokens(sink: int, nsink: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, chunk: int,
+                      window_start: torch.Tensor, width: int, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`offload.used_tokens` in fixed shapes, for a captured step: sinks [0, sink) valid below `nsink`
+    ([1] long), the selected ranges starts/ends [C] (at most `chunk` keys each), and `width` window
+    lanes from `window_start` ([1] long) valid up to the query's `position` ([1] long). The same valid
+    tokens as the eager step's list. Returns tokens [L] and their validity [L]."""
+    device = starts.device
+    sinks = torch.arange(sink, device=device)
+    offsets = torch.arange(chunk, device=device)
+    selected = (starts.unsqueeze(-1) + offsets).flatten()
+    selected_valid = selected < ends.unsqueeze(-1).expand(-1, chunk).flatten()
+    window = window_start + torch.arange(width, device=device)
+    tokens = torch.cat([sinks, selected, window])
+    valid = torch.cat([sinks < nsink, selected_valid, window <= position])
+    return tokens, valid

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from kvpot.errors import KvpotError
+from kvpot.methods.infinitehip.fixed import stage_sizes
 
 
 class GpuKvCache:
@@ -43,7 +44,8 @@ class GpuKvCache:
         self.hits = torch.zeros((), dtype=torch.long, device=device)
         self.used = torch.zeros((), dtype=torch.long, device=device)
         self.set_size = torch.zeros((), dtype=torch.long, device=device)  # keys the last step read
-        self.tick = 0
+        # the LRU clock on the device: a captured step advances it (a host int would be baked into the graph)
+        self.tick = torch.zeros((), dtype=torch.long, device=device)
 
     @property
     def row_bytes(self) -> int:
@@ -81,18 +83,22 @@ class GpuKvCache:
         slot = self.slot_of[tokens].long()  # [L]
         hit = valid & (slot >= 0)
         self.hits += hit.sum()
-        self.set_size = valid.sum()
+        self.set_size.copy_(valid.sum())  # in place: a captured step's graph keeps writing this tensor
         self.used += self.set_size
         self._admit(tokens, valid, slot, hit, keys, values)
 
-    def touch_newest(self, token: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def touch_newest(self, token: int | torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """A step whose selection did not change reads the last step's keys, all cached by then (no
-        victim is ever in the read set while it holds at most half the slots), plus the newest key:
-        count that, and cache the newest key: no top-k over the whole read set."""
+        victim is ever in the read set while it holds at most half the slots), plus the newest key
+        (`token`: an int, or [1] long on the device in a fixed-shape step): count that, and cache the
+        newest key: no top-k over the whole read set."""
         self.set_size += 1
         self.used += self.set_size
         self.hits += self.set_size - 1
-        tokens = torch.full((1,), token, dtype=torch.long, device=self.stamp.device)
+        if isinstance(token, torch.Tensor):
+            tokens = token.view(1).to(torch.long)
+        else:
+            tokens = torch.full((1,), token, dtype=torch.long, device=self.stamp.device)
         slot = self.slot_of[tokens].long()
         valid = torch.ones(1, dtype=torch.bool, device=self.stamp.device)
         self._admit(tokens, valid, slot, valid & (slot >= 0), keys, values)
@@ -105,10 +111,13 @@ class GpuKvCache:
         length = tokens.numel()
         trash_token = self.slot_of.numel() - 1
         self.tick += 1
-        # (index_fill_/fill_ take Python scalars as kernel arguments: CUDA-graph capturable)
-        self.stamp.index_fill_(0, torch.where(hit, slot, self.slots), self.tick)
+        # (index_put_ of the device clock, fill_ of constants: no host value, CUDA-graph capturable)
+        self.stamp.index_put_((torch.where(hit, slot, self.slots),), self.tick)
         miss = valid & ~hit
-        victims = torch.topk(self.stamp[: self.slots], length, largest=False).indices  # [L] oldest first
+        if length == 1:  # the newest key alone (most steps): one reduction, not a top-k
+            victims = self.stamp[: self.slots].argmin().view(1)
+        else:
+            victims = torch.topk(self.stamp[: self.slots], length, largest=False).indices  # [L] oldest first
         rank = (miss.cumsum(0) - 1).clamp(min=0)
         target = torch.where(miss, victims[rank], self.slots)  # [L] slot per miss, trash otherwise
         old = self.token_of[target]
@@ -117,16 +126,21 @@ class GpuKvCache:
         self.slot_of[trash_token:].fill_(-1)
         self.token_of[target] = torch.where(miss, tokens, -1)
         self.token_of[self.slots:].fill_(-1)
-        self.stamp.index_fill_(0, target, self.tick)
+        self.stamp.index_put_((target,), self.tick)
         self.stamp[self.slots:].fill_(torch.iinfo(torch.long).max)
         fetch(keys, values, self.keys, self.values, tokens, torch.where(miss, target, -1))
 
 
+def probes(chunk: int) -> int:
+    """Keys one candidate range of `chunk` keys reads in a stage scan: 2 ceil(log2(chunk)) probes
+    (Algorithm 3's halvings) and the representative's score."""
+    return 2 * max(0, (chunk - 1).bit_length()) + 1
+
+
 def scan_bytes(plan, masks, keys: torch.Tensor) -> int:
     """Bytes the stage scans of a decoding step read from host memory (`keys` [kv, n, d] there): each
-    candidate range of a recomputed stage costs 2 ceil(log2(chunk)) + 1 probes (Algorithm 3's halvings
-    and the representative's score), each reading one key of every KV head; requested, not measured
-    on the bus (a repeated read may hit the GPU's L2)."""
+    candidate range of a recomputed stage costs `probes(chunk)` reads of one key of every KV head;
+    requested, not measured on the bus (a repeated read may hit the GPU's L2)."""
     kv, n, d = keys.shape
     row = kv * d * keys.element_size()
     total = 0
@@ -137,7 +151,20 @@ def scan_bytes(plan, masks, keys: torch.Tensor) -> int:
             candidates = max(1, -(-span // chunk))
         else:
             candidates = masks.stages[i - 1].starts.shape[-1] * (plan.stages[i - 1].chunk // chunk)
-        total += candidates * (2 * max(0, (chunk - 1).bit_length()) + 1) * row
+        total += candidates * probes(chunk) * row
+    return total
+
+
+def fixed_scan_bytes(plan, last_keep: int, due: tuple[bool, ...], position: int, row: int) -> int:
+    """`scan_bytes` of a fixed-shape decoding step at `position`, from host counts: the ranges the eager
+    step would scan (the fixed step's padding ranges are empty and read nothing). `row`: bytes of one
+    key of every KV head."""
+    candidates, sizes = stage_sizes(plan, last_keep, position + 1)
+    total = 0
+    for i, stage in enumerate(plan.stages):
+        if due[i]:
+            count = candidates if i == 0 else sizes[i - 1] * (plan.stages[i - 1].chunk // stage.chunk)
+            total += count * probes(stage.chunk) * row
     return total
 
 
@@ -156,3 +183,4 @@ def used_tokens(sink_count: int, starts: torch.Tensor, ends: torch.Tensor, chunk
     valid = torch.cat([torch.ones_like(sinks, dtype=torch.bool), selected_valid,
                        torch.ones_like(window, dtype=torch.bool)])
     return tokens, valid
+
