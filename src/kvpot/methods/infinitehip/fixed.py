@@ -155,12 +155,12 @@ def _prune(grouped: torch.Tensor, keys: torch.Tensor, t: torch.Tensor, plan: Lay
     """The due stages of `reference.prune` for one query (grouped [kv, g, 1, 1, d]), in place in `masks`."""
     if due[0]:
         masks.window_start.copy_((t + 1 - plan.window).clamp(min=plan.sink))
-    rows_valid = torch.ones(1, 1, dtype=torch.bool, device=keys.device)
+    rows_valid = torch.ones(1, 1, dtype=torch.bool, device=t.device)
     args = (grouped, rows_valid, keys, plan, t.view(1, 1), rotate)
     scorer = _Scorer(*args) if table is None else _KernelScorer(*args, table=table)
     s = masks.starts[0].shape[0]
     first = plan.stages[0].chunk
-    starts = plan.sink + torch.arange(masks.candidates, device=keys.device) * first
+    starts = plan.sink + torch.arange(masks.candidates, device=t.device) * first
     starts = starts.view(1, 1, -1).expand(s, 1, -1)
     ends = torch.minimum(starts + first, masks.window_start.view(1, 1, 1))
     parent = first
