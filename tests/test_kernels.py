@@ -292,6 +292,32 @@ def test_gpu_cache_keeps_the_most_recently_used_entries():
         touch(list(range(100, 109)))  # 9 reads need 18 slots
 
 
+def test_admitting_the_newest_key_in_one_launch_matches_the_torch_path():
+    """`admit_newest` (a fixed-shape step's GPU-cache update between refreshes) leaves the cache exactly as
+    the PyTorch operations do: hits stamped, misses in the least recently used slot (the first of equal
+    stamps), the evicted token's slot cleared, rows copied, counters advanced."""
+    from kvpot.methods.infinitehip.offload import GpuKvCache
+
+    gen = torch.Generator(device="cpu").manual_seed(11)
+    keys = torch.randn(3, 300, 32, generator=gen).to(DEVICE)
+    values = torch.randn(3, 300, 32, generator=gen).to(DEVICE)
+    caches = [GpuKvCache(16, 3, 32, keys.dtype, torch.device(DEVICE)) for _ in range(2)]
+    for cache in caches:
+        cache.ensure(300)
+        tokens = torch.tensor([0, 1, 2, 3, 40, 41, 42], device=DEVICE)
+        cache.touch(tokens, torch.ones_like(tokens, dtype=torch.bool), keys, values)  # 7 of 16 slots
+    # misses into free slots, then evictions of the oldest, hits (41, 100), a re-admitted evicted token (0)
+    sequence = [100, 101, 41, 102, 103, 104, 105, 106, 107, 108, 109, 110, 100, 111, 0, 112]
+    for token in sequence:
+        caches[0].touch_newest(torch.tensor([token], device=DEVICE), keys, values, fused=True)
+        caches[1].touch_newest(token, keys, values, fused=False)
+    fused, reference = caches
+    for name in ("slot_of", "token_of", "stamp", "tick", "hits", "used", "set_size", "keys", "values"):
+        assert torch.equal(getattr(fused, name), getattr(reference, name)), name
+    held = (fused.slot_of[:300] >= 0).nonzero().flatten().tolist()
+    assert len(held) == 16 and {0, 41, 100, 112} <= set(held) and 1 not in held
+
+
 @pytest.mark.parametrize("kv, dk, dv", [(2, 32, 32), (3, 64, 48), (1, 128, 128)], ids=["kv2-d32", "kv3-dk64-dv48", "kv1-d128"])
 def test_store_entry_writes_one_entry_at_the_device_slot(kv, dk, dv):
     """The offloaded append of a fixed-shape step: key, value and both positions land at the device-side

@@ -647,3 +647,70 @@ def store_entry(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tenso
         rope_positions.stride(0), key.stride(0), value.stride(0),
         DK=dk, DV=dv, BLOCK_K=next_power_of_2(dk), BLOCK_V=next_power_of_2(dv),
     )
+
+
+@triton.jit
+def _admit_newest_kernel(
+    K, V,  # [KV, N, D] keys and values in pinned host memory
+    KG, VG,  # [KV, SLOTS, D] the GPU cache
+    SLOT_OF,  # [>= N] int32: each token's slot, -1 where only in host memory
+    TOKEN_OF,  # [SLOTS] int64: each slot's token, -1 where free
+    STAMP,  # [SLOTS] int64: each slot's last use (the LRU clock)
+    TOKEN,  # [1] int64: the newest key's token
+    TICK, SET_SIZE, USED, HITS,  # [] int64 counters: the clock, the last read set's size, reads, hits
+    SLOTS, KV, stride_kh, stride_kn, stride_gh, stride_gn,
+    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # counts: the step read the last step's keys (all cached) and the newest one
+    size = tl.load(SET_SIZE) + 1
+    tl.store(SET_SIZE, size)
+    tl.store(USED, tl.load(USED) + size)
+    tl.store(HITS, tl.load(HITS) + size - 1)
+    tick = tl.load(TICK) + 1
+    tl.store(TICK, tick)
+    token = tl.load(TOKEN)
+    slot = tl.load(SLOT_OF + token).to(tl.int64)
+    hit = slot >= 0
+    # the least recently used slot (the first of equal stamps), found whether or not it is needed
+    lane = tl.arange(0, BLOCK)
+    best = tl.full([BLOCK], 9223372036854775807, tl.int64)
+    where = tl.zeros([BLOCK], tl.int64)
+    for start in range(0, SLOTS, BLOCK):
+        offs = start + lane
+        stamp = tl.load(STAMP + offs, mask=offs < SLOTS, other=9223372036854775807)
+        better = stamp < best
+        best = tl.where(better, stamp, best)
+        where = tl.where(better, offs.to(tl.int64), where)
+    low = tl.min(best, axis=0)
+    victim = tl.min(tl.where(best == low, where, 9223372036854775807), axis=0)
+    target = tl.where(hit, slot, victim)
+    tl.store(STAMP + target, tick)
+    miss = slot < 0
+    old = tl.load(TOKEN_OF + victim)
+    tl.store(SLOT_OF + old, -1, mask=miss & (old >= 0))  # the evicted token: host memory only
+    tl.store(SLOT_OF + token, victim.to(tl.int32), mask=miss)
+    tl.store(TOKEN_OF + victim, token, mask=miss)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, D)[None, :]
+    rows = (h < KV) & (d < D) & miss  # [BLOCK_H, D]
+    src = h * stride_kh + token * stride_kn + d
+    dst = h * stride_gh + victim * stride_gn + d
+    tl.store(KG + dst, tl.load(K + src, mask=rows), mask=rows)
+    tl.store(VG + dst, tl.load(V + src, mask=rows), mask=rows)
+
+
+def admit_newest(keys: torch.Tensor, values: torch.Tensor, cache, token: torch.Tensor) -> None:
+    """`GpuKvCache.touch_newest` in one launch: count a step that read the last step's keys plus the
+    newest key `token` ([1] long on the device), stamp it if cached, else give it the least recently
+    used slot and copy its key and value rows in (keys/values [kv, n, d], in host memory). Replaces
+    about 35 small launches a layer in a decoding step."""
+    kv, _, d = keys.shape
+    if keys.stride(-1) != 1 or values.stride(-1) != 1 or values.stride() != keys.stride():
+        raise ValueError("admit_newest reads keys and values of one layout, rows contiguous")
+    if cache.keys.stride() != cache.values.stride() or d != next_power_of_2(d):
+        raise ValueError("admit_newest needs a GPU cache of one layout and a power-of-two head dim")
+    _admit_newest_kernel[(1,)](
+        keys, values, cache.keys, cache.values, cache.slot_of, cache.token_of, cache.stamp, token, cache.tick,
+        cache.set_size, cache.used, cache.hits, cache.slots, kv, keys.stride(0), keys.stride(1),
+        cache.keys.stride(0), cache.keys.stride(1), D=d, BLOCK_H=next_power_of_2(kv), BLOCK=1024, num_warps=4,
+    )

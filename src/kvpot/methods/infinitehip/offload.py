@@ -87,11 +87,25 @@ class GpuKvCache:
         self.used += self.set_size
         self._admit(tokens, valid, slot, hit, keys, values)
 
-    def touch_newest(self, token: int | torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def touch_newest(self, token: int | torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     fused: bool | None = None) -> None:
         """A step whose selection did not change reads the last step's keys, all cached by then (no
         victim is ever in the read set while it holds at most half the slots), plus the newest key
         (`token`: an int, or [1] long on the device in a fixed-shape step): count that, and cache the
-        newest key: no top-k over the whole read set."""
+        newest key: no top-k over the whole read set. `fused` (default: where the Triton kernels run)
+        does it in one launch (`kvpot.kernels.hip.admit_newest`), else in PyTorch operations."""
+        from kvpot import kernels
+
+        if fused is None:
+            fused = (kernels.available(self.stamp.device) and kernels.supports_head_dim(self.keys.shape[-1])
+                     and keys.stride() == values.stride() and keys.stride(-1) == 1)
+        if fused:
+            from kvpot.kernels.hip import admit_newest
+
+            if not isinstance(token, torch.Tensor):
+                token = torch.full((1,), token, dtype=torch.long, device=self.stamp.device)
+            admit_newest(keys, values, self, token.view(1).to(torch.long))
+            return
         self.set_size += 1
         self.used += self.set_size
         self.hits += self.set_size - 1
