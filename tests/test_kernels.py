@@ -314,8 +314,10 @@ def test_admitting_the_newest_key_in_one_launch_matches_the_torch_path():
     fused, reference = caches
     for name in ("slot_of", "token_of", "stamp", "tick", "hits", "used", "set_size", "keys", "values"):
         assert torch.equal(getattr(fused, name), getattr(reference, name)), name
-    held = (fused.slot_of[:300] >= 0).nonzero().flatten().tolist()
-    assert len(held) == 16 and {0, 41, 100, 112} <= set(held) and 1 not in held
+    # 9 free slots take 100-108; 109, 110, 111, 112 (and 0 if it was out) evict the first seven but 41 (a
+    # hit), in an order set by their slots (a tie of stamps): one of 1, 2, 3, 40, 42 stays
+    held = set((fused.slot_of[:300] >= 0).nonzero().flatten().tolist())
+    assert len(held) == 16 and {0, 41, 100, 112} <= held and len({1, 2, 3, 40, 42} & held) == 1
 
 
 @pytest.mark.parametrize("kv, dk, dv", [(2, 32, 32), (3, 64, 48), (1, 128, 128)], ids=["kv2-d32", "kv3-dk64-dv48", "kv1-d128"])
