@@ -74,7 +74,8 @@ class PotLayer(CacheLayerMixin):
         # offloading (InfiniteHiP): entries live in page-locked host memory, which kernels read directly
         host = self.cache.host_storage and self.device.type == "cuda"
         self.keys = empty_buffer((b, kv_heads, capacity, head_dim), self.dtype, self.device, host)
-        self.values = empty_buffer((b, kv_heads, capacity, value_states.shape[-1]), value_states.dtype, self.device, host)
+        self.values = empty_buffer((b, kv_heads, capacity, value_states.shape[-1]), value_states.dtype, self.device,
+                                   host)
         self.positions = empty_buffer((b, kv_heads, capacity), torch.long, self.device, host)
         self.rope_positions = empty_buffer((b, kv_heads, capacity), torch.long, self.device, host)
         self.is_initialized = True
