@@ -325,13 +325,13 @@ def test_scan_bytes_count_each_recomputed_stages_probes():
 def test_decode_table_shows_the_offloading_figures():
     from kvpot.bench.report import table_rows
 
-    rows = [{"method": "infinitehip", "length": 1 << 20, "ms_per_token": 20.0,
+    rows = [{"method": "infinitehip", "length": 1 << 20, "ms_per_token": 9.3, "ms_per_token_mean": 15.44,
              "method_report": {"offload": {"hit_rate": 0.987, "host_bytes_per_token": 3 * 2**20}}},
             {"method": "infinipot", "length": 1 << 20, "ms_per_token": 9.0, "method_report": None}]
     headers, cells = table_rows({"mode": "decode", "rows": rows})
-    hits, traffic = headers.index("LRU hits"), headers.index("host->GPU /token")
-    assert (cells[0][hits], cells[0][traffic]) == ("98.7%", "3.0 MiB")
-    assert (cells[1][hits], cells[1][traffic]) == ("-", "-")
+    hits, traffic, mean = headers.index("LRU hits"), headers.index("host->GPU /token"), headers.index("mean ms")
+    assert (cells[0][hits], cells[0][traffic], cells[0][mean]) == ("98.7%", "3.0 MiB", "15.44")  # refreshes counted
+    assert (cells[1][hits], cells[1][traffic], cells[1][mean]) == ("-", "-", "-")
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])

@@ -42,6 +42,9 @@ _COLUMNS = {
                 ("max KV entries", "max_kv_entries", lambda v: f"{v:,}")],
     "decode": [("ms/token", "ms_per_token", lambda v: f"{v:.2f}"),
                ("p90 ms", "ms_per_token_p90", lambda v: f"{v:.2f}"),
+               # the mean counts the periodic steps the median leaves out (InfiniteHiP's refreshes,
+               # InfiniPot's distillations)
+               ("mean ms", "ms_per_token_mean", lambda v: f"{v:.2f}"),
                ("tok/s", "tokens_per_second", lambda v: f"{v:,.1f}"),
                ("peak memory", "peak_memory_bytes", None),
                ("KV cache", "kv_cache_bytes", None),
