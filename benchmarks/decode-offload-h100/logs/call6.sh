@@ -1,0 +1,10 @@
+# call 6: llama3.2-1b at 1M: InfiniPot, then offloaded InfiniteHiP (its prefill alone takes about 6-7 minutes)
+set -u
+rm -rf /tmp/k && mkdir -p /tmp/k && tar -xzf devrun/kvpot.tar.gz -C /tmp/k && cp devrun/commit /tmp/k/ && cp src/kvpot/models/reference/model/model.safetensors /tmp/k/src/kvpot/models/reference/model/ && cd /tmp/k
+export PYTHONPATH=/tmp/k/src KVPOT_GIT_COMMIT=$(cat commit) PYTHONUNBUFFERED=1 TQDM_DISABLE=1
+r=$OUT/r; mkdir -p $r
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > $r/machine.txt; echo "commit $KVPOT_GIT_COMMIT" >> $r/machine.txt; free -g >> $r/machine.txt
+step() { local name=$1 limit=$2; shift 2; local t=$(date +%s); echo "=== $name"; timeout -s ABRT $limit "$@" > $r/$name.log 2>&1; echo "rc=$? $(( $(date +%s) - t )) s" | tee -a $r/$name.log; grep -v "^\s*$" $r/$name.log | grep "passed\|failed\|FAILED\|│ [a-z]\|rc=\|Error" | tail -n 12 | cut -c1-220; }
+B="python -m kvpot bench decode --device cuda --budget 4096 --decode-steps 128 --warmup-steps 16 --no-floor"
+step hip-1b-1m 570 $B --shape llama3.2-1b --lengths 1m --method infinipot --method infinitehip:offload=true --out $r/hip-1b-1m
+tar -czf $OUT/call6.tar.gz -C $OUT r && rm -rf $r
