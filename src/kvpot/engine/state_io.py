@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from kvpot.cache import PotCache, PotLayer
-from kvpot.host_memory import empty_buffer
 from kvpot.errors import KvpotError
+from kvpot.host_memory import empty_buffer
 from kvpot.positions import make_policy
 
 FORMAT = "kvpot-state"
