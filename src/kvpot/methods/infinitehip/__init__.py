@@ -319,8 +319,9 @@ class HipRuntime:
                 self.gpu_caches[index] = GpuKvCache(self.gpu_cache_tokens, layer.kv_heads, layer.head_dim,
                                                     layer.dtype, layer.device)
             self.gpu_caches[index].ensure(capacity)
-            row = layer.kv_heads * layer.head_dim * layer.keys.element_size()
-            self.scan_bytes += fixed_scan_bytes(self.plans[index], self.last_keep[index], self.due, layer.n, row)
+            if any(self.due):  # (most steps scan nothing: no per-layer count on their host path)
+                row = layer.kv_heads * layer.head_dim * layer.keys.element_size()
+                self.scan_bytes += fixed_scan_bytes(self.plans[index], self.last_keep[index], self.due, layer.n, row)
 
     def static_attention(self, layer, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                          scaling: float) -> torch.Tensor:
