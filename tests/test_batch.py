@@ -200,6 +200,51 @@ def test_a_failing_request_fails_alone(model, prompts, one_thread):
     assert scheduler.pool.used == 0
 
 
+def test_an_error_inside_a_running_batch_fails_its_request_alone(model, prompts, one_thread):
+    """Whatever a request's own work raises while others decode beside it (here its first pick, after its
+    prompt was read, and a fed question's first pick) ends that request with an error and nothing else."""
+    method = kvpot.InfiniPot(pot_size=64, catalyst=None)
+    expected = alone(model, method, prompts)
+    scheduler = Scheduler(kvpot.Engine(model, method=method), slots=3, decode="static")
+    start = scheduler.decoder.start
+
+    def start_or_break(slot, logits, position, temperature, top_p, seed, remaining):
+        if seed == 77:  # the victim's seed: an error no kvpot code raises on purpose
+            raise OverflowError("injected inside a running batch")
+        return start(slot, logits, position, temperature, top_p, seed, remaining)
+
+    scheduler.decoder.start = start_or_break
+    requests = [Request(c, q, max_new_tokens=NEW, ignore_eos=True) for c, q in prompts]
+    requests[3] = Request(*prompts[3], max_new_tokens=NEW, ignore_eos=True, seed=77, temperature=1.0)
+    for request in requests[:3]:
+        scheduler.submit(request)
+    while not any(r.tokens for r in requests[:3]):
+        scheduler.step()
+    for request in requests[3:]:  # joins while the first three decode
+        scheduler.submit(request)
+    scheduler.run()
+    assert requests[3].status == "failed" and "injected" in requests[3].error
+    assert [requests[i].tokens for i in (0, 1, 2, 4)] == [expected[i].token_ids for i in (0, 1, 2, 4)]
+    assert scheduler.pool.used == 0
+
+
+def test_seeds_take_64_bits_and_are_refused_beyond(model, prompts, one_thread):
+    """A seed is any integer that 64 bits hold (as torch's generators take them); the unsigned half maps onto
+    the batched sampler's int64 with the same bits. Beyond, the request is refused before it is queued."""
+    method = kvpot.InfiniPot(pot_size=64, catalyst=None)
+    engine = kvpot.Engine(model, method=method)
+    sampling = dict(max_new_tokens=8, ignore_eos=True, temperature=1.0)
+    top, bits = Request(*prompts[0], seed=2**64 - 1, **sampling), Request(*prompts[0], seed=-1, **sampling)
+    run_all(Scheduler(engine, slots=2, decode="static"), [top, bits])
+    assert top.status == bits.status == "finished" and top.tokens == bits.tokens
+    for seed in (2**64, -(2**63) - 1, 1.5, True):
+        with pytest.raises(KvpotError, match="seed must be an integer"):
+            Request(*prompts[0], seed=seed)
+        with pytest.raises(KvpotError, match="seed must be an integer"):
+            engine.generate_ids(*prompts[0], max_new_tokens=2, seed=seed)
+    assert len(engine.generate_ids(*prompts[0], max_new_tokens=2, temperature=1.0, seed=2**64 - 1).token_ids) == 2
+
+
 def test_refusals_are_clear(model, prompts, one_thread):
     engine = kvpot.Engine(model, method=kvpot.Full(chunk_size=64))
     with pytest.raises(KvpotError, match="grows with the input"):

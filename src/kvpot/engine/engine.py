@@ -28,6 +28,7 @@ from kvpot.engine.score import Scoring
 from kvpot.engine.text import TextApi
 from kvpot.engine.results import Result, ScoreResult, State, Stats, _Run  # noqa: F401 - ScoreResult: public via kvpot
 from kvpot.engine.sampling import _as_ids, _eos_ids, _stopping
+from kvpot.engine.requests import check_seed
 from kvpot.errors import KvpotError
 from kvpot.methods import Full, Method, Step
 from kvpot.methods.base import Setup
@@ -194,6 +195,7 @@ class Engine(TextApi, Scoring):
             raise KvpotError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}.")
         if temperature < 0 or not 0 < top_p <= 1:
             raise KvpotError("temperature must be >= 0 and top_p in (0, 1].")
+        check_seed(seed)
         if state is None:
             if input_ids is None:
                 raise KvpotError("give input_ids (the context) or a prefilled state.")

@@ -62,6 +62,7 @@ class Request:
             raise KvpotError("temperature must be >= 0 and top_p in (0, 1].")
         if (self.state is None) == (self.context_ids is None):
             raise KvpotError("a request reads either context_ids or a prefilled state (exactly one).")
+        check_seed(self.seed)
 
     @property
     def done(self) -> bool:
@@ -75,6 +76,22 @@ class Request:
     def result(self, tokenizer=None) -> Result:
         text = tokenizer.decode(self.tokens, skip_special_tokens=True) if tokenizer is not None else None
         return Result(text, list(self.tokens), self.stats)
+
+
+SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes: signed or unsigned 64 bits
+
+
+def check_seed(seed: int | None) -> None:
+    """Refuse a seed that 64 bits cannot hold (it would fail inside a batched step, with its neighbours)."""
+    if seed is None:
+        return
+    if isinstance(seed, bool) or not isinstance(seed, int) or not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
+        raise KvpotError(f"seed must be an integer in [-2**63, 2**64), got {seed!r}.")
+
+
+def seed_bits(seed: int) -> int:
+    """`seed` as the signed 64-bit integer with the same bits (the batched sampler's int64 tensor)."""
+    return seed - 2**64 if seed >= 2**63 else seed
 
 
 def check_fits(engine, capacity: int, request: Request) -> None:

@@ -36,7 +36,7 @@ from kvpot.engine.batch import BatchDecoder, batchable_request, batched_method, 
 from kvpot.engine.decoding import resolve_mode
 from kvpot.engine.evict import evict_steady
 from kvpot.engine.pool import SlotPool, slot_bytes, slot_capacity, slot_count
-from kvpot.engine.requests import QueueFull, Request, check_fits
+from kvpot.engine.requests import QueueFull, Request, check_fits, seed_bits
 from kvpot.engine.results import _Run, close_stats
 from kvpot.engine.sampling import _as_ids, _eos_ids
 from kvpot.errors import KvpotError
@@ -193,7 +193,7 @@ class Scheduler:
             active.eos = active.eos | frozenset(request.stop_token_ids)
             try:
                 self._begin_read(active)
-            except KvpotError as err:
+            except Exception as err:  # noqa: BLE001 - whatever one request raises fails it alone
                 self._fail(request, err, ended)
 
     def _begin_read(self, active: _Active) -> None:
@@ -248,7 +248,7 @@ class Scheduler:
                     # at least, so the users decoding do not wait for dozens of them in one step
                     budget -= max(size, self.prefill_tokens // 8)
                     self.report["prefill_forwards"] += 1
-            except KvpotError as err:
+            except Exception as err:  # noqa: BLE001 - a forward or a first pick of one request fails it alone
                 self._fail(active.request, err, ended)
             if budget < self.prefill_tokens // 4:
                 break
@@ -265,7 +265,7 @@ class Scheduler:
         active.decode_started = time.perf_counter()
         if request.max_new_tokens == 0:
             return
-        seed = request.seed if request.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        seed = seed_bits(request.seed) if request.seed is not None else int(torch.randint(0, 2**62, ()).item())
         self.decoder.start(slot, run.logits, run.next_position, request.temperature, request.top_p, seed,
                            request.max_new_tokens)
         if request.temperature > 0:
@@ -293,7 +293,7 @@ class Scheduler:
                 try:
                     self._eager_step(slot, active)
                     stepped.append(slot)
-                except KvpotError as err:
+                except Exception as err:  # noqa: BLE001 - this row's own forward: it fails alone
                     self._fail(active.request, err, ended)
         batch = [(slot, active) for slot, active in decoding if plans[slot] != "eager"]
         if batch:
@@ -314,7 +314,15 @@ class Scheduler:
                 stepped.append(slot)
             self._evict_steady(steady, ended)
             self.report["batched_rows"] += len(batch)
-        return [slot for slot in stepped if slot in self.active and self._fed(self.active[slot])]
+        picked = []
+        for slot in stepped:
+            active = self.active.get(slot)
+            try:
+                if active is not None and self._fed(active):
+                    picked.append(slot)
+            except Exception as err:  # noqa: BLE001 - a fed question's first pick: its request fails alone
+                self._fail(active.request, err, ended)
+        return picked
 
     def _feed(self, rows: list[tuple[int, _Active]]) -> None:
         """Each fed row's next question token becomes its step's input (instead of its last pick)."""
