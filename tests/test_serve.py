@@ -4,10 +4,6 @@ driven by the official `openai` client (and raw HTTP where the point is a malfor
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -19,67 +15,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-MODEL = "kvpot-reference"
-KEY = "test-key"
-PASSKEY = "The pass key is 12345. Remember it. 12345 is the pass key."
-QUESTION = "\nWhat is the pass key? The pass key is"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Server:
-    """`python -m kvpot serve ...` in a subprocess; `stop()` ends it (SIGTERM, then SIGKILL)."""
-
-    def __init__(self, state_dir: Path, *extra: str):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = state_dir.parent / f"server-{self.port}.log"
-        # one intra-op thread: on a shared 2-core machine two threads run a tiny model many times slower
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "KVPOT_API_KEY": KEY}
-        # InfiniPot with its default 2,048-entry pot: the reference model's window
-        # KVPOT_SERVE_TEST_DEVICE=cuda runs the same tests on a GPU (batched steps as CUDA graphs)
-        device = os.environ.get("KVPOT_SERVE_TEST_DEVICE", "cpu")
-        argv = [sys.executable, "-m", "kvpot", "serve", "--device", device, "--port", str(self.port),
-                "--method", "infinipot",
-                "--state-dir", str(state_dir), "--max-queue", "2", "--cache-min-tokens", "256",
-                "--max-context-tokens", "40000", "--max-body-bytes", "1MiB", "--log-level", "warning", *extra]
-        self.process = subprocess.Popen(argv, env=env, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"kvpot serve exited with {self.process.returncode}:\n{self.log.read_text()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"kvpot serve did not start:\n{self.log.read_text()}")
-
-    def client(self, **kwargs) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=KEY, max_retries=0, timeout=300, **kwargs)
-
-    def http(self, method: str, path: str, **kwargs) -> httpx.Response:
-        headers = {"Authorization": f"Bearer {KEY}", **kwargs.pop("headers", {})}
-        return httpx.request(method, f"{self.url}{path}", headers=headers, timeout=300, **kwargs)
-
-    def metric(self, name: str) -> float:
-        for line in self.http("GET", "/metrics").text.splitlines():
-            if line.startswith(f"kvpot_{name} "):
-                return float(line.split()[1])
-        raise KeyError(name)
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+from serve_process import KEY, MODEL, PASSKEY, QUESTION, Server  # noqa: E402 - after the skips
 
 
 @pytest.fixture(scope="module")
@@ -412,7 +348,7 @@ def test_bad_requests_mixed_into_the_load_change_nothing_else(busy):
 
 
 def test_a_request_that_fails_leaves_the_others_answered(tmp_path):
-    """A document whose stored state is damaged on disk fails its own requests (500, one line), while
+    """A document whose stored state is damaged on disk fails its own requests (500, then 404), while
     the requests batched around them are answered as if nothing happened."""
     server = Server(tmp_path / "states", "--state-memory", "1", "--max-slots", "4", "--max-queue", "16")
     try:
@@ -435,7 +371,9 @@ def test_a_request_that_fails_leaves_the_others_answered(tmp_path):
         work = [(lambda q=q: _stream(client, q, 8)) for q in QUESTIONS[:6]] + [ask_document] * 2
         results = _together(lambda fn: fn(), [(fn,) for fn in work])
         assert results[:6] == alone
-        assert all(isinstance(code, int) and code in (400, 500) for code in results[6:]), results[6:]
+        # the first question finds the file damaged (500; the state is set aside and leaves the listing),
+        # a second one asked after that finds no such document (404)
+        assert sorted(results[6:]) in ([404, 500], [500, 500]), results[6:]
         assert server.http("GET", "/health").json()["status"] == "ok"
         assert _stream(client, QUESTIONS[0], 8) == alone[0]
     finally:

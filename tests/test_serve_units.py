@@ -103,6 +103,40 @@ def test_text_stream_holds_back_possible_stops_and_cuts_at_them():
     assert text == tok.decode(tok.encode(whole, add_special_tokens=False), skip_special_tokens=True)
 
 
+def test_stop_matching_agrees_with_a_search_and_stays_linear_at_the_limit():
+    """The stop matcher finds what `str.find` finds (the earliest start among the stops that ended, fed in
+    pieces of any size) and holds back exactly the longest end that begins a stop."""
+    import random
+    import time
+
+    from kvpot.serve.prompt import StopMatcher
+    from kvpot.serve.protocol import MAX_STOP_CHARS
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        text = "".join(rng.choice("ab") for _ in range(rng.randint(0, 30)))
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 5))) for _ in range(rng.randint(1, 4))]
+        matcher, read, hit = StopMatcher(stops), 0, None
+        while read < len(text) and hit is None:
+            piece = text[read : read + rng.randint(1, 4)]
+            hit = matcher.feed(piece)
+            read += len(piece)
+            seen = text[:read]
+            ends = [seen.find(s) for s in stops if s in seen]
+            expected = min(ends) if ends else None
+            assert hit == expected, (text, stops, read)
+            if hit is None:
+                held = max((k for s in stops for k in range(1, len(s)) if seen.endswith(s[:k])), default=0)
+                assert matcher.partial == held, (seen, stops)
+    # the worst case for a search repeated at each token: a stop at the limit that almost matches everywhere
+    stop = "z" * (MAX_STOP_CHARS - 1) + "y"
+    matcher, began = StopMatcher([stop] * 4), time.perf_counter()
+    for _ in range(2000):
+        assert matcher.feed("zzzzzzzzzz") is None
+    assert matcher.feed("y") == 20000 - (MAX_STOP_CHARS - 1)
+    assert time.perf_counter() - began < 5  # linear: ~0.1 s; the quadratic search took minutes
+
+
 def test_store_spills_to_disk_reloads_and_finds_states_after_a_restart(tmp_path, one_thread):
     engine = _engine()
     ids = [torch.randint(3, 250, (150,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(3)]
@@ -260,6 +294,9 @@ def test_a_method_without_memory_for_its_pool_gets_a_429_and_admission_counts_pl
         def slot_bytes(self):
             return 1
 
+        def abort(self, error=None):
+            return []
+
     made = []
 
     def make_pool(engine, spec, slots):
@@ -314,3 +351,34 @@ def test_one_at_a_time_pool_for_split_models_answers_cancels_and_fails_alone(one
     assert gone.status == "cancelled" and not gone.tokens
     assert bad.status == "failed" and "max_new_tokens" in bad.error
     assert solo.pool.free == [0] and not solo.active
+
+
+def test_retry_after_follows_the_rate_requests_left_at_lately():
+    import time
+
+    from kvpot.serve.metrics import Metrics
+    from kvpot.serve.worker import Worker
+
+    worker = Worker(ServeConfig(method="streaming:window=60"), Metrics(), lambda *a: None)
+    try:
+        now = time.monotonic()
+        worker.recent = 8.0
+        assert worker._retry(6, 2) == 24  # nothing left lately: 6 requests, 2 at a time, 8 s each
+        worker.departures.extend(now - 5 + 0.5 * i for i in range(10))  # 10 in the last 5 s: 2 a second
+        assert worker._retry(5, 2) == 3  # 5 ahead at 2 a second
+        worker.departures.clear()
+        worker.departures.extend(now - 120 + i for i in range(10))  # too long ago to say anything
+        assert worker._retry(6, 2) == 24
+    finally:
+        worker.shutdown()
+
+
+def test_serve_help_states_every_default(capsys):
+    from kvpot.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for fragment in ("(default 1048576)", "default 8192", "(default 1024)", "default 30)", "--allowed-hosts",
+                     "--shutdown-grace", "loopback"):
+        assert fragment in text, fragment

@@ -39,7 +39,12 @@ def register(subparsers) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' (default: $KVPOT_API_KEY, else no key)")
+                   help="require 'Authorization: Bearer KEY' (default: $KVPOT_API_KEY, else no key). Without a key, "
+                        "only requests whose Host header names a loopback address (or --allowed-hosts) and whose "
+                        "bodies are application/json are answered, so a web page cannot reach the server")
+    p.add_argument("--allowed-hosts", default="", metavar="HOST[,HOST...]",
+                   help="without --api-key, Host names answered beside loopback ones, e.g. my-box.lan ('*': any; "
+                        "default: none)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model's name)")
     p.add_argument("--chat-template", default="auto", choices=["auto", "on", "off"],
                    help="use the tokenizer's chat template for chat requests (auto: if it has one)")
@@ -71,15 +76,29 @@ def register(subparsers) -> None:
     b.add_argument("--slot-capacity", type=int, default=None,
                    help="KV entries per slot for methods whose cache grows with the input (full, snapkv, d2o, "
                         "infinitehip; default: the model's window); bounded methods use their bound")
-    p.add_argument("--max-context-tokens", type=int, default=1 << 20, help="largest prompt in tokens (413 beyond)")
-    p.add_argument("--max-body-bytes", default="64MiB", help="largest request body (413 beyond; default 64MiB)")
-    p.add_argument("--max-tokens-limit", type=int, default=8192, help="largest max_tokens a request may ask")
+    lim = p.add_argument_group("limits", "Checked before any expensive work; beyond them, OpenAI's error JSON.")
+    lim.add_argument("--max-context-tokens", type=int, default=1 << 20,
+                     help="largest prompt in tokens, 413 beyond (default 1048576); a text too long to fit is "
+                          "refused before it is tokenized")
+    lim.add_argument("--max-body-bytes", default="64MiB", help="largest request body (413 beyond; default 64MiB)")
+    lim.add_argument("--max-tokens-limit", type=int, default=8192,
+                     help="largest max_tokens a request may ask (400 beyond; default 8192)")
+    lim.add_argument("--read-timeout", type=float, default=30.0,
+                     help="seconds a client has to send a request's headers, and then its body (408 beyond; "
+                          "default 30)")
+    lim.add_argument("--shutdown-grace", type=float, default=30.0,
+                     help="on SIGTERM or Ctrl-C, new requests get 503 and those in flight this many seconds to "
+                          "finish; the rest end with an error in OpenAI's format (default 30; a second signal "
+                          "stops at once)")
     p.add_argument("--state-memory", default="4GiB", help="bytes of KV states kept in memory, LRU out (default 4GiB)")
     p.add_argument("--state-dir", default=None, help="directory where states spill and persist across restarts")
     p.add_argument("--state-disk", default=None, help="bytes of states kept in --state-dir (default: no limit)")
     p.add_argument("--cache-min-tokens", type=int, default=1024,
-                   help="a conversation's context is stored for later questions from this many tokens on")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+                   help="a conversation's context is stored for later questions from this many tokens on "
+                        "(default 1024)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's and kvpot's log lines from this level (default info: pools, stored states "
+                        "found, shutdown)")
     p.set_defaults(func=run)
 
 
@@ -89,7 +108,7 @@ def run(args) -> int:
 
     try:
         import fastapi  # noqa: F401
-        import uvicorn
+        import uvicorn  # noqa: F401
     except ImportError:
         raise KvpotError("kvpot serve needs FastAPI and uvicorn: pip install 'kvpot[serve]'.") from None
     from kvpot.models.support import resolve_device, resolve_dtype, resolve_model
@@ -105,13 +124,16 @@ def run(args) -> int:
         cache_min_tokens=args.cache_min_tokens, max_slots=args.max_slots,
         kv_memory_fraction=args.kv_memory_fraction, method_slots=args.method_slots,
         prefill_tokens=args.prefill_tokens, slot_capacity=args.slot_capacity,
-        feed_questions=args.feed_questions, feed_tokens=args.feed_tokens,
+        feed_questions=args.feed_questions, feed_tokens=args.feed_tokens, read_timeout=args.read_timeout,
+        shutdown_grace=args.shutdown_grace, allowed_hosts=tuple(args.allowed_hosts.split(",")),
     )
     from kvpot.serve.service import build_method
 
     method = build_method(config.method)  # a bad spec fails before the model loads
     from kvpot.engine import Engine
-    from kvpot.serve import create_app
+    from kvpot.serve.server import run_server, setup_logging
+
+    setup_logging(args.log_level)  # the model's loading and the pool's sizes are logged too
 
     template = {"auto": "auto", "on": True, "off": False}[config.chat_template]
     engine = Engine.from_pretrained(resolve_model(config.model), method=method, device=resolve_device(config.device),
@@ -119,7 +141,5 @@ def run(args) -> int:
                                     compile_step=args.compile_step, linear=args.linear)
     if engine.tokenizer is None:
         raise KvpotError(f"{resolve_model(config.model)} has no tokenizer; kvpot serve needs one.")
-    app = create_app(engine, config)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level, access_log=False,
-                timeout_graceful_shutdown=5)
+    run_server(engine, config, args.log_level)
     return 0

@@ -8,12 +8,12 @@ ended ("stop": an end-of-sequence or stop token, "length", "cancelled", "error")
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
-from kvpot.engine.results import Result, State, Stats
+from kvpot.engine.results import Result, State, Stats, _Run
 from kvpot.engine.sampling import _as_ids
 from kvpot.errors import KvpotError
 
@@ -109,3 +109,18 @@ def check_fits(engine, capacity: int, request: Request) -> None:
     if needed > capacity:
         raise KvpotError(f"this request needs {needed:,} KV entries per layer and KV head, more than a slot "
                          f"holds ({capacity:,}); shorten it or give the batch a larger capacity.")
+
+
+@dataclass
+class Active:
+    """What the scheduler holds for a request with a slot (`kvpot.engine.scheduler`)."""
+
+    request: Request
+    run: _Run | None = None
+    reading: Iterator[int] | None = None
+    started: float = 0.0
+    read_started: float = 0.0
+    decode_started: float | None = None
+    eos: frozenset = frozenset()
+    feeding: list[int] | None = None  # a question fed one token per decoding step (`Scheduler._feeds`)
+    fed: int = 0

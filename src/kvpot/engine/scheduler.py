@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 
@@ -36,25 +34,11 @@ from kvpot.engine.batch import BatchDecoder, batchable_request, batched_method, 
 from kvpot.engine.decoding import resolve_mode
 from kvpot.engine.evict import evict_steady
 from kvpot.engine.pool import SlotPool, slot_bytes, slot_capacity, slot_count
-from kvpot.engine.requests import QueueFull, Request, check_fits, seed_bits
+from kvpot.engine.requests import Active as _Active, QueueFull, Request, check_fits, seed_bits
 from kvpot.engine.results import _Run, close_stats
 from kvpot.engine.sampling import _as_ids, _eos_ids
 from kvpot.errors import KvpotError
 from kvpot.methods.base import Step
-
-@dataclass
-class _Active:
-    """What the scheduler holds for a request with a slot."""
-
-    request: Request
-    run: _Run | None = None
-    reading: Iterator[int] | None = None
-    started: float = 0.0
-    read_started: float = 0.0
-    decode_started: float | None = None
-    eos: frozenset = frozenset()
-    feeding: list[int] | None = None  # a question fed one token per decoding step (`Scheduler._feeds`)
-    fed: int = 0
 
 
 class Scheduler:
@@ -137,6 +121,14 @@ class Scheduler:
     def cancel(self, request: Request) -> None:
         """Stop `request` at the next step boundary (safe from any thread)."""
         request.cancel_requested = True
+
+    def abort(self, error: Exception | None = None) -> list[Request]:
+        """End every request now, between steps (a server stopping, a step that broke): failed with `error`,
+        or cancelled without one. Their slots are free at once; returns them."""
+        ended: list[Request] = []
+        for request in [a.request for a in self.active.values()] + [self.waiting.popleft() for _ in self.waiting.copy()]:
+            self._fail(request, error, ended) if error is not None else self._end(request, "cancelled", "cancelled", ended)
+        return ended
 
     @property
     def idle(self) -> bool:

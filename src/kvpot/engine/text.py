@@ -20,16 +20,17 @@ _SPLIT = "\u241ekvpot-question\u241e"
 class TextApi:
     """`Engine`'s text methods; they use its tokenizer, `prefill_ids` and `generate_ids`."""
 
-    def encode(self, context: str | None, question: str | None) -> tuple[list[int], list[int]]:
+    def encode(self, context: str | None, question: str | None, tokenizer=None) -> tuple[list[int], list[int]]:
         """Token ids of the context and the question, placed as kvpress' pipeline does.
 
         With a chat template, one user turn holds the context followed by the question; the
         context part ends where the question starts, and the question part carries the rest of
         the template (generation prompt included). Without one, the context gets the tokenizer's
-        special tokens (BOS) and the question is appended verbatim.
+        special tokens (BOS) and the question is appended verbatim. `tokenizer`: a copy of the engine's to
+        encode with (a fast tokenizer refuses use from two threads at once).
         """
-        tok = self._require_tokenizer()
-        if self._use_template():
+        tok = tokenizer if tokenizer is not None else self._require_tokenizer()
+        if self.uses_chat_template():
             text = tok.apply_chat_template(
                 [{"role": "user", "content": (context or "") + _SPLIT}], add_generation_prompt=True, tokenize=False
             )
@@ -105,7 +106,8 @@ class TextApi:
 
         return generate_texts(self, contexts, questions, max_new_tokens, states, progress, batch_size, **sampling)
 
-    def _use_template(self) -> bool:
+    def uses_chat_template(self) -> bool:
+        """Whether prompts go through the tokenizer's chat template (`chat_template`: auto, True or False)."""
         has = bool(getattr(self.tokenizer, "chat_template", None))
         if self.chat_template is True and not has:
             raise KvpotError("chat_template=True, but this tokenizer has no chat template.")

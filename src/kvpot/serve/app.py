@@ -1,5 +1,5 @@
 """The HTTP API: OpenAI's /v1/models, /v1/chat/completions, /v1/completions, plus kvpot's
-/v1/documents, /health and /metrics (README, *Serving*).
+/v1/documents, /health and /metrics (docs/serving.md).
 
 Errors are OpenAI's error JSON with a status a client can act on (400 malformed, 401 key,
 404 unknown, 413 too large, 429 busy with Retry-After); anything unexpected is a 500 with one
@@ -27,6 +27,8 @@ from kvpot.serve.service import Job, Outcome, Service
 
 log = logging.getLogger("kvpot.serve")
 _OPEN = ("/health",)  # reachable without the API key
+_PROBES = ("/health", "/metrics")  # answered while shutting down; not counted as requests in flight
+_LOOPBACK = ("localhost", "::1", "127.0.0.1")
 _KEEPALIVE_SECONDS = 2.0
 
 
@@ -38,7 +40,7 @@ def create_app(engine, config) -> FastAPI:
     async def lifespan(app):
         await service.start()  # the method's slots are allocated before the first request
         yield
-        await asyncio.to_thread(service.worker.shutdown)
+        await service.stop()
 
     app = FastAPI(title="kvpot", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.service = service
@@ -58,12 +60,14 @@ def create_app(engine, config) -> FastAPI:
     @app.exception_handler(Exception)
     async def unexpected(request: Request, err: Exception):
         log.exception("internal error on %s %s", request.method, request.url.path)
-        return _error(ApiError(500, f"internal error ({type(err).__name__}: {err})".splitlines()[0]))
+        return _error(_internal(err))
 
     # ---------------------------------------------------------------- plain routes
     @app.get("/health")
     async def health():
         used, slots = service.worker.slots()
+        if service.draining:  # a load balancer stops sending here
+            return JSONResponse({"status": "draining", "running": service.worker.running}, status_code=503)
         return {"status": "ok", "model": service.model_name, "queue_depth": service.worker.waiting,
                 "running": service.worker.running, "slots_used": used, "slots": slots,
                 "pools": [pool.describe() for pool in list(service.worker.pools.values())]}
@@ -88,7 +92,8 @@ def create_app(engine, config) -> FastAPI:
     async def create_document(request: Request):
         body = parse(await _body(request, config), DocumentRequest)
         engine = service.engine_for(body.method)  # a bad method is a 400 before anything is queued
-        ids, _ = await asyncio.to_thread(_locked, service, engine.encode, body.text, None)
+        service.check_chars(len(body.text))  # before tokenizing: its cost grows with the text
+        ids, _ = await service.tokenize(engine.encode, body.text, None)
         service.check_length(len(ids))
         ticket = service.worker.admit_read()
         return await _until_done(request, service.read_document(ids, body.method, ticket), ticket)
@@ -125,7 +130,13 @@ def create_app(engine, config) -> FastAPI:
 
 # ---------------------------------------------------------------------------- helpers
 class _Guard:
-    """ASGI middleware: the API key, the declared body size, and request counts by route and status.
+    """ASGI middleware: what is checked before a route runs, and request counts by route and status.
+
+    - the API key (`Authorization: Bearer`, the scheme in any case, RFC 7235);
+    - without a key, a `Host` naming a loopback address (or `--allowed-hosts`) and JSON bodies only: a web
+      page can otherwise reach a local server (DNS rebinding, a cross-site form post);
+    - the declared body size;
+    - while shutting down, a 503 for every new request (`/health` says "draining").
 
     Plain ASGI rather than `@app.middleware`, so that streaming responses and the disconnect
     watch see the server's own `receive`.
@@ -137,32 +148,67 @@ class _Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        config, status = self.service.config, [500]
+        status = [500]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        error = None
-        if config.api_key and scope["path"] not in _OPEN:
-            given = headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
-                error = ApiError(401, "a valid API key is required: send 'Authorization: Bearer <key>'.",
-                                 code="invalid_api_key")
-        length = headers.get("content-length", "")
-        if error is None and length.isdigit() and int(length) > config.max_body_bytes:
-            error = ApiError(413, f"the body has {int(length):,} bytes; this server takes at most "
-                                  f"{config.max_body_bytes:,} (--max-body-bytes).", code="body_too_large")
+        error = self.check(scope, headers)
+        counted = scope["path"] not in _PROBES
 
         async def sending(message):
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
             await send(message)
 
+        if counted:
+            self.service.inflight += 1
         try:
             if error is not None:
                 await _error(error)(scope, receive, sending)
             else:
                 await self.app(scope, receive, sending)
         finally:
+            if counted:
+                self.service.inflight -= 1
             route = scope.get("route")
             self.service.metrics.request(scope.get("method", "?"), getattr(route, "path", "other"), status[0])
+
+    def check(self, scope, headers: dict) -> ApiError | None:
+        config, path = self.service.config, scope["path"]
+        if config.api_key:
+            if path not in _OPEN and not _bearer_matches(headers.get("authorization", ""), config.api_key):
+                return ApiError(401, "a valid API key is required: send 'Authorization: Bearer <key>'.",
+                                code="invalid_api_key")
+        else:
+            host = _host_name(headers.get("host", ""))
+            if not (host in _LOOPBACK or host.startswith("127.") or host in config.allowed_hosts
+                    or "*" in config.allowed_hosts):
+                return ApiError(403, f"Host {host!r} is not served: without --api-key this server answers requests "
+                                     "naming a loopback address only; name others with --allowed-hosts.",
+                                code="host_not_allowed")
+            kind = headers.get("content-type", "").split(";")[0].strip().lower()
+            if scope["method"] in ("POST", "PUT", "PATCH") and kind != "application/json":
+                return ApiError(415, f"send the body as application/json (Content-Type was {kind or 'missing'!r}).",
+                                code="unsupported_media_type")
+        if self.service.draining and path not in _PROBES:
+            return ApiError(503, "the server is shutting down; retry with another server or in a moment.",
+                            code="shutting_down", headers={"Retry-After": "5"})
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > config.max_body_bytes:
+            return ApiError(413, f"the body has {int(length):,} bytes; this server takes at most "
+                                 f"{config.max_body_bytes:,} (--max-body-bytes).", code="body_too_large")
+        return None
+
+
+def _bearer_matches(given: str, key: str) -> bool:
+    scheme, _, token = given.strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
+def _host_name(host: str) -> str:
+    """`Host` without its port, lower case (`[::1]:8000` -> `::1`)."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1 : host.find("]")] if "]" in host else host
+    return host.rpartition(":")[0] if host.count(":") == 1 else host
 
 
 def _error(err: ApiError) -> JSONResponse:
@@ -182,20 +228,31 @@ def _document(service: Service, document_id: str):
     return entry
 
 
-def _locked(service: Service, fn, *args):
-    with service.tokenizer_lock:
-        return fn(*args)
+def _internal(err: Exception) -> ApiError:
+    """A 500 for an error nobody expected: its type only (its text may name the server's files); the log
+    has the traceback."""
+    return ApiError(500, f"internal error ({type(err).__name__}); the server's log has the details.")
 
 
 async def _body(request: Request, config) -> bytes:
-    """The body, refused with 413 as soon as it passes the limit (chunked bodies included)."""
+    """The body, refused with 413 as soon as it passes the limit (chunked bodies included), and with 408 when
+    it does not arrive within `--read-timeout` (a client that sends slowly holds a connection)."""
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > config.max_body_bytes:
-            raise ApiError(413, f"the body is over {config.max_body_bytes:,} bytes (--max-body-bytes).",
-                           code="body_too_large")
-        chunks.append(chunk)
+
+    async def read() -> None:
+        nonlocal size
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > config.max_body_bytes:
+                raise ApiError(413, f"the body is over {config.max_body_bytes:,} bytes (--max-body-bytes).",
+                               code="body_too_large")
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(read(), config.read_timeout)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"the body did not arrive within {config.read_timeout:g} s (--read-timeout); "
+                            f"{size:,} bytes came.", code="request_timeout") from None
     return b"".join(chunks)
 
 
@@ -218,10 +275,16 @@ async def _prepare(service: Service, body, chat: bool) -> tuple[Job, object]:
     if engine.tokenizer is None:
         raise ApiError(400, "this model has no tokenizer; kvpot serve needs one.")
     document = entry is not None
-    if chat:
-        prompt = await asyncio.to_thread(_locked, service, chat_prompt, engine, body.messages, document)
+    if chat:  # sizes first: tokenizing costs time and memory in proportion to the text
+        service.check_chars(sum(len(m.text()) for m in body.messages))
+        prompt = await service.tokenize(chat_prompt, engine, body.messages, document)
     else:
-        prompt = await asyncio.to_thread(_locked, service, completion_prompt, engine, body.prompt_value(), document)
+        value = body.prompt_value()
+        if isinstance(value, list):
+            service.check_length(len(value))
+        else:
+            service.check_chars(len(value))
+        prompt = await service.tokenize(completion_prompt, engine, value, document)
     context_tokens = entry.context_tokens if document else len(prompt.context_ids)
     service.check_length(context_tokens + len(prompt.question_ids))
     key = entry.key if document else None
@@ -290,11 +353,11 @@ async def _respond(request: Request, service: Service, body, job: Job, chat: boo
                     yield chunk(value)
                 elif kind_ == "error":
                     err = value if isinstance(value, ApiError) else (
-                        ApiError(499, "cancelled") if isinstance(value, Cancelled) else
-                        ApiError(500, f"internal error ({type(value).__name__}: {value})".splitlines()[0]))
+                        ticket.cancelled_error() if isinstance(value, Cancelled) else _internal(value))
                     if err.status == 500 and not isinstance(value, ApiError):
                         log.error("internal error while streaming", exc_info=value)
                     yield _sse(err.body())
+                    yield "data: [DONE]\n\n"  # OpenAI's streams end so, errors included
                     return
                 else:
                     outcome: Outcome = value
@@ -318,7 +381,7 @@ async def _until_done(request: Request, work, ticket):
     try:
         return await work
     except Cancelled:
-        raise ApiError(499, "the request was cancelled (the client went away).") from None
+        raise ticket.cancelled_error() from None
     finally:
         watcher.cancel()
         ticket.release()

@@ -51,6 +51,9 @@ class ServeConfig:
     state_dir: Path | None = None  # where states spill and persist; None: memory only
     state_disk: int | None = None  # bytes of states kept in state_dir (None: no limit); LRU out
     cache_min_tokens: int = 1024  # contexts shorter than this are read for each request, not stored
+    read_timeout: float = 30.0  # seconds for a request's headers, and then for its body (408 beyond)
+    shutdown_grace: float = 30.0  # seconds requests in flight get to finish after SIGTERM
+    allowed_hosts: tuple[str, ...] = ()  # without an API key: Host values served beside loopback ("*": any)
 
     def __post_init__(self):
         for name in ("max_context_tokens", "max_body_bytes", "max_tokens_limit", "default_max_tokens",
@@ -62,6 +65,13 @@ class ServeConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise KvpotError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}.")
+        for name in ("read_timeout", "shutdown_grace"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise KvpotError(f"--{name.replace('_', '-')} must be a number of seconds >= 0, got {value!r}.")
+        if self.read_timeout == 0:
+            raise KvpotError("--read-timeout must be positive.")
+        self.allowed_hosts = tuple(h.strip().lower() for h in self.allowed_hosts if h.strip())
         if not 0 < self.kv_memory_fraction <= 1:
             raise KvpotError(f"--kv-memory-fraction must be in (0, 1], got {self.kv_memory_fraction!r}.")
         if self.max_queue < 0:

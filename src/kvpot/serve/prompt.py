@@ -1,7 +1,7 @@
 """From OpenAI messages to kvpot's (context, question) token ids, and from tokens back to text.
 
 kvpot reads a context once and answers questions placed after it. A chat request maps onto
-that as follows (README, *Serving*):
+that as follows (docs/serving.md):
 
 - with `document_id`, the stored document is the context and the whole conversation follows it;
   with a chat template, the first user message continues the user turn the document opened,
@@ -34,18 +34,18 @@ def _roles(messages: list[Message]) -> list[dict]:
     return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
 
 
-def chat_prompt(engine, messages: list[Message], document: bool) -> Prompt:
-    """Token ids of a chat request (see the module docstring)."""
+def chat_prompt(engine, messages: list[Message], document: bool, tok=None) -> Prompt:
+    """Token ids of a chat request (see the module docstring); `tok`: the tokenizer copy to encode with."""
     turns = _roles(messages)
     users = [i for i, t in enumerate(turns) if t["role"] == "user"]
     if not users:
         raise ApiError(400, "the conversation has no user message.", param="messages")
     first = users[0]
-    tok = engine.tokenizer
+    tok = tok if tok is not None else engine.tokenizer
     if document and first != 0:
         raise ApiError(400, "with document_id the conversation must start with a user message: the document "
                             "opened the first user turn (put instructions in that message).", param="messages")
-    if not engine._use_template():  # the engine's own rule (chat_template=auto/True/False)
+    if not engine.uses_chat_template():  # the engine's own rule (chat_template=auto/True/False)
         if document:
             return Prompt(None, tok.encode("".join(t["content"] for t in turns), add_special_tokens=False))
         context = "".join(t["content"] for t in turns[: first + 1])
@@ -72,9 +72,9 @@ def chat_prompt(engine, messages: list[Message], document: bool) -> Prompt:
     return Prompt(None if document else tok.encode(head, add_special_tokens=False), question)
 
 
-def completion_prompt(engine, prompt: str | list[int], document: bool) -> Prompt:
+def completion_prompt(engine, prompt: str | list[int], document: bool, tok=None) -> Prompt:
     """A text completion's prompt: all context, or with a document all question (verbatim)."""
-    tok = engine.tokenizer
+    tok = tok if tok is not None else engine.tokenizer
     if isinstance(prompt, list):
         vocab = engine.model.get_input_embeddings().num_embeddings
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt):
@@ -87,6 +87,54 @@ def completion_prompt(engine, prompt: str | list[int], document: bool) -> Prompt
     return Prompt(None, ids) if document else Prompt(ids, [])
 
 
+class StopMatcher:
+    """Finds stop strings in text that arrives piece by piece, in time linear in the text: each stop's
+    Knuth-Morris-Pratt automaton reads every character once (a search of the whole text, or of every
+    prefix of a stop against its end, at each token costs the square of a long stop)."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.fail = [_failure(s) for s in stops]
+        self.state = [0] * len(stops)  # per stop: the longest prefix of it that the text read so far ends with
+        self.read = 0  # characters read
+
+    def feed(self, text: str) -> int | None:
+        """Read `text`, which follows what was read; the index (in the whole text) where the earliest stop
+        that ends inside it begins, or None."""
+        first = None
+        for which, stop in enumerate(self.stops):
+            fail, state = self.fail[which], self.state[which]
+            for offset, char in enumerate(text):
+                while state and (state == len(stop) or stop[state] != char):
+                    state = fail[state - 1]
+                if stop[state] == char:
+                    state += 1
+                if state == len(stop):
+                    begin = self.read + offset + 1 - len(stop)
+                    first = begin if first is None else min(first, begin)
+                    break  # the earliest end of this stop: what follows it is cut anyway
+            self.state[which] = state
+        self.read += len(text)
+        return first
+
+    @property
+    def partial(self) -> int:
+        """Characters at the end of the text that may begin a stop (held back until the next piece)."""
+        return max((state for state, stop in zip(self.state, self.stops) if state < len(stop)), default=0)
+
+
+def _failure(stop: str) -> list[int]:
+    """KMP's table: for each prefix of `stop`, the length of its longest proper prefix that is also its suffix."""
+    table, k = [0] * len(stop), 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = table[k - 1]
+        if stop[i] == stop[k]:
+            k += 1
+        table[i] = k
+    return table
+
+
 class TextStream:
     """Tokens in, text pieces out: waits for whole UTF-8 characters, stops at a stop string
     (which is not returned) and holds back text that could be the start of one."""
@@ -97,6 +145,7 @@ class TextStream:
         self.tokens: list[int] = []
         self.sent = 0  # characters returned so far
         self.stopped = False
+        self.matcher = StopMatcher(stops)
         # incremental detokenization: only tokens[prefix:] are decoded per token (a whole answer
         # decoded at every token costs its length squared); the text of tokens[prefix:read] is known
         self.done_text, self.prefix, self.read = "", 0, 0
@@ -119,12 +168,11 @@ class TextStream:
         text = self._text()
         if text is None:
             return ""  # an incomplete multi-byte character
-        hits = [i for i in (text.find(s, max(0, self.sent - len(s))) for s in self.stops) if i >= 0]
-        if hits:
+        hit = self.matcher.feed(text[self.matcher.read :])
+        if hit is not None:
             self.stopped = True
-            return self._take(text[: min(hits)])
-        hold = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-        return self._take(text[: len(text) - hold])
+            return self._take(text[:hit])
+        return self._take(text[: len(text) - self.matcher.partial])
 
     def finish(self) -> str:
         """What is left once generation ended (held-back text that turned out not to be a stop)."""

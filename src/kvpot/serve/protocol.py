@@ -10,13 +10,16 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+MAX_STOPS = 4  # OpenAI's limit on stop sequences
+MAX_STOP_CHARS = 512  # per stop string: generous for any real stop sequence, cheap to match at every token
 
 
 class ApiError(Exception):
     """An HTTP error in OpenAI's format: `{"error": {"message", "type", "param", "code"}}`."""
 
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
              413: "request_too_large", 429: "rate_limit_error", 499: "cancelled", 500: "server_error",
              503: "server_error"}
 
@@ -73,10 +76,20 @@ class Sampling(_Body):
     document_id: str | None = None  # kvpot: answer from a stored document's state
     ignore_eos: bool = False  # kvpot (as vLLM): generate max_tokens even past an end-of-sequence token
 
+    @field_validator("seed")
+    @classmethod
+    def _seed_in_64_bits(cls, seed: int | None) -> int | None:
+        # any integer is a seed (OpenAI sets no range); reduced to the unsigned 64 bits torch seeds with
+        return None if seed is None else seed % 2**64
+
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ApiError(400, "stop takes up to 4 non-empty strings.", param="stop")
+        if len(stops) > MAX_STOPS or any(not s for s in stops):
+            raise ApiError(400, f"stop takes up to {MAX_STOPS} non-empty strings.", param="stop")
+        longest = max(map(len, stops), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise ApiError(400, f"a stop string has {longest:,} characters; this server takes at most "
+                                f"{MAX_STOP_CHARS}.", param="stop")
         return stops
 
     def check_supported(self) -> None:
@@ -151,13 +164,37 @@ def parse(raw: bytes, kind: type[BaseModel]) -> BaseModel:
     """Parse and validate a JSON body, turning every failure into a 400 with one sentence."""
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ApiError(400, f"the body is not valid JSON ({err}).") from None
+    except RecursionError:
+        raise ApiError(400, "the body's JSON is nested too deeply.") from None
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, an integer of over 4,300 digits
+        raise ApiError(400, f"the body is not valid JSON ({err}).".splitlines()[0]) from None
     if not isinstance(data, dict):
         raise ApiError(400, "the body must be a JSON object.")
+    bad = _unencodable(data)
+    if bad is not None:
+        raise ApiError(400, f"{bad}: the text holds a lone surrogate (\\ud800-\\udfff), which is not Unicode text; "
+                            "send valid UTF-8.", param=bad)
     try:
         return kind.model_validate(data)
     except ValidationError as err:
         first = err.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "body"
         raise ApiError(400, f"{where}: {first['msg']}.", param=where) from None
+
+
+def _unencodable(data) -> str | None:
+    """The path of the first string that UTF-8 cannot encode (JSON's `\\ud800` escapes allow lone surrogates,
+    which tokenizers refuse), or None. Iterative: nesting that `json.loads` accepted never recurses here."""
+    stack = [("body", data)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return where
+        elif isinstance(value, dict):
+            stack.extend((f"{k}" if where == "body" else f"{where}.{k}", v) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((f"{where}.{i}", v) for i, v in enumerate(value))
+    return None

@@ -1,4 +1,4 @@
-"""What the server does with an engine: read documents, answer requests (README, *Serving*).
+"""What the server does with an engine: read documents, answer requests (docs/serving.md).
 
 One model is loaded; an `Engine` per method configuration shares it (documents may be read with
 another method than the server's default), and each method that answers requests has a pool of
@@ -14,6 +14,7 @@ the pool's batch, and its tokens come back one per step, detokenized here (stop 
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
 import threading
@@ -25,7 +26,8 @@ from kvpot.serve.config import ServeConfig
 from kvpot.serve.metrics import Metrics
 from kvpot.serve.prompt import Prompt, TextStream
 from kvpot.serve.protocol import ApiError
-from kvpot.serve.store import StateStore, state_key
+from kvpot.serve.store import DamagedState, StateStore, state_key
+from kvpot.serve.tokens import TokenizerPool, longest_token_chars
 from kvpot.serve.worker import Pool, Ticket, Worker
 from kvpot.engine.state_io import model_fingerprint
 
@@ -84,12 +86,17 @@ class Service:
         self.engines_lock = threading.Lock()
         self.store = StateStore(config.state_memory, config.state_dir, config.state_disk)
         self.metrics = Metrics()
-        # fast tokenizers refuse concurrent use from two threads ("Already borrowed"): the event loop
-        # detokenizes while worker threads encode
-        self.tokenizer_lock = threading.Lock()
+        # fast tokenizers refuse concurrent use from two threads ("Already borrowed"): worker threads encode
+        # with copies of their own, the event loop decodes with one nobody else uses (kvpot.serve.tokens)
+        tokenizer = engine.tokenizer
+        self.tokenizers = TokenizerPool(tokenizer) if tokenizer is not None else None
+        self.decoding_tokenizer = copy.deepcopy(tokenizer) if tokenizer is not None else None
+        self.max_chars = config.max_context_tokens * (longest_token_chars(tokenizer) if tokenizer is not None else 1)
         self.worker = Worker(config, self.metrics, self._make_scheduler)
         self.outboxes: dict = {}  # event loop -> its Outbox (one in a server; tests may run several)
         self.default_pool: Pool | None = None  # made by `start`
+        self.inflight = 0  # HTTP requests being answered (the app's middleware counts them)
+        self.draining = False  # shutting down: new requests get 503
         found = self.store.scan(model_fingerprint(engine.model))
         if found:
             log.info("found %d stored states in %s", found, config.state_dir)
@@ -105,9 +112,7 @@ class Service:
             from kvpot.serve.solo import SoloScheduler
 
             return SoloScheduler(engine)
-        capacity = None
-        if engine.method.max_entries() is None:  # a cache that grows with the input: slots hold a window
-            capacity = self.config.slot_capacity or engine.model.config.max_position_embeddings
+        capacity = self.slot_capacity(engine)
         decode = engine.decode if engine.decode in ("graph", "static") else "auto"
         if slots is not None and engine.device.type == "cuda":  # a pool of a given size: does it fit?
             import torch
@@ -130,6 +135,33 @@ class Service:
             log.info("captured %d decoding graphs (%d batch sizes)", captured, len(scheduler.decoder.buckets))
         return scheduler
 
+    async def drain(self, grace: float) -> None:
+        """Shut down gently: admit nothing new (503), give the requests in flight `grace` seconds to finish,
+        then stop the rest (their clients get a 503 in OpenAI's format; streams an error event, then [DONE])."""
+        self.draining = self.worker.draining = True
+        loop = asyncio.get_running_loop()
+        log.info("shutting down: %d requests in flight get up to %g s to finish", self.inflight, grace)
+        deadline = loop.time() + grace
+        while self.inflight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.inflight:
+            log.warning("shutdown grace over: stopping %d requests", self.worker.stop_all())
+            deadline = loop.time() + 10  # the stopped requests end at the next step and answer
+            while self.inflight and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+
+    async def stop(self) -> None:
+        """After the last request: states held only in memory are written to --state-dir, then the
+        generation thread ends."""
+        if self.config.state_dir is not None:
+            try:
+                written = await self.worker.call(self.store.persist)
+                if written:
+                    log.info("wrote %d states held in memory to %s", written, self.config.state_dir)
+            except Exception:  # noqa: BLE001 - a failed write is logged; the thread still stops
+                log.exception("could not write the states held in memory")
+        await asyncio.to_thread(self.worker.shutdown)
+
     # ---------------------------------------------------------------- engines and keys
     def engine_for(self, spec: str | None):
         """The engine running `spec` (the default one for None); a bad spec is a 400."""
@@ -151,8 +183,29 @@ class Service:
                 self.engines[key] = engine
         return engine
 
+    def slot_capacity(self, engine) -> int | None:
+        """Entries a slot of `engine`'s pool holds when its method's cache grows with the input (slots hold a
+        window: `--slot-capacity`, default the model's); None for a bounded method (its bound)."""
+        if engine.method.max_entries() is not None:
+            return None
+        return self.config.slot_capacity or engine.model.config.max_position_embeddings
+
     def key_for(self, engine, context_ids: list[int]) -> str:
         return state_key(model_fingerprint(engine.model), engine.method.config(), context_ids)
+
+    async def tokenize(self, fn, *args):
+        """`fn(*args, tokenizer)` on a worker thread with a tokenizer copy of its own (off the event loop)."""
+        def run():
+            with self.tokenizers.borrow() as tok:
+                return fn(*args, tok)
+
+        return await asyncio.to_thread(run)
+
+    def check_chars(self, chars: int) -> None:
+        """Refuse, before tokenizing, a text that cannot fit `--max-context-tokens` (`kvpot.serve.tokens`)."""
+        if chars > self.max_chars:
+            raise ApiError(413, f"the prompt has {chars:,} characters, more than {self.config.max_context_tokens:,} "
+                                "tokens (--max-context-tokens) of this tokenizer can hold.", code="context_too_long")
 
     def check_length(self, tokens: int) -> None:
         if tokens > self.config.max_context_tokens:
@@ -172,11 +225,25 @@ class Service:
         if entry is not None:  # the same text with the same method was read already
             return {**entry.describe(), "reused": True}
         state = await self._read(engine, text_ids, ticket)
+        self._check_slot(engine, state, spec_text)
         try:
             entry = await self.worker.call(lambda: self.store.put(key, state, "document", spec_text))
         except KvpotError as err:
             raise ApiError(413, str(err), code="state_too_large") from None
         return {**entry.describe(), "reused": False}
+
+    def _check_slot(self, engine, state, spec: str) -> None:
+        """Refuse a document that no slot could answer a question about (a cache that grows past a slot)."""
+        capacity = self.slot_capacity(engine)
+        if capacity is None:
+            return
+        kept = max(state.cache.lengths())
+        needed = engine.method.entries_needed(kept, 1, 1)
+        if needed > capacity:
+            raise ApiError(413, f"the document keeps {kept:,} KV entries per layer and head when read with {spec!r}; "
+                                f"a question about it needs {needed:,} and a slot holds {capacity:,} "
+                                "(--slot-capacity). Raise --slot-capacity or read it with a bounded method.",
+                           code="document_too_large")
 
     async def _read(self, engine, ids: list[int], ticket: Ticket):
         """`ids` read into a state between the batch's steps, one forward per turn."""
@@ -201,11 +268,16 @@ class Service:
             await self._engine_call(self.worker.call(lambda: self._keep_and_submit(job, state, ticket, post)))
         request = ticket.request
         context_tokens = state.stats.context_tokens if state is not None else len(job.prompt.context_ids)
-        tokens, stream = await self._collect(job, ticket, engine, queue)
+        try:
+            tokens, stream = await self._collect(job, ticket, engine, queue)
+        except Exception as err:  # turning its tokens into text failed: this request ends, the batch goes on
+            ticket.stop()
+            log.exception("a request's text failed")
+            raise ApiError(500, f"the generation failed ({type(err).__name__}).", code="generation_failed") from None
         if request.status == "failed":
             raise ApiError(500, f"the generation failed: {request.error}", code="generation_failed")
         if request.status == "cancelled" and not stream.stopped:
-            raise ApiError(499, "the request was cancelled (the client went away).")
+            raise ticket.cancelled_error()
         if state is None:
             read = request.stats.prefill_seconds
             self.metrics.add(prefill_tokens=context_tokens + len(job.prompt.question_ids), prefill_seconds=read)
@@ -261,7 +333,7 @@ class Service:
 
     async def _collect(self, job: Job, ticket: Ticket, engine, queue: asyncio.Queue):
         """The request's tokens as they come, turned into text (stop strings end it early)."""
-        stream = _Collector(engine.tokenizer, job.stops, self.tokenizer_lock, job.emit)
+        stream = _Collector(self.decoding_tokenizer, job.stops, None, job.emit)
         tokens = []
         while True:
             token = await queue.get()
@@ -294,6 +366,8 @@ class Service:
             raise
         except Cancelled:
             raise ApiError(499, "the request was cancelled (the client went away).") from None
+        except DamagedState as err:
+            raise ApiError(500, str(err), code="state_damaged") from None
         except KvpotError as err:
             if "more than a slot holds" in str(err):
                 raise ApiError(413, str(err), code="context_too_long") from None

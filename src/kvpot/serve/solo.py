@@ -84,9 +84,17 @@ class SoloScheduler:
         full = len(request.tokens) >= request.max_new_tokens
         return [self._end(request, "finished", "length" if full else "stop")]
 
-    def _fail(self, request, error: Exception, ended: list) -> None:
-        request.error = str(error)
-        self._end(request, "failed", "error", ended)
+    def abort(self, error: Exception | None = None) -> list:
+        """End every waiting request now (`Scheduler.abort`): failed with `error`, or cancelled."""
+        ended: list = []
+        while self.waiting:
+            request = self.waiting.popleft()
+            if error is None:
+                self._end(request, "cancelled", "cancelled", ended)
+            else:
+                request.error = str(error)
+                self._end(request, "failed", "error", ended)
+        return ended
 
     def _end(self, request, status: str, reason: str, ended: list | None = None):
         request.status, request.finish_reason = status, reason

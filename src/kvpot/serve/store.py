@@ -24,6 +24,11 @@ from kvpot.errors import KvpotError
 log = logging.getLogger("kvpot.serve")
 
 
+class DamagedState(KvpotError):
+    """A stored state's file failed its checks when loaded: the server's fault, not the client's. The file is
+    set aside (renamed `*.damaged`, out of the listing) and the message names no path."""
+
+
 def state_key(fingerprint: dict, method_config: dict, ids: list[int]) -> str:
     from kvpot.engine.state_io import normalized
 
@@ -137,9 +142,25 @@ class StateStore:
             return None
         from kvpot.engine import State
 
-        state = State.load(self._path(key), engine)
+        try:
+            state = State.load(self._path(key), engine)
+        except KvpotError as err:
+            self._set_aside(entry, err)
+            raise DamagedState(f"the stored state of {entry.id} is damaged (its file failed kvpot's checks) and was "
+                               "removed; upload the document again.") from None
         self._hold(entry, state)
         return state
+
+    def _set_aside(self, entry: Entry, err: Exception) -> None:
+        """Take a damaged state out of the listing; its file is kept beside the others as `*.damaged`."""
+        with self.lock:
+            self.entries.pop(entry.key, None)
+        path = self._path(entry.key)
+        try:
+            path.replace(path.with_name(path.name + ".damaged"))
+        except OSError:
+            pass  # gone already: nothing to set aside
+        log.error("stored state %s is damaged and was set aside as %s.damaged: %s", entry.id, path, err)
 
     def put(self, key: str, state, kind: str, spec: str) -> Entry:
         """Store a freshly read state. A document that fits nowhere is refused (KvpotError)."""
@@ -168,6 +189,16 @@ class StateStore:
             return entry
         self._hold(entry, state)
         return entry
+
+    def persist(self) -> int:
+        """Write every state held only in memory to the directory (a server stopping); returns how many."""
+        if self.directory is None:
+            return 0
+        with self.lock:
+            pending = [e for e in self.entries.values() if e.state is not None and not e.disk_bytes]
+        for entry in pending:
+            self._write(entry, entry.state)
+        return len(pending)
 
     def promote(self, key: str) -> Entry | None:
         """Mark a stored context as an uploaded document (written through to the directory)."""

@@ -67,12 +67,22 @@ class Ticket:
         self.request = None  # kvpot.engine.Request
         self.released = False
         self.stopped_by_text = False  # a stop string ended it: not a cancellation
+        self.shutdown = False  # the server stopped it (its shutdown grace ran out): not the client
 
-    def stop(self) -> None:
-        """Stop the work at the next step boundary (any thread): the client went away or a stop string ended it."""
+    def stop(self, shutdown: bool = False) -> None:
+        """Stop the work at the next step boundary (any thread): the client went away, a stop string ended it,
+        or (`shutdown`) the server is stopping."""
+        self.shutdown = self.shutdown or shutdown
         self.cancel.set()
         if self.request is not None:
             self.request.cancel_requested = True
+
+    def cancelled_error(self) -> ApiError:
+        """What the client is told when this work was stopped before it finished."""
+        if self.shutdown:
+            return ApiError(503, "the server is shutting down; retry with another server or in a moment.",
+                            code="shutting_down", headers={"Retry-After": "5"})
+        return ApiError(499, "the request was cancelled (the client went away).")
 
     def release(self) -> None:
         if not self.released and self.worker is not None:
@@ -98,7 +108,10 @@ class Worker:
         self.reading = 0  # texts admitted to `reads` (queued or being read)
         self.rejected = 0
         self.cancelled = 0
-        self.recent = 2.0  # moving average of a request's seconds (for Retry-After)
+        self.recent = 2.0  # moving average of a request's seconds (for Retry-After while none has left lately)
+        self.departures: deque[float] = deque(maxlen=32)  # when admitted requests left (the measured drain rate)
+        self.tickets: set[Ticket] = set()  # admitted and not yet released
+        self.draining = False  # shutting down: nothing new is admitted
         self.stopping = False
         self.outboxes: list = []  # kvpot.serve.service.Outbox: flushed after every turn
         self.thread = threading.Thread(target=self._loop, name="kvpot-generate", daemon=True)
@@ -135,29 +148,44 @@ class Worker:
     def admit(self, pool: Pool) -> Ticket:
         """A place among the pool's slots or in its queue (`--max-queue` beyond the slots), else 429."""
         with self.lock:
+            self._check_draining()
             if pool.admitted >= pool.slots + self.config.max_queue:
                 self.rejected += 1
                 waiting = pool.admitted - pool.slots
+                retry = self._retry(waiting + 1, pool.slots)
                 raise ApiError(429, f"the server is busy ({pool.slots} slots taken, {waiting} requests waiting, "
-                                    f"--max-queue {self.config.max_queue}); retry in about {self._retry(pool)} s.",
-                               headers={"Retry-After": str(self._retry(pool))})
+                                    f"--max-queue {self.config.max_queue}); retry in about {retry} s.",
+                               headers={"Retry-After": str(retry)})
             pool.admitted += 1
             pool.last_used = time.monotonic()
-        return Ticket(self, pool)
+            return self._ticket(pool)
 
     def admit_read(self) -> Ticket:
         """A place among the texts waiting to be read (`--max-queue`, plus the one being read), else 429."""
         with self.lock:
+            self._check_draining()
             if self.reading >= self.config.max_queue + 1:
                 self.rejected += 1
-                retry = max(1, math.ceil(self.recent * self.reading))
+                retry = self._retry(self.reading, 1)
                 raise ApiError(429, f"the server is busy ({self.reading} documents being read or waiting); retry "
                                     f"in about {retry} s.", headers={"Retry-After": str(retry)})
             self.reading += 1
-        return Ticket(self, None)
+            return self._ticket(None)
+
+    def _ticket(self, pool: Pool | None) -> Ticket:
+        ticket = Ticket(self, pool)
+        self.tickets.add(ticket)
+        return ticket
+
+    def _check_draining(self) -> None:
+        if self.draining:
+            raise ApiError(503, "the server is shutting down; retry with another server or in a moment.",
+                           code="shutting_down", headers={"Retry-After": "5"})
 
     def _leave(self, ticket: Ticket) -> None:
         with self.lock:
+            self.tickets.discard(ticket)
+            self.departures.append(time.monotonic())
             if ticket.pool is None:
                 self.reading -= 1
             else:
@@ -169,9 +197,21 @@ class Worker:
         with self.lock:
             self.recent = 0.8 * self.recent + 0.2 * seconds
 
-    def _retry(self, pool: Pool) -> int:
-        # requests ahead of a newcomer leave at about `slots` per request's time
-        return max(1, math.ceil(self.recent * (1 + max(0, pool.admitted - pool.slots) / pool.slots)))
+    def _retry(self, ahead: int, lanes: int) -> int:
+        """Seconds until `ahead` requests have left: at the rate requests left lately (measured over the last
+        departures within a minute), else at `lanes` per request's average time."""
+        now, times = time.monotonic(), [t for t in self.departures if t > time.monotonic() - 60]
+        if len(times) >= 4 and now - times[0] > 0:
+            return max(1, math.ceil(ahead * (now - times[0]) / len(times)))
+        return max(1, math.ceil(self.recent * max(1, ahead) / max(1, lanes)))
+
+    def stop_all(self) -> int:
+        """(any thread) Stop every admitted request for the server's shutdown; returns how many."""
+        with self.lock:
+            tickets = list(self.tickets)
+        for ticket in tickets:
+            ticket.stop(shutdown=True)
+        return len(tickets)
 
     # ------------------------------------------------------------------ gauges (any thread)
     @property
@@ -237,10 +277,7 @@ class Worker:
             scheduler.step()
         except Exception as err:  # noqa: BLE001 - a bug in a step fails that pool's requests, not the server
             log.exception("a batched step failed; its requests end with an error")
-            requests = [a.request for a in scheduler.active.values()] + list(scheduler.waiting)
-            scheduler.waiting.clear()
-            for request in requests:
-                scheduler._fail(request, err, [])
+            scheduler.abort(err)
             return
         rows = scheduler.report["batched_rows"] + scheduler.report["eager_rows"] - before
         if rows:
@@ -250,11 +287,13 @@ class Worker:
         read = self.reads[0]
         try:
             if read.ticket.cancel.is_set():
-                raise Cancelled("the client went away.")
+                raise Cancelled("the read was stopped.")
             next(read.steps)
             return
         except StopIteration as done:
             read.future.set_result(done.value)
+        except Cancelled:
+            read.future.set_exception(read.ticket.cancelled_error())
         except Exception as err:  # noqa: BLE001 - handed to the awaiting request
             read.future.set_exception(err)
         self.reads.popleft()
@@ -302,9 +341,7 @@ class Worker:
             if not read.future.done():
                 read.future.set_exception(ApiError(503, "the server is shutting down."))
         for pool in self.pools.values():
-            scheduler = pool.scheduler
-            for request in [a.request for a in scheduler.active.values()] + list(scheduler.waiting):
-                scheduler._end(request, "cancelled", "cancelled", [])
+            pool.scheduler.abort()
         for outbox in self.outboxes:
             outbox.flush()
 
