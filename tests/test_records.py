@@ -9,7 +9,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from conftest import run
 
 ROOT = Path(__file__).resolve().parents[1]
