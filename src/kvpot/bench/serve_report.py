@@ -190,4 +190,4 @@ def write_plots(results: dict, out: Path) -> list[Path]:
     return [throughput_png(out / "throughput.png", results), itl_png(out / "itl.png", results)]
 
 
-__all__ = ["ordered", "plot_names", "rich_table", "summary_markdown", "table_rows", "write_reports"]
+__all__ = ["ordered", "plot_names", "rich_table", "summary_markdown", "table_rows", "write_plots", "write_reports"]
