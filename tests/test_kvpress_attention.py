@@ -2,7 +2,7 @@
 
 On an H100 with torch >= 2.11, SDPA picks cuDNN first, and cuDNN builds an execution plan for every new key
 length: one per decoding step, and one per layer and step for PyramidKVPress, whose layers differ in length
-(benchmarks/protocol-smollm2-gpu: 130-335 s for a first answer). These tests check that both kvpress processes
+(records/protocol-smollm2-gpu: 130-335 s for a first answer). These tests check that both kvpress processes
 (`kvpot.eval.kvpress_worker`, `kvpot.bench.kvpress_runner`) turn cuDNN's attention off on CUDA, leave the other
 backends and CPU runs alone, and report which backends ran; on a GPU, that decoding a cache with per-layer
 lengths runs no cuDNN attention kernel then, and does without the setting (the cause, where torch prefers cuDNN).

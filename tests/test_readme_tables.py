@@ -89,7 +89,7 @@ def test_report_writes_and_checks_the_blocks(capsys, tmp_path):
     _run_folder(tmp_path / "runs/a/one", "full", _rows([True, False, True]))
     manifest = tmp_path / "benchmarks" / "readme.json"
     manifest.parent.mkdir()
-    manifest.write_text(json.dumps({"tables": [_table(figure="benchmarks/readme/t.png")]}))
+    manifest.write_text(json.dumps({"tables": [_table(figure="records/readme/t.png")]}))
     readme = tmp_path / "README.md"
     readme.write_text("intro\n<!-- kvpot-readme:t -->\nold 3/3\n<!-- /kvpot-readme:t -->\noutro\n")
     code, out, _ = run(capsys, "report", "--manifest", str(manifest), "--check", str(readme))
@@ -98,7 +98,7 @@ def test_report_writes_and_checks_the_blocks(capsys, tmp_path):
     text = readme.read_text()
     assert code == 0 and text.startswith("intro\n<!-- kvpot-readme:t -->\n") and text.endswith("outro\n")
     assert "| Full | 2/3 [0.21, 0.94]" in text and "old 3/3" not in text
-    assert (tmp_path / "benchmarks/readme/t.png").stat().st_size > 1000
+    assert (tmp_path / "records/readme/t.png").stat().st_size > 1000
     code, out, _ = run(capsys, "report", "--manifest", str(manifest), "--check", str(readme))
     assert code == 0 and "1 blocks match" in out
     with pytest.raises(KvpotError, match="has no <!-- kvpot-readme:u -->"):

@@ -1,6 +1,6 @@
 """The bundled reference model: loads offline through transformers' Auto classes and meets its
 accuracy bars inside its window on a CI-sized sample (the full 100-sample tables are in
-benchmarks/reference-model/)."""
+records/reference-model/)."""
 
 import os
 

@@ -63,7 +63,7 @@ def test_cached_weights_are_the_gguf_dequantized(smollm2):
 
 def passkey(tokenizer, length: int):
     """The sample `kvpot eval passkey --seed 0` reads first at this length and depth 0.5 (the CPU runs
-    in benchmarks/real-model-smollm2/ answered both of these right)."""
+    in records/real-model-smollm2/ answered both of these right)."""
     return make_sample("passkey", tokenizer, length, 0.5, sample_seed(0, 0, length, 0.5))
 
 

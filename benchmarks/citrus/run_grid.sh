@@ -8,4 +8,4 @@ kvpot eval passkey --device cpu --lengths "${LENGTHS:-2k,8k}" --depths 0.1,0.5,0
   --method citrus:cache=none --method citrus:cache=shared --method citrus:cache=individual \
   --method streaming:window=1020,chunk_size=256 --method tova:budget=1024,chunk_size=256 \
   --method h2o:heavy=512,recent=512,chunk_size=256 \
-  --out benchmarks/citrus/passkey-21-cpu
+  --out records/citrus/passkey-21-cpu

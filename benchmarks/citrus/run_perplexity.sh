@@ -8,4 +8,4 @@ set -euo pipefail
 kvpot eval perplexity --device cpu --length 128k --window 4096 \
   --method citrus:cache=none --method citrus:cache=shared,instruction=generic \
   --method streaming:window=1020,chunk_size=256 \
-  --out benchmarks/citrus/perplexity-128k-cpu
+  --out records/citrus/perplexity-128k-cpu

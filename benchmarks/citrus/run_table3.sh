@@ -6,4 +6,4 @@ samples=${1:-2}
 kvpot eval passkey --device cpu --lengths 8k,32k --depths 0.1,0.5,0.9 --samples "$samples" \
   --method citrus:chunk_size=256,keep=768 --method citrus:chunk_size=512,keep=512 \
   --method citrus:chunk_size=768,keep=256 \
-  --out benchmarks/citrus/table3-passkey-cpu
+  --out records/citrus/table3-passkey-cpu

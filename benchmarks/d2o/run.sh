@@ -11,5 +11,5 @@ for task in passkey niah; do
     --method h2o:heavy=194,recent=194,chunk_size=2048 --method tova:budget=388,chunk_size=2048 \
     --method d2o:ratio=0.2 --method d2o:ratio=0.2,merge=false --method d2o:ratio=0.2,layer_budget=false \
     --method d2o:ratio=0.2,merge=false,layer_budget=false \
-    --out benchmarks/d2o/$task-window
+    --out records/d2o/$task-window
 done

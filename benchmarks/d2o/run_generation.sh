@@ -8,4 +8,4 @@ kvpot eval perplexity --device cpu --length 2304 --prompt-tokens 256 --window 25
   --method full --method streaming:window=252,chunk_size=2048 --method h2o:heavy=128,recent=128,chunk_size=2048 \
   --method tova:budget=256,chunk_size=2048 --method d2o:budget=256 --method d2o:budget=256,merge=false \
   --method d2o:budget=256,layer_budget=false --method d2o:budget=256,merge=false,layer_budget=false \
-  --out benchmarks/d2o/generation-2k-cpu
+  --out records/d2o/generation-2k-cpu

@@ -14,6 +14,6 @@ for ratio in 0.1 0.4; do
       --method h2o:heavy=$half,recent=$((budget - half)),chunk_size=2048 --method tova:budget=$budget,chunk_size=2048 \
       --method d2o:ratio=$ratio --method d2o:ratio=$ratio,merge=false --method d2o:ratio=$ratio,layer_budget=false \
       --method d2o:ratio=$ratio,merge=false,layer_budget=false \
-      --out benchmarks/d2o/$task-window-ratio$ratio
+      --out records/d2o/$task-window-ratio$ratio
   done
 done

@@ -1,7 +1,7 @@
 """D2O Fig. 4 on the reference model: per-layer attention variance F_v and the budgets it yields.
 
 Run from the repository root (CPU, a few seconds):
-    python benchmarks/d2o/variance_profile.py --out benchmarks/d2o/variance-profile
+    python benchmarks/d2o/variance_profile.py --out records/d2o/variance-profile
 It reads one 1,900-token passkey prompt (varied haystack) with D2O at ratio 0.2, then saves the
 per-layer normalised variances and budgets as JSON and a PNG.
 """

@@ -11,7 +11,7 @@
 #    InfiniPot (4,096) prefill at 128K -> decode ms/token after 16K -> Full prefill at 128K -> InfiniPot
 #    reading 1M tokens with marks at 32K/128K/256K/512K/768K/1M (time and each GPU's peak memory).
 #
-# Estimate (from benchmarks/bench-h100: llama3-8b InfiniPot 128K 7.2 s, 1M 57.7 s on one H100; 70B is ~9x the
+# Estimate (from records/bench-h100: llama3-8b InfiniPot 128K 7.2 s, 1M 57.7 s on one H100; 70B is ~9x the
 # FLOPs and 2.5x the layers): build ~30 s, InfiniPot 128K ~45-65 s, decode ~40 s, Full 128K ~80-110 s, 1M
 # ~300-520 s. The 1M run will likely be cut; its last mark then gives the measured rate up to that point.
 # Everything under $OUT comes back: placement.json, stream-1m.json, tests.txt, run.log, and per bench step a

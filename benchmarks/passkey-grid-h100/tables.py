@@ -1,6 +1,6 @@
 """Tables for README.md from the results.jsonl files of the grid (run.sh).
 
-Usage: python benchmarks/passkey-grid-h100/tables.py [GRID_DIR]          (default: this folder)
+Usage: python benchmarks/passkey-grid-h100/tables.py [GRID_DIR]          (default: records/passkey-grid-h100)
        python benchmarks/passkey-grid-h100/tables.py --long [GRID_DIR]   (run_long.sh rows in long/, alone and
                                                                           with the seed-0 *-long-* folders)
 
@@ -127,12 +127,15 @@ def long_table(grid):
     return "\n".join(out)
 
 
+RECORDS = Path(__file__).resolve().parents[2] / "records" / "passkey-grid-h100"  # the recorded runs
+
+
 def main():
     if sys.argv[1:2] == ["--long"]:
-        grid = Path(sys.argv[2]) if len(sys.argv) > 2 else Path(__file__).parent
+        grid = Path(sys.argv[2]) if len(sys.argv) > 2 else RECORDS
         print(long_table(grid))
         return
-    grid = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent
+    grid = Path(sys.argv[1]) if len(sys.argv) > 1 else RECORDS
     print(accuracy_table(grid, TABLE4, "Issue 4: InfiniPot Table 4 ablation"))
     print()
     print(accuracy_table(grid, FIG6, "Issue 5: CItruS Fig. 6"))

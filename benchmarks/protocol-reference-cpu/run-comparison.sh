@@ -6,7 +6,7 @@
 # Run from the repository root (PYTHONPATH may point at a clean copy of src/):
 #   bash benchmarks/protocol-reference-cpu/run-comparison.sh [OUT]
 set -euo pipefail
-out=${1:-benchmarks/protocol-reference-cpu}
+out=${1:-records/protocol-reference-cpu}
 methods=(--method pyramidkv:budget=512
   --method scissorhands:budget=384,chunk_size=128
   --method roco:budget=384,chunk_size=128

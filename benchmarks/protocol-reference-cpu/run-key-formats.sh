@@ -7,7 +7,7 @@
 # Run from the repository root (PYTHONPATH may point at a clean copy of src/):
 #   bash benchmarks/protocol-reference-cpu/run-key-formats.sh [OUT]
 set -euo pipefail
-out=${1:-benchmarks/protocol-reference-cpu/key-formats}
+out=${1:-records/protocol-reference-cpu/key-formats}
 python -m kvpot eval passkey --device cpu --seed 0 --lengths 1900 --depths 0.1,0.5,0.9 --templates 0 --chat both \
   --key-formats digits,uuid,words --samples 3 \
   --method full \

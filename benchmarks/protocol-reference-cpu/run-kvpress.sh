@@ -8,7 +8,7 @@
 #   bash benchmarks/protocol-reference-cpu/run-kvpress.sh SITE [OUT]
 set -euo pipefail
 site=${1:?the folder kvpress and transformers 5.2 are installed in}
-out=${2:-benchmarks/protocol-reference-cpu}
+out=${2:-records/protocol-reference-cpu}
 export OMP_NUM_THREADS=1 TQDM_DISABLE=1
 python -m kvpot eval passkey --device cpu --seed 0 --templates all --depths 0.1,0.5,0.9 --samples 2 \
   --lengths 1000,1900 --compression-ratios 0.25,0.5,0.75 \

@@ -6,7 +6,7 @@
 # Budgets as run.sh and run-comparison.sh (512 entries). Run from the repository root:
 #   bash benchmarks/protocol-reference-cpu/run-long.sh [OUT]
 set -euo pipefail
-out=${1:-benchmarks/protocol-reference-cpu}
+out=${1:-records/protocol-reference-cpu}
 export OMP_NUM_THREADS=1 TQDM_DISABLE=1
 old=(--method full
   --method infinipot:catalyst=question,pot_size=512

@@ -6,7 +6,7 @@
 # Run from the repository root (PYTHONPATH may point at a clean copy of src/):
 #   bash benchmarks/protocol-reference-cpu/run.sh [OUT]
 set -euo pipefail
-out=${1:-benchmarks/protocol-reference-cpu}
+out=${1:-records/protocol-reference-cpu}
 methods=(--method full
   --method infinipot:catalyst=question,pot_size=512
   --method infinipot:catalyst=question,pot_size=512,share=model

@@ -15,7 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-CASES = Path(__file__).parent / "ruler" / "kvpress-cases.jsonl.gz"
+RECORDS = Path(__file__).resolve().parents[2] / "records" / "protocol-smollm2-gpu"  # the recorded runs
+CASES = RECORDS / "ruler" / "kvpress-cases.jsonl.gz"
 DEVICE = os.environ.get("CHECK_DEVICE", "cuda")  # cpu: only to try the script (no cuDNN there)
 
 

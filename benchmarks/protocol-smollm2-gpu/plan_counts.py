@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-RULER = Path(__file__).parent / "ruler"
+RULER = Path(__file__).resolve().parents[2] / "records" / "protocol-smollm2-gpu" / "ruler"  # the recorded runs
 
 
 def problems(context: int, question: int, kept: list[int], steps: int) -> set:

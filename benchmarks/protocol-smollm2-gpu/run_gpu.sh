@@ -23,17 +23,17 @@
 # .whl/), and for presses kvpress' folder: /tmp/kvpress-site, or .whl-kvpress/ (../kvpress-env/make_wheels.sh)
 # installed into it here. SECONDS (default 400) is each process's `kvpot eval --time-limit`: it starts no sample
 # (or kvpress answer) that would end later, then writes its summary (`timeout` a minute later is only a safety
-# net). Every process runs with --resume from what benchmarks/protocol-smollm2-gpu/MODE/ already holds (copied
+# net). Every process runs with --resume from what records/protocol-smollm2-gpu/MODE/ already holds (copied
 # into $out first): unpack a call's results there and call the same mode again to continue. Results:
 # $OUT/protocol-MODE.tar.gz (one folder per process: config.json, results.jsonl, summary.*, logs); unpack it
-# into benchmarks/protocol-smollm2-gpu/MODE/ and run `kvpot report --write README.md`.
+# into records/protocol-smollm2-gpu/MODE/ and run `kvpot report --write README.md`.
 set -uo pipefail
 mode=${1:?grid, new, ruler or presses}
 limit=${2:-400}
 case $mode in grid|new|ruler|presses) ;; *) echo "mode: grid, new, ruler or presses" >&2; exit 2;; esac
 source benchmarks/real-model-smollm2/setup_gpu.sh
 folder=$mode; [ "$mode" = presses ] && folder=ruler  # the presses' rows sit beside kvpot's RULER rows
-before=benchmarks/protocol-smollm2-gpu/$folder  # earlier calls' folders: every process resumes its own
+before=records/protocol-smollm2-gpu/$folder  # earlier calls' folders: every process resumes its own
 if [ -d "$before" ]; then
   for folder in "$before"/*/; do [ -f "$folder/config.json" ] && cp -r "$folder" "$out/"; done
   cp "$before"/*.log "$out/" 2>/dev/null

@@ -6,7 +6,7 @@
 # tarball holds the other's folders as they were when it started, so only its own folders are unpacked.
 set -u
 limit=$1; shift
-P=benchmarks/protocol-smollm2-gpu
+P=records/protocol-smollm2-gpu
 mkdir -p /tmp/res
 for f in /tmp/res/protocol-*.tar.gz; do
   [ -f "$f" ] || continue
@@ -16,7 +16,7 @@ for f in /tmp/res/protocol-*.tar.gz; do
 done
 for mode in "$@"; do
   mkdir -p /tmp/o-$mode && rm -rf /tmp/o-$mode/*
-  OUT=/tmp/o-$mode bash $P/run_gpu.sh $mode $limit > /tmp/o-$mode.log 2>&1 &
+  OUT=/tmp/o-$mode bash benchmarks/protocol-smollm2-gpu/run_gpu.sh $mode $limit > /tmp/o-$mode.log 2>&1 &
 done
 wait
 for mode in "$@"; do

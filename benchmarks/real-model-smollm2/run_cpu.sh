@@ -5,7 +5,7 @@
 # one background process with one thread (the machine is 2 shared cores); results go to cpu/<name>/.
 # Run from the repository root:  bash benchmarks/real-model-smollm2/run_cpu.sh
 set -uo pipefail
-out=benchmarks/real-model-smollm2/cpu
+out=records/real-model-smollm2/cpu
 mkdir -p "$out"
 export PYTHONPATH=$PWD/src OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 bg() {  # bg NAME COMMAND... : run in the background, timed, log next to the results

@@ -3,7 +3,7 @@
 # (context 1,900 tokens + question + answer <= 2,048 positions), and at 4x / 16x the window.
 # Run from the repository root on CPU:  bash benchmarks/reference-model/run.sh
 set -euo pipefail
-out=benchmarks/reference-model
+out=records/reference-model
 in_window="--lengths 1900 --depths 0.05,0.15,0.25,0.35,0.45,0.55,0.65,0.75,0.85,0.95 --method full --device cpu"
 kvpot eval passkey $in_window --samples 10 --out $out/passkey-window
 kvpot eval niah    $in_window --samples 10 --out $out/niah-window

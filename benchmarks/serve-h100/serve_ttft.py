@@ -54,7 +54,7 @@ def main() -> int:
     parser.add_argument("--lengths", default="32k,128k")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[2] / "records" / "serve-h100" / "results")
     args = parser.parse_args()
 
     import httpx

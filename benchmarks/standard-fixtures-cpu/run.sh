@@ -3,7 +3,7 @@
 # fixtures under tests/fixtures/ (no benchmark data), full vs InfiniPot, on CPU.
 # Usage (from the repository root): bash benchmarks/standard-fixtures-cpu/run.sh [OUT]
 set -euo pipefail
-OUT=${1:-benchmarks/standard-fixtures-cpu}
+OUT=${1:-records/standard-fixtures-cpu}
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 python3 -m kvpot eval longbench --data-dir tests/fixtures/longbench --method full --method infinipot:pot_size=256 \
     --device cpu --out "$OUT/longbench"

@@ -199,7 +199,7 @@ def attend_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if q == 1:
         # Decoding: GQA-native SDPA. (Folding each group's heads into query rows without
         # enable_gqa measured 8x slower on an H100: 11.6 ms vs 1.38 ms per layer at 1M keys,
-        # benchmarks/bench-h100/attention-after.)
+        # records/bench-h100/attention-after.)
         return F.scaled_dot_product_attention(query, key, value, scale=scaling, enable_gqa=True), None
     if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
         if sdpa.split_ok(query.device, query.dtype, query.shape[-1]):

@@ -8,4 +8,4 @@ kvpot eval niah --haystack varied --device cpu --lengths 32k --depths 0.1,0.5,0.
   --method infinipot:catalyst=question,nuc_ratio=0 --method infinipot:catalyst=question,nuc_ratio=0.25 \
   --method infinipot:catalyst=question,nuc_ratio=0.5 --method infinipot:catalyst=question,nuc_ratio=0.75 \
   --method infinipot:catalyst=question,nuc_ratio=1.0 \
-  --out benchmarks/infinipot/table3-nuc-ratio-cpu/niah-varied-32k
+  --out records/infinipot/table3-nuc-ratio-cpu/niah-varied-32k

@@ -13,4 +13,4 @@ kvpot eval passkey --device cpu --lengths 2k,8k,32k --depths 0.1,0.5,0.9 --sampl
   --method infinipot:catalyst=question,nuc_ratio=0 \
   --method infinipot:catalyst=question,nuc_ratio=0.5 \
   --method infinipot:catalyst=generic,nuc_ratio=0.5 \
-  --out benchmarks/infinipot/table4-cpu/passkey
+  --out records/infinipot/table4-cpu/passkey

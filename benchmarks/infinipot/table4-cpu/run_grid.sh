@@ -14,4 +14,4 @@ kvpot eval passkey --device cpu --lengths "${LENGTHS:-2k,8k}" --depths 0.1,0.5,0
   --method infinipot:catalyst=question,nuc_ratio=0 \
   --method infinipot:catalyst=question,nuc_ratio=0.5 \
   --method infinipot:catalyst=generic,nuc_ratio=0.5 \
-  --out benchmarks/infinipot/table4-cpu/passkey-21
+  --out records/infinipot/table4-cpu/passkey-21

@@ -5,8 +5,8 @@ attention first, and cuDNN builds an execution plan for every new key length (to
 aten/src/ATen/native/cudnn/MHA.cpp is keyed by s_q and s_kv), tens of ms of host time each. A
 decoding step reads one key more than the last, so every step of a plain transformers decode (and of
 kvpress' presses; one per layer for PyramidKVPress, whose layers differ in length: SmolLM2, 30 a step at
-73 ms each in benchmarks/protocol-smollm2-gpu) builds a plan: plain transformers decoded `llama3-8b` at
-~100 ms/token where ~30 ms was expected (benchmarks/decode-h100). FlashAttention and the memory-efficient
+73 ms each in records/protocol-smollm2-gpu) builds a plan: plain transformers decoded `llama3-8b` at
+~100 ms/token where ~30 ms was expected (records/decode-h100). FlashAttention and the memory-efficient
 kernel read any length without a plan; the attention computed is the same exact softmax attention.
 
 `no-cudnn` (the bench default) leaves cuDNN out of SDPA's choice so no baseline pays a plan build per

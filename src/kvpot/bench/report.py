@@ -231,8 +231,15 @@ def write_reports(results: dict, out: Path) -> None:
     profile = profile_markdown(results)
     if profile:
         (out / "profile.md").write_text(profile, encoding="utf-8")
+    write_plots(results, out)
+
+
+def write_plots(results: dict, out: Path) -> list[Path]:
+    """The run's figures (plot_names) from its results alone: `kvpot bench` and `kvpot report --plots`."""
     gpu_memory = any(r.get("peak_memory_bytes") is not None for r in results["rows"])
+    written = []
     for name, key, ylabel, scale in _PLOTS[results["mode"]]:
         if key == "peak_memory_bytes" and not gpu_memory:  # CPU: the KV cache the method held
             key, ylabel, scale = "kv_cache_bytes", "KV cache memory (MiB; no GPU peak on CPU)", 1 / (1 << 20)
-        line_png(out / name, results, key, ylabel, scale)
+        written.append(line_png(out / name, results, key, ylabel, scale))
+    return written

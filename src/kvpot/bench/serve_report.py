@@ -129,7 +129,7 @@ def _label(row: dict) -> str:
     return f"{row['method']} @ {format_length(row['length'])}"
 
 
-def throughput_png(path: Path, results: dict) -> None:
+def throughput_png(path: Path, results: dict) -> Path:
     """Output tokens/s, one bar per row (a row that failed: an empty slot, its label marked)."""
     from kvpot.reporting import new_figure
 
@@ -146,9 +146,10 @@ def throughput_png(path: Path, results: dict) -> None:
     axes.grid(alpha=0.3, axis="y")
     figure.tight_layout()
     figure.savefig(path)
+    return path
 
 
-def itl_png(path: Path, results: dict) -> None:
+def itl_png(path: Path, results: dict) -> Path:
     """Distribution (CDF) of the gaps between a stream's chunks, one line per `[http]` row."""
     from kvpot.reporting import LINE_STYLES, new_figure
 
@@ -175,13 +176,18 @@ def itl_png(path: Path, results: dict) -> None:
     axes.grid(alpha=0.3)
     figure.tight_layout()
     figure.savefig(path)
+    return path
 
 
 def write_reports(results: dict, out: Path) -> None:
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     (out / "summary.md").write_text(summary_markdown(results), encoding="utf-8")
-    throughput_png(out / "throughput.png", results)
-    itl_png(out / "itl.png", results)
+    write_plots(results, out)
 
 
-__all__ = ["ordered", "plot_names", "rich_table", "summary_markdown", "table_rows", "write_reports"]
+def write_plots(results: dict, out: Path) -> list[Path]:
+    """throughput.png and itl.png from the results alone (`kvpot report --plots` too)."""
+    return [throughput_png(out / "throughput.png", results), itl_png(out / "itl.png", results)]
+
+
+__all__ = ["ordered", "plot_names", "rich_table", "summary_markdown", "table_rows", "write_plots", "write_reports"]

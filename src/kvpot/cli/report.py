@@ -15,9 +15,13 @@ def register(sub) -> None:
             "(config.json + results.jsonl of kvpot eval): correct/total with 95% Wilson intervals, template, "
             "key-format and chat spreads, and ranking statements only where intervals separate. --write replaces "
             "each table's block between <!-- kvpot-readme:NAME --> and <!-- /kvpot-readme:NAME --> in the README "
-            "and redraws the figures; --check exits 1 when a block differs from what the records give."
+            "and redraws the figures; --check exits 1 when a block differs from what the records give. "
+            "--plots RUN redraws a recorded run's figures (not committed) from its results.json (kvpot bench) or "
+            "summary.json (kvpot eval), into the run's folder or --out; RUN may be a folder of runs."
         ),
-        epilog="examples:\n  kvpot report --write README.md\n  kvpot report --check README.md",
+        epilog=("examples:\n  kvpot report --write README.md\n  kvpot report --check README.md\n"
+                "  kvpot report --plots records/decode-h100/main --out /tmp/plots\n"
+                "  kvpot report --plots records/d2o --out /tmp/plots"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--manifest", type=Path, default=Path("benchmarks/readme.json"),
@@ -28,6 +32,10 @@ def register(sub) -> None:
     action.add_argument("--write", type=Path, metavar="README", help="rewrite the blocks of this file, and the figures")
     action.add_argument("--check", type=Path, metavar="README", help="exit 1 if a block of this file is stale")
     action.add_argument("--print", dest="show", action="store_true", help="print the rendered blocks")
+    action.add_argument("--plots", type=Path, metavar="RUN",
+                        help="redraw the figures of a recorded run (or of every run below a folder)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="with --plots: write the figures here (the runs' relative folders) instead of into the runs")
     p.set_defaults(func=run)
 
 
@@ -35,6 +43,15 @@ def run(args) -> int:
     from kvpot.errors import KvpotError
     from kvpot.eval.readme import blocks, figures, replace_blocks, stale
 
+    if args.plots is not None:
+        from kvpot.eval.plots import plot_runs
+
+        written, runs = plot_runs(args.plots, args.out)
+        print(f"drew {len(written)} figures of {len(runs)} run{'s' if len(runs) != 1 else ''} under "
+              f"{args.out or args.plots}")
+        return 0
+    if args.out is not None:
+        raise KvpotError("--out is for --plots.")
     if not args.manifest.is_file():
         raise KvpotError(f"--manifest {args.manifest} is not a file.")
     base = args.base or args.manifest.resolve().parent.parent

@@ -349,7 +349,6 @@ def _mean(values) -> float | None:
 def write_task_reports(summary: dict, out: Path) -> None:
     """summary.json, summary.md, one heatmap per method, accuracy.png."""
     from kvpot.eval import report
-    from kvpot.reporting import depth_key, method_params, slug
 
     write_json(out / "summary.json", summary)
     text = report.eval_markdown(summary)
@@ -360,6 +359,15 @@ def write_task_reports(summary: dict, out: Path) -> None:
         first, sep2, others = rest.partition("\n## ")
         text = head + sep + first + "\n".join(ratio_markdown(summary)) + "\n" + sep2 + others
     (out / "summary.md").write_text(text, encoding="utf-8")
+    write_task_plots(summary, out)
+
+
+def write_task_plots(summary: dict, out: Path) -> list[Path]:
+    """One heatmap per method, accuracy.png (key_formats.png with several formats), from summary.json alone."""
+    from kvpot.eval import report
+    from kvpot.reporting import depth_key, method_params, slug
+
+    written = []
     lengths, depths = summary["config"]["lengths"], summary["config"]["depths"]
     for label, method in summary["methods"].items():
         grid = [[summary["accuracy_by_depth"][label][str(n)][depth_key(d)] for n in lengths] for d in depths]
@@ -367,7 +375,8 @@ def write_task_reports(summary: dict, out: Path) -> None:
         title = (f"{summary['config']['task']} - {label}\n{method_params(method['config'])}\n"
                  f"{summary['config']['samples']} samples x {len(summary['config'].get('templates') or [0])} "
                  f"templates{f' x {len(formats)} key formats' if formats else ''} per cell")
-        report.heatmap_png(out / f"heatmap_{slug(label)}.png", grid, lengths, depths, title)
-    report.accuracy_png(out / "accuracy.png", summary)
+        written.append(report.heatmap_png(out / f"heatmap_{slug(label)}.png", grid, lengths, depths, title))
+    written.append(report.accuracy_png(out / "accuracy.png", summary))
     if len(summary["config"].get("key_formats") or []) > 1:
-        report.key_formats_png(out / "key_formats.png", summary)
+        written.append(report.key_formats_png(out / "key_formats.png", summary))
+    return written

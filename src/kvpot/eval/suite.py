@@ -225,16 +225,19 @@ def scores_png(path: Path, summary: dict) -> Path:
 
 def write_suite_reports(summary: dict, out: Path) -> list[str]:
     """summary.json, summary.md, scores.png (and accuracy.png against length for RULER); the names written."""
-    from kvpot.eval.report import accuracy_png
-
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     (out / "summary.md").write_text(suite_markdown(summary), encoding="utf-8")
-    scores_png(out / "scores.png", summary)
-    written = ["results.jsonl", "summary.json", "summary.md", "scores.png"]
+    return ["results.jsonl", "summary.json", "summary.md", *(p.name for p in write_suite_plots(summary, out))]
+
+
+def write_suite_plots(summary: dict, out: Path) -> list[Path]:
+    """scores.png (and accuracy.png against length for RULER) from summary.json alone."""
+    from kvpot.eval.report import accuracy_png
+
+    written = [scores_png(out / "scores.png", summary)]
     if summary["config"]["task"] == "ruler":
         lengths = [int(g) for g in summary["groups"]]
         curve = {"config": {**summary["config"], "lengths": lengths}, "methods": summary["methods"],
                  "accuracy": summary["by_group"]}
-        accuracy_png(out / "accuracy.png", curve)
-        written.append("accuracy.png")
+        written.append(accuracy_png(out / "accuracy.png", curve))
     return written

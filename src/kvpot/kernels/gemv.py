@@ -2,7 +2,7 @@
 
 At batch 1 a decoding step's matrix products are matrix-vector products: every weight is read once and
 used for one multiply-add, so their time is the weights' bytes over the memory bandwidth. On an H100
-the `llama3-8b` step's products took 5.56 ms through cuBLAS (`benchmarks/decode-compiled-h100/`): 14.0 GB
+the `llama3-8b` step's products took 5.56 ms through cuBLAS (`records/decode-compiled-h100/`): 14.0 GB
 at 2.5 TB/s, where the memory gives 3.35. cuBLAS' batch-1 kernels are general matrix products, tiled for
 reuse that a single row never has; the small products (a KV projection is 8 MB) end before the memory is
 busy.
@@ -57,7 +57,7 @@ def _gemv_kernel(
 
 def config(n: int, k: int) -> tuple[int, int, int]:
     """The launch shape for an `[n, k]` weight: (rows per program, columns per tile, warps). From the H100
-    sweep (benchmarks/decode-gemv-h100/, `bf3d1c6`): four rows a program in tiles of up to 2,048 columns,
+    sweep (records/decode-gemv-h100/, `bf3d1c6`): four rows a program in tiles of up to 2,048 columns,
     four warps, came within 3% of the fastest of 48 shapes for every product of the `llama3-8b` and
     `llama3.2-1b` steps, the vocabulary head included, and 1.1x to 2.1x faster than cuBLAS."""
     return 4, min(2048, max(16, triton.next_power_of_2(k))), 4

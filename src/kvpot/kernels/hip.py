@@ -317,7 +317,7 @@ def _stepwise_scan(q, keys, cos, sin, starts, ends, valid_rows, r, steps, style,
     s, _, c = starts.shape
     hp = kv if shared else 1
     if block_c is None:
-        block_c = 64  # measured on an H100 at 1M keys, benchmarks/infinitehip-kernels-h100
+        block_c = 64  # measured on an H100 at 1M keys, records/infinitehip-kernels-h100
     programs = s * b * hp
     tiles = triton.cdiv(c, block_c)
     # split the candidates until the GPU has a few programs per multiprocessor

@@ -311,7 +311,7 @@ def _merge_into(k, v, drop, tau, best_s, best_p, best_j, beta, stride_kn, stride
 
 def d2o_splits(n: int) -> int:
     """`d2o_step`'s programs per head for `n` live entries: 16, fewer only below 64 entries a split. On an
-    H100 (8 KV heads, 4,097-5,424 entries, `benchmarks/kernel-tuning-h100/`) a split searched about 256
+    H100 (8 KV heads, 4,097-5,424 entries, `records/kernel-tuning-h100/`) a split searched about 256
     keys in 18 us, so its share sets the launch's time: 16 splits took 30-35 us a launch, 8 took 48-65;
     32 took 38-44, because past one program per multiprocessor every added split repeats the find."""
     return max(1, min(16, triton.next_power_of_2(triton.cdiv(n, 64))))
@@ -398,7 +398,7 @@ def d2o_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, 
     Launch shape (the results do not depend on it; tuning only): `splits` programs per head (a power of
     two; default `d2o_splits(n)`), `warps` per program (default `tile(n)`'s), `block_n` keys per step
     of the nearest-key search (defaults: the fastest on an H100 at the `llama3-8b` step,
-    `benchmarks/kernel-tuning-h100/`)."""
+    `records/kernel-tuning-h100/`)."""
     slots, kv, capacity, d = keys.shape
     batch = slots if rows is None else rows.numel()
     _check_merge(keys, values, tau, batch, kv)

@@ -16,7 +16,7 @@ class Full(Method):
 
     name = "full"
     paper = "no compression (exactness reference)"
-    # measured (benchmarks/prefill-h100): 8,192-token chunks read 128K tokens as fast as transformers'
+    # measured (records/prefill-h100): 8,192-token chunks read 128K tokens as fast as transformers'
     # one-shot forward (12.06 s vs 12.01 s on an H100, llama3-8b); 2,048 took 12.48 s
     chunk_size: int = 8192
     chunk_invariant = True  # nothing is evicted while reading

@@ -29,7 +29,7 @@ class H2O(EvictionMethod):
     bound = "heavy + recent + chunk_size"
     heavy: int = 512
     recent: int = 512
-    chunk_size: int = 2048  # measured: 512-token chunks are launch-bound on a GPU (benchmarks/prefill-h100)
+    chunk_size: int = 2048  # measured: 512-token chunks are launch-bound on a GPU (records/prefill-h100)
     positions: str = "shift"
 
     def __post_init__(self):

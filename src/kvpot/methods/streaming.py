@@ -25,7 +25,7 @@ class StreamingLLM(EvictionMethod):
     bound = "sinks + window + chunk_size"
     sinks: int = 4
     window: int = 1020
-    chunk_size: int = 2048  # measured: 512-token chunks are launch-bound on a GPU (benchmarks/prefill-h100)
+    chunk_size: int = 2048  # measured: 512-token chunks are launch-bound on a GPU (records/prefill-h100)
     positions: str = "shift"
     shared_selection = True  # sinks + the most recent: the same entries in every layer
 

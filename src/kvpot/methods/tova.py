@@ -27,7 +27,7 @@ class TOVA(EvictionMethod):
     paper = "Oren et al. 2024, Transformers are Multi-State RNNs (TOVA)"
     bound = "budget + chunk_size"
     budget: int = 1024
-    chunk_size: int = 2048  # measured: 512-token chunks are launch-bound on a GPU (benchmarks/prefill-h100)
+    chunk_size: int = 2048  # measured: 512-token chunks are launch-bound on a GPU (records/prefill-h100)
     positions: str = "shift"
 
     def __post_init__(self):

@@ -128,7 +128,7 @@ class Service:
                               decode=decode, max_slots=self.config.max_slots or 256,
                               memory_fraction=self.config.kv_memory_fraction,
                               feed_questions=self.config.feed_questions, feed_tokens=self.config.feed_tokens)
-        # every batch size's graph before the first user: measured on an H100 (benchmarks/serve-batch-h100),
+        # every batch size's graph before the first user: measured on an H100 (records/serve-batch-h100),
         # the first step at 64 users otherwise took 2.6 s of compiling and capturing while they waited
         captured = scheduler.capture()
         if captured:
