@@ -244,7 +244,8 @@ def placed(manifest: Path, base: Path, files: list[Path]) -> dict[Path, dict[str
         homes = [f for f, text in texts.items() if holds(text, table["name"])]
         if not homes:
             raise KvpotError(f"no file of {', '.join(str(f) for f in texts)} holds the "
-                             f"{BEGIN.format(table['name'])} ... {END.format(table['name'])} block.")
+                             f"{BEGIN.format(table['name'])} ... {END.format(table['name'])} block (with no file named, "
+                             f"kvpot report reads README.md and docs/*.md).")
         for f in homes:
             key = (table["name"], f.resolve().parent)
             if key not in cache:
