@@ -14,7 +14,7 @@ LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 
 def _prose(text: str) -> str:
     """The text without fenced code blocks and inline code spans (links there are not links)."""
-    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    text = re.sub(r"^```.*?^```", "", text, flags=re.DOTALL | re.MULTILINE)
     return re.sub(r"`[^`\n]*`", "", text)
 
 
