@@ -336,7 +336,7 @@ def test_decode_table_shows_the_offloading_figures():
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 def test_static_decoding_equals_generate_when_everything_is_kept(arch, one_thread):
-    """Every chunk kept, true positions: the fixed-shape steps are dense attention (DESIGN guarantee 2)."""
+    """Every chunk kept, true positions: the fixed-shape steps are dense attention (docs/design.md, guarantee 2)."""
     from conftest import reference_greedy
 
     model = build(arch)

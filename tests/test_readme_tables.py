@@ -1,4 +1,4 @@
-"""The README's result tables are generated (`kvpot report`): they must equal what the records give, the
+"""The result tables of README.md and docs/ are generated (`kvpot report`): they must equal what the records give, the
 rankings must claim only what the intervals allow, and old and new protocols must not be pooled."""
 
 from __future__ import annotations
@@ -10,17 +10,22 @@ import pytest
 
 from conftest import run
 from kvpot.errors import KvpotError
-from kvpot.eval.readme import blocks, ranking, render, replace_blocks, stale
+from kvpot.eval.readme import doc_files, placed, ranking, render, replace_blocks, stale
 from kvpot.eval.stats import stats_of
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_the_readme_tables_equal_what_the_records_give():
-    rendered = blocks(ROOT / "benchmarks" / "readme.json", ROOT)
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert stale(text, rendered) == [], "run: kvpot report --write README.md"
-    assert len(rendered) >= 5 and "[0.89, 1.00]" in text  # real tables, not empty blocks
+def test_the_documentation_tables_equal_what_the_records_give():
+    """Every file that holds blocks (README.md, docs/*.md) equals what the records give; every table of the
+    manifest lives in one of them (placed raises otherwise), its figure linked from where it lives."""
+    files = doc_files(ROOT)
+    rendered = placed(ROOT / "benchmarks" / "readme.json", ROOT, files)
+    for path, mine in rendered.items():
+        text = path.read_text(encoding="utf-8")
+        assert stale(text, mine) == [], f"run: kvpot report --write ({path.relative_to(ROOT)})"
+    every = {name: text for mine in rendered.values() for name, text in mine.items()}
+    assert len(every) >= 5 and any("[0.89, 1.00]" in t for t in every.values())  # real tables, not empty blocks
 
 
 def test_ranking_claims_only_separated_intervals():
@@ -103,3 +108,26 @@ def test_report_writes_and_checks_the_blocks(capsys, tmp_path):
     assert code == 0 and "1 blocks match" in out
     with pytest.raises(KvpotError, match="has no <!-- kvpot-readme:u -->"):
         replace_blocks(text, {"u": "x"})
+
+
+def test_report_writes_blocks_wherever_they_live(capsys, tmp_path):
+    """A block in docs/ is written and checked there, its figure linked relative to docs/; a table that no
+    file holds is an error; with no file named, README.md and docs/*.md are the files."""
+    _run_folder(tmp_path / "runs/a/one", "full", _rows([True, False, True]))
+    manifest = tmp_path / "benchmarks" / "readme.json"
+    manifest.parent.mkdir()
+    manifest.write_text(json.dumps({"tables": [_table(figure="benchmarks/readme/t.png")]}))
+    (tmp_path / "README.md").write_text("no blocks here\n")
+    (tmp_path / "docs").mkdir()
+    page = tmp_path / "docs" / "evaluation.md"
+    page.write_text("<!-- kvpot-readme:t -->\nold\n<!-- /kvpot-readme:t -->\n")
+    code, out, _ = run(capsys, "report", "--manifest", str(manifest), "--check")
+    assert code == 1 and "evaluation.md: stale blocks: t" in out
+    code, _, _ = run(capsys, "report", "--manifest", str(manifest), "--write")
+    assert code == 0 and "](../benchmarks/readme/t.png)" in page.read_text()
+    assert (tmp_path / "README.md").read_text() == "no blocks here\n"
+    code, out, _ = run(capsys, "report", "--manifest", str(manifest), "--check",
+                       str(tmp_path / "README.md"), str(page))
+    assert code == 0 and "1 blocks match" in out
+    with pytest.raises(KvpotError, match="holds the <!-- kvpot-readme:t -->"):
+        placed(manifest, tmp_path, [tmp_path / "README.md"])

@@ -26,7 +26,7 @@
 # net). Every process runs with --resume from what records/protocol-smollm2-gpu/MODE/ already holds (copied
 # into $out first): unpack a call's results there and call the same mode again to continue. Results:
 # $OUT/protocol-MODE.tar.gz (one folder per process: config.json, results.jsonl, summary.*, logs); unpack it
-# into records/protocol-smollm2-gpu/MODE/ and run `kvpot report --write README.md`.
+# into records/protocol-smollm2-gpu/MODE/ and run `kvpot report --write`.
 set -uo pipefail
 mode=${1:?grid, new, ruler or presses}
 limit=${2:-400}

@@ -5,7 +5,7 @@ identity (times its `attention_scaling`, which we divide out) and q/k reach the 
 The cache then rotates them with the positions a *policy* assigns. Keeping one owner for positions
 is what lets StreamingLLM's shift, InfiniPot's CR-RoPE and plain absolute positions share a cache.
 
-Policies (DESIGN.md "Positions"):
+Policies (docs/design.md, "Positions"):
 - `absolute`: an entry keeps the position of its token in the input stream. Keys never move, so
   the cache stores them rotated once, at insertion (no per-step rotation cost).
 - `shift` (StreamingLLM, Xiao et al. 2024, Sec. 3.2; CItruS Sec. 5.3): cached entries take

@@ -4,7 +4,7 @@ One forward at a time, the engine announces the original positions of the incomi
 the attention the method wants observed (`PotCache.begin_forward`), runs the model's decoder with
 `position_ids` all zero and the `PotCache` as its cache (`kvpot.compat`), and then lets the method evict
 (`Method.after_forward`). Nothing in the model is patched: the cache and the registered `kvpot`
-attention function do the work (DESIGN.md, "How a forward pass flows").
+attention function do the work (docs/design.md, "How a forward pass flows").
 """
 
 from __future__ import annotations
@@ -366,7 +366,7 @@ class Engine(TextApi, Scoring):
         """Run `ids` on top of `cache`, read their attention, then roll their entries back.
 
         One mechanism for InfiniPot's catalyst prompt, CItruS' instruction and SnapKV-style
-        observation windows (DESIGN.md, "Probes"). The probe tokens take the positions that would
+        observation windows (docs/design.md, "Probes"). The probe tokens take the positions that would
         follow the cache (`next_position` onwards); their entries count towards the cache's
         `max_entries` while they exist. Returns, per layer, the observation restricted to the
         entries that were cached before the probe (`[b, kv_heads, n_layer]`). Rollback leaves the

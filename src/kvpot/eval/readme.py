@@ -1,10 +1,12 @@
-"""The README's result tables, rankings and figures, made from recorded results (`kvpot report`).
+"""The documentation's result tables, rankings and figures, made from recorded results (`kvpot report`).
 
 A manifest (`benchmarks/readme.json`) lists the tables: which run folders, which task, which methods as
 rows (their `--method` spec, a display label), which lengths as columns (or, `"kind": "ratios"`,
 length groups x compression ratios, RULER beside kvpress; `"kind": "key_formats"`, lengths x key formats). Each table is rendered between the marker
-comments `<!-- kvpot-readme:NAME -->` and `<!-- /kvpot-readme:NAME -->` of the README, so no number in
-it is typed by hand, and `kvpot report --check` (a test) fails when the README and the records differ.
+comments `<!-- kvpot-readme:NAME -->` and `<!-- /kvpot-readme:NAME -->` of whichever markdown file holds
+them (README.md, docs/evaluation.md: `placed`), so no number in it is typed by hand, and `kvpot report
+--check` (a test) fails when a file and the records differ. A figure's link is written relative to the
+file that holds its block, so it resolves wherever the block lives.
 
 A cell is correct/total whole answers with the 95% Wilson interval (`kvpot.eval.stats`), plus the
 range of per-template accuracy, of per-key-format accuracy and plain/chat accuracy where the rows have
@@ -18,6 +20,7 @@ exist yet renders its `pending` text (the command that will record it).
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -147,8 +150,9 @@ def rankings(table: dict, stats: dict) -> list[str]:
 # ---------------------------------------------------------------------------- a table
 
 
-def render(table: dict, base: Path) -> str:
-    """The markdown between a table's markers (without the markers)."""
+def render(table: dict, base: Path, where: Path | None = None) -> str:
+    """The markdown between a table's markers (without the markers). `where`: the folder of the file that
+    holds the block (default `base`); the figure's link is relative to it."""
     from kvpot.eval.records import describe_protocol, read
     from kvpot.reporting import markdown_table
 
@@ -180,9 +184,14 @@ def render(table: dict, base: Path) -> str:
         "",
     ]
     if table.get("figure"):
-        lines += [f"![{table['title']}]({table['figure']})", ""]
+        lines += [f"![{table['title']}]({_link(base / table['figure'], where or base)})", ""]
     lines += rankings(table, stats)
     return "\n".join(lines).strip()
+
+
+def _link(target: Path, where: Path) -> str:
+    """`target` relative to the folder `where`, with forward slashes (a markdown link)."""
+    return Path(os.path.relpath(Path(target).resolve(), Path(where).resolve())).as_posix()
 
 
 def _folders(used: list[str]) -> str:
@@ -208,11 +217,41 @@ def _hardware(records, used: list[str]) -> str:
     return ("Recorded on " + "; ".join(parts) + ".") if parts else ""
 
 
-# ---------------------------------------------------------------------------- the README
+# ---------------------------------------------------------------------------- the files that hold the blocks
 
 
-def blocks(manifest: Path, base: Path) -> dict[str, str]:
-    return {table["name"]: render(table, base) for table in load_manifest(manifest)}
+def blocks(manifest: Path, base: Path, where: Path | None = None) -> dict[str, str]:
+    return {table["name"]: render(table, base, where) for table in load_manifest(manifest)}
+
+
+def holds(text: str, name: str) -> bool:
+    return BEGIN.format(name) in text
+
+
+def doc_files(base: Path) -> list[Path]:
+    """The files `kvpot report` writes and checks by default: README.md and docs/*.md under `base`."""
+    return [p for p in [base / "README.md", *sorted((base / "docs").glob("*.md"))] if p.is_file()]
+
+
+def placed(manifest: Path, base: Path, files: list[Path]) -> dict[Path, dict[str, str]]:
+    """file -> {name: rendered block} for every table whose markers the file holds, each rendered with its
+    figure linked relative to that file. A table that no file holds is an error (it would go unchecked)."""
+    tables = load_manifest(manifest)
+    texts = {Path(f): Path(f).read_text(encoding="utf-8") for f in files}
+    out: dict[Path, dict[str, str]] = {f: {} for f in texts}
+    cache: dict[tuple[str, Path], str] = {}
+    for table in tables:
+        homes = [f for f, text in texts.items() if holds(text, table["name"])]
+        if not homes:
+            raise KvpotError(f"no file of {', '.join(str(f) for f in texts)} holds the "
+                             f"{BEGIN.format(table['name'])} ... {END.format(table['name'])} block (with no file named, "
+                             f"kvpot report reads README.md and docs/*.md).")
+        for f in homes:
+            key = (table["name"], f.resolve().parent)
+            if key not in cache:
+                cache[key] = render(table, base, f.resolve().parent)
+            out[f][table["name"]] = cache[key]
+    return out
 
 
 def replace_blocks(text: str, rendered: dict[str, str]) -> str:

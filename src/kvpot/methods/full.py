@@ -10,7 +10,7 @@ class Full(Method):
     """No eviction: every KV entry is kept, at its absolute position.
 
     The exactness reference: greedy output equals `model.generate` token for token
-    (DESIGN.md guarantee 2). Prefill is chunked (`chunk_size` tokens per forward) so activations
+    (docs/design.md, guarantee 2). Prefill is chunked (`chunk_size` tokens per forward) so activations
     stay bounded, but the cache grows with the input. Bound: none.
     """
 
