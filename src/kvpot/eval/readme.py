@@ -2,7 +2,8 @@
 
 A manifest (`benchmarks/readme.json`) lists the tables: which run folders, which task, which methods as
 rows (their `--method` spec, a display label), which lengths as columns (or, `"kind": "ratios"`,
-length groups x compression ratios, RULER beside kvpress; `"kind": "key_formats"`, lengths x key formats). Each table is rendered between the marker
+length groups x compression ratios, RULER beside kvpress; `"kind": "key_formats"`, lengths x key formats).
+Each table is rendered between the marker
 comments `<!-- kvpot-readme:NAME -->` and `<!-- /kvpot-readme:NAME -->` of the README, so no number in
 it is typed by hand, and `kvpot report --check` (a test) fails when the README and the records differ.
 

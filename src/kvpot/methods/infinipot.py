@@ -188,7 +188,8 @@ class InfiniPot(Method):
             caps = None if cap is None else [cap[i] for i in group]
             nucs = [layers[i].score(NUC) for i in group]
             if self.share == "none":
-                keep = select(None if caps is None else caps[0], nucs[0], self.compress_size, nuc_slots)  # [b, kv_heads, |C|]
+                # [b, kv_heads, |C|]
+                keep = select(None if caps is None else caps[0], nucs[0], self.compress_size, nuc_slots)
             else:
                 keep = select_shared(caps, nucs, self.compress_size, nuc_slots)  # [b, 1, |C|]: every head alike
             for i in group:
