@@ -70,7 +70,10 @@ class InfiniPot(Method):
     bound = "pot_size (cache + chunk + catalyst)"
     needs_token_nll = True
     # the pot distills when full, wherever forwards end; a token's NuC uses the logits before it either way
-    chunk_invariant = True
+    chunk_dependent = False
+    evicts_while_decoding = True  # the pot distills whenever it fills, during decoding too
+    merges = False
+    grows = False
     feeds_question = True  # its question appends, or fills the pot as a decoded token would
     pot_size: int = 2048
     compress_size: int | None = None
