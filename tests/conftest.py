@@ -142,7 +142,7 @@ def _interpreter_vectorized_reduce(interpreter) -> None:
     def generic_reduce(self, input):
         try:
             return vectorized(self, input)
-        except Exception:
+        except Exception:  # noqa: BLE001 - any case the vectorized path does not cover falls back
             return original(self, input)
 
     def vectorized(self, input):

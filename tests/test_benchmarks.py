@@ -17,7 +17,7 @@ import pytest
 from conftest import assert_png, run
 from kvpot.errors import KvpotError
 from kvpot.models.reference.tokenizer import build_tokenizer
-from kvpot.tasks import infinitebench, longbench, ruler
+from kvpot.tasks import longbench, ruler
 from kvpot.tasks import text_metrics as tm
 from kvpot.tasks.suites import load_items, score_item
 

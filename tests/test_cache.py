@@ -122,7 +122,8 @@ def test_cpu_rotates_only_new_or_moved_keys_and_matches_a_full_rotation():
     assert rotated and all(n == 1 for n in rotated)  # one new key per layer and step
 
 
-@pytest.mark.parametrize("method", ["full", "streaming", "infinipot:catalyst=question", "citrus", "citrus:cache=individual", "d2o"])
+@pytest.mark.parametrize("method", ["full", "streaming", "infinipot:catalyst=question", "citrus", "citrus:cache=individual",
+                                    "d2o"])
 def test_a_dropped_state_frees_its_cache_without_the_garbage_collector(method):
     """Layers refer to their cache weakly (and linked caches to each other), so the buffers of a
     state nobody holds go at once: a server or a benchmark repeating prefills of a 128K context

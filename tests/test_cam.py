@@ -94,7 +94,8 @@ def test_a_replacing_step_merges_into_the_entries_after_the_evicted_one_by_strea
     layer.values[:, :, :8] = values
     keys = layer.keys[:, :, :8].clone()
     # head 0: A(10) = 1, A(11..13) = 2, 2, 2 -> p = 0.5; head 1: A(10) = 0 -> p = 0
-    layer.score(SCORE)[0] = torch.tensor([[9.0, 9.0, 2.0, 7.0, 1.0, 2.0, 2.0, 0.0], [9.0, 9.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0]])
+    layer.score(SCORE)[0] = torch.tensor([[9.0, 9.0, 2.0, 7.0, 1.0, 2.0, 2.0, 0.0],
+                                          [9.0, 9.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0]])
     order = stream.argsort()
     twin = cache.clone()
     ordered = twin.layers[0]  # the same entries in stream order, for the top-k path
@@ -105,7 +106,8 @@ def test_a_replacing_step_merges_into_the_entries_after_the_evicted_one_by_strea
     method.replace(layer)
     assert layer.n == 7 and layer.positions[0, 0, :7].tolist() == [0, 1, 13, 14, 15, 11, 12]
     share = 0.5 * 5.0 / 3  # p * V(10) / m, on head 0 only
-    torch.testing.assert_close(layer.values[0, 0, :7, 0], torch.tensor([1.0, 2.0, 3.0 + share, 4.0, 8.0, 6.0 + share, 7.0 + share]))
+    torch.testing.assert_close(layer.values[0, 0, :7, 0],
+                               torch.tensor([1.0, 2.0, 3.0 + share, 4.0, 8.0, 6.0 + share, 7.0 + share]))
     assert layer.values[0, 1, :7, 0].tolist() == [1.0, 2.0, 3.0, 4.0, 8.0, 6.0, 7.0]
     assert torch.equal(layer.keys[:, :, :7], keys[:, :, [0, 1, 2, 3, 7, 5, 6]])  # keys are never merged
     assert layer.scores[SCORE][0, 0, 4] == 0.0  # the newest entry's score moved with it

@@ -331,7 +331,8 @@ def test_perplexity_with_prompt_tokens_scores_the_rest_as_generation(capsys, tin
     assert code == 0
     stats = json.loads((out / "summary.json").read_text())["methods"]["h2o"]["stats"]
     assert stats["new_tokens"] == 200 - 51 and stats["final_kv_entries"] <= 32  # BOS + 50 prompt tokens
-    code, _, err = run(capsys, "eval", "perplexity", "--method", "full", "--prompt-tokens", "0", "--out", str(tmp_path / "x"))
+    code, _, err = run(capsys, "eval", "perplexity", "--method", "full", "--prompt-tokens", "0",
+                       "--out", str(tmp_path / "x"))
     assert code == 2 and "--prompt-tokens" in err
 
 

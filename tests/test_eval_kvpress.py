@@ -17,7 +17,7 @@ import pytest
 from conftest import run
 from kvpot.errors import KvpotError
 
-from kvpress_stand_in import write_stand_in  # noqa: E402
+from kvpress_stand_in import write_stand_in
 
 
 

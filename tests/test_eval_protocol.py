@@ -71,7 +71,8 @@ def test_wrapper_puts_the_sample_inside_one_user_turn(chat_dir):
 
     tokenizer = AutoTokenizer.from_pretrained(chat_dir)
     wrap = Wrapper(tokenizer, [tokenizer.bos_token_id])
-    context, question = tokenizer.encode("Some text.", add_special_tokens=False), tokenizer.encode("\nQ?", add_special_tokens=False)
+    context = tokenizer.encode("Some text.", add_special_tokens=False)
+    question = tokenizer.encode("\nQ?", add_special_tokens=False)
     plain = wrap(context, question, False)
     assert plain == ([tokenizer.bos_token_id] + context, question)
     chat_context, chat_question = wrap(context, question, True)

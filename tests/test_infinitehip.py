@@ -1,4 +1,5 @@
-"""InfiniteHiP (kvpot.methods.infinitehip.reference + methods/infinitehip.py): pruning, exactness, decoding with mask caching."""
+"""InfiniteHiP (kvpot.methods.infinitehip.reference + methods/infinitehip.py): pruning, exactness, decoding with
+mask caching."""
 
 import logging
 

@@ -219,7 +219,8 @@ def test_fixed_shape_decoding_equals_eager_decoding():
     assert static.stats.decode["static_steps"] == 39 and static.stats.decode["eager_steps"] == 0
     for a, b in zip(eager_scores, static_scores):
         torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-4)
-    assert eager.stats.method["units"] == static.stats.method["units"] == (400 + 38 - 48 + 1 - 8) // 16  # the last step: t = 438
+    # the last step: t = 438
+    assert eager.stats.method["units"] == static.stats.method["units"] == (400 + 38 - 48 + 1 - 8) // 16
 
 
 def out_cache(engine, result):

@@ -15,7 +15,8 @@ import torch
 from conftest import KERNEL_DEVICE, interpreter_runtime_loops, needs_kernels, skip_interpreted_bf16
 
 from kvpot import kernels
-from kvpot.methods.infinitehip.reference import LayerPlan, MaskCache, Stage, _final_attention, _Scorer, prune, refresh_due, sparse_attention
+from kvpot.methods.infinitehip.reference import (LayerPlan, MaskCache, Stage, _final_attention, _Scorer, prune, refresh_due,
+                                                 sparse_attention)
 
 DEVICE = KERNEL_DEVICE
 pytestmark = needs_kernels()
@@ -320,7 +321,8 @@ def test_admitting_the_newest_key_in_one_launch_matches_the_torch_path():
     assert len(held) == 16 and {0, 41, 100, 112} <= held and len({1, 2, 3, 40, 42} & held) == 1
 
 
-@pytest.mark.parametrize("kv, dk, dv", [(2, 32, 32), (3, 64, 48), (1, 128, 128)], ids=["kv2-d32", "kv3-dk64-dv48", "kv1-d128"])
+@pytest.mark.parametrize("kv, dk, dv", [(2, 32, 32), (3, 64, 48), (1, 128, 128)],
+                         ids=["kv2-d32", "kv3-dk64-dv48", "kv1-d128"])
 def test_store_entry_writes_one_entry_at_the_device_slot(kv, dk, dv):
     """The offloaded append of a fixed-shape step: key, value and both positions land at the device-side
     slot of the host buffers (pinned on CUDA), every other entry untouched."""

@@ -33,7 +33,8 @@ def papers_attention(rope, query, keys, values, scaling, group, window):
     i = torch.arange(n - q, n)
     j = torch.arange(n)
     g = h // kv
-    keys_n, keys_g = (_rotate(rope, keys, j).repeat_interleave(g, 0), _rotate(rope, keys, j // group).repeat_interleave(g, 0))
+    keys_n = _rotate(rope, keys, j).repeat_interleave(g, 0)
+    keys_g = _rotate(rope, keys, j // group).repeat_interleave(g, 0)
     query_n = _rotate(rope, query, i)
     query_g = _rotate(rope, query, i // group + window - window // group)
     neighbour = query_n @ keys_n.transpose(1, 2) * scaling

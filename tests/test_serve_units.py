@@ -10,11 +10,11 @@ from kvpot import Engine, KvpotError, StreamingLLM
 
 pytest.importorskip("pydantic")
 
-from kvpot.serve.config import ServeConfig, parse_bytes  # noqa: E402
-from kvpot.serve.prompt import TextStream, chat_prompt, completion_prompt  # noqa: E402
-from kvpot.serve.protocol import ApiError, Message  # noqa: E402
-from kvpot.serve.store import StateStore, state_key  # noqa: E402
-from kvpot.engine.state_io import model_fingerprint  # noqa: E402
+from kvpot.serve.config import ServeConfig, parse_bytes
+from kvpot.serve.prompt import TextStream, chat_prompt, completion_prompt
+from kvpot.serve.protocol import ApiError, Message
+from kvpot.serve.store import StateStore, state_key
+from kvpot.engine.state_io import model_fingerprint
 
 TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")

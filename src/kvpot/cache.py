@@ -389,5 +389,5 @@ class PotCache(Cache):
         return twin
 
     @property
-    def is_compileable(self) -> bool:  # noqa: D401 - transformers' API
+    def is_compileable(self) -> bool:
         return False

@@ -1,4 +1,5 @@
-"""Benchmarks (library; `kvpot bench` is the command): speed and memory of every method at real model shapes (random weights).
+"""Benchmarks (library; `kvpot bench` is the command): speed and memory of every method at real model shapes
+(random weights).
 
 Three modes, each writing `results.json` (raw samples, machine, versions, git commit, date, the
 command line, resolved configs), `summary.md`, a rich table and PNG plots to `--out DIR`:

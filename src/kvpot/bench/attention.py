@@ -140,7 +140,7 @@ def _bench_hip_attention(config: BenchConfig, run, model_config, dtype, results,
             row["prefill_breakdown_us"] = _device_breakdown(
                 lambda: runtime.attend(index, qb, k, v, scale, decoding=False), device, 1)
             row["prefill_block"] = block
-            del k, v
+            k = v = None  # free the context before the next length (not `del`: the lambdas above read k and v)
         except Exception as err:  # noqa: BLE001
             mark_oom(row, err)
         free_memory(device)

@@ -22,7 +22,8 @@ The protocol follows kvpress' own `KVPressTextGenerationPipeline`:
 
 On CUDA, SDPA runs without cuDNN's attention (`kvpot.bench.backends`; `--sdpa default`: torch's choice), which
 would build an execution plan for every new key length, i.e. inside every timed decoding step. Token ids
-and weights are kvpot's bench ones (same seeds), so kvpress rows read the same inputs as kvpot's rows. Prints one JSON object on the last stdout line; out of memory is a row with
+and weights are kvpot's bench ones (same seeds), so kvpress rows read the same inputs as kvpot's rows.
+Prints one JSON object on the last stdout line; out of memory is a row with
 `"error": "out of memory"` (exit 0); kvpress that cannot be imported exits 3 with `"import_error"`.
 """
 

@@ -113,7 +113,8 @@ def summary_markdown(results: dict) -> str:
         f"- machine: {m['device']}; GPU {m['gpu'] or 'none'}; CPU {m['cpu']} ({m['cpu_count']} cores, "
         f"{m['torch_threads']} torch threads)",
         f"- kvpot {m['versions']['kvpot']}, torch {m['versions']['torch']}, transformers "
-        f"{m['versions']['transformers']}; commit {m['git_commit'] or 'unknown'}{' (modified)' if m.get('git_dirty') else ''}; {m['date']}",
+        f"{m['versions']['transformers']}; commit {m['git_commit'] or 'unknown'}"
+        f"{' (modified)' if m.get('git_dirty') else ''}; {m['date']}",
         f"- command: `{' '.join(results['command'])}`",
         *_sdpa_line(m),
         "",

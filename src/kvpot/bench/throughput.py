@@ -214,7 +214,7 @@ def _hf_guarded(config: BenchConfig, model, prompts: dict) -> dict:
     """The baseline's row, or what stopped it (a baseline that fails is recorded, not fatal)."""
     try:
         return _hf_row(config, model, prompts)
-    except Exception as err:  # noqa: BLE001 - an out-of-memory error is still marked as such by the caller
+    except Exception as err:  # an out-of-memory error is still marked as such by the caller
         from kvpot.bench.common import is_oom
 
         if is_oom(err):

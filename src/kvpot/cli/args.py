@@ -26,7 +26,7 @@ __all__ = [
 class Parser(argparse.ArgumentParser):
     """argparse, but errors are one line (`kvpot generate: error: ...`) and exit code 2."""
 
-    def error(self, message: str):  # noqa: D401 - argparse API
+    def error(self, message: str):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 

@@ -113,7 +113,8 @@ def register(sub) -> None:
                         "force one")
     p.add_argument("--sdpa", choices=SDPA_CHOICES, default=DEFAULT_SDPA,
                    help="prefill, decode, attention, throughput: SDPA's backends on CUDA for every row of the run "
-                        "(the hf and kvpress baselines, and kvpot's rows where they call SDPA). no-cudnn (default): cuDNN's attention off, flash, memory-efficient "
+                        "(the hf and kvpress baselines, and kvpot's rows where they call SDPA). no-cudnn (default): "
+                        "cuDNN's attention off, flash, memory-efficient "
                         "and math on; torch >= 2.11 on an H100 prefers cuDNN, which builds an execution plan for "
                         "every new key length, i.e. one in every decoding step of plain transformers. default: "
                         "torch's own choice, to measure what an out-of-the-box user pays. Recorded in results.json "
@@ -186,7 +187,8 @@ def config_from_args(args) -> BenchConfig:
     return BenchConfig(
         mode=args.mode, shape=args.shape, out=args.out, methods=list(args.method), lengths=parse_lengths(args.lengths),
         budget=args.budget, settings=parse_assignments(args.set), device=device, device_map=device_map,
-        max_memory=max_memory, dtype=args.dtype, repeats=args.repeats, decode_steps=args.decode_steps, warmup_steps=args.warmup_steps,
+        max_memory=max_memory, dtype=args.dtype, repeats=args.repeats, decode_steps=args.decode_steps,
+        warmup_steps=args.warmup_steps,
         question_tokens=args.question_tokens, floor=args.floor, floor_chunk=args.floor_chunk, block=args.block,
         min_time=args.min_time, threads=args.threads, seed=args.seed, profile=args.profile,
         breakdown=args.breakdown, decode=args.decode,

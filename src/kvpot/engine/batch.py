@@ -107,7 +107,7 @@ class StepCache(Cache):
         return [layer.appended for layer in self.layers]
 
     @property
-    def is_compileable(self) -> bool:  # noqa: D401 - transformers' API
+    def is_compileable(self) -> bool:
         return False
 
     def attend(self, layer: StepLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:

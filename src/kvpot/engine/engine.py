@@ -282,7 +282,7 @@ class Engine(TextApi, Scoring):
         while offset < total:
             run.check()
             size = self.method.next_chunk(run.cache, total - offset)
-            if run.max_chunk is not None and self.method.chunk_invariant:
+            if run.max_chunk is not None and not self.method.chunk_dependent:
                 size = min(size, max(1, run.max_chunk))
             if size <= 0:
                 raise KvpotError(f"{self.method.name} has no room for the next tokens; check its sizes.")

@@ -108,7 +108,7 @@ class _Run:
     logits: torch.Tensor | None = None
     should_stop: Callable[[], bool] | None = None  # asked between prefill forwards
     compress_marks: list = field(default_factory=list)  # (begin, end) of compressions not yet summed
-    max_chunk: int | None = None  # cap on a prefill forward's tokens, for `chunk_invariant` methods (scheduler)
+    max_chunk: int | None = None  # cap on a prefill forward's tokens, for methods not `chunk_dependent` (scheduler)
 
     def check(self) -> None:
         if self.should_stop is not None and self.should_stop():

@@ -44,7 +44,8 @@ class Scoring:
         with tqdm(total=total, unit="tok", desc="score", disable=not progress, leave=False) as bar:
             while offset < total:
                 if offset < prompt:
-                    size = min(chunk_size, prompt - offset) if chunk_size else self.method.next_chunk(run.cache, prompt - offset)
+                    size = (min(chunk_size, prompt - offset) if chunk_size
+                            else self.method.next_chunk(run.cache, prompt - offset))
                     step = Step("context", size, prompt_end=offset + size == prompt)
                 else:
                     if offset == prompt:

@@ -188,7 +188,7 @@ def read_metadata(path) -> dict:
     try:
         with safe_open(str(path), framework="pt") as handle:
             raw = (handle.metadata() or {}).get("kvpot")
-    except Exception as err:  # safetensors raises its own error types for damaged headers
+    except Exception as err:  # noqa: BLE001 - safetensors raises its own error types for damaged headers
         raise KvpotError(f"{path} is not a kvpot state file ({err}).") from None
     try:
         meta = json.loads(raw) if raw else None
@@ -218,7 +218,7 @@ def load(path, engine) -> dict:
     check_compatible(meta, path, model_fingerprint(engine.model), engine.method.config())
     try:
         tensors = load_file(str(path))
-    except Exception as err:
+    except Exception as err:  # noqa: BLE001 - as above: any failure to read is a damaged file
         raise KvpotError(f"cannot read the tensors of {path} ({err}).") from None
     if checksum(meta, tensors) != meta.get("checksum"):
         raise KvpotError(f"{path} is damaged: its checksum does not match its contents.")

@@ -18,7 +18,8 @@ Perplexity reads one long text (the tasks' haystack, one length) with each metho
     summary = run(EvalConfig(task="passkey", methods=["streaming", "infinipot"], budget=1024, out="runs/p"))
 
 Modules: `config` (EvalConfig, length/depth parsing), `common` (model loading, prompt prefix,
-environment), `runner` (task evaluation), `suite` (benchmark items as cases, their summaries), `perplexity`, `report` (tables and figures), `demo`
+environment), `runner` (task evaluation), `suite` (benchmark items as cases, their summaries), `perplexity`,
+`report` (tables and figures), `demo`
 (what `kvpot demo` runs). Heavy modules (torch, transformers, matplotlib) are imported inside
 functions, so importing this package stays cheap.
 """

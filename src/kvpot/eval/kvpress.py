@@ -78,7 +78,7 @@ class CaseFile:
         self.path = path
         self.eos_ids = eos_ids
         self.cases: dict[str, _Kept] = {}  # case key (kvpot.eval.resume.case_key) -> what scoring needs
-        self._handle = open(path, "w", encoding="utf-8")
+        self._handle = open(path, "w", encoding="utf-8")  # noqa: SIM115 - written by add(), closed by close()
 
     def add(self, case) -> None:
         self._handle.write(json.dumps({"case": len(self.cases), "key": case.key, "context_ids": list(case.context_ids),

@@ -2,11 +2,12 @@
 
 A manifest (`benchmarks/readme.json`) lists the tables: which run folders, which task, which methods as
 rows (their `--method` spec, a display label), which lengths as columns (or, `"kind": "ratios"`,
-length groups x compression ratios, RULER beside kvpress; `"kind": "key_formats"`, lengths x key formats). Each table is rendered between the marker
-comments `<!-- kvpot-readme:NAME -->` and `<!-- /kvpot-readme:NAME -->` of whichever markdown file holds
-them (README.md, docs/evaluation.md: `placed`), so no number in it is typed by hand, and `kvpot report
---check` (a test) fails when a file and the records differ. A figure's link is written relative to the
-file that holds its block, so it resolves wherever the block lives.
+length groups x compression ratios, RULER beside kvpress; `"kind": "key_formats"`, lengths x key formats).
+Each table is rendered between the marker comments `<!-- kvpot-readme:NAME -->` and
+`<!-- /kvpot-readme:NAME -->` of whichever markdown file holds them (README.md, docs/evaluation.md:
+`placed`), so no number in it is typed by hand, and `kvpot report --check` (a test) fails when a file and
+the records differ. A figure's link is written relative to the file that holds its block, so it resolves
+wherever the block lives.
 
 A cell is correct/total whole answers with the 95% Wilson interval (`kvpot.eval.stats`), plus the
 range of per-template accuracy, of per-key-format accuracy and plain/chat accuracy where the rows have

@@ -270,8 +270,8 @@ def perplexity_markdown(summary: dict) -> str:
     labels = list(summary["methods"])
     first = summary["methods"][labels[0]]["windows"] if labels else []
     window_rows = [
-        [f"{w['start']:,}-{w['end'] - 1:,}"] + [format_number(summary["methods"][l]["windows"][i]["mean_nll"], 4)
-                                              for l in labels]
+        [f"{w['start']:,}-{w['end'] - 1:,}"] + [format_number(summary["methods"][m]["windows"][i]["mean_nll"], 4)
+                                              for m in labels]
         for i, w in enumerate(first)
     ]
     return "\n".join([

@@ -551,11 +551,13 @@ def sparse_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     _attention_kernel[(programs, splits)](
         qb, keys, values, cos, sin, starts.contiguous(), ends.contiguous(), selbase,
         window_start.contiguous(), nsink.contiguous(), base, out, lse, slot, kg, vg,
-        out if position is None else position, n, b, kv, m, rows, c, n - q if offset is None else offset, scaling, sink, seg2, total, per_split,
+        out if position is None else position, n, b, kv, m, rows, c, n - q if offset is None else offset, scaling, sink,
+        seg2, total, per_split,
         qb.stride(0), qb.stride(1), qb.stride(2), keys.stride(0), keys.stride(1), values.stride(0),
         values.stride(1), cos.stride(0), out.stride(0), out.stride(1), out.stride(2), out.stride(3),
         kg.stride(0) if gpu_cache is not None else 0, kg.stride(1) if gpu_cache is not None else 0,
-        CH=chunk, CACHED=gpu_cache is not None, POS_ON_DEVICE=position is not None, SHARED=s == 1, STREAMING=streaming, HALF=d // 2, SPLIT=splits > 1,
+        CH=chunk, CACHED=gpu_cache is not None, POS_ON_DEVICE=position is not None, SHARED=s == 1, STREAMING=streaming,
+        HALF=d // 2, SPLIT=splits > 1,
         IEEE=query.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4 if block_m <= 64 else 8,
     )
     if splits > 1:

@@ -28,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-LAST = tl.constexpr(9223372036854775807)  # int64 max: a position no entry has (loses every tie); constexpr: a global a jit function reads
+# int64 max: a position no entry has (loses every tie); constexpr: a global a jit function reads
+LAST = tl.constexpr(9223372036854775807)
 BLOCK = 1024  # entries per loop step of a move's renumbering (kernels/cam.py)
 TILE = 8192  # entries per loop step: a steady step's n (bound + 1) in one tile up to a bound of 8191
 

@@ -103,6 +103,7 @@ def describe() -> list[dict]:
 
 
 __all__ = [
-    "METHODS", "BudgetConflict", "CItruS", "CaM", "D2O", "EvictionMethod", "Full", "H2O", "InfiniPot", "InfiniteHiP", "InfLLM", "Method", "PyramidKV", "RoCo", "Scissorhands", "SelfExtend", "SirLLM", "SnapKV", "Step", "StreamingLLM", "TOVA",
-    "Truncate", "describe", "make_method",
+    "METHODS", "BudgetConflict", "CItruS", "CaM", "D2O", "EvictionMethod", "Full", "H2O", "InfiniPot", "InfiniteHiP",
+    "InfLLM", "Method", "PyramidKV", "RoCo", "Scissorhands", "SelfExtend", "SirLLM", "SnapKV", "Step", "StreamingLLM",
+    "TOVA", "Truncate", "describe", "make_method",
 ]

@@ -84,11 +84,23 @@ class Method:
         bound = self.max_entries()
         return bound if bound is not None else context + question + new_tokens
 
+    # ---- capabilities: what the method does, declared by every method class in its own body (not inherited:
+    # tests/test_capabilities.py checks that, and checks each declaration against the method's behaviour) ----
+    # The cache a prompt leaves (kept entries, logits) depends on where its forwards end. False: reading a
+    # segment in other (smaller) forwards than `next_chunk` asks changes nothing but speed and float rounding
+    # (no eviction or selection depends on where a forward ends), so the batched scheduler may cap forwards at
+    # its per-step budget and users already decoding wait for at most that many prompt tokens between theirs.
+    # True is the safe default: the engine then keeps the method's forwards as `next_chunk` cuts them.
+    chunk_dependent: ClassVar[bool] = True
+    # Decoding removes entries: a step may do more than append its token (evict, or drop the token itself).
+    evicts_while_decoding: ClassVar[bool] = True
+    # Evicted entries are merged into kept ones, so kept keys or values are no longer the model's own (D2O, CaM).
+    merges: ClassVar[bool] = False
+    # No fixed bound: the entries held grow with the input (context, question or generated tokens) at some
+    # point of a run; `max_entries()` is None exactly then.
+    grows: ClassVar[bool] = True
+
     needs_token_nll: ClassVar[bool] = False  # engine fills Step.token_nll (InfiniPot's NuC)
-    # Reading a segment in smaller forwards than `next_chunk` asks changes nothing but speed (no eviction
-    # depends on where a forward ends): the batched scheduler then caps forwards at its per-step budget,
-    # so users already decoding wait for at most that many prompt tokens between their tokens.
-    chunk_invariant: ClassVar[bool] = False
     # Reading a question one token per decoding step leaves the same cache as reading it in forwards
     # (nothing the method does depends on the phase, on where a forward ends, or on `prompt_end`): the
     # batched scheduler then feeds a question asked of a stored state through the decoding steps it

@@ -48,6 +48,12 @@ class CaM(EvictionMethod):
     name = "cam"
     paper = "Zhang et al. 2024, CaM: Cache Merging for Memory-efficient LLMs Inference"
     bound = "start + recent + chunk_size"
+    # a forward evicts its chunk's worth of tokens at once, each merged into the m entries after it (one at a time,
+    # merged shares pass on)
+    chunk_dependent = True
+    evicts_while_decoding = True
+    merges = True  # evicted values are added into the kept entries that follow them (with `merge`, the default)
+    grows = False
     start: int = 512
     recent: int = 512
     merge_budget: int = 32

@@ -58,6 +58,10 @@ class CItruS(Method):
     name = "citrus"
     paper = "Bai et al. 2024, CItruS: Chunked Instruction-aware State Eviction"
     bound = "keep + 2*chunk_size (+ instruction while probed); individual: + keep + chunk_size"
+    chunk_dependent = True  # each forward is a chunk s of Chunked State Eviction: C is evicted by its importance to s
+    evicts_while_decoding = True  # back to `keep` older entries once past keep + chunk_size
+    merges = False
+    grows = False
     chunk_size: int = 256
     keep: int = 768
     cache: str = "shared"

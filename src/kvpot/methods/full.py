@@ -19,7 +19,10 @@ class Full(Method):
     # measured (records/prefill-h100): 8,192-token chunks read 128K tokens as fast as transformers'
     # one-shot forward (12.06 s vs 12.01 s on an H100, llama3-8b); 2,048 took 12.48 s
     chunk_size: int = 8192
-    chunk_invariant = True  # nothing is evicted while reading
+    chunk_dependent = False  # nothing is evicted while reading
+    evicts_while_decoding = False
+    merges = False
+    grows = True
     feeds_question = True
 
     def __post_init__(self):

@@ -27,6 +27,10 @@ class H2O(EvictionMethod):
     name = "h2o"
     paper = "Zhang et al. 2023, H2O: Heavy-Hitter Oracle"
     bound = "heavy + recent + chunk_size"
+    chunk_dependent = True  # evicts after each forward, by the attention accumulated up to it
+    evicts_while_decoding = True
+    merges = False
+    grows = False
     heavy: int = 512
     recent: int = 512
     chunk_size: int = 2048  # measured: 512-token chunks are launch-bound on a GPU (records/prefill-h100)

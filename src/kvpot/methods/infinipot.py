@@ -70,7 +70,10 @@ class InfiniPot(Method):
     bound = "pot_size (cache + chunk + catalyst)"
     needs_token_nll = True
     # the pot distills when full, wherever forwards end; a token's NuC uses the logits before it either way
-    chunk_invariant = True
+    chunk_dependent = False
+    evicts_while_decoding = True  # the pot distills whenever it fills, during decoding too
+    merges = False
+    grows = False
     feeds_question = True  # its question appends, or fills the pot as a decoded token would
     pot_size: int = 2048
     compress_size: int | None = None
@@ -188,7 +191,8 @@ class InfiniPot(Method):
             caps = None if cap is None else [cap[i] for i in group]
             nucs = [layers[i].score(NUC) for i in group]
             if self.share == "none":
-                keep = select(None if caps is None else caps[0], nucs[0], self.compress_size, nuc_slots)  # [b, kv_heads, |C|]
+                # [b, kv_heads, |C|]
+                keep = select(None if caps is None else caps[0], nucs[0], self.compress_size, nuc_slots)
             else:
                 keep = select_shared(caps, nucs, self.compress_size, nuc_slots)  # [b, 1, |C|]: every head alike
             for i in group:

@@ -37,6 +37,10 @@ class PyramidKV(SnapKV):
     name = "pyramidkv"
     paper = "Cai et al. 2024, PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling"
     bound = "none in prefill (prompt length); the layer's budget (budget on average, more in lower layers) + generated"
+    chunk_dependent = True  # as SnapKV: the prompt's last forward holds the observation window
+    evicts_while_decoding = False  # as SnapKV: compressed at the end of a prompt only
+    merges = False
+    grows = True  # as SnapKV
     beta: int = 20
 
     def __post_init__(self):

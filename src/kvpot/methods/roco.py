@@ -45,6 +45,10 @@ class RoCo(EvictionMethod):
     paper = ("Ren & Zhu 2024, On the Efficacy of Eviction Policy for Key-Value Constrained Generative Language Model "
              "Inference (RoCo)")
     bound = "budget + chunk_size"
+    chunk_dependent = True  # evicts after each forward; a forward's queries count with their mean attention (the std)
+    evicts_while_decoding = True
+    merges = False
+    grows = False
     budget: int = 1024
     sinks: int = 4
     recent: int = 10

@@ -38,6 +38,11 @@ class Scissorhands(EvictionMethod):
     name = "scissorhands"
     paper = "Liu et al. 2023, Scissorhands: Exploiting the Persistence of Importance Hypothesis (NeurIPS)"
     bound = "budget + chunk_size - 1 (budget while decoding)"
+    # a forward's last `history` queries count with their mean attention; it compresses when a forward fills the cache
+    chunk_dependent = True
+    evicts_while_decoding = True
+    merges = False
+    grows = False
     budget: int = 1024
     drop: int | None = None  # None: 40% of the budget, the paper's setting
     history: int = 400

@@ -41,7 +41,10 @@ class SirLLM(Method):
     bound = "pot_size (cache + chunk)"
     needs_token_nll = True
     # the pot compresses when full, wherever forwards end; a token's entropy uses the logits before it either way
-    chunk_invariant = True
+    chunk_dependent = False
+    evicts_while_decoding = True  # the pot compresses whenever it fills, during decoding too
+    merges = False
+    grows = False
     feeds_question = True  # a question appends, or fills the pot, as decoded tokens would
     pot_size: int = 2048
     compress_size: int | None = None

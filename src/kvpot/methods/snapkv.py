@@ -29,6 +29,12 @@ class SnapKV(EvictionMethod):
     name = "snapkv"
     paper = "Li et al. 2024, SnapKV: LLM Knows What You are Looking for Before Generation"
     bound = "none in prefill (prompt length); budget + generated tokens afterwards"
+    # the observation window is the prompt's last forward's queries: `min_last_chunk` keeps it `window` long; a shorter
+    # last forward observes fewer (earlier cuts change nothing)
+    chunk_dependent = True
+    evicts_while_decoding = False  # compressed once at the end of a prompt; decoding appends
+    merges = False
+    grows = True  # the prompt is cached whole before its compression, and decoding appends
     budget: int = 1024
     window: int = 32
     kernel: int = 7

@@ -23,6 +23,10 @@ class StreamingLLM(EvictionMethod):
     name = "streaming"
     paper = "Xiao et al. 2024, Efficient Streaming Language Models with Attention Sinks"
     bound = "sinks + window + chunk_size"
+    chunk_dependent = True  # each forward evicts down to sinks + window: a longer one's queries see more of the past
+    evicts_while_decoding = True
+    merges = False
+    grows = False
     sinks: int = 4
     window: int = 1020
     chunk_size: int = 2048  # measured: 512-token chunks are launch-bound on a GPU (records/prefill-h100)

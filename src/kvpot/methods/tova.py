@@ -26,6 +26,10 @@ class TOVA(EvictionMethod):
     name = "tova"
     paper = "Oren et al. 2024, Transformers are Multi-State RNNs (TOVA)"
     bound = "budget + chunk_size"
+    chunk_dependent = True  # each forward's last query ranks the entries
+    evicts_while_decoding = True
+    merges = False
+    grows = False
     budget: int = 1024
     chunk_size: int = 2048  # measured: 512-token chunks are launch-bound on a GPU (records/prefill-h100)
     positions: str = "shift"

@@ -21,7 +21,10 @@ class Truncate(Method):
     bound = "budget + question tokens + generated tokens"
     budget: int = 2048
     chunk_size: int = 2048
-    chunk_invariant = True  # nothing is evicted while reading
+    chunk_dependent = False  # the context is cut before it is read; nothing is evicted while reading
+    evicts_while_decoding = False
+    merges = False
+    grows = True  # the cut context is bounded, but the question and every generated token are appended
     feeds_question = True
 
     def __post_init__(self):

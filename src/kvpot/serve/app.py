@@ -320,7 +320,7 @@ async def _respond(request: Request, service: Service, body, job: Job, chat: boo
     async def run():
         try:
             queue.put_nowait(("done", await service.answer(job, ticket)))
-        except Exception as err:  # handed to the stream, which reports it as an error event
+        except Exception as err:  # noqa: BLE001 - handed to the stream, which reports it as an error event
             queue.put_nowait(("error", err))
         finally:
             ticket.release()

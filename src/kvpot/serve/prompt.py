@@ -63,7 +63,7 @@ def chat_prompt(engine, messages: list[Message], document: bool, tok=None) -> Pr
         turns[first]["content"] += _SPLIT
     try:
         text = tok.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
-    except Exception as err:  # templates raise their own errors (e.g. roles out of order)
+    except Exception as err:  # noqa: BLE001 - templates raise their own errors (e.g. roles out of order)
         raise ApiError(400, f"the model's chat template refused this conversation: {err}", param="messages") from None
     if text.count(_SPLIT) != 1:
         raise ApiError(400, "the model's chat template does not keep message text verbatim.", param="messages")

@@ -158,7 +158,7 @@ class Service:
                 written = await self.worker.call(self.store.persist)
                 if written:
                     log.info("wrote %d states held in memory to %s", written, self.config.state_dir)
-            except Exception:  # noqa: BLE001 - a failed write is logged; the thread still stops
+            except Exception:
                 log.exception("could not write the states held in memory")
         await asyncio.to_thread(self.worker.shutdown)
 

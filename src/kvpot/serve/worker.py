@@ -275,7 +275,7 @@ class Worker:
         before = scheduler.report["batched_rows"] + scheduler.report["eager_rows"]
         try:
             scheduler.step()
-        except Exception as err:  # noqa: BLE001 - a bug in a step fails that pool's requests, not the server
+        except Exception as err:
             log.exception("a batched step failed; its requests end with an error")
             scheduler.abort(err)
             return

@@ -59,7 +59,7 @@ from kvpot.tasks.keys import KEY_ADJECTIVES, KEY_NOUNS, check_format, draw  # no
 from kvpot.tasks.keys import draw_distinct
 from kvpot.tasks.keys import make_uuid as _uuid
 from kvpot.tasks.needle_haystack import NEEDLES, line, needle_keys, needle_pieces
-from kvpot.tasks.placement import (  # noqa: F401 - Sample is part of this module's interface
+from kvpot.tasks.placement import (  # Sample is part of this module's interface
     _build,
     _check_common,
     _count,

@@ -67,7 +67,10 @@ class D2O(Method):
     layer_budget: bool = True
     chunk_size: int = 2048
     positions: str = "absolute"
-    chunk_invariant = True  # the prompt's column sums add up over forwards; eviction waits for its end
+    chunk_dependent = False  # the prompt's column sums add up over forwards; eviction waits for its end
+    evicts_while_decoding = True  # each generated token evicts one entry, holding every layer at S_l
+    merges = True  # an evicted entry is merged into its most similar kept one (with `merge`, the default)
+    grows = True  # the prompt is cached whole before its compression
 
     def __post_init__(self):
         if not 0.0 < float(self.ratio) <= 1.0:

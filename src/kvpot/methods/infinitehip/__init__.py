@@ -87,6 +87,12 @@ class InfiniteHiP(Method):
     name = "infinitehip"
     paper = "Lee et al. 2025, InfiniteHiP: Extending Language Model Context Up to 3 Million Tokens on a Single GPU"
     bound = "none: every entry is kept; attention reads sink + selected + window keys"
+    # query blocks are cut from each forward's first query and each prunes for itself: a forward that ends mid-block
+    # changes the blocks' selections
+    chunk_dependent = True
+    evicts_while_decoding = False  # nothing is evicted
+    merges = False
+    grows = True  # every entry is kept
     positions = "hip"
     chunks: tuple[int, ...] | str = (256, 32, 8)
     keep: tuple[int, ...] | str | None = None

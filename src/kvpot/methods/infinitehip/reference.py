@@ -218,7 +218,8 @@ def _split(sel_starts: torch.Tensor, sel_ends: torch.Tensor, parent: int, chunk:
     return starts, ends
 
 
-def run_stage(scorer: _Scorer, starts: torch.Tensor, ends: torch.Tensor, stage: Stage, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+def run_stage(scorer: _Scorer, starts: torch.Tensor, ends: torch.Tensor, stage: Stage,
+              keep: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Score every candidate range [s, B, C] by its representative; keep the best `keep` tokens' chunks."""
     valid = starts < ends
     scorer.begin_stage(valid)

@@ -58,6 +58,10 @@ class InfLLM(Method):
     name = "infllm"
     paper = "Xiao et al. 2024, InfLLM: Training-Free Long-Context Extrapolation for LLMs with an Efficient Context Memory"
     bound = "none: every entry is kept; a query reads initial + topk*block_size + block_size + window + lookup - 1"
+    chunk_dependent = True  # lookup chunks are cut from each forward's first query, and each chunk looks up its own units
+    evicts_while_decoding = False  # nothing is evicted
+    merges = False
+    grows = True  # every entry is kept
     positions = "hip"
     initial: int = 128
     window: int | None = None

@@ -55,7 +55,10 @@ class SelfExtend(Method):
     group_size: int = SEED_GROUP
     window: int | None = None
     chunk_size: int = 8192
-    chunk_invariant = True  # nothing is evicted and each query's attention is exact: chunks change nothing
+    chunk_dependent = False  # nothing is evicted and each query's attention is exact: chunks change nothing
+    evicts_while_decoding = False  # nothing is evicted
+    merges = False
+    grows = True  # every entry is kept, as Full
 
     def __post_init__(self):
         check_positive(self, "group_size", "chunk_size")
