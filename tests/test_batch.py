@@ -150,6 +150,28 @@ def test_questions_fed_through_the_decoding_steps_give_the_tokens_alone(model, p
         assert any(e.stats.compressions for e in expected)  # a question did fill the pot
 
 
+@pytest.mark.parametrize("name", ["streaming", "infinipot", "citrus-shared", "d2o", "snapkv", "infinitehip"])
+def test_prompts_read_inside_the_decoding_forward_give_the_tokens_alone(model, prompts, name, one_thread):
+    """Prompt chunks packed into the decoding rows' forward (`kvpot.engine.mixed`) leave every request the
+    tokens it gets alone and with forwards of their own, in fewer model forwards. Chunks that need a forward
+    of their own (InfiniPot's catalyst at a pot's fill, CItruS' instruction, InfiniteHiP's attention) keep it."""
+    method, capacity = methods()[name]
+    expected = alone(model, method, prompts)
+    runs = {}
+    for mix in (True, False):
+        engine = kvpot.Engine(model, method=method)
+        scheduler = Scheduler(engine, slots=3, capacity=capacity, decode="static", mix=mix, prefill_tokens=64)
+        requests = [Request(c, q, max_new_tokens=NEW, ignore_eos=True) for c, q in prompts]
+        run_all(scheduler, requests)
+        assert [r.tokens for r in requests] == [e.token_ids for e in expected]
+        runs[mix] = (scheduler.report["mixed_forwards"], scheduler.report["forwards"])
+    assert runs[False][0] == 0
+    if name == "infinitehip":  # its own attention: never mixed
+        assert runs[True] == runs[False]
+    else:
+        assert runs[True][0] > 0 and runs[True][1] < runs[False][1], runs
+
+
 def test_a_question_alone_is_read_in_one_forward(model, prompts, one_thread):
     """`feed_questions="auto"` feeds only when others share the steps: alone, one forward answers sooner."""
     method = kvpot.InfiniPot(pot_size=64, catalyst=None)

@@ -118,11 +118,18 @@ def kvpot_attention(
             raise KvpotError("attention observations are not available with a sparse attention method.")
         output = kvpot_cache.attention(layer, kvpot_cache.rope.unscale(query), key, value, scaling)
         return output.transpose(1, 2).contiguous(), None
+    return sequence_attention(kvpot_cache, layer, query, key, value, scaling), None
+
+
+def sequence_attention(cache, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       scaling: float) -> torch.Tensor:
+    """A sequence's forward over its own `PotCache` layer: query [b, heads, q, d] un-rotated, key/value what
+    `PotLayer.update` returned; records the observation `cache.request` asks for. Returns [b, q, heads, d]."""
     query = layer.rotate_queries(query)
     output, lse = attend_with_lse(query, key, value, scaling)  # [b, heads, q, d], [b, heads, q] | None
-    if kvpot_cache.request is not None:
-        layer.observation = observe(query, key, kvpot_cache.request, scaling, lse)
-    return output.transpose(1, 2).contiguous(), None
+    if cache.request is not None:
+        layer.observation = observe(query, key, cache.request, scaling, lse)
+    return output.transpose(1, 2).contiguous()
 
 
 def static_attention(cache, layer, query: torch.Tensor, scaling: float) -> torch.Tensor:

@@ -209,12 +209,22 @@ class BatchDecoder:
     def pick(self, slots: list[int]) -> None:
         """Pick each slot's next token from its stored logits (the first token, and after an eager step)."""
         at = torch.tensor(slots, dtype=torch.long).to(self.pool.device, non_blocking=True)
-        self._pick(at, self.logits[at], any(slot in self.sampling_slots for slot in slots))
+        self.pick_from(at, self.logits[at], any(slot in self.sampling_slots for slot in slots))
 
-    def _pick(self, rows: torch.Tensor, logits: torch.Tensor, sampling: bool) -> None:
+    def pick_from(self, rows: torch.Tensor, logits: torch.Tensor, sampling: bool) -> None:
         token = pick_rows(logits, self.temperature[rows], self.top_p[rows], self.seed[rows], self.counter[rows], sampling)
         self.last_token[rows] = token
         self.counter[rows] += 1
+
+    def eager_step(self, slot: int, run) -> None:
+        """The one-sequence engine's forward on this slot (a distillation, a chunk eviction, a sparse
+        attention), fed the slot's last token; then its next token is picked."""
+        run.logits = self.logits[slot].clone()
+        self.engine._forward(run, self.last_token[slot : slot + 1].clone(), Step("decode", 1, segment_end=True))
+        self.logits[slot].copy_(run.logits)
+        self.next_position[slot] = run.next_position
+        self.pool.sync_lengths(slot)
+        self.pick([slot])
 
     def feed(self, slots: list[int], tokens: list[int]) -> None:
         """Make `tokens` the next input of `slots` (a question read one token per step), not their picks."""
@@ -238,7 +248,7 @@ class BatchDecoder:
         self.rows[:bucket].copy_(torch.tensor(padded, dtype=torch.long), non_blocking=True)
         self.live[:bucket].copy_(torch.tensor(weights, dtype=torch.float32), non_blocking=True)
         sampling = any(slot in self.sampling_slots for slot in slots)
-        self._size_tables()
+        self.size_tables()
         key = (bucket, observe is not None, sampling)
         if self.graphs_on:
             self._replay(key, observe)
@@ -253,7 +263,7 @@ class BatchDecoder:
         instead of waiting for kernels to compile and a capture. Returns the graphs captured (0 on a CPU)."""
         if not self.graphs_on:
             return 0
-        self._size_tables()
+        self.size_tables()
         before = self.captures
         for bucket in self.buckets:
             self.rows[:bucket].fill_(self.pool.scratch)
@@ -265,7 +275,7 @@ class BatchDecoder:
         self.next_position[self.pool.scratch] = 0
         return self.captures - before
 
-    def _size_tables(self) -> None:
+    def size_tables(self) -> None:
         """RoPE tables big enough for every position this pool will see, before any capture reads them;
         a table that had to grow makes the captured graphs stale."""
         like = self.pool.layers[0].keys
@@ -299,7 +309,7 @@ class BatchDecoder:
         method.batch_append(self.pool.layers, rows, cache.appended, live, Step("decode", 1, segment_end=True,
                                                                                token_nll=nll))
         self.logits[rows] = logits
-        self._pick(rows, logits, sampling)
+        self.pick_from(rows, logits, sampling)
         self.next_position[rows] += 1
         cache.request = None
 
@@ -348,3 +358,16 @@ def observation_for(method: Method, plans: set[str]) -> AttentionRequest | None:
 
 __all__ = ["BatchDecoder", "StepCache", "batchable_request", "batched_method", "buckets", "observation_for",
            "step_observations", "DECODE_STEP"]
+
+
+def mirror_append(run) -> None:
+    """The host-side counts of a run after a batched step appended its token (the device did the append)."""
+    cache = run.cache
+    rank = not cache.policy.stores_rotated
+    for layer in cache.layers:
+        layer.n += 1
+        layer.n_new = 1
+        if rank:
+            layer.max_rope = layer.n - 1
+    cache.note_entries(max(layer.n for layer in cache.layers))
+    run.next_position += 1

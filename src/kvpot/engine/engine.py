@@ -28,6 +28,7 @@ from kvpot.engine.score import Scoring
 from kvpot.engine.text import TextApi
 from kvpot.engine.results import Result, ScoreResult, State, Stats, _Run  # noqa: F401 - ScoreResult: public via kvpot
 from kvpot.engine.sampling import _as_ids, _eos_ids, _stopping
+from kvpot.engine.reading import PromptReader
 from kvpot.engine.requests import check_seed
 from kvpot.errors import KvpotError
 from kvpot.methods import Full, Method, Step
@@ -274,41 +275,43 @@ class Engine(TextApi, Scoring):
     def _read(self, run: _Run, segments: list[tuple[str, torch.Tensor]]) -> Iterator[int]:
         """Read `segments` into the run's cache, one model forward per iteration (yields its tokens):
         the batched scheduler interleaves these forwards with other sequences' decoding steps."""
-        for index, (phase, ids) in enumerate(segments):
-            yield from self._read_segment(run, phase, ids, last=index == len(segments) - 1)
-
-    def _read_segment(self, run: _Run, phase: str, ids: torch.Tensor, last: bool) -> Iterator[int]:
-        offset, total = 0, ids.numel()
-        while offset < total:
+        reader = PromptReader(self.method, run, segments)
+        while True:
             run.check()
-            size = self.method.next_chunk(run.cache, total - offset)
-            if run.max_chunk is not None and not self.method.chunk_dependent:
-                size = min(size, max(1, run.max_chunk))
-            if size <= 0:
-                raise KvpotError(f"{self.method.name} has no room for the next tokens; check its sizes.")
-            end = offset + size == total
-            step = Step(phase, size, prompt_end=last and end, segment_end=end)
-            self._forward(run, ids[offset : offset + size], step)
-            offset += size
-            yield size
+            chunk = reader.peek()
+            if chunk is None:
+                return
+            self._forward(run, *chunk)
+            yield reader.advance()
 
     def _forward(self, run: _Run, ids: torch.Tensor, step: Step) -> torch.Tensor:
         """One model forward of `ids` [q] on the cache, then the method's compression.
 
         Returns the last hidden states [q, hidden] (computed before the compression).
         """
-        self.method.before_forward(run.cache, step)
-        tail, request = self.method.tail_probe(run.cache, step), self.method.request(step)
+        tail, request = self._before_forward(run, step)
         observation = None
         if tail is None:
             with self.single_row() if ids.numel() == 1 else nullcontext():
                 hidden = self._run_model(run, ids, request)  # [q, hidden]
-                logits = self.head(hidden[-1]).float()  # [vocab]
-        elif request is not None:
-            raise KvpotError(f"{self.method.name} asked for an observation and a tail probe in one forward.")
         else:
             hidden, observation = self._forward_with_tail(run, ids, *tail)
-            logits = self.head(hidden[-1]).float()
+        return self._after_forward(run, ids, step, hidden, observation)
+
+    def _before_forward(self, run: _Run, step: Step):
+        """The method's work before a forward: (its tail probe or None, the observation it asks for)."""
+        self.method.before_forward(run.cache, step)
+        tail, request = self.method.tail_probe(run.cache, step), self.method.request(step)
+        if tail is not None and request is not None:
+            raise KvpotError(f"{self.method.name} asked for an observation and a tail probe in one forward.")
+        return tail, request
+
+    def _after_forward(self, run: _Run, ids: torch.Tensor, step: Step, hidden: torch.Tensor,
+                       observation=None) -> torch.Tensor:
+        """After a forward of `ids` gave `hidden` [q, hidden]: the run's logits and position, then the
+        method's compression (`after_forward`). Returns `hidden`."""
+        with self.single_row() if ids.numel() == 1 else nullcontext():  # as the decoding paths' head
+            logits = self.head(hidden[-1]).float()  # [vocab]
         token_nll = self._token_nll(run.logits, hidden, ids) if self.method.needs_token_nll else None
         run.logits = logits
         run.next_position += ids.numel()

@@ -8,7 +8,7 @@ ended ("stop": an end-of-sequence or stop token, "length", "cancelled", "error")
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -117,7 +117,8 @@ class Active:
 
     request: Request
     run: _Run | None = None
-    reading: Iterator[int] | None = None
+    reader: object | None = None  # kvpot.engine.reading.PromptReader: the prompt being read
+    plan: str = ""  # this step's decoding plan ("append", "steady"; "eager" rows step alone)
     started: float = 0.0
     read_started: float = 0.0
     decode_started: float | None = None

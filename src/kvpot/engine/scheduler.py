@@ -1,26 +1,12 @@
 """Many sequences at once: a step-driven scheduler over a slot pool (continuous batching).
 
-A `Request`'s life is explicit in its `status`: "waiting" (queued, no slot), "prefilling" (its
-context read into its slot), "decoding" (one token per step, batched with the other decoding
-requests), then "finished", "cancelled" or "failed". Callers only feed and drain: `submit` queues a
-request (refused at once when the queue is full or it can never fit a slot), `step` advances all by
-one step, `cancel` stops a request at the next step boundary. Memory is admitted before work starts:
-a request takes a slot (fixed-size KV buffers, allocated with the pool) or waits.
-
-One step:
-1. cancelled requests leave (their slot is freed);
-2. waiting requests take free slots, first come first served;
-3. decoding requests each get one token: most in one batched forward (`kvpot.engine.batch`), those
-   whose method reshapes the cache at this token in the one-sequence engine's forward on their slot,
-   those at their budget evict after the batched forward through the method's own `after_forward`;
-   (a question asked of a stored state may be fed in these steps, one token each: `feed_questions`);
-4. prefilling requests read chunks, oldest first, up to `prefill_tokens` tokens, a forward counting
-   as an eighth of that at least (a method's chunk is never split); a request whose prompt is read
-   picks its first token;
-5. the new tokens are read back (one synchronisation per step) and delivered: `on_token`, stop at
-   an end-of-sequence or stop token or at `max_new_tokens`, and the slot is freed at once.
-
-A request that fails (a method error, a bad state) fails alone: the others keep their slots.
+A `Request` moves "waiting" (queued, no slot) -> "prefilling" -> "decoding" -> "finished", "cancelled" or
+"failed". Callers only feed and drain: `submit`, `step`, `cancel`, `abort`. One step (docs/design.md, *The
+batched engine*): cancelled requests leave; waiting ones take free slots, first come first served; rows whose
+method reshapes the cache at this token step alone; then one forward gives every other decoding row its token
+and reads the next chunk of prompts being read beside them, within `prefill_tokens` (`kvpot.engine.mixed`;
+which chunks: `kvpot.engine.plan`); prompt chunks that need a forward of their own follow; the new tokens are
+delivered at the start of the next step. A request that fails fails alone: the others keep their slots.
 """
 
 from __future__ import annotations
@@ -30,15 +16,18 @@ from collections import deque
 
 import torch
 
-from kvpot.engine.batch import BatchDecoder, batchable_request, batched_method, step_observations
+from kvpot.engine.batch import BatchDecoder, batchable_request, batched_method, mirror_append, step_observations
 from kvpot.engine.decoding import resolve_mode
+from kvpot.engine.delivery import TokenOutbox
 from kvpot.engine.evict import evict_steady
+from kvpot.engine.mixed import Chunk, mixable, mixed_forward
+from kvpot.engine.plan import Candidate, check_options, plan_chunks
 from kvpot.engine.pool import SlotPool, slot_bytes, slot_capacity, slot_count
+from kvpot.engine.reading import PromptReader
 from kvpot.engine.requests import Active as _Active, QueueFull, Request, check_fits, seed_bits
 from kvpot.engine.results import _Run, close_stats
 from kvpot.engine.sampling import _as_ids, _eos_ids
 from kvpot.errors import KvpotError
-from kvpot.methods.base import Step
 
 
 class Scheduler:
@@ -61,18 +50,11 @@ class Scheduler:
     def __init__(self, engine, slots: int | None = None, capacity: int | None = None, question_room: int = 512,
                  max_waiting: int | None = None, prefill_tokens: int = 4096, decode: str = "auto",
                  max_slots: int = 256, memory_fraction: float = 0.85, feed_questions: str = "auto",
-                 feed_tokens: int = 64):
+                 feed_tokens: int = 64, mix: bool = True):
         if len(engine.devices) > 1:
             raise KvpotError("batched decoding runs a model on one device; a model split over several GPUs "
                              "(device_map) decodes one sequence at a time with Engine.generate.")
-        if not isinstance(prefill_tokens, int) or prefill_tokens < 1:
-            raise KvpotError(f"prefill_tokens must be a positive integer, got {prefill_tokens!r}.")
-        if max_waiting is not None and max_waiting < 0:
-            raise KvpotError(f"max_waiting must be >= 0, got {max_waiting!r}.")
-        if feed_questions not in ("auto", "always", "never"):
-            raise KvpotError(f"feed_questions must be 'auto', 'always' or 'never', got {feed_questions!r}.")
-        if decode == "eager":
-            raise KvpotError("batched decoding runs fixed-shape steps: decode must be 'auto', 'graph' or 'static'.")
+        check_options(prefill_tokens, max_waiting, feed_questions, decode)
         mode = "static" if decode == "auto" and engine.device.type != "cuda" else resolve_mode(decode, engine.device)
         self.engine, self.method = engine, engine.method
         self.capacity = slot_capacity(self.method, capacity, question_room)
@@ -89,11 +71,13 @@ class Scheduler:
         self.eos = frozenset(_eos_ids(engine.model))
         rope_dynamic = engine.rope.dynamic and not self.pool.policy.stores_rotated
         self.batched = batched_method(self.method) and not rope_dynamic and self.pool.policy.kernel_decoding
+        self.mix = bool(mix) and self.batched  # prompt chunks in the decoding rows' forward (kvpot.engine.mixed)
         self.steady_ok = batchable_request(self.method.decode_request("steady"))
         self.append_ok = batchable_request(self.method.decode_request("append"))
-        self.pending: list[tuple] = []  # staged tokens: (slots, requests, tokens, event), delivered next step
+        self.outbox = TokenOutbox()  # the tokens of a step, delivered at the start of the next
         self.report = {"steps": 0, "batched_rows": 0, "eager_rows": 0, "steady_rows": 0, "prefill_forwards": 0,
-                       "fed_tokens": 0, "decode_seconds": 0.0, "prefill_seconds": 0.0, "deliver_seconds": 0.0}
+                       "fed_tokens": 0, "mixed_forwards": 0, "forwards": 0, "decode_seconds": 0.0, "prefill_seconds": 0.0,
+                       "deliver_seconds": 0.0}
 
     def slot_bytes(self, dtype: torch.dtype | None = None) -> int:
         """Bytes one slot takes (KV, positions, two score arrays, the observation row, its logits)."""
@@ -132,7 +116,7 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.active and not self.pending
+        return not self.waiting and not self.active and self.outbox.empty
 
     @property
     def decoding(self) -> int:
@@ -157,9 +141,11 @@ class Scheduler:
         delivered = time.perf_counter()
         self._drop_cancelled(ended)
         self._admit(ended)
-        self._stage(self._decode(ended))
+        batch, stepped = self._decode_alone(ended)
+        chunks, budget = self._chunks(len(batch))
+        self._stage(self._decode(batch, stepped, chunks, ended))
         decoded = time.perf_counter()
-        self._stage(self._prefill(ended))
+        self._stage(self._prefill(ended, budget))
         report = self.report
         report["steps"] += 1
         # host wall time per phase: launches and Python, and (deliver) the wait for the device
@@ -206,7 +192,7 @@ class Scheduler:
                                    question.numel() + request.max_new_tokens)
                 active.read_started = time.perf_counter()
                 return
-        active.run, active.reading = run, engine._read(run, segments)
+        active.run, active.reader = run, PromptReader(self.method, run, segments)
         active.read_started = time.perf_counter()
 
     def _feeds(self, run: _Run, question: torch.Tensor) -> bool:
@@ -216,10 +202,31 @@ class Scheduler:
         fits = 0 < question.numel() <= self.feed_tokens and run.logits is not None and run.cache.attention is None
         return fits and (self.feed_questions == "always" or len(self.active) > 1 or bool(self.waiting))
 
-    def _prefill(self, ended: list[Request]) -> list[int]:
-        """Read chunks of prefilling requests, oldest first, within the step's token budget; returns the
-        slots whose prompt was read (their first token is picked)."""
-        budget, done = self.prefill_tokens, []
+    def _chunks(self, batch: int) -> tuple[list[tuple[int, _Active, Chunk]], int]:
+        """The prompt chunks that join this step's forward beside `batch` decoding rows (`plan_chunks`), and
+        the prompt tokens left for forwards of their own."""
+        if not self.mix:
+            return [], self.prefill_tokens
+        candidates, peeked = [], {}
+        for slot, active in sorted(self.active.items(), key=lambda item: item[1].started):
+            if active.request.status != "prefilling" or active.feeding is not None:
+                continue
+            active.run.max_chunk = self.prefill_tokens
+            try:
+                chunk = active.reader.peek()
+                fits = chunk is not None and mixable(self.method, active.run, chunk[1])
+            except Exception:  # noqa: BLE001 - left to `_prefill`, which fails this request alone
+                chunk, fits = None, False
+            candidates.append(Candidate(slot, chunk[0].numel() if chunk is not None else 0, fits))
+            peeked[slot] = (active, chunk)
+        plan = plan_chunks(candidates, self.prefill_tokens, batch)
+        return [(slot, peeked[slot][0], Chunk(peeked[slot][0].run, *peeked[slot][1])) for slot in plan.slots], \
+            plan.budget_left
+
+    def _prefill(self, ended: list[Request], budget: int) -> list[int]:
+        """Read chunks of prefilling requests in forwards of their own, oldest first, within what is left of
+        the step's token budget; returns the slots whose prompt was read (their first token is picked)."""
+        done = []
         for slot, active in sorted(self.active.items(), key=lambda item: item[1].started):
             if active.request.status != "prefilling" or active.feeding is not None:
                 continue
@@ -230,11 +237,14 @@ class Scheduler:
                 # pot) and double its forwards for good; a step may so read up to one forward past it.
                 while budget >= max(1, self.prefill_tokens // 4):
                     active.run.max_chunk = self.prefill_tokens
-                    size = next(active.reading, None)
-                    if size is None:
+                    chunk = active.reader.peek()
+                    if chunk is None:
                         self._start_decoding(active)
                         done.append(slot)
                         break
+                    self.engine._forward(active.run, *chunk)
+                    size = active.reader.advance()
+                    self.report["forwards"] += 1
                     # a short forward (a question after a stored document) costs about what a longer one
                     # does (host-bound: ~80 ms on an 8B shape for 32 tokens): charged an eighth of the budget
                     # at least, so the users decoding do not wait for dozens of them in one step
@@ -244,8 +254,12 @@ class Scheduler:
                 self._fail(active.request, err, ended)
             if budget < self.prefill_tokens // 4:
                 break
+        return self._first_tokens(done, ended)
+
+    def _first_tokens(self, done: list[int], ended: list[Request]) -> list[int]:
+        """Of the slots whose prompt was just read, those that decode (a request for no token ends here)."""
         for slot in done:
-            if self.active[slot].request.max_new_tokens == 0:
+            if slot in self.active and self.active[slot].request.max_new_tokens == 0:
                 self._end(self.active[slot].request, "finished", "length", ended)
         return [slot for slot in done if slot in self.active]
 
@@ -273,38 +287,56 @@ class Scheduler:
             return "eager"
         return plan
 
-    def _decode(self, ended: list[Request]) -> list[int]:
-        """One token for every decoding request; returns the slots that got one."""
+    def _decode_alone(self, ended: list[Request]) -> tuple[list[tuple[int, _Active]], list[int]]:
+        """The decoding rows (fed questions included): those whose method reshapes the cache at this token
+        step alone here; returns the others (the batch) and the slots stepped."""
         decoding = [(slot, a) for slot, a in sorted(self.active.items())
                     if a.request.status == "decoding" or a.feeding is not None]
         self._feed(decoding)
         plans = {slot: self._plan(active) for slot, active in decoding}
         stepped = []
-        for slot, active in decoding:  # rows whose method reshapes the cache at this token: alone
+        for slot, active in decoding:
             if plans[slot] == "eager":
                 try:
-                    self._eager_step(slot, active)
+                    self.decoder.eager_step(slot, active.run)
+                    self.report["eager_rows"] += 1
+                    self.report["forwards"] += 1
                     stepped.append(slot)
                 except Exception as err:  # noqa: BLE001 - this row's own forward: it fails alone
                     self._fail(active.request, err, ended)
         batch = [(slot, active) for slot, active in decoding if plans[slot] != "eager"]
-        if batch:
+        for slot, active in batch:
+            active.plan = plans[slot]
+        return batch, stepped
+
+    def _decode(self, batch: list[tuple[int, _Active]], stepped: list[int], chunks: list, ended: list[Request]):
+        """One forward: a token for each row of `batch`, the prompt `chunks` beside them; slots with a new token."""
+        if batch or chunks:
             slots = [slot for slot, _ in batch]
-            live = [plans[slot] == "append" for slot in slots]
-            observe = self.method.decode_request("steady" if not all(live) else "append")
+            live = [active.plan == "append" for _, active in batch]
+            observe = self.method.decode_request("steady" if not all(live) else "append") if batch else None
             try:
-                self.decoder.step(slots, live, observe)
-            except Exception as err:  # noqa: BLE001 - a failed batched forward fails its rows, not the server
-                for _, active in batch:
-                    self._fail(active.request, err, ended)
+                if chunks:
+                    mixed_forward(self.decoder, slots, live, observe, [chunk for _, _, chunk in chunks])
+                    self.report["mixed_forwards"] += 1
+                else:
+                    self.decoder.step(slots, live, observe)
+                self.report["forwards"] += 1
+            except Exception as err:  # noqa: BLE001 - a failed forward fails its rows, not the server
+                for request in [a.request for _, a in batch] + [a.request for _, a, _ in chunks]:
+                    self._fail(request, err, ended)
                 return stepped
             steady = []
             for row, (slot, active) in enumerate(batch):
-                self._appended(active)
-                if plans[slot] == "steady":
+                mirror_append(active.run)
+                if active.plan == "steady":
                     steady.append((row, slot, active))
                 stepped.append(slot)
-            self._evict_steady(steady, ended)
+            if steady:  # rows at their budget evict back to it (`kvpot.engine.evict.evict_steady`)
+                self.report["steady_rows"] += len(steady)
+                evict_steady(self.method, self.pool, [(row, slot, active.run) for row, slot, active in steady],
+                             lambda run, err: self._fail(next(a.request for _, _, a in steady if a.run is run), err,
+                                                         ended))
             self.report["batched_rows"] += len(batch)
         picked = []
         for slot in stepped:
@@ -314,7 +346,21 @@ class Scheduler:
                     picked.append(slot)
             except Exception as err:  # noqa: BLE001 - a fed question's first pick: its request fails alone
                 self._fail(active.request, err, ended)
-        return picked
+        return picked + self._chunks_read(chunks, ended)
+
+    def _chunks_read(self, chunks: list, ended: list[Request]) -> list[int]:
+        """After a mixed forward: each chunk's reader moves on; prompts now read pick their first token."""
+        done = []
+        for slot, active, _ in chunks:
+            try:
+                active.reader.advance()
+                self.report["prefill_forwards"] += 1
+                if active.reader.peek() is None:
+                    self._start_decoding(active)
+                    done.append(slot)
+            except Exception as err:  # noqa: BLE001 - one request's compression or first pick: it fails alone
+                self._fail(active.request, err, ended)
+        return self._first_tokens(done, ended)
 
     def _feed(self, rows: list[tuple[int, _Active]]) -> None:
         """Each fed row's next question token becomes its step's input (instead of its last pick)."""
@@ -335,64 +381,16 @@ class Scheduler:
         self._start_decoding(active)
         return True
 
-    def _evict_steady(self, steady: list[tuple[int, int, _Active]], ended: list[Request]) -> None:
-        """Rows at their budget evict back to it (`kvpot.engine.evict.evict_steady`)."""
-        if steady:
-            self.report["steady_rows"] += len(steady)
-            evict_steady(self.method, self.pool, [(row, slot, active.run) for row, slot, active in steady],
-                         lambda run, err: self._fail(next(a.request for _, _, a in steady if a.run is run), err, ended))
-
-    def _appended(self, active: _Active) -> None:
-        """The host mirror of a batched append (the device did it)."""
-        cache, run = active.run.cache, active.run
-        rank = not cache.policy.stores_rotated
-        for layer in cache.layers:
-            layer.n += 1
-            layer.n_new = 1
-            if rank:
-                layer.max_rope = layer.n - 1
-        cache.note_entries(max(layer.n for layer in cache.layers))
-        run.next_position += 1
-
-    def _eager_step(self, slot: int, active: _Active) -> None:
-        """The one-sequence engine's forward on this slot (a distillation, a chunk eviction, a sparse
-        attention), fed the slot's last token; then its next token is picked."""
-        run, decoder = active.run, self.decoder
-        run.logits = decoder.logits[slot].clone()
-        self.engine._forward(run, decoder.last_token[slot : slot + 1].clone(), Step("decode", 1, segment_end=True))
-        decoder.logits[slot].copy_(run.logits)
-        decoder.next_position[slot] = run.next_position
-        self.pool.sync_lengths(slot)
-        decoder.pick([slot])
-        self.report["eager_rows"] += 1
-
     def _stage(self, slots: list[int]) -> None:
-        """Copy the new tokens of `slots` towards the host without waiting for them: they are handed
-        over at the start of the next step, so the device works on this step's remaining forwards (a
-        prefill chunk) while the host returns, delivers and launches the next one."""
-        if not slots:
-            return
-        at = torch.tensor(slots, dtype=torch.long).to(self.pool.device, non_blocking=True)
-        tokens = self.decoder.last_token[at]
-        event = None
-        if tokens.is_cuda:
-            tokens = tokens.to("cpu", non_blocking=True)  # pinned by torch for a non-blocking copy
-            event = torch.cuda.Event()
-            event.record()
-        self.pending.append((slots, [self.active[slot].request for slot in slots], tokens, event))
+        self.outbox.stage(slots, [self.active[slot].request for slot in slots], self.decoder.last_token,
+                          self.pool.device)
 
     def _deliver(self, ended: list[Request]) -> None:
         """Hand the staged tokens to their requests: `on_token`, then an end at an end-of-sequence or
         stop token or at `max_new_tokens` (which frees the slot at once)."""
-        pending, self.pending = self.pending, []
-        for slots, requests, tokens, event in pending:
-            if event is not None:
-                event.synchronize()
-            now = time.perf_counter()
-            for slot, request, token in zip(slots, requests, tokens.tolist()):
-                active = self.active.get(slot)
-                if active is None or active.request is not request or request.done:
-                    continue
+        for slot, request, token, now in self.outbox.drain():
+            active = self.active.get(slot)
+            if active is not None and active.request is request and not request.done:
                 self._hand_over(active, request, token, now, ended)
 
     def _hand_over(self, active: _Active, request: Request, token: int, now: float, ended: list[Request]) -> None:

@@ -1,0 +1,45 @@
+"""New tokens on their way from the device to their requests, handed over one step late.
+
+A step copies its new tokens towards the host without waiting for them (`stage`); they are handed
+over at the start of the next step (`drain`), so the device works on this step's remaining forwards
+while the host returns, delivers and launches the next one: one synchronisation per step, none per token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import torch
+
+
+class TokenOutbox:
+    def __init__(self):
+        self.pending: list[tuple] = []  # (slots, requests, tokens, event), delivered next step
+
+    @property
+    def empty(self) -> bool:
+        return not self.pending
+
+    def stage(self, slots: list[int], requests: list, last_token: torch.Tensor, device: torch.device) -> None:
+        """The tokens `last_token[slots]` for `requests`, copied towards the host without a wait."""
+        if not slots:
+            return
+        at = torch.tensor(slots, dtype=torch.long).to(device, non_blocking=True)
+        tokens = last_token[at]
+        event = None
+        if tokens.is_cuda:
+            tokens = tokens.to("cpu", non_blocking=True)  # pinned by torch for a non-blocking copy
+            event = torch.cuda.Event()
+            event.record()
+        self.pending.append((slots, requests, tokens, event))
+
+    def drain(self) -> Iterator[tuple[int, object, int, float]]:
+        """(slot, request, token, when) of every staged token, oldest step first."""
+        pending, self.pending = self.pending, []
+        for slots, requests, tokens, event in pending:
+            if event is not None:
+                event.synchronize()
+            now = time.perf_counter()
+            for slot, request, token in zip(slots, requests, tokens.tolist()):
+                yield slot, request, token, now

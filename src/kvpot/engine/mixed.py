@@ -1,0 +1,160 @@
+"""One model forward for a batched step's decoding rows and the next chunks of prompts being read.
+
+Without it, every prompt chunk is a forward of its own between decoding steps, and every user
+decoding waits for it and then for its own step. Here the step's tokens are packed into one
+sequence, `[decode tokens of B rows | chunk of prompt 1 | chunk of prompt 2 | ...]`: the weights are
+read once for all of them, and only attention is done per part (docs/design.md, *The batched step*):
+
+- the B decoding rows append their token to their pool slots and attend over them with the batched
+  decode kernel, exactly as `BatchDecoder`'s step does (`StepCache`);
+- each prompt chunk goes through its own slot's `PotCache`, as `Engine._forward` would read it: the
+  same positions, the same chunk attention and the observations its method asked for; then the
+  method's compression runs on that run alone (`Engine._after_forward`).
+
+The chunks are the method's own (`kvpot.engine.reading.PromptReader`): a method whose result depends
+on where its forwards end (`Method.chunk_dependent`) reads the same forwards it reads alone. A chunk
+whose method needs a forward of its own stays out (`mixable`): a tail probe in this forward (InfiniPot's
+catalyst at a pot's fill, CItruS' instruction) or a method's own attention (InfiniteHiP, InfLLM).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvpot.attention import AttentionRequest, sequence_attention
+from kvpot.compat import cache_kwargs
+from kvpot.engine.results import _Run
+from kvpot.methods.base import Method, Step
+
+
+@dataclass
+class Chunk:
+    """A prompt chunk that joins a mixed forward: its run, token ids [q] and step."""
+
+    run: _Run
+    ids: torch.Tensor
+    step: Step
+
+
+def mixable(method: Method, run: _Run, step: Step) -> bool:
+    """Whether this chunk can share a forward (see the module docstring)."""
+    if run.cache.attention is not None or type(method).before_forward is not Method.before_forward:
+        return False
+    return method.tail_probe(run.cache, step) is None
+
+
+class MixedLayer(CacheLayerMixin):
+    """One layer of a mixed forward: the decoding rows' tokens to the pool, each chunk to its run's cache."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, cache: MixedCache, index: int):
+        super().__init__()
+        self.mixed, self.index = cache, index
+        self.step_layer = cache.step.layers[index]
+        self.parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # every part's storage exists already
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """key/value_states [1, kv_heads, T, d], un-rotated: the rows' tokens first, then each chunk's."""
+        b = self.mixed.batch
+        if b:
+            self.step_layer.update(_rows(key_states[:, :, :b]), _rows(value_states[:, :, :b]))
+        self.parts = [cache.layers[self.index].update(key_states[:, :, start:stop], value_states[:, :, start:stop])
+                      for (start, stop), cache in zip(self.mixed.spans, self.mixed.caches)]
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, 0
+
+    def get_seq_length(self) -> int:
+        return 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class MixedCache(Cache):
+    """The cache a mixed forward hands the model; the kvpot attention function calls `attend`."""
+
+    batched = True
+
+    def __init__(self, step, batch: int, chunks: list[Chunk]):
+        self.step, self.batch = step, batch
+        self.caches = [chunk.run.cache for chunk in chunks]
+        self.spans, start = [], batch
+        for chunk in chunks:
+            self.spans.append((start, start + chunk.ids.numel()))
+            start += chunk.ids.numel()
+        super().__init__(layers=[MixedLayer(self, i) for i in range(len(step.layers))])
+
+    @property
+    def is_compileable(self) -> bool:  # transformers' API
+        return False
+
+    def attend(self, layer: MixedLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """query [1, heads, T, d] un-rotated -> [1, T, heads, d]: the rows by the batched kernel, each chunk
+        over its own cache."""
+        outputs = []
+        if self.batch:
+            rows = self.step.attend(layer.step_layer, _rows(query[:, :, : self.batch]), scaling)  # [B, 1, heads, d]
+            outputs.append(rows.reshape(1, self.batch, *rows.shape[2:]))
+        for (start, stop), cache, (key, value) in zip(self.spans, self.caches, layer.parts):
+            part = cache.layers[layer.index]
+            outputs.append(sequence_attention(cache, part, query[:, :, start:stop], key, value, scaling))
+        return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
+
+
+def _rows(states: torch.Tensor) -> torch.Tensor:
+    """[1, heads, B, d] -> [B, heads, 1, d]: packed tokens as the batched step's rows."""
+    return states[0].transpose(0, 1).unsqueeze(2).contiguous()
+
+
+def mixed_forward(decoder, slots: list[int], live: list[bool], observe: AttentionRequest | None,
+                  chunks: list[Chunk]) -> None:
+    """A token for each of `slots` (as `BatchDecoder.step`: appended, the method's per-token work, the next
+    token picked) and each chunk of `chunks` read into its run, in one forward of the model. Each chunk's
+    method compresses after it (`Engine._after_forward`)."""
+    engine, method, pool, step = decoder.engine, decoder.method, decoder.pool, decoder.cache
+    b, device = len(slots), pool.device
+    rows = live_rows = nll = None
+    inputs = []
+    if b:
+        decoder.rows[:b].copy_(torch.tensor(slots, dtype=torch.long), non_blocking=True)
+        decoder.live[:b].copy_(torch.tensor([1.0 if flag else 0.0 for flag in live]), non_blocking=True)
+        decoder.size_tables()
+        rows, live_rows = decoder.rows[:b], decoder.live[:b]
+        step.rows, step.stream_positions = rows, decoder.next_position[rows]
+        step.max_position, step.request = decoder.max_position, observe
+        nll = decoder.token_nll(rows) if method.needs_token_nll else None
+        inputs.append(decoder.last_token[rows])
+    for chunk in chunks:
+        run, q = chunk.run, chunk.ids.numel()
+        _, request = engine._before_forward(run, chunk.step)  # no tail probe: `mixable` said so
+        positions = torch.arange(run.next_position, run.next_position + q, device=chunk.ids.device)
+        run.cache.begin_forward(positions, run.next_position + q - 1, request)
+        inputs.append(chunk.ids.to(device))
+    ids = torch.cat(inputs).view(1, -1)
+    cache = MixedCache(step, b, chunks)
+    zeros = torch.zeros_like(ids)  # RoPE is applied by kvpot
+    out = engine.decoder(input_ids=ids, position_ids=zeros, use_cache=True, kvpot_cache=cache,
+                         **cache_kwargs(engine.decoder, cache))
+    hidden = out.last_hidden_state[0]  # [T, hidden]
+    if b:
+        logits = engine.head(hidden[:b]).float()
+        method.batch_append(pool.layers, rows, step.appended, live_rows,
+                            Step("decode", 1, segment_end=True, token_nll=nll))
+        decoder.logits[rows] = logits
+        decoder.pick_from(rows, logits, any(slot in decoder.sampling_slots for slot in slots))
+        decoder.next_position[rows] += 1
+        step.request = None
+        decoder.steps += 1
+    for chunk, (start, stop) in zip(chunks, cache.spans):
+        engine._after_forward(chunk.run, chunk.ids, chunk.step, hidden[start:stop])

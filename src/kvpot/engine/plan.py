@@ -1,0 +1,68 @@
+"""Which prompt chunks join a step's forward: a pure decision over host counts (no torch, no model).
+
+The batched scheduler (`kvpot.engine.scheduler`) asks each request still reading its prompt for the next
+chunk its method cuts (`kvpot.engine.reading.PromptReader`) and whether that chunk can share a forward
+(`kvpot.engine.mixed.mixable`); `plan_chunks` then picks, oldest request first, one chunk per request
+within the step's token budget. A chunk is never cut to fit: a method whose result depends on where its
+forwards end (`Method.chunk_dependent`) reads exactly the forwards it reads alone, and one that does not
+has its chunks capped at the whole budget already (`run.max_chunk`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpot.errors import KvpotError
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A request reading its prompt: its slot, the tokens of its next chunk, whether that chunk can share a
+    forward. Candidates are given oldest request first."""
+
+    slot: int
+    tokens: int
+    mixable: bool = True
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    slots: tuple[int, ...]  # the requests whose next chunk joins the forward, in order
+    budget_left: int  # prompt tokens left for forwards of their own this step
+
+
+def plan_chunks(candidates: list[Candidate], budget: int, decoding: int) -> ChunkPlan:
+    """The chunks that join a forward beside `decoding` rows, within `budget` prompt tokens.
+
+    - oldest first, one chunk per request; the first one is taken whatever its size (a step always
+      reads), later ones while they fit what is left; the first that does not fit ends the plan, so
+      no younger request passes an older one;
+    - a chunk that cannot share a forward is skipped (it is read in a forward of its own);
+    - mixing pays beside decoding rows, or for two chunks or more: otherwise nothing joins, and the
+      whole budget is left.
+    """
+    if budget < 1:
+        raise ValueError(f"budget must be positive, got {budget}.")
+    chosen, left = [], budget
+    for candidate in candidates:
+        if not candidate.mixable:
+            continue
+        if left <= 0 or (chosen and candidate.tokens > left):
+            break
+        chosen.append(candidate.slot)
+        left -= candidate.tokens
+    if not decoding and len(chosen) < 2:
+        return ChunkPlan((), budget)
+    return ChunkPlan(tuple(chosen), left)
+
+
+def check_options(prefill_tokens: int, max_waiting: int | None, feed_questions: str, decode: str) -> None:
+    """The scheduler's options, refused in one sentence each."""
+    if isinstance(prefill_tokens, bool) or not isinstance(prefill_tokens, int) or prefill_tokens < 1:
+        raise KvpotError(f"prefill_tokens must be a positive integer, got {prefill_tokens!r}.")
+    if max_waiting is not None and max_waiting < 0:
+        raise KvpotError(f"max_waiting must be >= 0, got {max_waiting!r}.")
+    if feed_questions not in ("auto", "always", "never"):
+        raise KvpotError(f"feed_questions must be 'auto', 'always' or 'never', got {feed_questions!r}.")
+    if decode == "eager":
+        raise KvpotError("batched decoding runs fixed-shape steps: decode must be 'auto', 'graph' or 'static'.")

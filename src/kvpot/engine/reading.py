@@ -1,0 +1,55 @@
+"""A prompt read into a run's cache one forward at a time, as the method cuts it (`Method.next_chunk`).
+
+`PromptReader` says what the next forward reads before it runs (`peek`: its token ids and its `Step`)
+and moves on once it ran (`advance`). The engine's own loop (`Engine._read`) runs each forward alone;
+the batched scheduler may instead run the forwards of several prompts, and the decoding rows, in one
+model forward (`kvpot.engine.mixed`). Either way the chunks are the method's: a forward is capped at
+`run.max_chunk` only where the method is not `chunk_dependent`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvpot.engine.results import _Run
+from kvpot.errors import KvpotError
+from kvpot.methods.base import Step
+
+
+class PromptReader:
+    """The segments (context, question) of one run, read in the method's chunks."""
+
+    def __init__(self, method, run: _Run, segments: list[tuple[str, torch.Tensor]]):
+        self.method, self.run = method, run
+        self.segments = [(phase, ids) for phase, ids in segments if ids.numel()]
+        self.index, self.offset = 0, 0
+        self.pending: tuple[torch.Tensor, Step] | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.index >= len(self.segments)
+
+    def peek(self) -> tuple[torch.Tensor, Step] | None:
+        """The next forward's token ids [q] and step, or None once the prompt is read."""
+        if self.pending is None and not self.done:
+            phase, ids = self.segments[self.index]
+            total = ids.numel()
+            size = self.method.next_chunk(self.run.cache, total - self.offset)
+            if self.run.max_chunk is not None and not self.method.chunk_dependent:
+                size = min(size, max(1, self.run.max_chunk))
+            if size <= 0:
+                raise KvpotError(f"{self.method.name} has no room for the next tokens; check its sizes.")
+            end = self.offset + size == total
+            last = self.index == len(self.segments) - 1
+            step = Step(phase, size, prompt_end=last and end, segment_end=end)
+            self.pending = (ids[self.offset : self.offset + size], step)
+        return self.pending
+
+    def advance(self) -> int:
+        """The peeked forward ran: move past it; returns its tokens."""
+        ids, step = self.pending
+        self.pending = None
+        self.offset += step.n_new
+        if step.segment_end:
+            self.index, self.offset = self.index + 1, 0
+        return ids.numel()

@@ -1,0 +1,46 @@
+"""The batched step's choice of prompt chunks (`kvpot.engine.plan`): pure, tested without a model."""
+
+import pytest
+
+from kvpot.engine.plan import Candidate, ChunkPlan, check_options, plan_chunks
+from kvpot.errors import KvpotError
+
+
+def test_chunks_join_oldest_first_within_the_budget_and_never_pass_an_older_request():
+    candidates = [Candidate(4, 300), Candidate(1, 500), Candidate(2, 100)]
+    assert plan_chunks(candidates, 1024, decoding=3) == ChunkPlan((4, 1, 2), 124)
+    # the second does not fit what is left: the plan ends there, the third (younger) waits too
+    assert plan_chunks(candidates, 600, decoding=3) == ChunkPlan((4,), 300)
+
+
+def test_the_first_chunk_is_read_whatever_its_size():
+    assert plan_chunks([Candidate(0, 5000), Candidate(1, 10)], 2048, decoding=1) == ChunkPlan((0,), -2952)
+
+
+def test_chunks_that_need_a_forward_of_their_own_are_skipped():
+    candidates = [Candidate(0, 100, mixable=False), Candidate(1, 100), Candidate(2, 100, mixable=False),
+                  Candidate(3, 100)]
+    assert plan_chunks(candidates, 1000, decoding=2) == ChunkPlan((1, 3), 800)
+
+
+def test_without_decoding_rows_one_chunk_is_not_worth_mixing():
+    assert plan_chunks([Candidate(0, 100)], 1000, decoding=0) == ChunkPlan((), 1000)
+    assert plan_chunks([Candidate(0, 100), Candidate(1, 50)], 1000, decoding=0) == ChunkPlan((0, 1), 850)
+    assert plan_chunks([], 1000, decoding=5) == ChunkPlan((), 1000)
+
+
+def test_an_exhausted_budget_takes_no_more_chunks():
+    assert plan_chunks([Candidate(0, 1000), Candidate(1, 1)], 1000, decoding=1) == ChunkPlan((0,), 0)
+    with pytest.raises(ValueError):
+        plan_chunks([Candidate(0, 1)], 0, decoding=1)
+
+
+@pytest.mark.parametrize("options, fragment", [
+    ((0, None, "auto", "auto"), "prefill_tokens"), ((True, None, "auto", "auto"), "prefill_tokens"),
+    ((64, -1, "auto", "auto"), "max_waiting"), ((64, None, "sometimes", "auto"), "feed_questions"),
+    ((64, None, "auto", "eager"), "fixed-shape"),
+])
+def test_scheduler_options_are_refused_in_one_sentence(options, fragment):
+    with pytest.raises(KvpotError, match=fragment):
+        check_options(*options)
+    check_options(64, None, "auto", "graph")
