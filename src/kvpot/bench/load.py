@@ -57,21 +57,35 @@ def arrival_times(count: int, rate: float | None, seed: int) -> list[float]:
 def parse_mix(text: str, option: str) -> tuple[str, list[int]]:
     """(`"values"`, [a, b, ...]) from `a,b,...` or (`"range"`, [low, high]) from `low-high`; lengths
     may be written 2k, 32k (binary units)."""
-    from kvpot.eval.config import parse_length
-
     text = str(text).strip()
+    ranged = "-" in text and "," not in text
     try:
-        if "-" in text and "," not in text:
-            low, high = (parse_length(part) for part in text.split("-", 1))
-            if low > high:
-                raise KvpotError(f"{option} {text!r}: the range's low end is above its high end.")
-            return "range", [low, high]
-        values = [parse_length(part) for part in text.split(",") if part.strip()]
+        values = [_count(part) for part in (text.split("-", 1) if ranged else text.split(",")) if part.strip()]
     except KvpotError as err:
         raise KvpotError(f"{option} {text!r}: {err} Give a list (2k,8k,32k) or a range (2k-32k).") from None
-    if not values:
-        raise KvpotError(f"{option} is empty; give a list (2k,8k,32k) or a range (2k-32k).")
+    if ranged and len(values) == 2:
+        if values[0] > values[1]:
+            raise KvpotError(f"{option} {text!r}: the range's low end is above its high end.")
+        return "range", values
+    if ranged or not values:
+        raise KvpotError(f"{option} {text!r}: give a list (2k,8k,32k) or a range (2k-32k).")
     return "values", values
+
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20}
+
+
+def _count(text: str) -> int:
+    """A whole positive count: 64, 2k (2048), 1.5k (1536), 1m (binary units, as --lengths)."""
+    text = text.strip().lower()
+    unit = text[-1:] if text[-1:] in ("k", "m") else ""
+    try:
+        value = float(text[: len(text) - len(unit)]) * _UNITS[unit]
+    except ValueError:
+        raise KvpotError(f"{text!r} is not a count such as 64, 2k or 1m.") from None
+    if not value >= 1 or not value.is_integer():
+        raise KvpotError(f"{text!r} is not a whole positive number.")
+    return int(value)
 
 
 def mix_bounds(text: str, option: str) -> tuple[int, int]:
