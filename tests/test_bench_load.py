@@ -248,3 +248,56 @@ def test_help_teaches_the_load_options(capsys):
                   "--slo-itl SECONDS", "exponential gap", "--length-mix 2k-32k --new-tokens-mix 64-256 "
                   "--arrival-rate 1", "p99 of its own gaps"):
         assert words in text, words
+
+
+# ---------------------------------------------------------------------------- bench serve
+
+
+def test_serve_summary_counts_from_each_request_s_arrival():
+    """`bench serve`'s records (seconds from the workload's start) as figures from each arrival."""
+    pytest.importorskip("openai")
+    from kvpot.bench.serve_client import summarize
+
+    def stream(user, arrival, first, chunks, tokens, prompt):
+        return {"user": user, "arrival_seconds": arrival, "ttft_seconds": first, "chunk_seconds": chunks,
+                "completion_tokens": tokens, "prompt_tokens": prompt, "finish_reason": "length",
+                "end_seconds": chunks[-1], "error": None, "rejected": False}
+
+    records = [stream(0, 0.0, 0.5, [0.5, 0.6, 0.7], 3, 100), stream(1, 2.0, 2.25, [2.25, 2.35, 3.35], 3, 50)]
+    row = summarize({"records": records, "wall_seconds": 4.0}, slo_ttft=1.0, slo_itl=0.5)
+    assert row["ttft_p50_seconds"] == pytest.approx(0.375)  # 0.5 and 0.25 from their arrivals
+    # end to end 0.7 and 1.35 s: linear between them
+    assert row["e2e_p50_seconds"] == pytest.approx(1.025) and row["e2e_p99_seconds"] == pytest.approx(0.7 + 0.99 * 0.65)
+    assert row["slo_met"] == 1 and row["goodput_tokens_per_second"] == pytest.approx(3 / 4.0)  # user 1: a 1 s gap
+    assert row["prompt_tokens_per_second"] == pytest.approx(150 / 4.0) and row["completed"] == 2
+
+
+def test_serve_open_loop_with_mixes(capsys, tmp_path):
+    """kvpot's server launched on `tiny`: requests sent at their Poisson arrivals, each with its drawn
+    context length and new tokens; the http and engine rows carry the load's figures."""
+    pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from kvpot.bench.serve_server import accepts
+
+    out = tmp_path / "out"
+    code, stdout, err = run(capsys, "bench", "serve", "--out", str(out), "--users", "3", "--question-tokens", "4",
+                            "--threads", "1", "--shape", "tiny", "--device", "cpu", "--method",
+                            "infinipot:pot_size=128", "--length-mix", "64-96", "--new-tokens-mix", "2,4",
+                            "--arrival-rate", "10", "--seed", "5", "--slo-ttft", "300")
+    assert code == 0, err
+    results = json.loads((out / "results.json").read_text())
+    rows = {row["method"]: row for row in results["rows"]}
+    http, engine = rows["infinipot [http]"], rows["infinipot [engine]"]
+    arrivals = arrival_times(3, 10.0, seed=5)
+    lengths, new = draw_mix("64-96", 3, 5, "length"), draw_mix("2,4", 3, 5, "new-tokens")
+    assert [r["arrival_seconds"] for r in http["records"]] == arrivals
+    assert all(r["ttft_seconds"] >= r["arrival_seconds"] for r in http["records"])
+    assert http["prompt_tokens_sent_mean"] == pytest.approx(sum(lengths) / 3 + 4)
+    assert engine["output_tokens"] == sum(new) and engine["completed"] == 3
+    if accepts("ignore_eos"):
+        assert http["output_tokens"] == sum(new)
+    for row in (http, engine):
+        assert row["slo_met_share"] == 1.0 and row["arrival_rate"] == 10.0 and row["e2e_p99_seconds"] > 0
+    summary = (out / "summary.md").read_text()
+    assert "Poisson arrivals, 10 requests/s" in summary and "| infinipot [http] | mix 64-96 | 3 | 3 |" in summary
