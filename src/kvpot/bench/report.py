@@ -77,6 +77,8 @@ _COLUMNS = {
 
 # shown only where some row has them: the SLO columns need --slo-ttft or --slo-itl
 OPTIONAL = {"slo_met_share", "goodput_tokens_per_second"}
+# left out of the terminal's table (summary.md and results.json have them): it must fit a terminal
+COMPACT_SKIP = {"ttft_p99_seconds", "itl_p95_ms", "e2e_p50_seconds", "e2e_p95_seconds"}
 
 
 def shown(columns: list, rows: list[dict]) -> list:
@@ -105,13 +107,13 @@ def load_line(config: dict) -> str:
     return f"- load: {', '.join(parts)}; seed {config.get('seed', 0)}"
 
 
-def table_rows(results: dict) -> tuple[list[str], list[list[str]]]:
-    """One row per method and length: the comparison table of a mode."""
+def table_rows(results: dict, compact: bool = False) -> tuple[list[str], list[list[str]]]:
+    """One row per method and length: the comparison table of a mode (`compact`: the terminal's)."""
     from kvpot.reporting import format_bytes
 
     columns = _COLUMNS[results["mode"]]
     if results["mode"] == "throughput":
-        columns = shown(columns, results["rows"])
+        columns = [c for c in shown(columns, results["rows"]) if not (compact and c[1] in COMPACT_SKIP)]
     headers = ["method", "length"] + [c[0] for c in columns]
     rows = []
     for row in results["rows"]:
@@ -188,7 +190,7 @@ def rich_table(results: dict):
     from kvpot.reporting import rich_table as table_of
 
     return table_of(f"kvpot bench {results['mode']}: {results['shape']['name']} ({results['dtype']}, "
-                    f"{results['machine']['device']})", *table_rows(results))
+                    f"{results['machine']['device']})", *table_rows(results, compact=True))
 
 
 _PLOTS = {

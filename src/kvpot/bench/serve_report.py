@@ -47,12 +47,13 @@ def ordered(results: dict) -> list[dict]:
                                                   r.get("kind") != "http"))
 
 
-def table_rows(results: dict) -> tuple[list[str], list[list[str]]]:
-    from kvpot.bench.report import length_cell
+def table_rows(results: dict, compact: bool = False) -> tuple[list[str], list[list[str]]]:
+    from kvpot.bench.report import COMPACT_SKIP, length_cell
 
     rows = results["rows"]
     columns = [c for c in _COLUMNS if c[1] not in _OPTIONAL or any(r.get(c[1]) for r in rows)
                or (c[1] in OPTIONAL and any(r.get(c[1]) is not None for r in rows))]  # an SLO met by none: 0%
+    columns = [c for c in columns if not (compact and c[1] in COMPACT_SKIP)]
     headers = ["method", "length"] + [c[0] for c in columns]
     rows = [[row["method"], length_cell(row)] + [_cell(row, key, fmt) for _, key, fmt in columns]
             for row in ordered(results)]
@@ -124,7 +125,7 @@ def summary_markdown(results: dict) -> str:
 def rich_table(results: dict):
     from kvpot.reporting import rich_table as table_of
 
-    return table_of(_title(results), *table_rows(results))
+    return table_of(_title(results), *table_rows(results, compact=True))
 
 
 def plot_names() -> list[str]:
