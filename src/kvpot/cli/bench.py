@@ -26,7 +26,8 @@ def register(sub) -> None:
             "  decode     ms per generated token (median of per-step times) after a context of each length\n"
             "  attention  us per call of one layer's attention (dense SDPA vs kvpot) over a cache of each length\n"
             "  throughput many users at once: output tokens/s, TTFT and inter-token latency of kvpot's batched\n"
-            "             scheduler, the same users one at a time, and (--baseline hf) transformers' continuous batching\n"
+            "             scheduler, the same users one at a time, and (--baseline hf) transformers' continuous batching;\n"
+            "             all at once or arriving over time with mixed lengths and SLOs (see open-loop load below)\n"
             "  serve      the same figures through an OpenAI-compatible HTTP server: --url drives a running one\n"
             "             (kvpot's, vLLM's, transformers serve); without --url kvpot's server is launched here for\n"
             "             each --method on --shape (or --model) and the same tokens also run through the engine directly\n"
@@ -175,7 +176,7 @@ def _load_arguments(p) -> None:
 def _serve_arguments(p) -> None:
     """`bench serve`: which server, and what its users do beyond the throughput workload's options."""
     s = p.add_argument_group("serve (also: --users, --lengths, --new-tokens, --question-tokens, --document, "
-                             "--slots, --prefill-tokens)")
+                             "--slots, --prefill-tokens and the open-loop load options)")
     s.add_argument("--url", default=None, help="a running OpenAI-compatible server, e.g. http://127.0.0.1:8000 "
                                                "(default: launch kvpot's server in this process)")
     s.add_argument("--api-key", default=None, help="--url: the server's key (default: $OPENAI_API_KEY)")
