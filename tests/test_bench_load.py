@@ -89,7 +89,8 @@ def test_slo_share_and_goodput_on_a_hand_made_example():
     # prompts waiting or read: [0, .5] + [1, 4] + [2, 2.2] + [3, 4] -> 0.5 + 3 s
     assert row["prompt_busy_seconds"] == pytest.approx(3.5)
     assert row["ttft_p50_seconds"] == pytest.approx(0.75) and row["itl_max_ms"] == pytest.approx(900)
-    assert row["e2e_p99_seconds"] is not None and row["e2e_p50_seconds"] == pytest.approx((1.0 + 1.5) / 2)  # of .95, 3.45, 1.5, 1
+    # end to end: 0.95, 3.45, 1.5 and 1 s
+    assert row["e2e_p99_seconds"] is not None and row["e2e_p50_seconds"] == pytest.approx((1.0 + 1.5) / 2)
 
 
 def test_busy_seconds_is_the_union_of_intervals():
@@ -195,7 +196,7 @@ def test_throughput_open_loop_rows(capsys, tmp_path):
     """`--arrival-rate` with mixes and SLOs: every row (batch, one at a time, transformers) has the new
     figures; the drawn new tokens are what was generated; generous SLOs are met by every request."""
     out = tmp_path / "out"
-    code, stdout, err = run(capsys, "bench", "throughput", "--shape", "tiny", "--device", "cpu", "--out", str(out),
+    code, _, err = run(capsys, "bench", "throughput", "--shape", "tiny", "--device", "cpu", "--out", str(out),
                             "--method", "infinipot:pot_size=128", "--users", "3", "--length-mix", "64,96",
                             "--new-tokens-mix", "2-5", "--question-tokens", "4", "--arrival-rate", "20",
                             "--seed", "3", "--slo-ttft", "300", "--slo-itl", "300", "--baseline", "hf")
@@ -281,7 +282,7 @@ def test_serve_open_loop_with_mixes(capsys, tmp_path):
     from kvpot.bench.serve_server import accepts
 
     out = tmp_path / "out"
-    code, stdout, err = run(capsys, "bench", "serve", "--out", str(out), "--users", "3", "--question-tokens", "4",
+    code, _, err = run(capsys, "bench", "serve", "--out", str(out), "--users", "3", "--question-tokens", "4",
                             "--threads", "1", "--shape", "tiny", "--device", "cpu", "--method",
                             "infinipot:pot_size=128", "--length-mix", "64-96", "--new-tokens-mix", "2,4",
                             "--arrival-rate", "10", "--seed", "5", "--slo-ttft", "300")

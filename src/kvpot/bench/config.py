@@ -48,7 +48,8 @@ def check_load(config) -> None:
         if value is not None and not value > 0:
             raise KvpotError(f"{name} must be a positive number of seconds, got {value}.")
     if config.new_tokens_mix:
-        config.new_tokens = mix_bounds(config.new_tokens_mix, "--new-tokens-mix")[1]  # what a row records as its most; each request draws its own
+        # what a row records as its most; each request draws its own
+        config.new_tokens = mix_bounds(config.new_tokens_mix, "--new-tokens-mix")[1]
     if config.length_mix:
         if config.document:
             raise KvpotError("--length-mix draws a context length per user; with --document every user reads one "

@@ -18,6 +18,7 @@ request's own clock (latencies from its arrival, SLOs, goodput).
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 import time
@@ -37,7 +38,7 @@ def parse_rate(text) -> float | None:
         rate = float(text)
     except (TypeError, ValueError):
         raise KvpotError(f"--arrival-rate {text!r}: give requests per second (e.g. 1, 0.5) or inf.") from None
-    if rate != rate or rate <= 0:
+    if math.isnan(rate) or rate <= 0:
         raise KvpotError(f"--arrival-rate must be positive (or inf), got {text!r}.")
     return None if rate == float("inf") else rate
 

@@ -141,9 +141,12 @@ def summary_markdown(results: dict) -> str:
                       "each request's arrival (queueing counts); ITL = gaps between a request's delivered "
                       "tokens (one-at-a-time rows: per-step GPU times); prompt tok/s = prompt tokens read (a stored "
                       "document's once, apart) / the wall time; SLO met = requests that finished within the SLOs "
-                      "(TTFT, and the p99 of their own gaps), goodput = their output tokens / the wall time. `[batch]` = kvpot's scheduler, `[one at a "
-                      "time]` = Engine.generate_ids per user in turn, `hf [generate_batch]` = transformers' "
-                      "continuous batching, stopped at --hf-timeout (done < users: unfinished).",
+                      "(TTFT, and the p99 of their own gaps), goodput = their output tokens / the wall time. "
+                      "`[batch]` = kvpot's scheduler (each request submitted between steps once it has arrived), "
+                      "`[one at a time]` = Engine.generate_ids per user in arrival order, each from its arrival or "
+                      "the previous end, whichever is later, `hf [generate_batch]` = transformers' continuous "
+                      "batching (each request added at its arrival), stopped at --hf-timeout (done < users: "
+                      "unfinished).",
         "attention": "One layer's attention per call (median): decode = 1 query row, prefill = a block of query "
                      "rows, over a cache of `cache entries` per KV head. Methods: kvpot attention over the cache "
                      "each method holds; InfiniteHiP: its sparse attention over the whole cache, decode = mean "

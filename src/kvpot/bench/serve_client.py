@@ -6,7 +6,8 @@ Times are seconds from the workload's start; each request is sent at its arrival
 all at 0 s, or `--arrival-rate`'s Poisson times, `kvpot.bench.load`). A request's time to first token
 is its first non-empty content chunk (the row's percentiles count it from the arrival), its
 inter-token latencies the gaps between its content chunks (a chunk may carry more than one token),
-its output tokens the usage chunk's `completion_tokens`. A 429 is `rejected`; any other failure is the request's `error`, one line.
+its output tokens the usage chunk's `completion_tokens`. A 429 is `rejected`; any other failure is
+the request's `error`, one line.
 """
 
 from __future__ import annotations
@@ -105,8 +106,8 @@ def _messages(target: Target, context: str, question: str) -> list[dict]:
 
 
 def _record(user: int, arrival: float = 0.0) -> dict:
-    return {"user": user, "arrival_seconds": arrival, "ttft_seconds": None, "chunk_seconds": [], "completion_tokens": None,
-            "prompt_tokens": None, "finish_reason": None, "end_seconds": None, "error": None, "rejected": False}
+    return {"user": user, "arrival_seconds": arrival, "ttft_seconds": None, "chunk_seconds": [],
+            "completion_tokens": None, "prompt_tokens": None, "finish_reason": None, "end_seconds": None, "error": None, "rejected": False}
 
 
 def _take(chunk, record: dict, now: float, first: _FirstTokens) -> None:
@@ -226,8 +227,9 @@ def drive(target: Target, contexts: list[str], questions: list[str], document: s
     with context.Manager() as manager, ProcessPoolExecutor(max_workers=len(groups), mp_context=context) as pool:
         # every process says when it is ready (imports done, client made); then all start at one instant
         ready, go, started = manager.Queue(), manager.Queue(), manager.Queue()
-        futures = [pool.submit(_drive_group, target, [(u, contexts[u], questions[u], max_tokens[u], arrivals[u])
-                                                      for u in users], extra, (ready, go), upload if index == 0 else None, started, len(groups))
+        futures = [pool.submit(_drive_group, target,
+                               [(u, contexts[u], questions[u], max_tokens[u], arrivals[u]) for u in users], extra,
+                               (ready, go), upload if index == 0 else None, started, len(groups))
                    for index, users in enumerate(groups)]
         for _ in groups:
             ready.get()

@@ -15,7 +15,8 @@ Rows per method and length:
   batching), `--sequential-users` of them (default all), in arrival order, each starting at its
   arrival or when the one before it ends, whichever is later;
 - `hf [generate_batch]` (`--baseline hf`): transformers' continuous batching (paged attention) over the
-  full prompts, each added at its arrival while the manager runs, stopped after `--hf-timeout` seconds and recorded as unfinished if it runs out.
+  full prompts, each added at its arrival while the manager runs, stopped after `--hf-timeout` seconds
+  and recorded as unfinished if it runs out.
 
 Each row: output tokens per second over the workload's wall time, time to first token, inter-token
 latency (gaps between a request's delivered tokens) and end-to-end latency p50/p95/p99, all from each
@@ -31,7 +32,7 @@ import time
 from kvpot.bench.common import IdTokenizer, checkpoint, free_memory, mark_oom, peak_memory, random_tokens, \
     reset_peak, synchronize
 from kvpot.bench.config import BenchConfig
-from kvpot.bench.load import load_config, load_figures, quantile as _quantile, request_record, run_open_loop, workload_plan
+from kvpot.bench.load import load_config, load_figures, request_record, run_open_loop, workload_plan
 from kvpot.errors import KvpotError
 
 WARMUP_PROMPT = 256  # warm-up prompts: long enough for one chunk of every method, short enough to cost nothing
@@ -222,7 +223,8 @@ def _hf_row(config: BenchConfig, model, prompts: dict) -> dict:
     errors = sorted({r.error for r in finished.values() if getattr(r, "error", None)})
     row = _rates(config, records, wall)
     return {**row, "unfinished": len(finished) < len(inputs),
-            "timeout_seconds": config.hf_timeout, "errors": errors[:3], "peak_memory_bytes": peak_memory(config.devices),
+            "timeout_seconds": config.hf_timeout, "errors": errors[:3],
+            "peak_memory_bytes": peak_memory(config.devices),
             "memory_before_bytes": before, "arrivals": "added at each arrival (add_request while the manager runs)",
             "baseline": "transformers continuous batching (init_continuous_batching), greedy, EOS off"}
 

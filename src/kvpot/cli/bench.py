@@ -247,7 +247,8 @@ def _load_options(args) -> dict:
             args.arrival_rate != "inf" or args.length_mix or args.new_tokens_mix or args.slo_ttft or args.slo_itl):
         raise KvpotError("--arrival-rate, --length-mix, --new-tokens-mix, --slo-ttft and --slo-itl apply to bench "
                          "throughput and bench serve.")
-    return {"arrival_rate": parse_rate(args.arrival_rate), "length_mix": args.length_mix, "new_tokens_mix": args.new_tokens_mix,
+    return {"arrival_rate": parse_rate(args.arrival_rate), "length_mix": args.length_mix,
+            "new_tokens_mix": args.new_tokens_mix,
             "slo_ttft": args.slo_ttft, "slo_itl": args.slo_itl}
 
 
