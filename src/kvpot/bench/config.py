@@ -37,6 +37,26 @@ DEFAULT_LENGTHS = "4k,32k,128k"
 WARMUP_TOKENS = 4096
 
 
+def check_load(config) -> None:
+    """The open-loop options (`bench throughput` and `bench serve`); a length mix replaces --lengths by its
+    longest length (the row's `length`; each request draws its own)."""
+    from kvpot.bench.load import mix_bounds
+
+    if config.arrival_rate is not None and not config.arrival_rate > 0:
+        raise KvpotError(f"--arrival-rate must be positive (or inf), got {config.arrival_rate}.")
+    for name, value in (("--slo-ttft", config.slo_ttft), ("--slo-itl", config.slo_itl)):
+        if value is not None and not value > 0:
+            raise KvpotError(f"{name} must be a positive number of seconds, got {value}.")
+    if config.new_tokens_mix:
+        # what a row records as its most; each request draws its own
+        config.new_tokens = mix_bounds(config.new_tokens_mix, "--new-tokens-mix")[1]
+    if config.length_mix:
+        if config.document:
+            raise KvpotError("--length-mix draws a context length per user; with --document every user reads one "
+                             "document (give its length with --lengths).")
+        config.lengths = [mix_bounds(config.length_mix, "--length-mix")[1]]
+
+
 @dataclass
 class BenchConfig:
     """The resolved `kvpot bench` request, saved in results.json."""
@@ -80,6 +100,12 @@ class BenchConfig:
     prefill_tokens: int = 2048  # prompt tokens the scheduler reads per step
     sequential_users: int | None = None  # users the one-at-a-time row serves (None: all)
     hf_timeout: float = 200.0  # seconds before transformers' continuous batching is stopped
+    # open-loop load (kvpot.bench.load): Poisson arrivals, per-request mixes, SLOs
+    arrival_rate: float | None = None  # requests per second; None (`inf`): all at once
+    length_mix: str | None = None  # `2k,8k,32k` (drawn from the list) or `2k-32k` (a uniform range)
+    new_tokens_mix: str | None = None  # `64,256` or `64-256`
+    slo_ttft: float | None = None  # seconds from arrival to the first token
+    slo_itl: float | None = None  # seconds: a request's own p99 inter-token gap
     # SDPA's backends for every row of the run (kvpot.bench.backends): no cuDNN plan built per decoding step
     sdpa: str = DEFAULT_SDPA
 
@@ -104,6 +130,7 @@ class BenchConfig:
                             ("--sequential-users", self.sequential_users or 1)):
             if value < 1:
                 raise KvpotError(f"{name} must be at least 1, got {value}.")
+        check_load(self)
         if self.hf_timeout <= 0:
             raise KvpotError(f"--hf-timeout must be positive, got {self.hf_timeout}.")
         if self.baselines and self.mode == "throughput" and "kvpress" in self.baselines:

@@ -54,10 +54,18 @@ _COLUMNS = {
     "throughput": [("users", "users", lambda v: f"{v:,}"),
                    ("done", "completed", lambda v: f"{v:,}"),
                    ("tok/s", "output_tokens_per_second", lambda v: f"{v:,.0f}"),
+                   ("prompt tok/s", "prompt_tokens_per_second", lambda v: f"{v:,.0f}"),
                    ("TTFT p50 s", "ttft_p50_seconds", lambda v: f"{v:.2f}"),
                    ("TTFT p95 s", "ttft_p95_seconds", lambda v: f"{v:.2f}"),
+                   ("TTFT p99 s", "ttft_p99_seconds", lambda v: f"{v:.2f}"),
                    ("ITL p50 ms", "itl_p50_ms", lambda v: f"{v:.1f}"),
+                   ("ITL p95 ms", "itl_p95_ms", lambda v: f"{v:.1f}"),
                    ("ITL p99 ms", "itl_p99_ms", lambda v: f"{v:.1f}"),
+                   ("E2E p50 s", "e2e_p50_seconds", lambda v: f"{v:.2f}"),
+                   ("E2E p95 s", "e2e_p95_seconds", lambda v: f"{v:.2f}"),
+                   ("E2E p99 s", "e2e_p99_seconds", lambda v: f"{v:.2f}"),
+                   ("SLO met", "slo_met_share", lambda v: f"{100 * v:.0f}%"),
+                   ("goodput tok/s", "goodput_tokens_per_second", lambda v: f"{v:,.0f}"),
                    ("peak memory", "peak_memory_bytes", None),
                    ("slots", "slots", lambda v: f"{v:,}")],
     "attention": [("cache entries", "cache_entries", lambda v: f"{v:,}"),
@@ -67,15 +75,49 @@ _COLUMNS = {
 }
 
 
-def table_rows(results: dict) -> tuple[list[str], list[list[str]]]:
-    """One row per method and length: the comparison table of a mode."""
-    from kvpot.reporting import format_bytes, format_length
+# shown only where some row has them: the SLO columns need --slo-ttft or --slo-itl
+OPTIONAL = {"slo_met_share", "goodput_tokens_per_second"}
+# left out of the terminal's table (summary.md and results.json have them): it must fit a terminal
+COMPACT_SKIP = {"ttft_p99_seconds", "itl_p95_ms", "e2e_p50_seconds", "e2e_p95_seconds"}
+
+
+def shown(columns: list, rows: list[dict]) -> list:
+    return [c for c in columns if c[1] not in OPTIONAL or any(r.get(c[1]) is not None for r in rows)]
+
+
+def length_cell(row: dict) -> str:
+    """The row's length, or its mix (`--length-mix`: each request drew its own)."""
+    from kvpot.reporting import format_length
+
+    return f"mix {row['length_mix']}" if row.get("length_mix") else format_length(row["length"])
+
+
+def load_line(config: dict) -> str:
+    """The open-loop load of a throughput or serve run (kvpot.bench.load), one line of summary.md."""
+    rate = config.get("arrival_rate")
+    parts = [f"Poisson arrivals, {rate:g} requests/s" if rate else "all requests arrive at once"]
+    if config.get("length_mix"):
+        parts.append(f"context lengths drawn from `{config['length_mix']}`")
+    if config.get("new_tokens_mix"):
+        parts.append(f"new tokens drawn from `{config['new_tokens_mix']}`")
+    slos = [f"TTFT <= {config['slo_ttft']:g} s" if config.get("slo_ttft") else "",
+            f"p99 of each request's ITL <= {config['slo_itl']:g} s" if config.get("slo_itl") else ""]
+    if any(slos):
+        parts.append("SLO: " + " and ".join(x for x in slos if x))
+    return f"- load: {', '.join(parts)}; seed {config.get('seed', 0)}"
+
+
+def table_rows(results: dict, compact: bool = False) -> tuple[list[str], list[list[str]]]:
+    """One row per method and length: the comparison table of a mode (`compact`: the terminal's)."""
+    from kvpot.reporting import format_bytes
 
     columns = _COLUMNS[results["mode"]]
+    if results["mode"] == "throughput":
+        columns = [c for c in shown(columns, results["rows"]) if not (compact and c[1] in COMPACT_SKIP)]
     headers = ["method", "length"] + [c[0] for c in columns]
     rows = []
     for row in results["rows"]:
-        cells = [row["method"], format_length(row["length"])]
+        cells = [row["method"], length_cell(row)]
         for _, key, fmt in columns:
             cells.append(_cell(row, key, fmt or format_bytes))
         rows.append(cells)
@@ -94,11 +136,17 @@ def summary_markdown(results: dict) -> str:
                   "`floor` = one-token forward without a cache. Offloading (InfiniteHiP): LRU hits = reads served "
                   "by the GPU cache; host->GPU /token = bytes the kernels read from host memory per step (misses "
                   "read by the attention and copied into the cache, stage-scan probes), over every decoding step.",
-        "throughput": "All users' requests arrive together; tok/s = generated tokens / the workload's wall time; "
-                      "TTFT from the workload's start (queueing counts); ITL = gaps between a request's delivered "
-                      "tokens (one-at-a-time rows: per-step GPU times). `[batch]` = kvpot's scheduler, `[one at a "
-                      "time]` = Engine.generate_ids per user in turn, `hf [generate_batch]` = transformers' "
-                      "continuous batching, stopped at --hf-timeout (done < users: unfinished).",
+        "throughput": "Requests arrive all together or over time (`load` above); tok/s = generated tokens / the "
+                      "workload's wall time (from its start to the last token); TTFT, ITL and E2E are measured from "
+                      "each request's arrival (queueing counts); ITL = gaps between a request's delivered "
+                      "tokens (one-at-a-time rows: per-step GPU times); prompt tok/s = prompt tokens read (a stored "
+                      "document's once, apart) / the wall time; SLO met = requests that finished within the SLOs "
+                      "(TTFT, and the p99 of their own gaps), goodput = their output tokens / the wall time. "
+                      "`[batch]` = kvpot's scheduler (each request submitted between steps once it has arrived), "
+                      "`[one at a time]` = Engine.generate_ids per user in arrival order, each from its arrival or "
+                      "the previous end, whichever is later, `hf [generate_batch]` = transformers' continuous "
+                      "batching (each request added at its arrival), stopped at --hf-timeout (done < users: "
+                      "unfinished).",
         "attention": "One layer's attention per call (median): decode = 1 query row, prefill = a block of query "
                      "rows, over a cache of `cache entries` per KV head. Methods: kvpot attention over the cache "
                      "each method holds; InfiniteHiP: its sparse attention over the whole cache, decode = mean "
@@ -117,6 +165,7 @@ def summary_markdown(results: dict) -> str:
         f"{' (modified)' if m.get('git_dirty') else ''}; {m['date']}",
         f"- command: `{' '.join(results['command'])}`",
         *_sdpa_line(m),
+        *([load_line(results["config"])] if results["mode"] == "throughput" else []),
         "",
         notes,
         "",
@@ -145,7 +194,7 @@ def rich_table(results: dict):
     from kvpot.reporting import rich_table as table_of
 
     return table_of(f"kvpot bench {results['mode']}: {results['shape']['name']} ({results['dtype']}, "
-                    f"{results['machine']['device']})", *table_rows(results))
+                    f"{results['machine']['device']})", *table_rows(results, compact=True))
 
 
 _PLOTS = {

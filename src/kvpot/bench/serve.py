@@ -69,8 +69,10 @@ def _bar(total: int, progress: bool):
 
 
 def _row(method: str, kind: str, length: int, config: ServeBenchConfig) -> dict:
+    from kvpot.bench.load import load_config
+
     return {"method": method, "kind": kind, "length": length, "oom": False, "skipped": False, "users": config.users,
-            "new_tokens": config.new_tokens, "document": config.document}
+            "new_tokens": config.new_tokens, "document": config.document, **load_config(config)}
 
 
 def _add(results: dict, row: dict, config: ServeBenchConfig, bar) -> None:
@@ -121,8 +123,10 @@ def _url_target(config: ServeBenchConfig, results: dict) -> Target:
 def _http(config: ServeBenchConfig, target: Target, workload: Workload, upload: str | None) -> dict:
     # the clients run in processes of their own (`drive`): in the server's process they would take the
     # GIL from its generation thread and event loop (a real server's clients are elsewhere)
-    outcome = drive(target, workload.contexts, workload.questions, workload.document, config.new_tokens, upload)
-    return summarize(outcome)
+    plan = workload.plan or {}
+    outcome = drive(target, workload.contexts, workload.questions, workload.document,
+                    plan.get("new_tokens", config.new_tokens), upload, plan.get("arrivals"))
+    return summarize(outcome, config.slo_ttft, config.slo_itl)
 
 
 # ---------------------------------------------------------------------------- launched

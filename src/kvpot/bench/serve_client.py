@@ -2,10 +2,12 @@
 official `openai` client (AsyncOpenAI, `stream=True`, usage in the last chunk), each timed chunk by
 chunk, plus kvpot's `POST /v1/documents` where the server has it.
 
-Times are seconds from the workload's start (all requests are sent then): a request's time to
-first token is its first non-empty content chunk, its inter-token latencies the gaps between its
-content chunks (a chunk may carry more than one token), its output tokens the usage chunk's
-`completion_tokens`. A 429 is `rejected`; any other failure is the request's `error`, one line.
+Times are seconds from the workload's start; each request is sent at its arrival (`arrival_seconds`:
+all at 0 s, or `--arrival-rate`'s Poisson times, `kvpot.bench.load`). A request's time to first token
+is its first non-empty content chunk (the row's percentiles count it from the arrival), its
+inter-token latencies the gaps between its content chunks (a chunk may carry more than one token),
+its output tokens the usage chunk's `completion_tokens`. A 429 is `rejected`; any other failure is
+the request's `error`, one line.
 """
 
 from __future__ import annotations
@@ -103,9 +105,9 @@ def _messages(target: Target, context: str, question: str) -> list[dict]:
     return [{"role": "user", "content": f"{context}\n\n{question.lstrip()}".rstrip()}]
 
 
-def _record(user: int) -> dict:
-    return {"user": user, "ttft_seconds": None, "chunk_seconds": [], "completion_tokens": None,
-            "prompt_tokens": None, "finish_reason": None, "end_seconds": None, "error": None, "rejected": False}
+def _record(user: int, arrival: float = 0.0) -> dict:
+    return {"user": user, "arrival_seconds": arrival, "ttft_seconds": None, "chunk_seconds": [],
+            "completion_tokens": None, "prompt_tokens": None, "finish_reason": None, "end_seconds": None, "error": None, "rejected": False}
 
 
 def _take(chunk, record: dict, now: float, first: _FirstTokens) -> None:
@@ -127,6 +129,7 @@ async def _stream(client, target: Target, messages: list[dict], extra: dict, max
     openai = require_openai()
 
     async def read():
+        await asyncio.sleep(max(0.0, begun + record["arrival_seconds"] - time.perf_counter()))  # its arrival
         stream = await client.chat.completions.create(
             model=target.model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
             stream_options={"include_usage": True}, extra_body={**target.extra, **extra} or None)
@@ -200,8 +203,8 @@ async def _upload_during(client, text: str, everyone: asyncio.Task, begun: float
 CLIENT_USERS = 16  # users per client process: one asyncio loop parses ~0.5 ms of CPU per chunk
 
 
-def drive(target: Target, contexts: list[str], questions: list[str], document: str | None, max_tokens: int,
-          upload: str | None = None) -> dict:
+def drive(target: Target, contexts: list[str], questions: list[str], document: str | None, max_tokens,
+          upload: str | None = None, arrivals: list[float] | None = None) -> dict:
     """Run one workload: {"records": [...], "wall_seconds", document and upload fields}.
 
     The users are spread over client processes of `CLIENT_USERS` each (one loop parsing every stream
@@ -211,6 +214,9 @@ def drive(target: Target, contexts: list[str], questions: list[str], document: s
     from concurrent.futures import ProcessPoolExecutor
 
     fields, extra = {}, {}
+    users = len(questions)
+    max_tokens = [max_tokens] * users if isinstance(max_tokens, int) else list(max_tokens)  # per user
+    arrivals = [0.0] * users if arrivals is None else list(arrivals)
     if document is not None:
         extra, fields = asyncio.run(_upload_shared(target, document))
         if extra is None:
@@ -221,8 +227,9 @@ def drive(target: Target, contexts: list[str], questions: list[str], document: s
     with context.Manager() as manager, ProcessPoolExecutor(max_workers=len(groups), mp_context=context) as pool:
         # every process says when it is ready (imports done, client made); then all start at one instant
         ready, go, started = manager.Queue(), manager.Queue(), manager.Queue()
-        futures = [pool.submit(_drive_group, target, [(u, contexts[u], questions[u]) for u in users], extra,
-                               max_tokens, (ready, go), upload if index == 0 else None, started, len(groups))
+        futures = [pool.submit(_drive_group, target,
+                               [(u, contexts[u], questions[u], max_tokens[u], arrivals[u]) for u in users], extra,
+                               (ready, go), upload if index == 0 else None, started, len(groups))
                    for index, users in enumerate(groups)]
         for _ in groups:
             ready.get()
@@ -242,21 +249,21 @@ async def _upload_shared(target: Target, document: str) -> tuple[dict | None, di
         return await _document(client, target, document)
 
 
-def _drive_group(target, users, extra, max_tokens, start, upload, started, groups) -> dict:
-    return asyncio.run(_drive(target, users, extra, max_tokens, start, upload, started, groups))
+def _drive_group(target, users, extra, start, upload, started, groups) -> dict:
+    return asyncio.run(_drive(target, users, extra, start, upload, started, groups))
 
 
-async def _drive(target, users, extra, max_tokens, start, upload, started, groups) -> dict:
+async def _drive(target, users, extra, start, upload, started, groups) -> dict:
     cpu = time.process_time()
     async with _client(target.url, target.api_key, target.timeout) as client:
-        records = [_record(user) for user, _, _ in users]
+        records = [_record(user, arrival) for user, _, _, _, arrival in users]
         first = _FirstTokens(len(records))
         ready, go = start
         ready.put(1)
         begun = await asyncio.to_thread(go.get)
         await asyncio.sleep(max(0.0, begun - time.perf_counter()))
-        tasks = [_stream(client, target, _messages(target, c, q), extra, max_tokens, begun, r, first)
-                 for (_, c, q), r in zip(users, records)]
+        tasks = [_stream(client, target, _messages(target, c, q), extra, new, begun, r, first)
+                 for (_, c, q, new, _), r in zip(users, records)]
         everyone = asyncio.create_task(_everyone_started(first, started, groups if upload else 0))
         during = asyncio.create_task(_upload_during(client, upload, everyone, begun, target.timeout)) if upload else None
         await asyncio.gather(*tasks)
@@ -265,17 +272,30 @@ async def _drive(target, users, extra, max_tokens, start, upload, started, group
     return {**fields, "records": records, "client_cpu_seconds": time.process_time() - cpu}
 
 
-def summarize(outcome: dict) -> dict:
+def load_record(record: dict) -> dict:
+    """A stream's record as `kvpot.bench.load` reads it: times from its arrival, gaps between chunks."""
+    arrival, answered = record.get("arrival_seconds", 0.0), record["error"] is None
+    made = len(record["chunk_seconds"]) if record["completion_tokens"] is None else record["completion_tokens"]
+    finished = answered and record["finish_reason"] is not None
+    return {"arrival": arrival, "ttft": None if record["ttft_seconds"] is None else record["ttft_seconds"] - arrival,
+            "gaps": [b - a for a, b in zip(record["chunk_seconds"], record["chunk_seconds"][1:])],
+            "e2e": record["end_seconds"] - arrival if finished else None, "output_tokens": made if answered else 0,
+            "prompt_tokens": record["prompt_tokens"] or 0, "finished": finished}
+
+
+def summarize(outcome: dict, slo_ttft: float | None = None, slo_itl: float | None = None) -> dict:
     """A row's figures from `drive`'s outcome, as `bench throughput` reports them, plus what failed."""
-    from kvpot.bench.throughput import _quantile, _rates_of
+    from types import SimpleNamespace
+
+    from kvpot.bench.load import quantile
+    from kvpot.bench.throughput import _rates
 
     records = outcome["records"]
     answered = [r for r in records if r["error"] is None]
-    made = sum(len(r["chunk_seconds"]) if r["completion_tokens"] is None else r["completion_tokens"] for r in answered)
     gaps = [(a, b) for r in records for a, b in zip(r["chunk_seconds"], r["chunk_seconds"][1:])]
-    row = _rates_of(made, sum(r["finish_reason"] is not None for r in answered), len(records), outcome["wall_seconds"],
-                    [r["ttft_seconds"] for r in records if r["ttft_seconds"] is not None],
-                    [1000 * (b - a) for a, b in gaps])
+    row = _rates(SimpleNamespace(slo_ttft=slo_ttft, slo_itl=slo_itl), [load_record(r) for r in records],
+                 outcome["wall_seconds"])
+    made = row["output_tokens"]
     chunks = sum(len(r["chunk_seconds"]) for r in answered)
     prompts = [r["prompt_tokens"] for r in answered if r["prompt_tokens"] is not None]
     row.update({k: v for k, v in outcome.items() if k != "records"})
@@ -290,6 +310,6 @@ def summarize(outcome: dict) -> dict:
     if "upload_window_seconds" in outcome:
         start, end = outcome["upload_window_seconds"]
         during = [1000 * (b - a) for a, b in gaps if a < end and b > start]  # gaps overlapping the upload
-        row.update(itl_p99_ms_during_upload=_quantile(during, 0.99), itl_gaps_during_upload=len(during))
+        row.update(itl_p99_ms_during_upload=quantile(during, 0.99), itl_gaps_during_upload=len(during))
     row["records"] = records
     return row

@@ -41,10 +41,19 @@ class ServeBenchConfig:
     document: bool = False  # one uploaded document every user asks about
     upload_during: int | None = None  # tokens of a second document uploaded while the users decode
     timeout: float = 600.0  # seconds per request
+    # open-loop load (kvpot.bench.load), as `bench throughput`'s
+    arrival_rate: float | None = None
+    length_mix: str | None = None
+    new_tokens_mix: str | None = None
+    slo_ttft: float | None = None
+    slo_itl: float | None = None
 
     def __post_init__(self):
+        from kvpot.bench.config import check_load
+
         self.out = Path(self.out)
         self._check_counts()
+        check_load(self)
         if self.url is not None:
             self._check_url()
         else:
@@ -111,7 +120,8 @@ class ServeBenchConfig:
             budget=self.budget, settings=dict(self.settings), device=device, dtype=self.dtype, seed=self.seed,
             decode=self.decode, threads=self.threads, users=self.users, new_tokens=self.new_tokens,
             question_tokens=self.question_tokens, document=self.document, slots=self.slots,
-            prefill_tokens=self.prefill_tokens)
+            prefill_tokens=self.prefill_tokens, arrival_rate=self.arrival_rate, length_mix=self.length_mix,
+            new_tokens_mix=self.new_tokens_mix, slo_ttft=self.slo_ttft, slo_itl=self.slo_itl)
         config.model_devices = devices
         return config
 

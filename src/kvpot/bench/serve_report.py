@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from kvpot.bench.report import _COLUMNS as _BENCH_COLUMNS
-from kvpot.bench.report import _cell
+from kvpot.bench.report import OPTIONAL, _cell, load_line
 
 _THROUGHPUT = {key: column for column in _BENCH_COLUMNS["throughput"] for key in [column[1]]}
 _COUNT = lambda v: f"{v:,}"  # noqa: E731
@@ -14,19 +14,24 @@ _COLUMNS = [
     *(_THROUGHPUT[k] for k in ("users", "completed")),
     ("429", "rejected", _COUNT),
     ("failed", "failed", _COUNT),
-    *(_THROUGHPUT[k] for k in ("output_tokens_per_second", "ttft_p50_seconds", "ttft_p95_seconds", "itl_p50_ms",
-                               "itl_p99_ms")),  # as `bench throughput` shows them
+    *(_THROUGHPUT[k] for k in ("output_tokens_per_second", "prompt_tokens_per_second", "ttft_p50_seconds",
+                               "ttft_p95_seconds", "ttft_p99_seconds", "itl_p50_ms", "itl_p95_ms", "itl_p99_ms",
+                               "e2e_p50_seconds", "e2e_p95_seconds", "e2e_p99_seconds", "slo_met_share",
+                               "goodput_tokens_per_second")),  # as `bench throughput` shows them
     ("ITL p99 upload ms", "itl_p99_ms_during_upload", lambda v: f"{v:.1f}"),
     ("http / engine", "http_vs_engine", lambda v: f"{v:.2f}"),
 ]
 
 # shown only where some row has them (a terminal table is narrow)
-_OPTIONAL = {"rejected", "failed", "itl_p99_ms_during_upload", "http_vs_engine"}
+_OPTIONAL = {"rejected", "failed", "itl_p99_ms_during_upload", "http_vs_engine", "slo_met_share",
+             "goodput_tokens_per_second"}
 
 NOTES = (
-    "All users' streaming chat requests are sent together (openai's AsyncOpenAI, `stream=True`, usage in the last "
-    "chunk); tok/s = completion tokens (usage) / the workload's wall time; TTFT = first non-empty content chunk, from "
-    "the workload's start (queueing counts); ITL = gaps between a stream's content chunks (a chunk may hold more "
+    "Each user's streaming chat request is sent at its arrival (`load` above: all together, or Poisson arrivals; "
+    "openai's AsyncOpenAI, `stream=True`, usage in the last chunk); tok/s = completion tokens (usage) / the "
+    "workload's wall time; TTFT = first non-empty content chunk, E2E = the stream's end, both from the request's "
+    "arrival (queueing counts); prompt tok/s = prompt tokens (usage) / the wall time; SLO met and goodput as in "
+    "`bench throughput` (TTFT and each request's p99 gap within the SLOs); ITL = gaps between a stream's content chunks (a chunk may hold more "
     "than one token: see `tokens_per_chunk`). 429 = rejected requests, counted apart from failed ones. "
     "`[http]` = through the server, `[engine]` = the same token ids through kvpot's scheduler in this process "
     "(`bench throughput`'s `[batch]` row); http / engine = the ratio of their tok/s. ITL p99 upload = gaps that "
@@ -42,12 +47,15 @@ def ordered(results: dict) -> list[dict]:
                                                   r.get("kind") != "http"))
 
 
-def table_rows(results: dict) -> tuple[list[str], list[list[str]]]:
-    from kvpot.reporting import format_length
+def table_rows(results: dict, compact: bool = False) -> tuple[list[str], list[list[str]]]:
+    from kvpot.bench.report import COMPACT_SKIP, length_cell
 
-    columns = [c for c in _COLUMNS if c[1] not in _OPTIONAL or any(r.get(c[1]) for r in results["rows"])]
+    rows = results["rows"]
+    columns = [c for c in _COLUMNS if c[1] not in _OPTIONAL or any(r.get(c[1]) for r in rows)
+               or (c[1] in OPTIONAL and any(r.get(c[1]) is not None for r in rows))]  # an SLO met by none: 0%
+    columns = [c for c in columns if not (compact and c[1] in COMPACT_SKIP)]
     headers = ["method", "length"] + [c[0] for c in columns]
-    rows = [[row["method"], format_length(row["length"])] + [_cell(row, key, fmt) for _, key, fmt in columns]
+    rows = [[row["method"], length_cell(row)] + [_cell(row, key, fmt) for _, key, fmt in columns]
             for row in ordered(results)]
     return headers, rows
 
@@ -80,6 +88,7 @@ def _setup_lines(results: dict) -> list[str]:
         lines.append(f"- launched kvpot server on `{config['model']}`, {results['dtype']} (lengths in words: approximate)")
     lines += [
         _workload_line(config),
+        load_line(config),
         f"- machine: {m['device']}; GPU {m['gpu'] or 'none'}; CPU {m['cpu']} ({m['cpu_count']} cores)",
         f"- kvpot {m['versions']['kvpot']}, torch {m['versions']['torch']}, transformers "
         f"{m['versions']['transformers']}; commit {m['git_commit'] or 'unknown'}"
@@ -116,7 +125,7 @@ def summary_markdown(results: dict) -> str:
 def rich_table(results: dict):
     from kvpot.reporting import rich_table as table_of
 
-    return table_of(_title(results), *table_rows(results))
+    return table_of(_title(results), *table_rows(results, compact=True))
 
 
 def plot_names() -> list[str]:

@@ -62,17 +62,22 @@ class Workload:
     questions: list[str]
     document: str | None
     ids: dict | None = None  # launched: the same prompts as token ids, in `bench throughput`'s form
+    plan: dict | None = None  # per user: arrival, context length, new tokens (kvpot.bench.load.workload_plan)
 
 
 def text_workload(config, length: int, prefix: str = "") -> Workload:
     """Words, about `length` tokens per context (a server whose tokenizer is not ours). `prefix` opens
     every context and document: a word of its own per run keeps a server's prefix cache (or kvpot's
-    stored states) of an earlier run from answering this one."""
+    stored states) of an earlier run from answering this one. With `--length-mix`, each user's context
+    is its drawn length in words."""
+    from kvpot.bench.load import workload_plan
+
+    plan = workload_plan(config, length)
     questions = [" " + words(config.question_tokens, config.seed + 7919 * (user + 1)) for user in range(config.users)]
     if config.document:
-        return Workload([""] * config.users, questions, prefix + words(length, config.seed + length))
-    contexts = [prefix + words(length, config.seed + length + 104729 * (user + 1)) for user in range(config.users)]
-    return Workload(contexts, questions, None)
+        return Workload([""] * config.users, questions, prefix + words(length, config.seed + length), plan=plan)
+    contexts = [prefix + words(n, config.seed + n + 104729 * (user + 1)) for user, n in enumerate(plan["lengths"])]
+    return Workload(contexts, questions, None, plan=plan)
 
 
 def exact_workload(bench_config, model, tokenizer, length: int, word_level: bool) -> Workload:
@@ -84,9 +89,9 @@ def exact_workload(bench_config, model, tokenizer, length: int, word_level: bool
         ids = _prompts(bench_config, model, length)
         document = None if ids["document"] is None else ids_text(ids["document"].tolist())
         contexts = [""] * bench_config.users if document else [ids_text(c.tolist()) for c in ids["contexts"]]
-        return Workload(contexts, [" " + ids_text(q.tolist()) for q in ids["questions"]], document, ids)
+        return Workload(contexts, [" " + ids_text(q.tolist()) for q in ids["questions"]], document, ids, ids["plan"])
     texts = text_workload(bench_config, length)
-    texts.ids = _encoded(texts, tokenizer, bench_config.device)
+    texts.ids = {**_encoded(texts, tokenizer, bench_config.device), "plan": texts.plan}
     return texts
 
 

@@ -4,29 +4,35 @@ A workload is `--users` requests, each `--lengths` prompt tokens (random) plus i
 `--question-tokens` question, `--new-tokens` generated each (greedy, end-of-sequence off), all
 arriving together. With `--document`, every user asks about one stored document instead: it is
 read once (timed apart, `document_prefill_seconds`) and each request starts from its state.
+Open-loop load (`kvpot.bench.load`): `--arrival-rate R` spaces the arrivals (Poisson, R per second),
+`--length-mix` / `--new-tokens-mix` draw each request's prompt length and new tokens, and every
+latency is measured from the request's own arrival; `--slo-ttft` / `--slo-itl` add goodput.
 
 Rows per method and length:
 - `METHOD [batch]`: kvpot's scheduler (`kvpot.engine.scheduler`), `--slots` sequences at once
   (default: every user, within free memory), `--prefill-tokens` prompt tokens read per step;
 - `METHOD [one at a time]`: `Engine.generate_ids` for each user after the other (the engine before
-  batching), `--sequential-users` of them (default all);
+  batching), `--sequential-users` of them (default all), in arrival order, each starting at its
+  arrival or when the one before it ends, whichever is later;
 - `hf [generate_batch]` (`--baseline hf`): transformers' continuous batching (paged attention) over the
-  full prompts, stopped after `--hf-timeout` seconds and recorded as unfinished if it runs out.
+  full prompts, each added at its arrival while the manager runs, stopped after `--hf-timeout` seconds
+  and recorded as unfinished if it runs out.
 
-Each row: output tokens per second over the workload's wall time, time to first token p50/p95
-(from the workload's start: queueing counts), inter-token latency p50/p99 (gaps between a request's
-delivered tokens), peak GPU memory. Before timing, the batch runs a short warm-up of the same
+Each row: output tokens per second over the workload's wall time, time to first token, inter-token
+latency (gaps between a request's delivered tokens) and end-to-end latency p50/p95/p99, all from each
+request's arrival (all at once: the workload's start; queueing counts), prompt tokens/s, the share of
+requests within the SLOs and goodput, peak GPU memory. Before timing, the batch runs a short warm-up of the same
 shape (kernels compile, each batch size's CUDA graph is captured).
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 
 from kvpot.bench.common import IdTokenizer, checkpoint, free_memory, mark_oom, peak_memory, random_tokens, \
     reset_peak, synchronize
 from kvpot.bench.config import BenchConfig
+from kvpot.bench.load import load_config, load_figures, request_record, run_open_loop, workload_plan
 from kvpot.errors import KvpotError
 
 WARMUP_PROMPT = 256  # warm-up prompts: long enough for one chunk of every method, short enough to cost nothing
@@ -46,7 +52,8 @@ def bench_throughput(config: BenchConfig, model, runs, results, progress) -> Non
                         "hf": "hf [generate_batch]"}[kind]
                 bar.set_postfix_str(f"{name} @ {length} tokens")
                 row = {"method": name, "kind": kind, "length": length, "oom": False, "skipped": False,
-                       "users": config.users, "new_tokens": config.new_tokens, "document": config.document}
+                       "users": config.users, "new_tokens": config.new_tokens, "document": config.document,
+                       **load_config(config)}
                 try:
                     prompts = _prompts(config, model, length)
                     if kind == "hf":
@@ -65,15 +72,15 @@ def bench_throughput(config: BenchConfig, model, runs, results, progress) -> Non
 
 def _prompts(config: BenchConfig, model, length: int) -> dict:
     """The workload's token ids: per user a context (or one shared document) and a question."""
-    vocab = model.config.vocab_size
+    vocab, plan = model.config.vocab_size, workload_plan(config, length)
     questions = [random_tokens(vocab, config.question_tokens, config.seed + 7919 * (user + 1), config.device)
                  for user in range(config.users)]
     if config.document:
         document = random_tokens(vocab, length, config.seed + length, config.device)
-        return {"document": document, "contexts": [document] * config.users, "questions": questions}
-    contexts = [random_tokens(vocab, length, config.seed + length + 104729 * (user + 1), config.device)
-                for user in range(config.users)]
-    return {"document": None, "contexts": contexts, "questions": questions}
+        return {"document": document, "contexts": [document] * config.users, "questions": questions, "plan": plan}
+    contexts = [random_tokens(vocab, n, config.seed + n + 104729 * (user + 1), config.device)
+                for user, n in enumerate(plan["lengths"])]
+    return {"document": None, "contexts": contexts, "questions": questions, "plan": plan}
 
 
 def _kvpot_row(config: BenchConfig, model, run, prompts: dict, kind: str, tokenizer=None) -> dict:
@@ -100,11 +107,24 @@ def _requests(config: BenchConfig, prompts: dict, state, users: int | None = Non
     from kvpot.engine.requests import Request
 
     count = config.users if users is None else users
+    new = _plan(config, prompts)["new_tokens"]
     if state is not None:
-        return [Request(None, q, state=state, max_new_tokens=config.new_tokens, ignore_eos=True)
-                for q in prompts["questions"][:count]]
-    return [Request(c, q, max_new_tokens=config.new_tokens, ignore_eos=True)
-            for c, q in zip(prompts["contexts"][:count], prompts["questions"][:count])]
+        return [Request(None, q, state=state, max_new_tokens=n, ignore_eos=True)
+                for q, n in zip(prompts["questions"][:count], new)]
+    return [Request(c, q, max_new_tokens=n, ignore_eos=True)
+            for c, q, n in zip(prompts["contexts"][:count], prompts["questions"][:count], new)]
+
+
+def _plan(config, prompts: dict) -> dict:
+    """The prompts' load plan (arrivals, new tokens); prompts made elsewhere (`bench serve` from text)
+    may come without one: the plan of their first context's length then."""
+    return prompts.get("plan") or workload_plan(config, prompts["contexts"][0].numel())
+
+
+def _prompt_tokens(prompts: dict, index: int) -> int:
+    """Prompt tokens request `index` reads: its context and question (a stored document's question alone)."""
+    own = 0 if prompts["document"] is not None else prompts["contexts"][index].numel()
+    return own + prompts["questions"][index].numel()
 
 
 def _batched(config: BenchConfig, engine, prompts: dict, state) -> dict:
@@ -112,11 +132,12 @@ def _batched(config: BenchConfig, engine, prompts: dict, state) -> dict:
     from kvpot.engine.requests import Request
     from kvpot.engine.scheduler import Scheduler
 
+    plan = _plan(config, prompts)
     capacity = None
     if engine.method.max_entries() is None:  # a growing cache: each slot holds its whole prompt
         # the longest prompt: `bench serve`'s prompts from text differ in length from user to user
         capacity = max(c.numel() + q.numel() for c, q in zip(prompts["contexts"], prompts["questions"])) + \
-            config.new_tokens
+            max(plan["new_tokens"])
     scheduler = Scheduler(engine, slots=config.slots or None, capacity=capacity, max_slots=config.users,
                           prefill_tokens=config.prefill_tokens, decode=config.decode)
     # warm-up of the same batch sizes: kernels compile and each bucket's graph is captured, untimed
@@ -130,13 +151,12 @@ def _batched(config: BenchConfig, engine, prompts: dict, state) -> dict:
     requests = _requests(config, prompts, state)
     before = reset_peak(config.devices)
     synchronize(config.devices)
-    begun = time.perf_counter()
-    run_all(scheduler, requests)
+    begun = run_open_loop(scheduler, requests, plan["arrivals"])  # each submitted once it has arrived
     synchronize(config.devices)
     wall = time.perf_counter() - begun
-    ttft = [r.first_token_time - begun for r in requests]
-    gaps = [1000 * (b - a) for r in requests for a, b in zip(r.token_times, r.token_times[1:])]
-    return {**_rates(requests, wall, ttft, gaps), "peak_memory_bytes": peak_memory(config.devices),
+    records = [request_record(r, a, begun, _prompt_tokens(prompts, i))
+               for i, (r, a) in enumerate(zip(requests, plan["arrivals"]))]
+    return {**_rates(config, records, wall), "peak_memory_bytes": peak_memory(config.devices),
             "memory_before_bytes": before, "slots": scheduler.pool.slots, "capacity": scheduler.capacity,
             "slot_bytes": scheduler.slot_bytes(), "pool_bytes": scheduler.pool.nbytes,
             "prefill_tokens_per_step": scheduler.prefill_tokens, "scheduler": dict(scheduler.report),
@@ -146,68 +166,96 @@ def _batched(config: BenchConfig, engine, prompts: dict, state) -> dict:
 
 
 def _sequential(config: BenchConfig, engine, prompts: dict, state) -> dict:
-    """Each user after the other through the one-sequence engine (its own CUDA-graph decoding)."""
+    """Each user after the other through the one-sequence engine (its own CUDA-graph decoding), in order
+    of arrival: a request starts at its arrival or when the one before it ends, whichever is later."""
     users = config.sequential_users or config.users
-    requests = _requests(config, prompts, state, users)
+    requests, arrivals = _requests(config, prompts, state, users), _plan(config, prompts)["arrivals"][:users]
     before = reset_peak(config.devices)
     synchronize(config.devices)
-    begun = time.perf_counter()
-    ttft, gaps, made = [], [], 0
-    for request in requests:
-        started = time.perf_counter() - begun
-        if state is not None:
-            result = engine.generate_ids(question_ids=request.question_ids, state=state,
-                                         max_new_tokens=config.new_tokens, ignore_eos=True, time_steps=True)
-        else:
-            result = engine.generate_ids(request.context_ids, request.question_ids, max_new_tokens=config.new_tokens,
-                                         ignore_eos=True, time_steps=True)
-        ttft.append(started + result.stats.prefill_seconds)
-        gaps += result.stats.decode.get("step_ms") or []
-        made += len(result.token_ids)
+    begun, records = time.perf_counter(), []
+    for index, (request, arrival) in enumerate(zip(requests, arrivals)):
+        time.sleep(max(0.0, begun + arrival - time.perf_counter()))  # not before it has arrived
+        started = time.perf_counter()
+        result = _generate(engine, request, state)
+        ended = time.perf_counter()
+        at = begun + arrival
+        records.append({"arrival": arrival, "ttft": started - at + result.stats.prefill_seconds,
+                        "gaps": [ms / 1000 for ms in result.stats.decode.get("step_ms") or []], "e2e": ended - at,
+                        "output_tokens": len(result.token_ids), "prompt_tokens": _prompt_tokens(prompts, index),
+                        "finished": True})
     synchronize(config.devices)
     wall = time.perf_counter() - begun
-    rates = _rates_of(made, users, users, wall, ttft, gaps)
-    return {**rates, "peak_memory_bytes": peak_memory(config.devices), "memory_before_bytes": before,
-            "users_run": users, "slots": 1}
+    return {**_rates(config, records, wall), "peak_memory_bytes": peak_memory(config.devices),
+            "memory_before_bytes": before, "users_run": users, "slots": 1}
+
+
+def _generate(engine, request, state):
+    if state is not None:
+        return engine.generate_ids(question_ids=request.question_ids, state=state,
+                                   max_new_tokens=request.max_new_tokens, ignore_eos=True, time_steps=True)
+    return engine.generate_ids(request.context_ids, request.question_ids, max_new_tokens=request.max_new_tokens,
+                               ignore_eos=True, time_steps=True)
 
 
 def _hf_row(config: BenchConfig, model, prompts: dict) -> dict:
-    """transformers' continuous batching over the full prompts (a stored document is read per user)."""
+    """transformers' continuous batching over the full prompts (a stored document is read per user), each
+    request added at its arrival while the manager runs (`add_request` from this thread, the manager
+    generating in its own)."""
     import torch
     from transformers import GenerationConfig
 
     inputs = [torch.cat([c, q]).tolist() for c, q in zip(prompts["contexts"], prompts["questions"])]
-    generation = GenerationConfig(max_new_tokens=config.new_tokens, do_sample=False)
+    plan = _plan(config, prompts)
+    generation = GenerationConfig(max_new_tokens=max(plan["new_tokens"]), do_sample=False)
     model.set_attn_implementation("sdpa")  # continuous batching refuses kvpot's; the next Engine sets it back
     before = reset_peak(config.devices)
     synchronize(config.devices)
     begun = time.perf_counter()
     manager = model.init_continuous_batching(generation_config=generation)
     manager.start()
-    finished: dict[str, object] = {}
     try:
-        ids = [_hf_add(manager, ids, config.new_tokens) for ids in inputs]
-        deadline = begun + config.hf_timeout
-        while len(finished) < len(ids) and time.perf_counter() < deadline:
-            result = manager.get_result(timeout=1)
-            if result is not None and result.is_finished():
-                finished[result.request_id] = result
+        finished = _hf_serve(manager, inputs, plan, begun, begun + config.hf_timeout)
     finally:
         manager.stop(block=True, timeout=30)
     wall = time.perf_counter() - begun
-    done = list(finished.values())
-    made = sum(len(r.generated_tokens) for r in done)
-    ttft, gaps = [], []
-    for r in done:
-        stamps = getattr(r, "timestamps", None) or []
-        if stamps:
-            ttft.append(stamps[0] - begun if stamps[0] > begun else stamps[0] - r.created_time)
-            gaps += [1000 * (b - a) for a, b in zip(stamps, stamps[1:])]
-    errors = sorted({r.error for r in done if getattr(r, "error", None)})
-    row = _rates_of(made, len(done), len(inputs), wall, ttft, gaps)
-    return {**row, "unfinished": len(done) < len(inputs), "timeout_seconds": config.hf_timeout,
-            "errors": errors[:3], "peak_memory_bytes": peak_memory(config.devices), "memory_before_bytes": before,
+    records = [_hf_record(finished.get(f"u{i}"), a, begun, len(ids)) for i, (ids, a) in
+               enumerate(zip(inputs, plan["arrivals"]))]
+    errors = sorted({r.error for r in finished.values() if getattr(r, "error", None)})
+    row = _rates(config, records, wall)
+    return {**row, "unfinished": len(finished) < len(inputs),
+            "timeout_seconds": config.hf_timeout, "errors": errors[:3],
+            "peak_memory_bytes": peak_memory(config.devices),
+            "memory_before_bytes": before, "arrivals": "added at each arrival (add_request while the manager runs)",
             "baseline": "transformers continuous batching (init_continuous_batching), greedy, EOS off"}
+
+
+def _hf_serve(manager, inputs: list, plan: dict, begun: float, deadline: float) -> dict:
+    """Add each request once it has arrived, collect finished results until all are in or `deadline`."""
+    waiting, finished = list(enumerate(plan["arrivals"]))[::-1], {}
+    while len(finished) < len(inputs) and time.perf_counter() < deadline:
+        now = time.perf_counter() - begun
+        while waiting and waiting[-1][1] <= now:
+            index, _ = waiting.pop()
+            _hf_add(manager, inputs[index], plan["new_tokens"][index], f"u{index}")
+        wait = min(1.0, max(0.001, waiting[-1][1] - now)) if waiting else 1.0
+        result = manager.get_result(timeout=wait)
+        if result is not None and result.is_finished():
+            finished[result.request_id] = result
+    return finished
+
+
+def _hf_record(result, arrival: float, begun: float, prompt_tokens: int) -> dict:
+    if result is None:  # not finished by --hf-timeout
+        return {"arrival": arrival, "ttft": None, "gaps": [], "e2e": None, "output_tokens": 0,
+                "prompt_tokens": prompt_tokens, "finished": False}
+    stamps = list(getattr(result, "timestamps", None) or [])
+    if stamps and stamps[0] < begun:  # relative to the request's creation
+        stamps = [result.created_time + s for s in stamps]
+    at = begun + arrival
+    return {"arrival": arrival, "ttft": stamps[0] - at if stamps else None,
+            "gaps": [b - a for a, b in zip(stamps, stamps[1:])], "e2e": stamps[-1] - at if stamps else None,
+            "output_tokens": len(result.generated_tokens), "prompt_tokens": prompt_tokens,
+            "finished": not getattr(result, "error", None)}
 
 
 def _hf_guarded(config: BenchConfig, model, prompts: dict) -> dict:
@@ -222,33 +270,18 @@ def _hf_guarded(config: BenchConfig, model, prompts: dict) -> dict:
         return {"error": f"{type(err).__name__}: {err}", "completed": 0, "requests": len(prompts["contexts"])}
 
 
-def _hf_add(manager, ids: list[int], new_tokens: int) -> str:
+def _hf_add(manager, ids: list[int], new_tokens: int, request_id: str) -> str:
     """One request, with per-token timestamps where this transformers records them; EOS never matches."""
     try:
-        return manager.add_request(ids, max_new_tokens=new_tokens, record_timestamps=True, eos_token_id=-1)
+        return manager.add_request(ids, request_id=request_id, max_new_tokens=new_tokens, record_timestamps=True,
+                                   eos_token_id=-1)
     except TypeError:  # an older signature
-        return manager.add_request(ids, max_new_tokens=new_tokens)
+        return manager.add_request(ids, request_id=request_id, max_new_tokens=new_tokens)
 
 
-def _rates(requests, wall: float, ttft: list[float], gaps: list[float]) -> dict:
-    made = sum(len(r.tokens) for r in requests)
-    done = sum(1 for r in requests if r.status == "finished")
-    return _rates_of(made, done, len(requests), wall, ttft, gaps)
-
-
-def _rates_of(made: int, done: int, total: int, wall: float, ttft: list[float], gaps: list[float]) -> dict:
-    return {
-        "output_tokens": made, "completed": done, "requests": total, "wall_seconds": wall,
-        "output_tokens_per_second": made / wall if wall > 0 else None,
-        "ttft_p50_seconds": _quantile(ttft, 0.5), "ttft_p95_seconds": _quantile(ttft, 0.95),
-        "itl_p50_ms": _quantile(gaps, 0.5), "itl_p99_ms": _quantile(gaps, 0.99),
-        "itl_max_ms": max(gaps) if gaps else None,
-    }
-
-
-def _quantile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[max(0, min(98, round(100 * q) - 1))]
+def _rates(config, records: list[dict], wall: float) -> dict:
+    """A row's figures from its requests' records (`kvpot.bench.load`): rates, latencies from arrival, SLOs."""
+    made = sum(r["output_tokens"] for r in records)
+    return {"output_tokens": made, "completed": sum(r["finished"] for r in records), "requests": len(records),
+            "wall_seconds": wall, "output_tokens_per_second": made / wall if wall > 0 else None,
+            **load_figures(records, wall, getattr(config, "slo_ttft", None), getattr(config, "slo_itl", None))}

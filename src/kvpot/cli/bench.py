@@ -8,6 +8,7 @@ from pathlib import Path
 
 from kvpot.bench.backends import DEFAULT_SDPA, SDPA_CHOICES
 from kvpot.bench.config import DEFAULT_LENGTHS, MODES, BenchConfig
+from kvpot.bench.load import parse_rate
 from kvpot.bench.serve_config import MODE as SERVE_MODE, ServeBenchConfig
 from kvpot.cli.args import METHOD_METAVAR, add_device_arguments, parse_length, parse_lengths
 from kvpot.errors import KvpotError
@@ -25,7 +26,8 @@ def register(sub) -> None:
             "  decode     ms per generated token (median of per-step times) after a context of each length\n"
             "  attention  us per call of one layer's attention (dense SDPA vs kvpot) over a cache of each length\n"
             "  throughput many users at once: output tokens/s, TTFT and inter-token latency of kvpot's batched\n"
-            "             scheduler, the same users one at a time, and (--baseline hf) transformers' continuous batching\n"
+            "             scheduler, the same users one at a time, and (--baseline hf) transformers' continuous batching;\n"
+            "             all at once or arriving over time with mixed lengths and SLOs (see open-loop load below)\n"
             "  serve      the same figures through an OpenAI-compatible HTTP server: --url drives a running one\n"
             "             (kvpot's, vLLM's, transformers serve); without --url kvpot's server is launched here for\n"
             "             each --method on --shape (or --model) and the same tokens also run through the engine directly\n"
@@ -68,8 +70,9 @@ def register(sub) -> None:
                    help="KV entries per layer and KV head for every method (methods without a budget ignore it)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a parameter for every method that has KEY (repeatable)")
-    p.add_argument("--lengths", "--length", dest="lengths", default=DEFAULT_LENGTHS, metavar="LIST",
-                   help=f"context lengths in tokens, e.g. 32k,128k,512k,1m (default {DEFAULT_LENGTHS})")
+    p.add_argument("--lengths", "--length", dest="lengths", default=None, metavar="LIST",
+                   help=f"context lengths in tokens, e.g. 32k,128k,512k,1m, one run each (default {DEFAULT_LENGTHS}; "
+                        "throughput and serve: see --length-mix for lengths mixed within one run)")
     add_device_arguments(p, dtype_help="weights, KV and q/k/v dtype (auto: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--repeats", type=int, default=1, help="prefill: timed runs per method and length (default 1)")
     p.add_argument("--decode-steps", type=int, default=64, help="decode: timed steps per length (default 64)")
@@ -133,15 +136,48 @@ def register(sub) -> None:
     t.add_argument("--hf-timeout", type=float, default=200.0,
                    help="seconds before transformers' continuous batching is stopped and recorded unfinished "
                         "(default 200)")
+    _load_arguments(p)
     _serve_arguments(p)
     p.add_argument("--out", type=Path, default=None, help="folder for results (created; its parent must exist)")
     p.set_defaults(func=run)
 
 
+def _load_arguments(p) -> None:
+    """Open-loop load, for throughput and serve (kvpot.bench.load)."""
+    g = p.add_argument_group(
+        "open-loop load (throughput and serve)",
+        "Requests arrive over time instead of all at once, ask for mixed prompt lengths and new tokens, and are "
+        "judged against latency SLOs. Every latency (TTFT, ITL, end to end; p50/p95/p99) is measured from the "
+        "request's own arrival. The headline workload of issue 43:\n"
+        "  kvpot bench throughput --shape llama3-8b --method infinipot:pot_size=4096 --users 48 --length-mix 2k-32k "
+        "--new-tokens-mix 64-256 --arrival-rate 1 --slo-ttft 2 --slo-itl 0.1 --baseline hf --device cuda "
+        "--out runs/open-loop")
+    g.add_argument("--arrival-rate", default="inf", metavar="R",
+                   help="requests per second, Poisson: the first request arrives at 0 s, each next one an "
+                        "exponential gap of mean 1/R s later, drawn with --seed (default inf: all at once). "
+                        "kvpot's batch submits each request between steps once it has arrived; one at a time serves "
+                        "them in arrival order, each from max(its arrival, the previous end); hf adds each at its "
+                        "arrival")
+    g.add_argument("--length-mix", default=None, metavar="MIX",
+                   help="each request's context length drawn with --seed (replaces --lengths: one run): a list "
+                        "2k,8k,32k draws uniformly from the listed values, a range 2k-32k a uniform whole number "
+                        "between the ends (included). The row's length is the mix's longest")
+    g.add_argument("--new-tokens-mix", default=None, metavar="MIX",
+                   help="each request's new tokens drawn with --seed, as --length-mix: 64,256 (listed values) or "
+                        "64-256 (uniform range, ends included); replaces --new-tokens")
+    g.add_argument("--slo-ttft", type=float, default=None, metavar="SECONDS",
+                   help="SLO on time to first token from arrival; with --slo-itl (either alone also works): "
+                        "slo_met_share = requests that finished within both, goodput = their output tokens / the "
+                        "workload's wall time")
+    g.add_argument("--slo-itl", type=float, default=None, metavar="SECONDS",
+                   help="SLO on inter-token latency: a request meets it when the p99 of its own gaps between "
+                        "tokens is within SECONDS (a request with one token meets it)")
+
+
 def _serve_arguments(p) -> None:
     """`bench serve`: which server, and what its users do beyond the throughput workload's options."""
     s = p.add_argument_group("serve (also: --users, --lengths, --new-tokens, --question-tokens, --document, "
-                             "--slots, --prefill-tokens)")
+                             "--slots, --prefill-tokens and the open-loop load options)")
     s.add_argument("--url", default=None, help="a running OpenAI-compatible server, e.g. http://127.0.0.1:8000 "
                                                "(default: launch kvpot's server in this process)")
     s.add_argument("--api-key", default=None, help="--url: the server's key (default: $OPENAI_API_KEY)")
@@ -171,9 +207,10 @@ def serve_config_from_args(args) -> ServeBenchConfig:
         shape=args.shape, model=args.model, methods=list(args.method), budget=args.budget,
         settings=parse_assignments(args.set), device=args.device, dtype=args.dtype, decode=args.decode,
         slots=args.slots, prefill_tokens=args.prefill_tokens, threads=args.threads, seed=args.seed,
-        lengths=parse_lengths(args.lengths), users=args.users, new_tokens=args.new_tokens,
+        lengths=_lengths(args), users=args.users, new_tokens=args.new_tokens,
         question_tokens=args.question_tokens, document=args.document,
         upload_during=None if args.upload_during is None else parse_length(args.upload_during), timeout=args.timeout,
+        **_load_options(args),
     )
 
 
@@ -185,7 +222,7 @@ def config_from_args(args) -> BenchConfig:
         raise KvpotError(f"bench {args.mode} needs --out DIR, the folder for results.")
     device, device_map, max_memory = resolve_placement(args.device, args.device_map, args.max_memory)
     return BenchConfig(
-        mode=args.mode, shape=args.shape, out=args.out, methods=list(args.method), lengths=parse_lengths(args.lengths),
+        mode=args.mode, shape=args.shape, out=args.out, methods=list(args.method), lengths=_lengths(args),
         budget=args.budget, settings=parse_assignments(args.set), device=device, device_map=device_map,
         max_memory=max_memory, dtype=args.dtype, repeats=args.repeats, decode_steps=args.decode_steps,
         warmup_steps=args.warmup_steps,
@@ -197,8 +234,24 @@ def config_from_args(args) -> BenchConfig:
         kvpress_path=args.kvpress_path or os.environ.get("KVPOT_KVPRESS_PATH") or None,
         users=args.users, new_tokens=args.new_tokens, document=args.document, slots=args.slots,
         prefill_tokens=args.prefill_tokens, sequential_users=args.sequential_users, hf_timeout=args.hf_timeout,
-        sdpa=args.sdpa,
+        sdpa=args.sdpa, **_load_options(args),
     )
+
+
+def _lengths(args) -> list[int]:
+    if args.lengths is not None and args.length_mix is not None:
+        raise KvpotError("give --lengths (one run per length) or --length-mix (lengths drawn per request), not both.")
+    return parse_lengths(args.lengths or DEFAULT_LENGTHS)
+
+
+def _load_options(args) -> dict:
+    if args.mode not in ("throughput", SERVE_MODE) and (
+            args.arrival_rate != "inf" or args.length_mix or args.new_tokens_mix or args.slo_ttft or args.slo_itl):
+        raise KvpotError("--arrival-rate, --length-mix, --new-tokens-mix, --slo-ttft and --slo-itl apply to bench "
+                         "throughput and bench serve.")
+    return {"arrival_rate": parse_rate(args.arrival_rate), "length_mix": args.length_mix,
+            "new_tokens_mix": args.new_tokens_mix,
+            "slo_ttft": args.slo_ttft, "slo_itl": args.slo_itl}
 
 
 def run(args) -> int:
