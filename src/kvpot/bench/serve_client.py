@@ -107,7 +107,8 @@ def _messages(target: Target, context: str, question: str) -> list[dict]:
 
 def _record(user: int, arrival: float = 0.0) -> dict:
     return {"user": user, "arrival_seconds": arrival, "ttft_seconds": None, "chunk_seconds": [],
-            "completion_tokens": None, "prompt_tokens": None, "finish_reason": None, "end_seconds": None, "error": None, "rejected": False}
+            "completion_tokens": None, "prompt_tokens": None, "finish_reason": None, "end_seconds": None, "error": None,
+            "rejected": False}
 
 
 def _take(chunk, record: dict, now: float, first: _FirstTokens) -> None:

@@ -41,15 +41,16 @@ WARMUP_PROMPT = 256  # warm-up prompts: long enough for one chunk of every metho
 def bench_throughput(config: BenchConfig, model, runs, results, progress) -> None:
     from tqdm.auto import tqdm
 
-    entries = [(run, kind) for run in runs for kind in ("batch", "sequential")] + \
+    kinds = ("batch", "apart", "sequential") if config.prompts_apart else ("batch", "sequential")
+    entries = [(run, kind) for run in runs for kind in kinds] + \
               [("hf", "hf") for name in config.baselines if name == "hf"]
     with tqdm(total=len(entries) * len(config.lengths), unit="run", desc="bench throughput",
               disable=not progress) as bar:
         for length in config.lengths:
             for entry, kind in entries:
                 label = entry if isinstance(entry, str) else entry.label
-                name = {"batch": f"{label} [batch]", "sequential": f"{label} [one at a time]",
-                        "hf": "hf [generate_batch]"}[kind]
+                name = {"batch": f"{label} [batch]", "apart": f"{label} [batch, prompts apart]",
+                        "sequential": f"{label} [one at a time]", "hf": "hf [generate_batch]"}[kind]
                 bar.set_postfix_str(f"{name} @ {length} tokens")
                 row = {"method": name, "kind": kind, "length": length, "oom": False, "skipped": False,
                        "users": config.users, "new_tokens": config.new_tokens, "document": config.document,
@@ -100,7 +101,7 @@ def _kvpot_row(config: BenchConfig, model, run, prompts: dict, kind: str, tokeni
         extra["document_prefill_seconds"] = time.perf_counter() - begun
     if kind == "sequential":
         return {**extra, **_sequential(config, engine, prompts, state)}
-    return {**extra, **_batched(config, engine, prompts, state)}
+    return {**extra, **_batched(config, engine, prompts, state, mix=kind != "apart")}
 
 
 def _requests(config: BenchConfig, prompts: dict, state, users: int | None = None):
@@ -127,7 +128,7 @@ def _prompt_tokens(prompts: dict, index: int) -> int:
     return own + prompts["questions"][index].numel()
 
 
-def _batched(config: BenchConfig, engine, prompts: dict, state) -> dict:
+def _batched(config: BenchConfig, engine, prompts: dict, state, mix: bool = True) -> dict:
     from kvpot.engine.offline import run_all
     from kvpot.engine.requests import Request
     from kvpot.engine.scheduler import Scheduler
@@ -139,7 +140,7 @@ def _batched(config: BenchConfig, engine, prompts: dict, state) -> dict:
         capacity = max(c.numel() + q.numel() for c, q in zip(prompts["contexts"], prompts["questions"])) + \
             max(plan["new_tokens"])
     scheduler = Scheduler(engine, slots=config.slots or None, capacity=capacity, max_slots=config.users,
-                          prefill_tokens=config.prefill_tokens, decode=config.decode)
+                          prefill_tokens=config.prefill_tokens, decode=config.decode, mix=mix)
     # warm-up of the same batch sizes: kernels compile and each bucket's graph is captured, untimed
     vocab = engine.model.config.vocab_size
     warm = [Request(random_tokens(vocab, WARMUP_PROMPT, config.seed + index, config.device), q, max_new_tokens=4,
