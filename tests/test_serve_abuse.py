@@ -131,7 +131,10 @@ def test_any_integer_seed_is_taken_and_fails_nobody(server, seed):
 
 def _peak_rise(pid: int, fn):
     """`fn()`'s result and how far the process' peak resident memory rose above its memory before (bytes)."""
-    Path(f"/proc/{pid}/clear_refs").write_text("5")  # resets the peak (VmHWM) to the current size
+    try:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")  # resets the peak (VmHWM) to the current size
+    except OSError:
+        pytest.skip("this kernel cannot reset a process' peak memory (/proc/PID/clear_refs)")
 
     def read(field: str) -> int:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
