@@ -150,11 +150,13 @@ def test_questions_fed_through_the_decoding_steps_give_the_tokens_alone(model, p
         assert any(e.stats.compressions for e in expected)  # a question did fill the pot
 
 
-@pytest.mark.parametrize("name", ["streaming", "infinipot", "citrus-shared", "d2o", "snapkv", "infinitehip"])
+@pytest.mark.parametrize("name", ["streaming", "infinipot", "infinipot-question", "citrus-shared", "d2o", "snapkv",
+                                  "infinitehip"])
 def test_prompts_read_inside_the_decoding_forward_give_the_tokens_alone(model, prompts, name, one_thread):
     """Prompt chunks packed into the decoding rows' forward (`kvpot.engine.mixed`) leave every request the
-    tokens it gets alone and with forwards of their own, in fewer model forwards. Chunks that need a forward
-    of their own (InfiniPot's catalyst at a pot's fill, CItruS' instruction, InfiniteHiP's attention) keep it."""
+    tokens it gets alone and with forwards of their own, in fewer model forwards; tail probes (InfiniPot's
+    catalyst at a pot's fill, CItruS' instruction) ride in their chunk's part. InfiniteHiP's own attention
+    keeps its forwards."""
     method, capacity = methods()[name]
     expected = alone(model, method, prompts)
     runs = {}

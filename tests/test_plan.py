@@ -17,10 +17,11 @@ def test_the_first_chunk_is_read_whatever_its_size():
     assert plan_chunks([Candidate(0, 5000), Candidate(1, 10)], 2048, decoding=1) == ChunkPlan((0,), -2952)
 
 
-def test_chunks_that_need_a_forward_of_their_own_are_skipped():
-    candidates = [Candidate(0, 100, mixable=False), Candidate(1, 100), Candidate(2, 100, mixable=False),
-                  Candidate(3, 100)]
-    assert plan_chunks(candidates, 1000, decoding=2) == ChunkPlan((1, 3), 800)
+def test_a_chunk_that_needs_a_forward_of_its_own_ends_the_plan():
+    """It is read next, alone, with what is left: no younger request's chunk passes it."""
+    candidates = [Candidate(0, 100), Candidate(1, 100), Candidate(2, 100, mixable=False), Candidate(3, 100)]
+    assert plan_chunks(candidates, 1000, decoding=2) == ChunkPlan((0, 1), 800)
+    assert plan_chunks(candidates[2:], 1000, decoding=2) == ChunkPlan((), 1000)
 
 
 def test_without_decoding_rows_one_chunk_is_not_worth_mixing():

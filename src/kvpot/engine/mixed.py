@@ -13,8 +13,9 @@ read once for all of them, and only attention is done per part (docs/design.md, 
 
 The chunks are the method's own (`kvpot.engine.reading.PromptReader`): a method whose result depends
 on where its forwards end (`Method.chunk_dependent`) reads the same forwards it reads alone. A chunk
-whose method needs a forward of its own stays out (`mixable`): a tail probe in this forward (InfiniPot's
-catalyst at a pot's fill, CItruS' instruction) or a method's own attention (InfiniteHiP, InfLLM).
+whose method needs a forward of its own stays out (`mixable`: a method's own attention, InfiniteHiP's and
+InfLLM's). A tail probe rides in the chunk's part as it does alone (`Engine._forward_with_tail`): InfiniPot's
+catalyst at a pot's fill, CItruS' instruction, their attention observed and their entries rolled back.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvpot.attention import AttentionRequest, sequence_attention
 from kvpot.compat import cache_kwargs
 from kvpot.engine.results import _Run
+from kvpot.engine.sampling import _as_ids
 from kvpot.methods.base import Method, Step
 
 
@@ -39,11 +41,10 @@ class Chunk:
     step: Step
 
 
-def mixable(method: Method, run: _Run, step: Step) -> bool:
-    """Whether this chunk can share a forward (see the module docstring)."""
-    if run.cache.attention is not None or type(method).before_forward is not Method.before_forward:
-        return False
-    return method.tail_probe(run.cache, step) is None
+def mixable(method: Method, run: _Run) -> bool:
+    """Whether a chunk of this run can share a forward: not where the method attends for itself (InfiniteHiP,
+    InfLLM) or prepares each forward itself (`before_forward`)."""
+    return run.cache.attention is None and type(method).before_forward is Method.before_forward
 
 
 class MixedLayer(CacheLayerMixin):
@@ -86,13 +87,13 @@ class MixedCache(Cache):
 
     batched = True
 
-    def __init__(self, step, batch: int, chunks: list[Chunk]):
+    def __init__(self, step, batch: int, chunks: list[Chunk], sizes: list[int]):
         self.step, self.batch = step, batch
         self.caches = [chunk.run.cache for chunk in chunks]
         self.spans, start = [], batch
-        for chunk in chunks:
-            self.spans.append((start, start + chunk.ids.numel()))
-            start += chunk.ids.numel()
+        for size in sizes:  # each chunk's tokens, and its tail probe's
+            self.spans.append((start, start + size))
+            start += size
         super().__init__(layers=[MixedLayer(self, i) for i in range(len(step.layers))])
 
     @property
@@ -135,14 +136,22 @@ def mixed_forward(decoder, slots: list[int], live: list[bool], observe: Attentio
         step.max_position, step.request = decoder.max_position, observe
         nll = decoder.token_nll(rows) if method.needs_token_nll else None
         inputs.append(decoder.last_token[rows])
+    tails = []
     for chunk in chunks:
         run, q = chunk.run, chunk.ids.numel()
-        _, request = engine._before_forward(run, chunk.step)  # no tail probe: `mixable` said so
-        positions = torch.arange(run.next_position, run.next_position + q, device=chunk.ids.device)
-        run.cache.begin_forward(positions, run.next_position + q - 1, request)
-        inputs.append(chunk.ids.to(device))
+        tail, request = engine._before_forward(run, chunk.step)
+        ids = chunk.ids.to(device)
+        if tail is not None:  # as `Engine._forward_with_tail`: the probe follows the chunk's tokens
+            tail_ids, request = tail  # its observation is the forward's
+            tails.append([n + q for n in run.cache.lengths()])  # the entries the probe may score
+            ids = torch.cat([ids, _as_ids(tail_ids, device, "tail probe ids")])
+        else:
+            tails.append(None)
+        positions = torch.arange(run.next_position, run.next_position + ids.numel(), device=device)
+        run.cache.begin_forward(positions, run.next_position + ids.numel() - 1, request)
+        inputs.append(ids)
     ids = torch.cat(inputs).view(1, -1)
-    cache = MixedCache(step, b, chunks)
+    cache = MixedCache(step, b, chunks, [part.numel() for part in inputs[1 if b else 0:]])
     zeros = torch.zeros_like(ids)  # RoPE is applied by kvpot
     out = engine.decoder(input_ids=ids, position_ids=zeros, use_cache=True, kvpot_cache=cache,
                          **cache_kwargs(engine.decoder, cache))
@@ -156,5 +165,10 @@ def mixed_forward(decoder, slots: list[int], live: list[bool], observe: Attentio
         decoder.next_position[rows] += 1
         step.request = None
         decoder.steps += 1
-    for chunk, (start, stop) in zip(chunks, cache.spans):
-        engine._after_forward(chunk.run, chunk.ids, chunk.step, hidden[start:stop])
+    for chunk, (start, _), before in zip(chunks, cache.spans, tails):
+        observation = None
+        if before is not None:  # the probe's attention over what it may score, then its entries go
+            observation = [layer.observation[..., :n] for layer, n in zip(chunk.run.cache.layers, before)]
+            chunk.run.cache.truncate(before)
+        q = chunk.ids.numel()
+        engine._after_forward(chunk.run, chunk.ids, chunk.step, hidden[start : start + q], observation)

@@ -37,7 +37,8 @@ def plan_chunks(candidates: list[Candidate], budget: int, decoding: int) -> Chun
     - oldest first, one chunk per request; the first one is taken whatever its size (a step always
       reads), later ones while they fit what is left; the first that does not fit ends the plan, so
       no younger request passes an older one;
-    - a chunk that cannot share a forward is skipped (it is read in a forward of its own);
+    - a chunk that cannot share a forward ends the plan too (it is read in a forward of its own, with
+      what is left of the budget, before any younger request's chunk);
     - mixing pays beside decoding rows, or for two chunks or more: otherwise nothing joins, and the
       whole budget is left.
     """
@@ -45,9 +46,7 @@ def plan_chunks(candidates: list[Candidate], budget: int, decoding: int) -> Chun
         raise ValueError(f"budget must be positive, got {budget}.")
     chosen, left = [], budget
     for candidate in candidates:
-        if not candidate.mixable:
-            continue
-        if left <= 0 or (chosen and candidate.tokens > left):
+        if not candidate.mixable or left <= 0 or (chosen and candidate.tokens > left):
             break
         chosen.append(candidate.slot)
         left -= candidate.tokens

@@ -214,7 +214,7 @@ class Scheduler:
             active.run.max_chunk = self.prefill_tokens
             try:
                 chunk = active.reader.peek()
-                fits = chunk is not None and mixable(self.method, active.run, chunk[1])
+                fits = chunk is not None and mixable(self.method, active.run)
             except Exception:  # noqa: BLE001 - left to `_prefill`, which fails this request alone
                 chunk, fits = None, False
             candidates.append(Candidate(slot, chunk[0].numel() if chunk is not None else 0, fits))
