@@ -1,0 +1,93 @@
+"""Where a batched step's time goes while prompts are read: the same requests through the scheduler with
+prompt chunks in the decoding rows' forward (mix) and in forwards of their own (apart), each step timed on
+the device, and the slowest mixed steps' CUDA time by operator (torch.profiler).
+
+    python benchmarks/engine-core-h100/mixed_probe.py --out DIR [--shape llama3-8b] [--decoding 32]
+
+`--decoding` requests decode (short prompts read first) while `--reading` requests of `--length` tokens
+are read, `--prefill-tokens` per step. Writes DIR/mixed_probe.json: per mode the step times (ms) while
+prompts were read, the forwards, and the profiler's top operators for mix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--shape", default="llama3-8b")
+    p.add_argument("--method", default="infinipot:pot_size=4096")
+    p.add_argument("--decoding", type=int, default=32)
+    p.add_argument("--reading", type=int, default=4)
+    p.add_argument("--length", type=int, default=16384)
+    p.add_argument("--prefill-tokens", type=int, default=2048)
+    args = p.parse_args(argv)
+    import torch
+
+    from kvpot.bench.backends import sdpa_backends
+    from kvpot.bench.common import IdTokenizer
+    from kvpot.engine import Engine
+    from kvpot.engine.scheduler import Request, Scheduler
+    from kvpot.methods.spec import build_method
+    from kvpot.models import shapes
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = shapes.build(args.shape, device, torch.bfloat16 if device == "cuda" else torch.float32, seed=0)
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    report = {"args": vars(args) | {"out": str(args.out)}, "modes": {}}
+    with sdpa_backends("no-cudnn", device):
+        for mode in ("apart", "mix", "apart", "mix"):  # twice each: the first pass warms both
+            engine = Engine(model, IdTokenizer(vocab), method=build_method(args.method), chat_template=False)
+            scheduler = Scheduler(engine, slots=args.decoding + args.reading, prefill_tokens=args.prefill_tokens,
+                                  mix=mode == "mix")
+            scheduler.capture()
+            decoders = [Request(torch.randint(3, vocab, (256,), generator=gen).tolist(), [5, 6], max_new_tokens=4096,
+                                ignore_eos=True) for _ in range(args.decoding)]
+            for request in decoders:
+                scheduler.submit(request)
+            while any(r.status != "decoding" for r in decoders):
+                scheduler.step()
+                failed = [r.error for r in decoders if r.status == "failed"]
+                if failed:
+                    raise SystemExit(f"a request failed: {failed[0]}")
+            readers = [Request(torch.randint(3, vocab, (args.length,), generator=gen).tolist(), [5, 6],
+                               max_new_tokens=1, ignore_eos=True) for _ in range(args.reading)]
+            for request in readers:
+                scheduler.submit(request)
+            scheduler.report = dict.fromkeys(scheduler.report, 0)
+            times, profile = [], None
+            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) \
+                if mode == "mix" and device == "cuda" else None
+            while any(not r.done for r in readers):
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                begun = time.perf_counter()
+                if profiler is not None and len(times) == 5:
+                    profiler.__enter__()
+                scheduler.step()
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                if profiler is not None and len(times) == 7:
+                    profiler.__exit__(None, None, None)
+                    profile = profiler.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+                times.append((time.perf_counter() - begun) * 1000)
+            scheduler.abort()
+            times.sort()
+            report["modes"][mode] = {
+                "steps": len(times), "step_ms_p50": times[len(times) // 2], "step_ms_max": times[-1],
+                "step_ms_mean": sum(times) / len(times), "report": dict(scheduler.report), "profile": profile}
+            print(mode, {k: v for k, v in report["modes"][mode].items() if k != "profile"}, flush=True)
+            if profile:
+                print(profile, flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "mixed_probe.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
