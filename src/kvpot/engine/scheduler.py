@@ -226,7 +226,7 @@ class Scheduler:
     def _prefill(self, ended: list[Request], budget: int) -> list[int]:
         """Read chunks of prefilling requests in forwards of their own, oldest first, within what is left of
         the step's token budget; returns the slots whose prompt was read (their first token is picked)."""
-        done = []
+        done, read = [], budget < self.prefill_tokens  # prompt tokens were read in this step's forward already
         for slot, active in sorted(self.active.items(), key=lambda item: item[1].started):
             if active.request.status != "prefilling" or active.feeding is not None:
                 continue
@@ -234,7 +234,7 @@ class Scheduler:
                 # a forward costs at least the weights' read: a sliver of budget left is not worth one.
                 # Forwards are capped at the whole budget, not at what is left of it: a cap that followed
                 # the remainder would cut a method's chunks out of step with its own cycle (InfiniPot's
-                # pot) and double its forwards for good; a step may so read up to one forward past it.
+                # pot) and double its forwards for good; a step's first forward may so run past it, no other.
                 while budget >= max(1, self.prefill_tokens // 4):
                     active.run.max_chunk = self.prefill_tokens
                     chunk = active.reader.peek()
@@ -242,7 +242,10 @@ class Scheduler:
                         self._start_decoding(active)
                         done.append(slot)
                         break
+                    if read and chunk[0].numel() > budget:  # one forward past the budget only if none came
+                        break
                     self.engine._forward(active.run, *chunk)
+                    read = True
                     size = active.reader.advance()
                     self.report["forwards"] += 1
                     # a short forward (a question after a stored document) costs about what a longer one
