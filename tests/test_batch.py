@@ -66,9 +66,9 @@ def alone(model, method, prompts, new=NEW, **kw):
     return [engine.generate_ids(c, q, max_new_tokens=new, ignore_eos=True, **kw) for c, q in prompts]
 
 
-def batched(model, method, prompts, slots=3, capacity=None, new=NEW, **kw):
+def batched(model, method, prompts, slots=3, capacity=None, new=NEW, mix=False, **kw):
     engine = kvpot.Engine(model, method=method)
-    scheduler = Scheduler(engine, slots=slots, capacity=capacity, decode="static")
+    scheduler = Scheduler(engine, slots=slots, capacity=capacity, decode="static", mix=mix)
     requests = [Request(c, q, max_new_tokens=new, ignore_eos=True, **kw) for c, q in prompts]
     run_all(scheduler, requests)
     return scheduler, requests
@@ -78,6 +78,8 @@ def batched(model, method, prompts, slots=3, capacity=None, new=NEW, **kw):
 def test_each_request_of_a_batch_gets_its_tokens_alone(model, prompts, name, one_thread):
     method, capacity = methods()[name]
     expected = alone(model, method, prompts)
+    _, mixed = batched(model, method, prompts, capacity=capacity, mix=True)  # prompt chunks beside the rows
+    assert [r.tokens for r in mixed] == [e.token_ids for e in expected]
     scheduler, requests = batched(model, method, prompts, capacity=capacity)
     assert [r.tokens for r in requests] == [e.token_ids for e in expected]
     assert [r.stats.max_kv_entries for r in requests] == [e.stats.max_kv_entries for e in expected]

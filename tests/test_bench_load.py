@@ -304,16 +304,16 @@ def test_serve_open_loop_with_mixes(capsys, tmp_path):
     assert "Poisson arrivals, 10 requests/s" in summary and "| infinipot [http] | mix 64-96 | 3 | 3 |" in summary
 
 
-def test_prompts_apart_row_reads_prompts_in_forwards_of_their_own(capsys, tmp_path):
-    """`--prompts-apart` adds the batch as it was before prompt chunks joined the decoding rows' forward:
-    the same tokens, no mixed forward, more forwards in all."""
+def test_mixed_row_reads_prompt_chunks_in_the_decoding_forward(capsys, tmp_path):
+    """`--mixed` adds the batch with prompt chunks in the decoding rows' forward beside the default batch
+    (prompts in forwards of their own): the same tokens, fewer forwards in all."""
     out = tmp_path / "out"
     code, _, err = run(capsys, "bench", "throughput", "--shape", "tiny", "--device", "cpu", "--out", str(out),
                        "--method", "streaming:window=60", "--users", "4", "--lengths", "128", "--new-tokens", "6",
-                       "--question-tokens", "4", "--prefill-tokens", "32", "--prompts-apart", "--sequential-users", "1")
+                       "--question-tokens", "4", "--prefill-tokens", "32", "--mixed", "--sequential-users", "1")
     assert code == 0, err
     rows = {row["method"]: row for row in json.loads((out / "results.json").read_text())["rows"]}
-    mixed, apart = rows["streaming [batch]"], rows["streaming [batch, prompts apart]"]
+    mixed, apart = rows["streaming [batch, mixed]"], rows["streaming [batch]"]
     assert mixed["output_tokens"] == apart["output_tokens"] == 24
     assert mixed["scheduler"]["mixed_forwards"] > 0 and apart["scheduler"]["mixed_forwards"] == 0
     assert mixed["scheduler"]["forwards"] < apart["scheduler"]["forwards"]

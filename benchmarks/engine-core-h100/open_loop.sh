@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 43's headline workload, open loop, on one GPU: 48 fresh prompts of 2K-32K tokens (drawn), 64-256 new
 # tokens each (drawn), Poisson arrivals at 1 request/s, the llama3-8b shape in bf16, InfiniPot with a 4,096-entry
-# pot. Rows: the batch with prompt chunks in the decoding rows' forward, the batch with prompts read in forwards
-# of their own (the engine before issue 43, --prompts-apart), the first requests one at a time; extra arguments
+# pot. Rows: the batch with prompts read in forwards of their own between decoding steps, the first requests one at
+# a time, and with --mixed the batch with prompt chunks in the decoding rows' forward; extra arguments
 # add rows or change the budget (e.g. --baseline hf --hf-timeout 200, --prefill-tokens 1024).
 # Usage: OUT=DIR bash benchmarks/engine-core-h100/open_loop.sh NAME [kvpot bench throughput options...]
 set -euo pipefail

@@ -100,7 +100,7 @@ class BenchConfig:
     prefill_tokens: int = 2048  # prompt tokens the scheduler reads per step
     sequential_users: int | None = None  # users the one-at-a-time row serves (None: all)
     hf_timeout: float = 200.0  # seconds before transformers' continuous batching is stopped
-    prompts_apart: bool = False  # a row of the batch that reads prompts in forwards of their own (before mixing)
+    mixed: bool = False  # a row of the batch that reads prompt chunks in the decoding rows' forward (mix=True)
     # open-loop load (kvpot.bench.load): Poisson arrivals, per-request mixes, SLOs
     arrival_rate: float | None = None  # requests per second; None (`inf`): all at once
     length_mix: str | None = None  # `2k,8k,32k` (drawn from the list) or `2k-32k` (a uniform range)

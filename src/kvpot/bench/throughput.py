@@ -41,7 +41,7 @@ WARMUP_PROMPT = 256  # warm-up prompts: long enough for one chunk of every metho
 def bench_throughput(config: BenchConfig, model, runs, results, progress) -> None:
     from tqdm.auto import tqdm
 
-    kinds = ("batch", "apart", "sequential") if config.prompts_apart else ("batch", "sequential")
+    kinds = ("batch", "mixed", "sequential") if config.mixed else ("batch", "sequential")
     entries = [(run, kind) for run in runs for kind in kinds] + \
               [("hf", "hf") for name in config.baselines if name == "hf"]
     with tqdm(total=len(entries) * len(config.lengths), unit="run", desc="bench throughput",
@@ -49,7 +49,7 @@ def bench_throughput(config: BenchConfig, model, runs, results, progress) -> Non
         for length in config.lengths:
             for entry, kind in entries:
                 label = entry if isinstance(entry, str) else entry.label
-                name = {"batch": f"{label} [batch]", "apart": f"{label} [batch, prompts apart]",
+                name = {"batch": f"{label} [batch]", "mixed": f"{label} [batch, mixed]",
                         "sequential": f"{label} [one at a time]", "hf": "hf [generate_batch]"}[kind]
                 bar.set_postfix_str(f"{name} @ {length} tokens")
                 row = {"method": name, "kind": kind, "length": length, "oom": False, "skipped": False,
@@ -101,7 +101,7 @@ def _kvpot_row(config: BenchConfig, model, run, prompts: dict, kind: str, tokeni
         extra["document_prefill_seconds"] = time.perf_counter() - begun
     if kind == "sequential":
         return {**extra, **_sequential(config, engine, prompts, state)}
-    return {**extra, **_batched(config, engine, prompts, state, mix=kind != "apart")}
+    return {**extra, **_batched(config, engine, prompts, state, mix=kind == "mixed")}
 
 
 def _requests(config: BenchConfig, prompts: dict, state, users: int | None = None):
@@ -128,7 +128,7 @@ def _prompt_tokens(prompts: dict, index: int) -> int:
     return own + prompts["questions"][index].numel()
 
 
-def _batched(config: BenchConfig, engine, prompts: dict, state, mix: bool = True) -> dict:
+def _batched(config: BenchConfig, engine, prompts: dict, state, mix: bool = False) -> dict:
     from kvpot.engine.offline import run_all
     from kvpot.engine.requests import Request
     from kvpot.engine.scheduler import Scheduler

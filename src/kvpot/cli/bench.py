@@ -133,9 +133,9 @@ def register(sub) -> None:
                    help="prompt tokens the scheduler reads per step between decoding steps (default 2048)")
     t.add_argument("--sequential-users", type=int, default=None,
                    help="users the one-at-a-time row serves (default: all; fewer keeps long runs short)")
-    t.add_argument("--prompts-apart", action="store_true",
-                   help="add a row of the batch that reads prompts in forwards of their own between decoding steps "
-                        "(the engine before prompt chunks joined the decoding rows' forward), beside METHOD [batch]")
+    t.add_argument("--mixed", action="store_true",
+                   help="add a row of the batch that reads prompt chunks in the decoding rows' forward (Scheduler "
+                        "mix=True: fewer forwards, the same tokens) beside METHOD [batch], which reads them apart")
     t.add_argument("--hf-timeout", type=float, default=200.0,
                    help="seconds before transformers' continuous batching is stopped and recorded unfinished "
                         "(default 200)")
@@ -237,7 +237,7 @@ def config_from_args(args) -> BenchConfig:
         kvpress_path=args.kvpress_path or os.environ.get("KVPOT_KVPRESS_PATH") or None,
         users=args.users, new_tokens=args.new_tokens, document=args.document, slots=args.slots,
         prefill_tokens=args.prefill_tokens, sequential_users=args.sequential_users, hf_timeout=args.hf_timeout,
-        prompts_apart=args.prompts_apart,
+        mixed=args.mixed,
         sdpa=args.sdpa, **_load_options(args),
     )
 
