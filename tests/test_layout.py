@@ -140,6 +140,7 @@ def test_modules_stay_small():
 
 def test_the_top_level_holds_only_the_core():
     top = sorted(p.stem for p in ROOT.glob("*.py"))
-    # host_memory: the cache's page-locked storage when offloaded (cache.py's buffers, split from it)
-    assert top == ["__init__", "__main__", "attention", "cache", "compat", "errors", "host_memory", "positions",
+    # host_memory: the cache's page-locked storage when offloaded (cache.py's buffers, split from it);
+    # defaults: values the library, the server and the benchmarks share, importable without torch
+    assert top == ["__init__", "__main__", "attention", "cache", "compat", "defaults", "errors", "host_memory", "positions",
                    "reporting", "rope", "scoring"]

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvpot.bench.backends import DEFAULT_SDPA, SDPA_CHOICES
+from kvpot.defaults import PREFILL_TOKENS
 from kvpot.errors import KvpotError
 
 
@@ -97,7 +98,7 @@ class BenchConfig:
     new_tokens: int = 128
     document: bool = False  # every user asks about one stored document of each length
     slots: int | None = None  # sequences decoding at once (None: every user, within free memory)
-    prefill_tokens: int = 2048  # prompt tokens the scheduler reads per step
+    prefill_tokens: int = PREFILL_TOKENS  # prompt tokens the scheduler reads per step
     sequential_users: int | None = None  # users the one-at-a-time row serves (None: all)
     hf_timeout: float = 200.0  # seconds before transformers' continuous batching is stopped
     mixed: bool = False  # a row of the batch that reads prompt chunks in the decoding rows' forward (mix=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from kvpot.defaults import PREFILL_TOKENS
 from kvpot.errors import KvpotError
 
 MODE = "serve"
@@ -30,7 +31,7 @@ class ServeBenchConfig:
     dtype: str = "auto"
     decode: str = "auto"
     slots: int | None = None  # the server's (and the engine row's) sequences at once
-    prefill_tokens: int = 2048
+    prefill_tokens: int = PREFILL_TOKENS
     threads: int | None = None
     seed: int = 0
     # the workload

@@ -11,6 +11,7 @@ from kvpot.bench.config import DEFAULT_LENGTHS, MODES, BenchConfig
 from kvpot.bench.load import parse_rate
 from kvpot.bench.serve_config import MODE as SERVE_MODE, ServeBenchConfig
 from kvpot.cli.args import METHOD_METAVAR, add_device_arguments, parse_length, parse_lengths
+from kvpot.defaults import PREFILL_TOKENS
 from kvpot.errors import KvpotError
 
 
@@ -129,8 +130,8 @@ def register(sub) -> None:
                    help="every user asks about one stored document of --lengths tokens (read once, timed apart)")
     t.add_argument("--slots", type=int, default=None,
                    help="sequences decoding at once (default: every user, within free GPU memory)")
-    t.add_argument("--prefill-tokens", type=int, default=2048,
-                   help="prompt tokens the scheduler reads per step between decoding steps (default 2048)")
+    t.add_argument("--prefill-tokens", type=int, default=PREFILL_TOKENS,
+                   help=f"prompt tokens the scheduler reads per step between decoding steps (default {PREFILL_TOKENS})")
     t.add_argument("--sequential-users", type=int, default=None,
                    help="users the one-at-a-time row serves (default: all; fewer keeps long runs short)")
     t.add_argument("--mixed", action="store_true",

@@ -13,6 +13,7 @@ DEFAULT_METHOD = "infinipot:pot_size=4096"  # bounded, as `kvpot generate`'s def
 
 def register(subparsers) -> None:
     from kvpot.cli.args import METHOD_METAVAR, add_decode_argument, add_model_arguments
+    from kvpot.defaults import PREFILL_TOKENS
 
     p = subparsers.add_parser(
         "serve",
@@ -61,9 +62,9 @@ def register(subparsers) -> None:
                         "is not given (default 0.7; the rest holds stored states and other methods' pools)")
     b.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for a slot; beyond, 429 with Retry-After (default 64)")
-    b.add_argument("--prefill-tokens", type=int, default=2048,
+    b.add_argument("--prefill-tokens", type=int, default=PREFILL_TOKENS,
                    help="prompt tokens read per step between decode steps: lower keeps streams smoother while a "
-                        "long prompt or document is read, higher reads it sooner (default 2048)")
+                        f"long prompt or document is read, higher reads it sooner (default {PREFILL_TOKENS})")
     b.add_argument("--feed-questions", choices=["auto", "always", "never"], default="auto",
                    help="a question about a stored document is read one token per decoding step beside the users "
                         "already decoding (auto: while others run or wait; alone, one forward answers sooner), "

@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvpot.defaults import PREFILL_TOKENS
 from kvpot.errors import KvpotError
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
@@ -39,7 +40,7 @@ class ServeConfig:
     max_slots: int | None = None  # sequences decoding at once with the server's method; None: what fits
     kv_memory_fraction: float = 0.7  # of the GPU memory free after loading, for the method's slots (max_slots None)
     method_slots: int = 4  # slots of the pool made for another method (a document read with it)
-    prefill_tokens: int = 2048  # prompt tokens read per step between decode steps (chunked prefill)
+    prefill_tokens: int = PREFILL_TOKENS  # prompt tokens read per step beside the decoding rows (chunked prefill)
     slot_capacity: int | None = None  # KV entries per slot for methods whose cache grows with the input
     feed_questions: str = "auto"  # a stored document's questions fed through the decoding steps (Scheduler)
     feed_tokens: int = 64  # the longest question fed so
