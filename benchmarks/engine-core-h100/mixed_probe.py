@@ -1,12 +1,12 @@
 """Where a batched step's time goes while prompts are read: the same requests through the scheduler with
 prompt chunks in the decoding rows' forward (mix) and in forwards of their own (apart), each step timed on
-the device, and the slowest mixed steps' CUDA time by operator (torch.profiler).
+the device, and two steps' CUDA time by operator in each mode (torch.profiler).
 
     python benchmarks/engine-core-h100/mixed_probe.py --out DIR [--shape llama3-8b] [--decoding 32]
 
 `--decoding` requests decode (short prompts read first) while `--reading` requests of `--length` tokens
 are read, `--prefill-tokens` per step. Writes DIR/mixed_probe.json: per mode the step times (ms) while
-prompts were read, the forwards, and the profiler's top operators for mix.
+prompts were read, the forwards, and the profiler's top operators of two steps.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ def main(argv=None) -> None:
     p.add_argument("--reading", type=int, default=4)
     p.add_argument("--length", type=int, default=16384)
     p.add_argument("--prefill-tokens", type=int, default=2048)
+    p.add_argument("--print-profiles", action="store_true", help="print each mode's profiler table")
     args = p.parse_args(argv)
     import torch
 
@@ -63,7 +64,7 @@ def main(argv=None) -> None:
             scheduler.report = dict.fromkeys(scheduler.report, 0)
             times, profile = [], None
             profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) \
-                if mode == "mix" and device == "cuda" else None
+                if device == "cuda" else None
             while any(not r.done for r in readers):
                 if device == "cuda":
                     torch.cuda.synchronize()
@@ -83,8 +84,8 @@ def main(argv=None) -> None:
                 "steps": len(times), "step_ms_p50": times[len(times) // 2], "step_ms_max": times[-1],
                 "step_ms_mean": sum(times) / len(times), "report": dict(scheduler.report), "profile": profile}
             print(mode, {k: v for k, v in report["modes"][mode].items() if k != "profile"}, flush=True)
-            if profile:
-                print(profile, flush=True)
+            if profile and args.print_profiles:
+                print(mode, profile, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "mixed_probe.json").write_text(json.dumps(report, indent=1))
 
