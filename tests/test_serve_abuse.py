@@ -274,6 +274,8 @@ def test_without_a_key_only_loopback_hosts_and_json_bodies_and_sigterm_loses_not
         assert httpx.get(f"{server.url}/v1/models", headers={"Host": "localhost:1"}, timeout=30).status_code == 200
         rebinding = httpx.get(f"{server.url}/v1/models", headers={"Host": "attacker.example"}, timeout=30)
         assert assert_openai_error(rebinding, 403)["code"] == "host_not_allowed"
+        probe = httpx.get(f"{server.url}/health", headers={"Host": "node-7.cluster.example:8000"}, timeout=30)
+        assert probe.status_code == 200  # a load balancer's health check, under the machine's own name
         form = server.http("POST", "/v1/chat/completions", content=json.dumps(chat).encode(),
                            headers={"Content-Type": "application/x-www-form-urlencoded"})
         assert assert_openai_error(form, 415)["code"] == "unsupported_media_type"

@@ -177,7 +177,7 @@ class _Guard:
             if path not in _OPEN and not _bearer_matches(headers.get("authorization", ""), config.api_key):
                 return ApiError(401, "a valid API key is required: send 'Authorization: Bearer <key>'.",
                                 code="invalid_api_key")
-        else:
+        elif path not in _OPEN:  # health checks come from load balancers under any name
             host = _host_name(headers.get("host", ""))
             if not (host in _LOOPBACK or host.startswith("127.") or host in config.allowed_hosts
                     or "*" in config.allowed_hosts):
