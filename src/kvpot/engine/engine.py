@@ -277,10 +277,10 @@ class Engine(TextApi, Scoring):
         the batched scheduler interleaves these forwards with other sequences' decoding steps."""
         reader = PromptReader(self.method, run, segments)
         while True:
-            run.check()
             chunk = reader.peek()
             if chunk is None:
                 return
+            run.check()  # before each forward (not once more after the last)
             self._forward(run, *chunk)
             yield reader.advance()
 
