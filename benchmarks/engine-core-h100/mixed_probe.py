@@ -62,9 +62,12 @@ def main(argv=None) -> None:
             for request in readers:
                 scheduler.submit(request)
             scheduler.report = dict.fromkeys(scheduler.report, 0)
-            times, profile = [], None
-            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) \
-                if device == "cuda" else None
+            times, forwards, profile = [], [], None
+            # CPU activity too, with shapes: the table then names each operator and its input shapes, which
+            # says whose work a kernel is (the model's norms and MLP, kvpot's attention, the method's scoring)
+            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                          torch.profiler.ProfilerActivity.CUDA],
+                                              record_shapes=True) if device == "cuda" else None
             while any(not r.done for r in readers):
                 if device == "cuda":
                     torch.cuda.synchronize()
@@ -76,14 +79,19 @@ def main(argv=None) -> None:
                     torch.cuda.synchronize()
                 if profiler is not None and len(times) == 7:
                     profiler.__exit__(None, None, None)
-                    profile = profiler.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+                    profile = profiler.key_averages(group_by_input_shape=True).table(
+                        sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=60,
+                        max_shapes_column_width=90)
                 times.append((time.perf_counter() - begun) * 1000)
+                forwards.append(scheduler.report.get("forwards", 0))
             scheduler.abort()
+            by_step = [[round(t, 2), f] for t, f in zip(times, forwards)]  # each step's ms, forwards so far
             times.sort()
             report["modes"][mode] = {
                 "steps": len(times), "step_ms_p50": times[len(times) // 2], "step_ms_max": times[-1],
-                "step_ms_mean": sum(times) / len(times), "report": dict(scheduler.report), "profile": profile}
-            print(mode, {k: v for k, v in report["modes"][mode].items() if k != "profile"}, flush=True)
+                "step_ms_mean": sum(times) / len(times), "report": dict(scheduler.report), "profile": profile,
+                "by_step": by_step}
+            print(mode, {k: v for k, v in report["modes"][mode].items() if k not in ("profile", "by_step")}, flush=True)
             if profile and args.print_profiles:
                 print(mode, profile, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
