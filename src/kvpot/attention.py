@@ -77,25 +77,6 @@ class LayerView:
         return self.layer.update(key_states, value_states, *args, **kwargs)
 
 
-class ReadView:
-    """A reading forward's cache as one decoder layer's call sees it in a compiled read
-    (`kvpot.engine.regions.CompiledRead`): the cache update and kvpot's attention run eagerly, outside the
-    compiled graph (`torch.compiler.disable`), over the whole cache and this layer's index."""
-
-    def __init__(self, cache, index: int):
-        self.cache, self.index = cache, index
-
-    @torch.compiler.disable
-    def update(self, key_states, value_states, layer_idx=None, *args, **kwargs):
-        return self.cache.update(key_states, value_states, self.index, *args, **kwargs)
-
-
-@torch.compiler.disable
-def _read_attention(module, query, key, value, attention_mask, scaling, dropout, view: ReadView, **kwargs):
-    return kvpot_attention(module, query, key, value, attention_mask, scaling, dropout, kvpot_cache=view.cache,
-                           **kwargs)
-
-
 def layer_of(cache, module):
     """(cache, layer) that the attention module `module` reads: from a view, without its `layer_idx`."""
     if isinstance(cache, LayerView):
@@ -122,8 +103,6 @@ def kvpot_attention(
     kvpot_cache=None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    if isinstance(kvpot_cache, ReadView):  # a compiled read: the graph breaks here (kvpot.engine.regions)
-        return _read_attention(module, query, key, value, attention_mask, scaling, dropout, kvpot_cache, **kwargs)
     _refuse_unsupported(attention_mask, dropout, kvpot_cache, kwargs)
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     kvpot_cache, layer = layer_of(kvpot_cache, module)  # a compiled step hands each layer a LayerView

@@ -23,7 +23,7 @@ from kvpot.cache import PotCache
 from kvpot.compat import cache_kwargs
 from kvpot.engine.decoding import MODES, Decoder, decode_eager, resolve_mode
 from kvpot.engine.linear import resolve_linear, single_row_scope
-from kvpot.engine.regions import CompiledRead, CompiledStep
+from kvpot.engine.regions import CompiledStep
 from kvpot.engine.score import Scoring
 from kvpot.engine.text import TextApi
 from kvpot.engine.results import Result, ScoreResult, State, Stats, _Run  # noqa: F401 - ScoreResult: public via kvpot
@@ -60,7 +60,6 @@ class Engine(TextApi, Scoring):
         decode: str = "auto",
         compile_step: bool = False,
         linear: str = "auto",
-        compile_prefill: bool = False,
     ):
         architecture_of(model.config)
         if chat_template not in (True, False, "auto"):
@@ -70,10 +69,8 @@ class Engine(TextApi, Scoring):
         self.decode = decode  # kvpot.engine.decoding: "auto" = CUDA graphs on a GPU, eager on a CPU
         if not isinstance(compile_step, bool):
             raise KvpotError(f"compile_step must be True or False, got {compile_step!r}.")
-        if not isinstance(compile_prefill, bool):
-            raise KvpotError(f"compile_prefill must be True or False, got {compile_prefill!r}.")
-        self.compile_step, self.compile_prefill = compile_step, compile_prefill
-        self._step_decoder = self._read_decoder = None
+        self.compile_step = compile_step
+        self._step_decoder = None
         model.set_attn_implementation(register())
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -103,7 +100,6 @@ class Engine(TextApi, Scoring):
         device_map: str | dict | None = None,
         max_memory: dict | None = None,
         gguf_file: str | None = None,
-        compile_prefill: bool = False,
     ) -> Engine:
         """Load a model on `device` (default "cpu"), or split over several by `device_map` ("auto", or a dict
         module -> device) within `max_memory` ({0: "70GiB", ...}); each layer's cache lives on its device.
@@ -113,7 +109,7 @@ class Engine(TextApi, Scoring):
         model, tokenizer = load_pretrained(name_or_path, device=device, dtype=dtype, device_map=device_map,
                                            max_memory=max_memory, gguf_file=gguf_file)
         return cls(model, tokenizer, method=method, chat_template=chat_template, decode=decode,
-                   compile_step=compile_step, linear=linear, compile_prefill=compile_prefill)
+                   compile_step=compile_step, linear=linear)
 
     def step_decoder(self):
         """The decoder that fixed-shape decoding steps run: with `compile_step`, its decoder layer
@@ -125,16 +121,6 @@ class Engine(TextApi, Scoring):
         if self._step_decoder is None:
             self._step_decoder = CompiledStep(self.decoder)
         return self._step_decoder
-
-    def read_decoder(self):
-        """The decoder that reading forwards run (prompt chunks, probes, a batched step's mixed forward): with
-        `compile_prefill`, each decoder layer through one compiled block, kvpot's attention left eager
-        (`kvpot.engine.regions.CompiledRead`)."""
-        if not self.compile_prefill:
-            return self.decoder
-        if self._read_decoder is None:
-            self._read_decoder = CompiledRead(self.decoder)
-        return self._read_decoder
 
     def single_row(self):
         """The context every single-token forward runs in (eager, static or captured alike, so the decoding
@@ -374,8 +360,8 @@ class Engine(TextApi, Scoring):
         positions = torch.arange(run.next_position, run.next_position + q, device=ids.device)
         cache.begin_forward(positions, run.next_position + q - 1, request)
         zeros = torch.zeros(1, q, dtype=torch.long, device=ids.device)  # RoPE is applied by kvpot
-        out = self.read_decoder()(input_ids=ids.view(1, q), position_ids=zeros, use_cache=True, kvpot_cache=cache,
-                                  **cache_kwargs(self.decoder, cache))
+        out = self.decoder(input_ids=ids.view(1, q), position_ids=zeros, use_cache=True, kvpot_cache=cache,
+                           **cache_kwargs(self.decoder, cache))
         return out.last_hidden_state[0]
 
     @torch.no_grad()

@@ -153,8 +153,8 @@ def mixed_forward(decoder, slots: list[int], live: list[bool], observe: Attentio
     ids = torch.cat(inputs).view(1, -1)
     cache = MixedCache(step, b, chunks, [part.numel() for part in inputs[1 if b else 0:]])
     zeros = torch.zeros_like(ids)  # RoPE is applied by kvpot
-    out = engine.read_decoder()(input_ids=ids, position_ids=zeros, use_cache=True, kvpot_cache=cache,
-                                **cache_kwargs(engine.decoder, cache))
+    out = engine.decoder(input_ids=ids, position_ids=zeros, use_cache=True, kvpot_cache=cache,
+                         **cache_kwargs(engine.decoder, cache))
     hidden = out.last_hidden_state[0]  # [T, hidden]
     if b:
         logits = engine.head(hidden[:b]).float()

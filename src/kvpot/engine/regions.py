@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from kvpot.attention import LayerView, ReadView
+from kvpot.attention import LayerView
 from kvpot.compat import NEW_NAME, OLD_NAME
 from kvpot.errors import KvpotError
 
@@ -73,38 +73,12 @@ class CompiledStep:
                 layer._compiled_call_impl = slot
 
     def _caller(self, index: int, layer: torch.nn.Module):
-        block, view = self.block, self.view
+        block = self.block
 
         def call(*args, **kwargs):
-            return block(layer, *args, **_with_view(kwargs, index, view))
+            return block(layer, *args, **_with_view(kwargs, index))
 
         return call
-
-    view = LayerView
-
-
-class CompiledRead(CompiledStep):
-    """Calls the decoder as a reading forward does (a prompt chunk, a mixed step's rows and chunks), each decoder
-    layer through one `torch.compile`d block (`Engine(compile_prefill=True)`).
-
-    A reading forward's attention is kvpot's own Python: per-chunk caches, positions, the method's
-    observations, a mixed step's parts. It stays eager: the layer reaches its cache only through a
-    `ReadView`, whose `update` and attention are `torch.compiler.disable`d, so the compiled block breaks
-    its graph there and fuses the rest (the norms, the queries' and keys' rotary products at position 0,
-    the MLP's activation, the residual adds): at 2,048 tokens on the `llama3-8b` shape those are about a
-    fifth of an eager forward's GPU time (`records/engine-core-h100/`). The token count is dynamic, so a
-    forward of any length reuses the compilation (one more for a single token, which dynamo specialises).
-    """
-
-    view = ReadView
-
-    def __call__(self, *args, **kwargs):
-        # the attention module hands `self.layer_idx` to the (eager) cache update: an integer dynamo would
-        # otherwise guard on, compiling every layer again
-        import torch._dynamo.config as config
-
-        with config.patch(allow_unspec_int_on_nn_module=True):
-            return super().__call__(*args, **kwargs)
 
 
 def recompile_limit(limit: int):
@@ -118,13 +92,13 @@ def recompile_limit(limit: int):
     return config.patch(**{name: max(getattr(config, name), limit)})
 
 
-def _with_view(kwargs: dict, index: int, kind=LayerView) -> dict:
+def _with_view(kwargs: dict, index: int) -> dict:
     """The layer's keyword arguments with kvpot's cache (under transformers' name for it, and as
     `kvpot_cache` for the attention function) replaced by a view of its layer."""
     cache = kwargs.get("kvpot_cache")
     if cache is None:
         raise KvpotError("compile_step: a decoder layer was called without kvpot's cache.")
-    view = kind(cache, index)
+    view = LayerView(cache, index)
     out = dict(kwargs, kvpot_cache=view)
     for name in (NEW_NAME, OLD_NAME):
         if kwargs.get(name) is cache:
