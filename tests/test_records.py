@@ -1,10 +1,13 @@
 """The recorded runs (records/) apart from the suite (benchmarks/), issue 44: every folder is indexed in
-records/README.md, the index's folders exist, no console logs or undocumented figures are kept, and
-`kvpot report --plots RUN` redraws a run's figures from its results."""
+records/README.md, the index's folders exist, no console logs or undocumented figures are kept, records and
+suite stay within the issue's size targets, packed and compressed records read back as the files they were
+(`kvpot.eval.recorded`), and `kvpot report --plots RUN` redraws a run's figures from its results."""
 
 from __future__ import annotations
 
-import glob
+import fnmatch
+import gzip
+import json
 import re
 import subprocess
 import time
@@ -12,6 +15,11 @@ from pathlib import Path
 
 import pytest
 from conftest import run
+
+from kvpot.errors import KvpotError
+from kvpot.eval import recorded
+from kvpot.eval.plots import kind_of
+from kvpot.eval.records import read
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "records"
@@ -49,13 +57,22 @@ def test_an_unindexed_folder_fails(tmp_path):
     assert unindexed(tmp_path) == ["forgotten"]
 
 
+def _recorded_names() -> set[str]:
+    """Every recorded file and folder below records/, plain or packed (kvpot.eval.recorded), relative to it."""
+    names = set()
+    for path in recorded.paths(RECORDS):
+        rel = path.relative_to(RECORDS)
+        names |= {rel.as_posix(), *(p.as_posix() for p in rel.parents if p != Path("."))}
+    return names
+
+
 def test_every_folder_the_figure_table_names_exists():
-    missing = []
+    names, missing = _recorded_names(), []
     for row in _rows(_section(INDEX.read_text(encoding="utf-8"), "Where each figure in README.md comes from")):
         cited = re.findall(r"`([^`]+)`", row[2])
         assert cited, row[2]
         first = cited[0].split(" ")[0].rstrip("/")
-        if not (glob.glob(str(RECORDS / first)) or (ROOT / first).exists()):
+        if not (fnmatch.filter(names, first) or (ROOT / first).exists()):
             missing.append(first)
     assert missing == []
 
@@ -102,3 +119,88 @@ def test_report_plots_errors_are_one_line(capsys, argv, fragment, monkeypatch):
     monkeypatch.chdir(ROOT)
     code, _, err = run(capsys, "report", *argv)
     assert code == 2 and fragment in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_records_and_suite_stay_within_the_issue_44_targets():
+    kept = [ROOT / p for p in _kept("*")]
+    assert kept and all(p.is_file() for p in kept)
+    size = sum(p.stat().st_size for p in kept)
+    # issue 44: records and suite together in at most 500 files and 10 MB; pack new runs (records/README.md)
+    assert len(kept) <= 500, f"{len(kept)} files in records/ and benchmarks/"
+    assert size <= 10_000_000, f"{size:,} bytes in records/ and benchmarks/"
+
+
+def _eval_run(folder: Path, date: str, answers: list[bool], first: int = 0) -> None:
+    """A minimal `kvpot eval` run folder: config.json and results.jsonl."""
+    folder.mkdir(parents=True)
+    config = {"date": date, "model": "m", "device": "cpu", "dtype": "float32", "config": {},
+              "methods": {"full": {"spec": "full"}}}
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    rows = [{"method": "full", "task": "passkey", "length": 2048, "depth": 0.5, "sample": i, "seed": i, "correct": ok,
+             "score": float(ok), "stats": {"prefill_seconds": 0.1 * i}} for i, ok in enumerate(answers, first)]
+    (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _pack(folder: Path) -> None:
+    """Pack every JSON / JSONL file below `folder` into its results.jsonl.gz, as records/ is packed."""
+    entries = {}
+    for path in sorted(p for p in folder.rglob("*") if p.suffix in (".json", ".jsonl")):
+        text = path.read_text()
+        name = path.relative_to(folder).as_posix()
+        try:
+            entries[name] = json.loads(text) if path.suffix == ".json" else [json.loads(x) for x in text.splitlines()]
+        except ValueError:
+            entries[name] = recorded.Verbatim(text)
+        path.unlink()
+    for empty in sorted((p for p in folder.rglob("*") if p.is_dir()), reverse=True):
+        empty.rmdir()
+    with gzip.open(folder / recorded.PACK, "wt", encoding="utf-8") as handle:
+        handle.write("\n".join(recorded.pack_lines(entries)) + "\n")
+
+
+def test_packed_and_compressed_records_read_back_as_the_files_they_were(tmp_path):
+    plain, packed = tmp_path / "plain", tmp_path / "packed"
+    for root in (plain, packed):
+        _eval_run(root / "grid" / "a", "2026-11-01", [True, False, True])
+        _eval_run(root / "grid" / "deeper" / "b", "2026-11-02", [False, False], first=3)
+        (root / "grid" / "sweep.jsonl").write_text('{"n": 1}\nrc=0 24 s\n')  # a console line appended
+    _pack(packed / "grid")
+    assert sorted(p.name for p in (packed / "grid").iterdir()) == [recorded.PACK]
+    before, after = read(plain, ["grid"]), read(packed, ["grid"])
+    assert len(after.rows) == 5 and after.rows == before.rows and after.runs == before.runs == {
+        "grid/a": "2026-11-01", "grid/deeper/b": "2026-11-02"}
+    assert [p.relative_to(packed).as_posix() for p in recorded.files(packed, "config.json")] == [
+        "grid/a/config.json", "grid/deeper/b/config.json"]
+    assert recorded.files(packed / "grid" / "deeper", "results.jsonl") == [packed / "grid/deeper/b/results.jsonl"]
+    assert recorded.is_dir(packed / "grid" / "deeper") and not recorded.is_dir(packed / "grid" / "c")
+    assert recorded.exists(packed / "grid/a/config.json") and not recorded.exists(packed / "grid/a/summary.json")
+    assert recorded.read_json(packed / "grid/a/config.json") == json.loads((plain / "grid/a/config.json").read_text())
+    text = recorded._packed(packed / "grid/sweep.jsonl")
+    assert text == (plain / "grid/sweep.jsonl").read_text()  # not JSONL: kept whole, byte for byte
+    with pytest.raises(ValueError):
+        recorded.read_jsonl(packed / "grid/sweep.jsonl")  # ... and as unreadable as the plain file
+    rows = recorded.read_jsonl(packed / "grid/a/results.jsonl")
+    rows[0]["correct"] = "changed"  # a caller's change never reaches the cached pack
+    assert recorded.read_jsonl(packed / "grid/a/results.jsonl")[0]["correct"] is True
+    with pytest.raises(KvpotError, match="no recorded file"):
+        recorded.read_json(packed / "grid/a/summary.json")
+
+
+def test_one_compressed_file_reads_as_the_plain_one(tmp_path):
+    summary = {"mode": "decode", "rows": [{"ms": 9.19}], "text": "é"}
+    (tmp_path / "results.json.gz").write_bytes(gzip.compress(json.dumps(summary).encode("utf-8")))
+    rows = [{"method": "full", "i": i} for i in range(3)]
+    with gzip.open(tmp_path / "results.jsonl.gz", "wt", encoding="utf-8") as handle:  # one run's rows, not a pack
+        handle.write("".join(json.dumps(r) + "\n" for r in rows))
+    assert recorded.read_json(tmp_path / "results.json") == summary
+    assert recorded.read_jsonl(tmp_path / "results.jsonl") == rows
+    assert recorded.files(tmp_path, "results.jsonl") == [tmp_path / "results.jsonl"]
+    assert kind_of(tmp_path) == "bench"
+
+
+def test_report_plots_draws_a_packed_run(capsys, tmp_path):
+    run_folder = RECORDS / "reference-model" / "passkey-8k"
+    assert not run_folder.exists() and recorded.exists(run_folder / "summary.json")  # packed
+    code, out, _ = run(capsys, "report", "--plots", str(run_folder), "--out", str(tmp_path))
+    assert code == 0 and "of 1 run" in out
+    assert (tmp_path / "accuracy.png").stat().st_size > 1000

@@ -9,9 +9,10 @@ A cell with fewer rows than the run asked for (samples x depths, from config.jso
 time limit and is marked partial, with per-depth correct/finished counts.
 """
 
-import json
 import sys
 from pathlib import Path
+
+from kvpot.eval import recorded
 
 DEPTHS = (0.1, 0.5, 0.9)
 LENGTHS = {32768: "32K", 131072: "128K", 524288: "512K", 1048576: "1M"}
@@ -38,8 +39,9 @@ FIG6 = [
 
 
 def load(grid: Path, folder: str):
-    rows = [json.loads(line) for line in (grid / folder / "results.jsonl").read_text().splitlines() if line]
-    config = json.loads((grid / folder / "config.json").read_text())
+    # plain, .gz or packed into the grid's results.jsonl.gz (records/README.md, Layout)
+    rows = recorded.read_jsonl(grid / folder / "results.jsonl")
+    config = recorded.read_json(grid / folder / "config.json")
     return rows, config["config"]["samples"], config["config"]["lengths"]
 
 

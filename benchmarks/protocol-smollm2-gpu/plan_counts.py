@@ -10,12 +10,14 @@ length. Prints each answer (folder, case, new plans, seconds, layers differ) and
 
     python benchmarks/protocol-smollm2-gpu/plan_counts.py     (from the repository root)
 """
-import glob
+import fnmatch
 import gzip
 import json
 from pathlib import Path
 
 import numpy as np
+
+from kvpot.eval import recorded
 
 RULER = Path(__file__).resolve().parents[2] / "records" / "protocol-smollm2-gpu" / "ruler"  # the recorded runs
 
@@ -36,10 +38,12 @@ def main() -> None:
             case = json.loads(line)
             cases[case["case"]] = (len(case["context_ids"]), len(case["question_ids"]))
     rows = []
-    for path in sorted(glob.glob(str(RULER / "kvpress-*-0.*" / "kvpress-*-answers.jsonl"))):
+    # the answers are packed into ruler/results.jsonl.gz (records/README.md, Layout): listed by their former paths
+    answer_files = [p for p in recorded.paths(RULER) if fnmatch.fnmatch(p.relative_to(RULER).as_posix(),
+                                                                         "kvpress-*-0.*/kvpress-*-answers.jsonl")]
+    for path in answer_files:
         seen, last = set(), None
-        for line in open(path, encoding="utf-8"):
-            answer = json.loads(line)
+        for answer in recorded.read_jsonl(path):
             if last is not None and answer["case"] <= last:
                 seen = set()
             last = answer["case"]

@@ -17,16 +17,18 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from kvpot.eval import recorded
+
 
 def load(root: Path) -> tuple[list[dict], dict]:
     """Every row under `root` (its `spec` added from the folder's config.json) and each folder's planned cells."""
     rows, planned = [], {}
-    for config_path in sorted(root.rglob("config.json")):
+    for config_path in recorded.files(root, "config.json"):  # plain, .gz or packed (records/README.md, Layout)
         folder = config_path.parent
         results = folder / "results.jsonl"
-        if not results.is_file():
+        if not recorded.exists(results):
             continue
-        config = json.loads(config_path.read_text())
+        config = recorded.read_json(config_path)
         cfg = config["config"]
         # a dtype asked for explicitly (--dtype float32 on the GPU) is a variant of its own, not pooled
         dtype = f" [{cfg['dtype']}]" if cfg.get("dtype", "auto") != "auto" else ""
@@ -34,12 +36,10 @@ def load(root: Path) -> tuple[list[dict], dict]:
         for spec in specs.values():
             planned[(cfg["task"], spec, folder.name)] = {
                 "lengths": cfg["lengths"], "depths": cfg["depths"], "samples": cfg["samples"]}
-        for line in results.read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                row["spec"] = specs.get(row["method"], row["method"])
-                row["folder"] = folder.name
-                rows.append(row)
+        for row in recorded.read_jsonl(results):
+            row["spec"] = specs.get(row["method"], row["method"])
+            row["folder"] = folder.name
+            rows.append(row)
     return rows, planned
 
 

@@ -14,16 +14,16 @@ relative folder under `out`.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from kvpot.errors import KvpotError
+from kvpot.eval import recorded
 
 
 def _read(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as error:
+        data = recorded.read_json(path)  # plain, .gz or packed
+    except OSError as error:
         raise KvpotError(f"{path} is not readable JSON ({error}).") from None
     if not isinstance(data, dict):
         raise KvpotError(f"{path} holds no object.")
@@ -34,13 +34,13 @@ def kind_of(folder: Path) -> str | None:
     """'bench', 'serve', 'task', 'suite', 'perplexity' or None (not a run folder kvpot can draw)."""
     from kvpot.bench.report import _PLOTS
 
-    if (folder / "results.json").is_file():
+    if recorded.exists(folder / "results.json"):
         mode = _read(folder / "results.json").get("mode")
         if mode == "serve":
             return "serve"
         if mode in _PLOTS:
             return "bench"
-    if (folder / "summary.json").is_file():
+    if recorded.exists(folder / "summary.json"):
         summary = _read(folder / "summary.json")
         if "accuracy_by_depth" in summary:
             return "task"
@@ -89,11 +89,11 @@ def plot_run(folder: Path, out: Path | None = None) -> list[Path]:
 
 def plot_runs(root: Path, out: Path | None = None) -> tuple[list[Path], list[Path]]:
     """Draw `root` if it is a run, else every run below it; (files written, run folders drawn)."""
-    if not root.is_dir():
+    if not recorded.is_dir(root):
         raise KvpotError(f"--plots {root} is not a folder.")
     if kind_of(root) is not None:
         return plot_run(root, out), [root]
-    found = sorted({p.parent for name in ("results.json", "summary.json") for p in root.rglob(name)})
+    found = sorted({p.parent for name in ("results.json", "summary.json") for p in recorded.files(root, name)})
     runs = [r for r in found if kind_of(r) is not None]
     if not runs:
         raise KvpotError(f"{root} holds no run kvpot can draw (results.json of kvpot bench, summary.json of "

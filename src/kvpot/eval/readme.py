@@ -26,6 +26,7 @@ import re
 from pathlib import Path
 
 from kvpot.errors import KvpotError
+from kvpot.eval import recorded
 
 BEGIN, END = "<!-- kvpot-readme:{} -->", "<!-- /kvpot-readme:{} -->"
 
@@ -158,7 +159,7 @@ def render(table: dict, base: Path, where: Path | None = None) -> str:
     from kvpot.reporting import markdown_table
 
     root = base / table["root"]
-    if not all((root / f).is_dir() for f in table["folders"]):
+    if not all(recorded.is_dir(root / f) for f in table["folders"]):
         return table["pending"].strip()
     records = read(root, table["folders"])
     stats, chosen = cells(table, records)
@@ -288,7 +289,7 @@ def figures(manifest: Path, base: Path) -> list[Path]:
     for table in load_manifest(manifest):
         root = base / table["root"]
         if not table.get("figure") or table.get("kind", "lengths") != "lengths" or not all(
-                (root / f).is_dir() for f in table["folders"]):
+                recorded.is_dir(root / f) for f in table["folders"]):
             continue
         stats, _ = cells(table, read(root, table["folders"]))
         colors = matplotlib.colormaps["tab20"]  # up to 20 rows stay distinguishable

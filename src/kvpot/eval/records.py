@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvpot.errors import KvpotError
+from kvpot.eval import recorded
 
 LEGACY, TEMPLATED = "legacy", "templated"
 
@@ -56,17 +57,17 @@ def read(root: Path, folders: Iterable[str] | None = None) -> Records:
     """Every run folder under `root` (or under each of `folders`, relative to it), deduplicated."""
     root = Path(root)
     bases = [root / f for f in folders] if folders else [root]
-    missing = [str(b) for b in bases if not b.is_dir()]
+    missing = [str(b) for b in bases if not recorded.is_dir(b)]
     if missing:
         raise KvpotError(f"no recorded results at {missing[0]}.")
     rows, runs, meta = [], {}, {}
     for base in bases:
-        for config_path in sorted(base.rglob("config.json")):
+        for config_path in recorded.files(base, "config.json"):  # plain, .gz or packed (kvpot.eval.recorded)
             folder = config_path.parent
-            if "merged" in folder.relative_to(root).parts or not (folder / "results.jsonl").is_file():
+            if "merged" in folder.relative_to(root).parts or not recorded.exists(folder / "results.jsonl"):
                 continue
             name = folder.relative_to(root).as_posix()
-            config = json.loads(config_path.read_text(encoding="utf-8"))
+            config = recorded.read_json(config_path)
             runs[name] = config.get("date") or ""
             meta[name] = {k: config.get(k) for k in ("model", "device", "dtype", "versions")}
             rows += _rows(folder, config, name)
@@ -80,12 +81,10 @@ def _rows(folder: Path, config: dict, name: str) -> list[dict]:
     dtype = f" [{cfg['dtype']}]" if cfg.get("dtype", "auto") not in ("auto", None) else ""
     specs = {label: m.get("spec", label) + dtype for label, m in config.get("methods", {}).items()}
     out = []
-    for line in (folder / "results.jsonl").read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            row = json.loads(line)
-            row.update(spec=specs.get(row["method"], row["method"]), run=name,
-                       protocol=TEMPLATED if "template" in row else LEGACY)
-            out.append(row)
+    for row in recorded.read_jsonl(folder / "results.jsonl"):
+        row.update(spec=specs.get(row["method"], row["method"]), run=name,
+                   protocol=TEMPLATED if "template" in row else LEGACY)
+        out.append(row)
     return out
 
 
