@@ -24,7 +24,9 @@ hip-attn's files:
    `triton.autotune` with the same configs and keys where hip-attn autotunes): the same kernel source compiled
    by the same compiler; only the launcher differs (launch overhead, not results). Under Triton 3.4.0 hip-attn's
    own wrapper is used unchanged. hip-attn's wrapper also refuses `TRITON_INTERPRET=1` ("interpret should
-   avoided"); so does this loader, since the kernels then never ran on a CPU in their authors' hands.
+   avoided"), and `attention_extend_bsa` calls `torch.cuda.get_device_name()` at import (its autotune configs):
+   on a CPU hip-attn cannot even be imported (tried with Triton 3.6.0 and CPU PyTorch: every placeholder above
+   held, the import stopped there), so this loader refuses both up front.
 
 `HipModules.replaced` records every substitution, and the harness writes it to its JSON.
 """
@@ -197,6 +199,11 @@ def load_hip(offload: bool = False) -> HipModules:
         raise KvpotError("hip-reference needs Triton (it comes with CUDA builds of PyTorch); hip-attn's kernels "
                          "are Triton kernels.") from None
     folder = _package_dir()
+    import torch
+
+    if not torch.cuda.is_available():  # tried on a CPU: the import reached torch.cuda.get_device_name() and failed
+        raise KvpotError("hip-reference: hip-attn needs a CUDA GPU: it asks the GPU's name at import (the autotune "
+                         "configs of attention_extend_bsa) and its kernels refuse Triton's interpreter.")
     replaced: dict[str, str] = {}
     if not isinstance(sys.modules.get("hip_attn"), types.ModuleType) or "hip_attn.v1_2" not in sys.modules:
         _bare_package("hip_attn", folder)
