@@ -130,3 +130,30 @@ def test_kvpot_keeps_what_hip_attn_keeps_at_the_papers_settings(tmp_path):
     assert errors["kvpot_vs_hip"]["mean"] <= max(errors["kvpot_vs_dense"]["mean"], errors["hip_vs_dense"]["mean"])
     decoded = decode_row(hip, CASES["paper"], inputs, False, "cuda", 16, True)
     assert decoded["refreshes_compared"] >= 2 and decoded["last_stage_recall_mean"] >= 0.95
+
+
+def test_hipattn_method_checks_its_case_and_decodes_eagerly():
+    from kvpot.bench.hip_method import HipAttn, register
+    from kvpot.methods import METHODS
+
+    with pytest.raises(KvpotError, match="unknown configuration"):
+        HipAttn(case="nope")
+    assert HipAttn(case="hip-config").decode_plan(None) == "eager"
+    register()
+    assert METHODS["hipattn"] is HipAttn
+    del METHODS["hipattn"]  # other tests list every method
+
+
+def test_kvpot_side_runs_on_cpu_and_its_selection_agrees_with_itself():
+    from dataclasses import replace
+
+    from kvpot.bench.hip_inputs import random_inputs
+    from kvpot.bench.hip_reference import _pooled, kvpot_prefill
+
+    case = replace(CASES["paper"], keep=(2048, 512, 128), early_keep=256)
+    inputs = random_inputs("tiny", 8192, 128, "cpu", torch.float32, 0)
+    side = kvpot_prefill(case, inputs, False, "cpu", 1)
+    starts, ends = side.stages[-1]
+    assert starts.shape == (2, 16)  # 2 query blocks, 128 kept keys in chunks of 8
+    stats = _pooled(starts, ends, starts, ends, 8192, region_ends(case, 8192, 128, 2, "cpu"), case.sink)
+    assert (stats["recall"], stats["common"]) == (1.0, 256)

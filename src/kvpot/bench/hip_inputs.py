@@ -32,7 +32,7 @@ def _rotary(config, device):
 
     if not isinstance(config, LlamaConfig):  # every shape kvpot benches rotates as Llama does
         config = LlamaConfig(**config.to_dict())
-    return LlamaRotaryEmbedding(config=config, device=device)
+    return LlamaRotaryEmbedding(config=config).to(device)
 
 
 def random_inputs(shape: str, n: int, queries: int, device: str, dtype: torch.dtype, seed: int) -> Inputs:

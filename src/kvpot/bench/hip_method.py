@@ -89,6 +89,9 @@ class HipAttn(InfiniteHiP):
     def decode_plan(self, cache) -> str:
         return "eager"  # hip-attn's launches are not captured in kvpot's CUDA graphs
 
+    def decode_key(self, cache) -> tuple:
+        return ()  # eager decoding: no graph to key
+
     def after_forward(self, cache, step) -> bool:
         if step.phase == "decode":
             cache.attention.step += 1
