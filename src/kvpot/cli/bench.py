@@ -14,6 +14,8 @@ from kvpot.cli.args import METHOD_METAVAR, add_device_arguments, parse_length, p
 from kvpot.defaults import PREFILL_TOKENS
 from kvpot.errors import KvpotError
 
+HIP_MODE = "hip-reference"
+
 
 def register(sub) -> None:
     """`kvpot bench MODE ...` (argparse only here: nothing heavy is imported)."""
@@ -32,6 +34,8 @@ def register(sub) -> None:
             "  serve      the same figures through an OpenAI-compatible HTTP server: --url drives a running one\n"
             "             (kvpot's, vLLM's, transformers serve); without --url kvpot's server is launched here for\n"
             "             each --method on --shape (or --model) and the same tokens also run through the engine directly\n"
+            "  hip-reference  kvpot's InfiniteHiP beside hip-attn 1.2.9 (the authors' Triton kernels, installed apart) on\n"
+            "             the same q/k/v: blocks kept per stage, output errors vs dense and vs each other, us per call\n"
             "  shapes     list the shapes (also: --list-shapes)\n"
             "A run that runs out of memory is recorded as OOM and that method's longer lengths are skipped.\n"
             "Writes results.json (raw samples, machine, versions, commit, command), summary.md and PNG plots "
@@ -59,8 +63,8 @@ def register(sub) -> None:
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("mode", nargs="?", choices=[*MODES, SERVE_MODE, "shapes"], metavar="MODE",
-                   help="prefill, decode, attention, throughput, serve, or shapes (list the shapes)")
+    p.add_argument("mode", nargs="?", choices=[*MODES, SERVE_MODE, HIP_MODE, "shapes"], metavar="MODE",
+                   help="prefill, decode, attention, throughput, serve, hip-reference, or shapes (list the shapes)")
     p.add_argument("--list-shapes", action="store_true", help="list the shapes and exit")
     p.add_argument("--shape", default="tiny", help="model shape (default tiny; `kvpot bench shapes` lists them)")
     p.add_argument("--method", action="append", default=[], metavar=METHOD_METAVAR,
@@ -142,8 +146,55 @@ def register(sub) -> None:
                         "(default 200)")
     _load_arguments(p)
     _serve_arguments(p)
+    _hip_arguments(p)
     p.add_argument("--out", type=Path, default=None, help="folder for results (created; its parent must exist)")
     p.set_defaults(func=run)
+
+
+def _hip_arguments(p) -> None:
+    h = p.add_argument_group(
+        "hip-reference",
+        "One layer's attention, kvpot's InfiniteHiP and hip-attn's dual_stage_quadratic_hip_attention on the same "
+        "un-rotated q/k/v (hip-attn applies RoPE itself). hip-attn is loaded from its files without its package "
+        "__init__s, with placeholders for what its Triton path does not use and, under a Triton other than 3.4.0, "
+        "the installed triton.jit (kvpot.bench.hip_shim says how). Configurations: paper (the paper's settings, "
+        "kvpot's defaults, on both sides), hip-args (HiPAttentionArgs' defaults), hip-config (HiPAttentionConfig's, "
+        "sglang's). The parameter mapping is in docs/methods.md. Example:\n"
+        "  PYTHONPATH=/tmp/hip-site kvpot bench hip-reference --shape llama3-8b --lengths 16k,128k --hip-case paper "
+        "--hip-case hip-config --device cuda --out runs/hip")
+    h.add_argument("--hip-case", action="append", default=[], metavar="NAME",
+                   help="a configuration run on both sides: paper, hip-args, hip-config (repeatable; default paper)")
+    h.add_argument("--source", default="random", choices=["random", "model"],
+                   help="q/k/v: random at --shape, or one layer's captured from --model reading filler text")
+    h.add_argument("--hip-layers", default="late", metavar="LIST",
+                   help="early (a first layer: chunk-indexed RoPE, early_keep) and/or late (default late)")
+    h.add_argument("--model-layer", type=int, default=None, help="--source model: the layer captured")
+    h.add_argument("--queries", type=int, default=2048,
+                   help="prefill: the last QUERIES positions as one extend call (default 2048, a kvpot chunk)")
+    h.add_argument("--refresh", default="on,off", metavar="LIST",
+                   help="decode: with each side's mask refresh (on) and recomputing every stage each step (off)")
+    h.add_argument("--phases", default="prefill,decode", metavar="LIST", help="prefill and/or decode")
+
+
+def _hip_config(args):
+    from kvpot.bench.hip_run import HipReferenceConfig
+
+    if args.out is None:
+        raise KvpotError("bench hip-reference needs --out DIR, the folder for results.")
+
+    def items(text: str) -> list[str]:
+        return [part.strip() for part in text.split(",") if part.strip()]
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = "bfloat16" if args.dtype == "auto" and device.startswith("cuda") else (
+        "float32" if args.dtype == "auto" else args.dtype)
+    return HipReferenceConfig(
+        out=args.out, lengths=_lengths(args), cases=args.hip_case or ["paper"], source=args.source, shape=args.shape
+        if args.shape != "tiny" else "llama3-8b", model=args.model, layers=items(args.hip_layers),
+        model_layer=args.model_layer, queries=args.queries, decode_steps=args.decode_steps,
+        refresh=items(args.refresh), phases=items(args.phases), repeats=max(3, args.repeats), device=device,
+        dtype=dtype, seed=args.seed)
 
 
 def _load_arguments(p) -> None:
@@ -269,6 +320,11 @@ def run(args) -> int:
         raise KvpotError("give a mode: prefill, decode, attention, throughput, serve or shapes (kvpot bench --help).")
     if args.mode == SERVE_MODE:
         return _run_serve(args)
+    if args.mode == HIP_MODE:
+        from kvpot.bench.hip_run import run_hip_reference
+
+        run_hip_reference(_hip_config(args))
+        return 0
     config = config_from_args(args)
     from kvpot.bench import run_bench
 

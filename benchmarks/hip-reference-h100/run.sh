@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Issue 46 on one H100: kvpot's InfiniteHiP beside hip-attn 1.2.9 (the authors' Triton kernels), in ONE device call
+# of at most ~9 minutes (run tool, timeout_s 600, carry [".whl-hip", ".whl"]):
+#
+#   OUT=$OUT bash benchmarks/hip-reference-h100/run.sh [PART...]       PART: test agree model accuracy speed
+#
+#   test      (~1 min)  tests/test_hip_reference.py (its GPU test: kvpot keeps >= 95% of hip-attn's blocks)
+#   agree     (~3 min)  kvpot bench hip-reference on random q/k/v, llama3-8b shape, 16K/32K/64K/128K, the paper's
+#                       settings and both hip-attn defaults (hip-args, hip-config), prefill + decode with/without refresh
+#   model     (~2 min)  the same on SmolLM2-135M's own q/k/v (layer 0 = early, layer 3 = late) at 16K/32K/64K/128K
+#   accuracy  (~3 min)  passkey on SmolLM2: infinitehip vs hipattn (hip-attn behind kvpot's hook) vs infinipot
+#   speed     (~3 min)  us per layer call: llama3-8b at 128K, llama3.2-1b at 1M (attention alone, prefill + decode)
+#
+# hip-attn comes from its wheel with --no-deps into /tmp/hip-site (.whl-hip/hip_attn-1.2.9-*.whl); kvpot's loader
+# (kvpot.bench.hip_shim) needs nothing else of it (no nvtx, tilelang, flash_attn, numba, cupy: placeholders that
+# raise if called; the installed Triton compiles its kernels). SmolLM2 parts need the GGUF at $KVPOT_SMOLLM2_GGUF
+# (default /tmp/smollm2.gguf) and gguf (.whl/gguf-*.whl), as benchmarks/real-model-smollm2/setup_gpu.sh.
+set -u
+: "${OUT:?set OUT}"
+parts=${*:-test agree model accuracy speed}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 HF_HUB_DISABLE_PROGRESS_BARS=1
+export KVPOT_SMOLLM2_GGUF=${KVPOT_SMOLLM2_GGUF:-/tmp/smollm2.gguf} KVPOT_CACHE=${KVPOT_CACHE:-/tmp/kvpot-cache}
+python -m pip install -q --no-index --no-deps --target /tmp/hip-site .whl-hip/hip_attn-1.2.9-*.whl || exit 1
+if ! python -c "import gguf" 2>/dev/null && ls .whl/gguf-*.whl > /dev/null 2>&1; then
+  python -m pip install -q --no-index --no-deps --target /tmp/hip-site .whl/gguf-*.whl
+fi
+export PYTHONPATH=$PWD/src:/tmp/hip-site
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  echo "commit ${KVPOT_GIT_COMMIT:-$(git log -1 --format='%H %cI' 2>/dev/null)}"
+  python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
+  'transformers', transformers.__version__)"; } > "$OUT/machine.txt" 2>&1
+smol=1; [ -f "$KVPOT_SMOLLM2_GGUF" ] || { smol=0; echo "no SmolLM2 GGUF at $KVPOT_SMOLLM2_GGUF: model/accuracy skipped" | tee -a "$OUT/machine.txt"; }
+bench() { python -m kvpot bench hip-reference --device cuda "$@"; }
+for part in $parts; do
+  start=$(date +%s)
+  case $part in
+    test) timeout 150 python -m pytest -q -rs tests/test_hip_reference.py > "$OUT/test.log" 2>&1 ;;
+    agree) timeout 200 bench --shape llama3-8b --lengths 16k,32k,64k,128k --hip-case paper --hip-case hip-args \
+             --hip-case hip-config --hip-layers late,early --queries 1024 --decode-steps 32 --repeats 3 \
+             --out "$OUT/agree" > "$OUT/agree.log" 2>&1 ;;
+    model) [ $smol = 1 ] && timeout 200 bench --source model --model smollm2-135m --lengths 16k,32k,64k,128k \
+             --hip-case paper --hip-case hip-config --hip-layers late,early --queries 1024 --decode-steps 32 \
+             --out "$OUT/model" > "$OUT/model.log" 2>&1 ;;
+    accuracy) [ $smol = 1 ] && timeout 210 python benchmarks/hip-reference-h100/accuracy.py "$OUT/accuracy" \
+             --lengths 16k,32k --depths 0.5 --samples 1 --time-limit 180 > "$OUT/accuracy.log" 2>&1 ;;
+    speed) timeout 100 bench --shape llama3-8b --lengths 128k --hip-case paper --hip-case hip-config \
+             --refresh on --decode-steps 64 --out "$OUT/speed-8b" > "$OUT/speed-8b.log" 2>&1
+           timeout 100 bench --shape llama3.2-1b --lengths 1m --hip-case paper --hip-case hip-config \
+             --refresh on --decode-steps 64 --out "$OUT/speed-1b" > "$OUT/speed-1b.log" 2>&1 ;;
+    *) echo "unknown part $part" >&2 ;;
+  esac
+  echo "$part: rc $? in $(( $(date +%s) - start )) s" | tee -a "$OUT/machine.txt"
+  tail -n 25 "$OUT/$part"*.log 2>/dev/null
+done

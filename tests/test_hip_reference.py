@@ -1,0 +1,159 @@
+"""kvpot bench hip-reference: the parameter mapping, the selection arithmetic, hip-attn's loader (issue 46).
+
+The pieces that need no hip-attn run everywhere; the comparison itself runs where hip-attn 1.2.9 and Triton are
+importable (skipped otherwise) and needs CUDA (hip-attn refuses Triton's interpreter)."""
+
+import importlib.util
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvpot.bench.hip_mapping import CASES, MAPPING, UNMAPPED, get_case, overlap, range_mask
+from kvpot.bench.hip_reference import hip_refresh_stage, hip_stage_ranges, region_ends
+from kvpot.bench.hip_shim import PlaceholderModule, load_hip
+from kvpot.errors import KvpotError
+from kvpot.methods.infinitehip import InfiniteHiP
+
+HIP = importlib.util.find_spec("hip_attn") is not None and importlib.util.find_spec("triton") is not None
+
+
+def test_every_kvpot_parameter_is_mapped_or_said_unmapped():
+    said = " ".join([*MAPPING, *UNMAPPED])
+    for field in InfiniteHiP.parameters():
+        assert field.name in said, field.name
+
+
+def test_paper_case_is_kvpots_defaults_as_hip_args():
+    case = get_case("paper")
+    method, default = case.kvpot_method(), InfiniteHiP()
+    sizes = default.resolved(None)
+    assert (method.chunks, method.refresh, method.query_block) == (default.chunks, default.refresh, 64)
+    assert (method.keep, method.early_keep, method.sink, method.window) == (
+        sizes["keep"], sizes["early_keep"], sizes["sink"], sizes["window"])
+    late, early = case.hip_fields(early=False), case.hip_fields(early=True)
+    assert [s["stage_chunk_size"] for s in late["stages"]] == [256, 32, 8]
+    assert [s["stage_k"] for s in late["stages"]] == [None, 32768, 8192]  # stage i's input = stage i-1's keep
+    assert [s["stage_block_stride_q"] for s in late["stages"]] == [1, 1, 1]  # kvpot scores every query
+    assert (late["second_stage_k"], early["second_stage_k"]) == (2048, 4096)
+    assert (late["scan_extend_backend"], early["scan_extend_backend"]) == ("relative", "streaming")
+    assert (late["sink_token_size"], late["sliding_window_size"], late["using_landmark"]) == (256, 1024, False)
+
+
+def test_hip_config_case_decodes_with_its_own_chunks():
+    case = CASES["hip-config"]
+    assert [s["stage_chunk_size"] for s in case.hip_fields(False, decoding=True)["stages"]] == [128, 32, 8]
+    assert case.kvpot_method(decoding=True).chunks == (128, 32, 8)
+    assert case.hip_fields(False)["using_landmark"] and not case.hip_fields(False, decoding=True)["using_landmark"]
+    with pytest.raises(KvpotError, match="unknown configuration"):
+        get_case("nope")
+
+
+def test_range_mask_covers_ranges_and_skips_empty_ones():
+    starts, ends = torch.tensor([[2, 7, 5], [0, 0, 9]]), torch.tensor([[4, 9, 5], [3, 0, 12]])
+    mask = range_mask(starts, ends, 10)
+    assert mask[0].nonzero().flatten().tolist() == [2, 3, 7, 8]
+    assert mask[1].nonzero().flatten().tolist() == [0, 1, 2, 9]  # [9, 12) is cut at n
+
+
+def test_overlap_counts_within_each_rows_region():
+    kvpot = torch.zeros(2, 12, dtype=torch.bool)
+    hip = torch.zeros(2, 12, dtype=torch.bool)
+    kvpot[0, [2, 3, 4, 10]] = True
+    hip[0, [3, 4, 5, 11]] = True  # 11 lies past row 0's region
+    kvpot[1, [2, 6]] = True
+    hip[1, [2, 6]] = True
+    stats = overlap(kvpot, hip, torch.tensor([8, 8]), region_start=2)
+    assert (stats["hip_keys"], stats["kvpot_keys"], stats["common"]) == (5, 5, 4)
+    assert stats["recall"] == pytest.approx(4 / 5) and stats["precision"] == pytest.approx(4 / 5)
+    assert stats["block_recall_min"] == pytest.approx(2 / 3)
+
+
+def test_refresh_schedule_is_hip_attns():
+    # HiPMaskRefreshState.update: the first stage whose interval divides the step
+    got = [hip_refresh_stage(step, (32, 16, 8)) for step in (0, 8, 16, 24, 32, 3)]
+    assert got == [0, 2, 1, 2, 0, None]
+
+
+def test_hip_stage_ranges_reads_its_metadata_layout():
+    left = torch.tensor([[[[256, 512]], [[300, 600]]]]).expand(1, 2, 4, 2)  # [1, blocks, heads, C]
+    cache = SimpleNamespace(indices_left=left.contiguous(), indices_right=(left + 32).contiguous())
+    metadata = SimpleNamespace(stage_caches=[SimpleNamespace(), cache],
+                               indices=torch.tensor([[[256, 264, 2 ** 62], [600, 2 ** 62, 2 ** 62]]]),
+                               ks=torch.tensor([[2, 1]]))
+    (s1, e1), (s2, e2) = hip_stage_ranges(metadata, CASES["paper"], (256, 8))
+    assert s1[0].tolist() == [256, 512] and e1[1].tolist() == [332, 632]
+    assert s2.tolist() == [[256, 264, 0], [600, 0, 0]] and e2.tolist() == [[264, 272, 0], [608, 0, 0]]
+
+
+def test_region_ends_stop_before_both_windows():
+    case = CASES["paper"]  # sink 256, window 1024, first chunk 256, block 64
+    ends = region_ends(case, n=8192, q=128, blocks=2, device="cpu")
+    # block 0 starts at 8064: hip-attn's final window reaches back 1024 + 256 + 64 keys
+    assert ends.tolist() == [8064 + 1 - 1344, 8128 + 1 - 1344]
+
+
+def test_placeholders_raise_when_called_and_decorate_at_import():
+    module = PlaceholderModule("numba", "debug renderers")
+    decorated = module.njit(parallel=True)(lambda x: x)  # what hip-attn runs at import
+    with pytest.raises(KvpotError, match="numba.njit"):
+        decorated(1)
+    with pytest.raises(KvpotError, match="cv2.imwrite"):
+        PlaceholderModule("cv2", "debug images").imwrite("x.png", None)
+
+
+@pytest.mark.skipif(HIP, reason="hip-attn and Triton are importable here")
+def test_loader_names_what_is_missing():
+    with pytest.raises(KvpotError, match="Triton|hip-attn"):
+        load_hip()
+
+
+def test_loader_refuses_the_triton_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(KvpotError, match="TRITON_INTERPRET"):
+        load_hip()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HIP or not torch.cuda.is_available(), reason="needs hip-attn 1.2.9, Triton and CUDA")
+def test_kvpot_keeps_what_hip_attn_keeps_at_the_papers_settings(tmp_path):
+    from kvpot.bench.hip_inputs import random_inputs
+    from kvpot.bench.hip_reference import decode_row, prefill_row
+
+    hip = load_hip()
+    assert "hip_attn.v1_2.triton_jit" in hip.replaced or hip.triton == "3.4.0"
+    inputs = random_inputs("llama3-8b", 16384, 512, "cuda", torch.bfloat16, 0)
+    row = prefill_row(hip, CASES["paper"], inputs, False, "cuda", 1)
+    assert [s["stage"] for s in row["stages"]] == [1, 2, 3]
+    assert row["stages"][-1]["recall"] >= 0.95, row["stages"]
+    errors = row["errors"]
+    assert errors["kvpot_vs_hip"]["mean"] <= max(errors["kvpot_vs_dense"]["mean"], errors["hip_vs_dense"]["mean"])
+    decoded = decode_row(hip, CASES["paper"], inputs, False, "cuda", 16, True)
+    assert decoded["refreshes_compared"] >= 2 and decoded["last_stage_recall_mean"] >= 0.95
+
+
+def test_hipattn_method_checks_its_case_and_decodes_eagerly():
+    from kvpot.bench.hip_method import HipAttn, register
+    from kvpot.methods import METHODS
+
+    with pytest.raises(KvpotError, match="unknown configuration"):
+        HipAttn(case="nope")
+    assert HipAttn(case="hip-config").decode_plan(None) == "eager"
+    register()
+    assert METHODS["hipattn"] is HipAttn
+    del METHODS["hipattn"]  # other tests list every method
+
+
+def test_kvpot_side_runs_on_cpu_and_its_selection_agrees_with_itself():
+    from dataclasses import replace
+
+    from kvpot.bench.hip_inputs import random_inputs
+    from kvpot.bench.hip_reference import _pooled, kvpot_prefill
+
+    case = replace(CASES["paper"], keep=(2048, 512, 128), early_keep=256)
+    inputs = random_inputs("tiny", 8192, 128, "cpu", torch.float32, 0)
+    side = kvpot_prefill(case, inputs, False, "cpu", 1)
+    starts, ends = side.stages[-1]
+    assert starts.shape == (2, 16)  # 2 query blocks, 128 kept keys in chunks of 8
+    stats = _pooled(starts, ends, starts, ends, 8192, region_ends(case, 8192, 128, 2, "cpu"), case.sink)
+    assert (stats["recall"], stats["common"]) == (1.0, 256)
