@@ -31,22 +31,22 @@ export PYTHONPATH=$PWD/src:/tmp/hip-site
   python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
   'transformers', transformers.__version__)"; } > "$OUT/machine.txt" 2>&1
 smol=1; [ -f "$KVPOT_SMOLLM2_GGUF" ] || { smol=0; echo "no SmolLM2 GGUF at $KVPOT_SMOLLM2_GGUF: model/accuracy skipped" | tee -a "$OUT/machine.txt"; }
-bench() { python -m kvpot bench hip-reference --device cuda "$@"; }
+bench=(python -m kvpot bench hip-reference --device cuda)  # an array: `timeout` runs programs, not shell functions
 for part in $parts; do
   start=$(date +%s)
   case $part in
     test) timeout 150 python -m pytest -q -rs tests/test_hip_reference.py > "$OUT/test.log" 2>&1 ;;
-    agree) timeout 200 bench --shape llama3-8b --lengths 16k,32k,64k,128k --hip-case paper --hip-case hip-args \
+    agree) timeout 200 "${bench[@]}" --shape llama3-8b --lengths 16k,32k,64k,128k --hip-case paper --hip-case hip-args \
              --hip-case hip-config --hip-layers late,early --queries 1024 --decode-steps 32 --repeats 3 \
              --out "$OUT/agree" > "$OUT/agree.log" 2>&1 ;;
-    model) [ $smol = 1 ] && timeout 200 bench --source model --model smollm2-135m --lengths 16k,32k,64k,128k \
+    model) [ $smol = 1 ] && timeout 200 "${bench[@]}" --source model --model smollm2-135m --lengths 16k,32k,64k,128k \
              --hip-case paper --hip-case hip-config --hip-layers late,early --queries 1024 --decode-steps 32 \
              --out "$OUT/model" > "$OUT/model.log" 2>&1 ;;
     accuracy) [ $smol = 1 ] && timeout 210 python benchmarks/hip-reference-h100/accuracy.py "$OUT/accuracy" \
              --lengths 16k,32k --depths 0.5 --samples 1 --time-limit 180 > "$OUT/accuracy.log" 2>&1 ;;
-    speed) timeout 100 bench --shape llama3-8b --lengths 128k --hip-case paper --hip-case hip-config \
+    speed) timeout 100 "${bench[@]}" --shape llama3-8b --lengths 128k --hip-case paper --hip-case hip-config \
              --refresh on --decode-steps 64 --out "$OUT/speed-8b" > "$OUT/speed-8b.log" 2>&1
-           timeout 100 bench --shape llama3.2-1b --lengths 1m --hip-case paper --hip-case hip-config \
+           timeout 100 "${bench[@]}" --shape llama3.2-1b --lengths 1m --hip-case paper --hip-case hip-config \
              --refresh on --decode-steps 64 --out "$OUT/speed-1b" > "$OUT/speed-1b.log" 2>&1 ;;
     *) echo "unknown part $part" >&2 ;;
   esac
