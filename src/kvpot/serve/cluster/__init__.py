@@ -160,7 +160,11 @@ def run_cluster(recipe: EngineRecipe, config: ServeConfig, cluster: ClusterConfi
                  config.port, cluster.replicas, "GPU" if gpus else "CPU")
         _wait_for_signal()
         log.info("shutting down: the replicas finish their requests (up to %g s)", config.shutdown_grace)
-        serve.delete(APP_NAME)
+        # in a thread with a deadline: a Ctrl-C in a terminal reaches the whole process group, Ray's own
+        # processes started here included, and a deletion they can no longer answer would wait for ever
+        deleting = threading.Thread(target=serve.delete, args=(APP_NAME,), daemon=True)
+        deleting.start()
+        deleting.join(config.shutdown_grace + 30)
     finally:
         if started:
             serve.shutdown()
