@@ -146,7 +146,7 @@ def servers(ray_head, tmp_path_factory):
     flags = ("--max-slots", "1", "--max-queue", "8")
     one = Server(root / "one" / "states", *flags)
     try:
-        two = Server(root / "two" / "states", *flags, "--replicas", "2", "--retries", "2")
+        two = Server(root / "two" / "states", *flags, "--replicas", "2", "--retries", "2", "--affinity-slack", "8")
     except BaseException:
         one.stop()
         raise

@@ -112,9 +112,9 @@ def register(subparsers) -> None:
     r.add_argument("--retries", type=int, default=2,
                    help="times a request that got no token is sent to another replica after its replica failed "
                         "(default 2)")
-    r.add_argument("--affinity-slack", type=int, default=8,
+    r.add_argument("--affinity-slack", type=int, default=4,
                    help="a document's questions leave the replicas holding it for the least-loaded one once those "
-                        "have this many more requests in flight (default 8; needs --state-dir)")
+                        "have this many more requests in flight (default 4; 0: spread evenly; needs --state-dir)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's and kvpot's log lines from this level (default info: pools, stored states "
                         "found, shutdown)")

@@ -41,7 +41,7 @@ class ClusterConfig:
     replicas: int = 2
     replica_cpus: float = 1.0  # logical CPUs a CPU replica reserves (a GPU replica reserves one GPU)
     retries: int = 2  # further replicas tried for a request that got no output from a failed one
-    affinity_slack: int = 8  # requests in flight beyond the least-loaded replica before a document's questions move
+    affinity_slack: int = 4  # requests in flight beyond the least-loaded replica before a document's questions move
 
     def __post_init__(self):
         for name in ("replicas", "retries", "affinity_slack"):

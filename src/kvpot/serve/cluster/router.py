@@ -21,7 +21,7 @@ from ray.serve.request_router import FIFOMixin, MultiplexMixin, RequestRouter
 
 
 class DocumentRouter(FIFOMixin, MultiplexMixin, RequestRouter):
-    def initialize_state(self, slack: float = 8, **kwargs) -> None:
+    def initialize_state(self, slack: float = 4, **kwargs) -> None:
         self.slack = math.inf if slack is None else slack  # None: a document never leaves its replicas
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
@@ -32,7 +32,7 @@ class DocumentRouter(FIFOMixin, MultiplexMixin, RequestRouter):
         others = [r for r in candidate_replicas if document not in r.multiplexed_model_ids]
         if not holders or not others:
             return [candidate_replicas]
-        if self._load(holders) - self._load(others) > getattr(self, "slack", 8):
+        if self._load(holders) - self._load(others) > self.slack:
             return [others, holders]
         return [holders, others]
 
