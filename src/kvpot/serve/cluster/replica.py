@@ -12,8 +12,10 @@ Imported only inside Ray processes (it imports ray at the top).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import os
 
 from ray import serve
 
@@ -32,6 +34,8 @@ class KvpotReplica:
         from kvpot.serve.server import setup_logging
 
         setup_logging(log_level)
+        if config.api_key is None and os.environ.get("KVPOT_API_KEY"):  # as `kvpot serve`: a secret, not an argument
+            config = dataclasses.replace(config, api_key=os.environ["KVPOT_API_KEY"])
         self.app = create_app(recipe.build(), config)
         self.service = self.app.state.service
         self.name = serve.get_replica_context().replica_id.to_full_id_str()  # its actor's name in Ray
