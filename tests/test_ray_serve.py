@@ -108,7 +108,13 @@ def test_replicas_share_documents_through_the_state_dir(tmp_path, one_thread):
     assert unshared.lookup(key) is None
 
 
-def test_replicas_options_are_checked_before_ray_starts():
+def test_replicas_options_are_checked_before_ray_starts(monkeypatch):
+    from kvpot.serve.cluster import require_ray
+
+    monkeypatch.setitem(__import__("sys").modules, "ray", None)  # as if Ray were not installed
+    with pytest.raises(KvpotError, match=r"kvpot\[cluster\]"):
+        require_ray()
+    monkeypatch.undo()
     with pytest.raises(KvpotError, match="unknown option"):
         app_builder({"model": "x", "replica_count": "2"})
     with pytest.raises(KvpotError, match="replicas must be an integer >= 1"):
