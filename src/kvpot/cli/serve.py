@@ -29,7 +29,8 @@ def register(subparsers) -> None:
             "examples:\n"
             "  kvpot serve --method infinipot               # bundled reference model (2,048-token window), port 8000\n"
             "  kvpot serve --model meta-llama/Llama-3.1-8B-Instruct --method infinipot:pot_size=4096 \\\n"
-            "      --state-dir ~/.cache/kvpot/states --api-key $KEY"
+            "      --state-dir ~/.cache/kvpot/states --api-key $KEY\n"
+            "  kvpot serve --model smollm2-135m --device cuda --replicas 2 --state-dir /shared/states   # 2 GPUs"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -97,6 +98,23 @@ def register(subparsers) -> None:
     p.add_argument("--cache-min-tokens", type=int, default=1024,
                    help="a conversation's context is stored for later questions from this many tokens on "
                         "(default 1024)")
+    r = p.add_argument_group(
+        "replicas (Ray Serve; pip install 'kvpot[cluster]')",
+        "N engines, one per GPU (or CPU replicas on a machine without one), behind Ray Serve's HTTP proxy at "
+        "--host/--port with the same API. A question about a stored document goes to the replica that holds it, "
+        "else to the least-loaded one, which reads it from the shared --state-dir; a request that got no token "
+        "from a replica that failed is retried on another. Joins the Ray cluster at $RAY_ADDRESS, else starts one "
+        "on this machine. The same application for `serve run`: kvpot.serve.cluster:app_builder (docs/scaling.md).")
+    r.add_argument("--replicas", type=int, default=None, metavar="N",
+                   help="serve with N replicas through Ray Serve (default: one engine in this process, no Ray)")
+    r.add_argument("--replica-cpus", type=float, default=1.0,
+                   help="logical CPUs each CPU replica reserves in Ray (default 1; GPU replicas reserve one GPU)")
+    r.add_argument("--retries", type=int, default=2,
+                   help="times a request that got no token is sent to another replica after its replica failed "
+                        "(default 2)")
+    r.add_argument("--affinity-slack", type=int, default=4,
+                   help="a document's questions leave the replicas holding it for the least-loaded one once those "
+                        "have this many more requests in flight (default 4; 0: spread evenly; needs --state-dir)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's and kvpot's log lines from this level (default info: pools, stored states "
                         "found, shutdown)")
@@ -112,8 +130,6 @@ def run(args) -> int:
         import uvicorn  # noqa: F401
     except ImportError:
         raise KvpotError("kvpot serve needs FastAPI and uvicorn: pip install 'kvpot[serve]'.") from None
-    from kvpot.models.support import resolve_device, resolve_dtype, resolve_model
-
     config = ServeConfig(
         model=args.model, method=args.method, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
         chat_template=args.chat_template, served_model_name=args.served_model_name,
@@ -128,19 +144,24 @@ def run(args) -> int:
         feed_questions=args.feed_questions, feed_tokens=args.feed_tokens, read_timeout=args.read_timeout,
         shutdown_grace=args.shutdown_grace, allowed_hosts=tuple(args.allowed_hosts.split(",")),
     )
+    from kvpot.serve.config import EngineRecipe
     from kvpot.serve.service import build_method
 
-    method = build_method(config.method)  # a bad spec fails before the model loads
-    from kvpot.engine import Engine
-    from kvpot.serve.server import run_server, setup_logging
+    build_method(config.method)  # a bad spec fails before the model loads
+    recipe = EngineRecipe(model=config.model, method=config.method, device=config.device, dtype=config.dtype,
+                          chat_template=config.chat_template, decode=args.decode, compile_step=args.compile_step,
+                          linear=args.linear)
+    from kvpot.serve.server import setup_logging
 
     setup_logging(args.log_level)  # the model's loading and the pool's sizes are logged too
+    if args.replicas is not None:
+        from kvpot.serve.cluster import ClusterConfig, run_cluster
 
-    template = {"auto": "auto", "on": True, "off": False}[config.chat_template]
-    engine = Engine.from_pretrained(resolve_model(config.model), method=method, device=resolve_device(config.device),
-                                    dtype=resolve_dtype(config.dtype), chat_template=template, decode=args.decode,
-                                    compile_step=args.compile_step, linear=args.linear)
-    if engine.tokenizer is None:
-        raise KvpotError(f"{resolve_model(config.model)} has no tokenizer; kvpot serve needs one.")
-    run_server(engine, config, args.log_level)
+        cluster = ClusterConfig(replicas=args.replicas, replica_cpus=args.replica_cpus, retries=args.retries,
+                                affinity_slack=args.affinity_slack)
+        run_cluster(recipe, config, cluster, args.log_level)
+        return 0
+    from kvpot.serve.server import run_server
+
+    run_server(recipe.build(), config, args.log_level)
     return 0

@@ -49,18 +49,18 @@ def create_app(engine, config) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, err: ApiError):
-        return _error(err)
+        return error_response(err)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, err: HTTPException):
         message = {404: f"no route {request.method} {request.url.path}.",
                    405: f"{request.method} is not allowed on {request.url.path}."}.get(err.status_code, str(err.detail))
-        return _error(ApiError(err.status_code, message))
+        return error_response(ApiError(err.status_code, message))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, err: Exception):
         log.exception("internal error on %s %s", request.method, request.url.path)
-        return _error(_internal(err))
+        return error_response(_internal(err))
 
     # ---------------------------------------------------------------- plain routes
     @app.get("/health")
@@ -90,7 +90,7 @@ def create_app(engine, config) -> FastAPI:
     # ---------------------------------------------------------------- documents
     @app.post("/v1/documents")
     async def create_document(request: Request):
-        body = parse(await _body(request, config), DocumentRequest)
+        body = parse(await read_body(request, config), DocumentRequest)
         engine = service.engine_for(body.method)  # a bad method is a 400 before anything is queued
         service.check_chars(len(body.text))  # before tokenizing: its cost grows with the text
         ids, _ = await service.tokenize(engine.encode, body.text, None)
@@ -115,13 +115,13 @@ def create_app(engine, config) -> FastAPI:
     # ---------------------------------------------------------------- completions
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        body = parse(await _body(request, config), ChatRequest)
+        body = parse(await read_body(request, config), ChatRequest)
         job, engine = await _prepare(service, body, chat=True)
         return await _respond(request, service, body, job, chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = parse(await _body(request, config), CompletionRequest)
+        body = parse(await read_body(request, config), CompletionRequest)
         job, engine = await _prepare(service, body, chat=False)
         return await _respond(request, service, body, job, chat=False)
 
@@ -162,7 +162,7 @@ class _Guard:
             self.service.inflight += 1
         try:
             if error is not None:
-                await _error(error)(scope, receive, sending)
+                await error_response(error)(scope, receive, sending)
             else:
                 await self.app(scope, receive, sending)
         finally:
@@ -211,7 +211,7 @@ def _host_name(host: str) -> str:
     return host.rpartition(":")[0] if host.count(":") == 1 else host
 
 
-def _error(err: ApiError) -> JSONResponse:
+def error_response(err: ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
@@ -234,7 +234,7 @@ def _internal(err: Exception) -> ApiError:
     return ApiError(500, f"internal error ({type(err).__name__}); the server's log has the details.")
 
 
-async def _body(request: Request, config) -> bytes:
+async def read_body(request: Request, config) -> bytes:
     """The body, refused with 413 as soon as it passes the limit (chunked bodies included), and with 408 when
     it does not arrive within `--read-timeout` (a client that sends slowly holds a connection)."""
     chunks, size = [], 0
@@ -411,4 +411,4 @@ def _sse(data: dict) -> str:
     return f"data: {json.dumps(data)}\n\n"
 
 
-__all__ = ["create_app"]
+__all__ = ["create_app", "error_response", "read_body"]

@@ -55,6 +55,7 @@ class ServeConfig:
     read_timeout: float = 30.0  # seconds for a request's headers, and then for its body (408 beyond)
     shutdown_grace: float = 30.0  # seconds requests in flight get to finish after SIGTERM
     allowed_hosts: tuple[str, ...] = ()  # without an API key: Host values served beside loopback ("*": any)
+    state_dir_shared: bool = False  # other servers use state_dir too (replicas: kvpot.serve.cluster), not a flag
 
     def __post_init__(self):
         for name in ("max_context_tokens", "max_body_bytes", "max_tokens_limit", "default_max_tokens",
@@ -95,3 +96,32 @@ class ServeConfig:
                 self.state_dir.mkdir(parents=True, exist_ok=True)
             except OSError as err:
                 raise KvpotError(f"--state-dir {self.state_dir}: cannot create it ({err}).") from None
+
+
+@dataclass(frozen=True)
+class EngineRecipe:
+    """How a server loads its engine (the CLI's model flags): sent to each replica, which loads its own."""
+
+    model: str | None = None
+    method: str = "infinipot:pot_size=4096"
+    device: str | None = None
+    dtype: str = "auto"
+    chat_template: str = "auto"  # auto, on, off
+    decode: str = "auto"
+    compile_step: bool = False
+    linear: str = "auto"
+
+    def build(self):
+        """The engine (the model loaded on `device`); an error if its tokenizer is missing (a server needs one)."""
+        from kvpot.engine import Engine
+        from kvpot.methods.spec import build_method
+        from kvpot.models.support import resolve_device, resolve_dtype, resolve_model
+
+        template = {"auto": "auto", "on": True, "off": False}[self.chat_template]
+        engine = Engine.from_pretrained(resolve_model(self.model), method=build_method(self.method),
+                                        device=resolve_device(self.device), dtype=resolve_dtype(self.dtype),
+                                        chat_template=template, decode=self.decode, compile_step=self.compile_step,
+                                        linear=self.linear)
+        if engine.tokenizer is None:
+            raise KvpotError(f"{resolve_model(self.model)} has no tokenizer; kvpot serve needs one.")
+        return engine

@@ -84,7 +84,7 @@ class Service:
         self.model_name = config.served_model_name or _model_name(config.model)
         self.engines = {_config_key(engine.method.config()): engine}
         self.engines_lock = threading.Lock()
-        self.store = StateStore(config.state_memory, config.state_dir, config.state_disk)
+        self.store = StateStore(config.state_memory, config.state_dir, config.state_disk, config.state_dir_shared)
         self.metrics = Metrics()
         # fast tokenizers refuse concurrent use from two threads ("Already borrowed"): worker threads encode
         # with copies of their own, the event loop decodes with one nobody else uses (kvpot.serve.tokens)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -22,6 +23,7 @@ from pathlib import Path
 from kvpot.errors import KvpotError
 
 log = logging.getLogger("kvpot.serve")
+_KEY = re.compile(r"[0-9a-f]{32}")  # what `state_key` makes
 
 
 class DamagedState(KvpotError):
@@ -70,42 +72,81 @@ class Entry:
 class StateStore:
     """LRU over states: `memory` bytes in memory, then `directory` (up to `disk` bytes, if given)."""
 
-    def __init__(self, memory: int, directory: Path | None = None, disk: int | None = None):
+    def __init__(self, memory: int, directory: Path | None = None, disk: int | None = None, shared: bool = False):
         self.memory, self.directory, self.disk = memory, directory, disk
+        # several servers (Ray Serve replicas) read and write the directory: a document another one stored is
+        # found there on demand, and one whose file is gone (deleted through another replica) is forgotten
+        self.shared = shared and directory is not None
+        self.fingerprint: dict | None = None  # the model's, set by `scan`
         self.entries: OrderedDict[str, Entry] = OrderedDict()  # least recently used first
         self.lock = threading.RLock()
 
     # ---------------------------------------------------------------- index
     def scan(self, fingerprint: dict) -> int:
         """Index the state files of this model in the directory (after a restart); returns how many."""
-        from kvpot.engine.state_io import read_metadata
-
+        self.fingerprint = fingerprint
         if self.directory is None:
             return 0
-        found = []
-        for path in self.directory.glob("*.safetensors"):
-            try:
-                meta = read_metadata(path)
-            except KvpotError as err:
-                log.warning("ignoring %s: %s", path, err)
-                continue
-            extra, stats = meta.get("extra", {}), meta.get("stats", {})
-            if meta["model"] != fingerprint or "kind" not in extra:
-                continue  # another model's state, or not one this server wrote
-            found.append(Entry(path.stem, extra["kind"], extra["spec"], stats.get("context_tokens", 0),
-                               stats.get("final_kv_entries", 0), stats.get("max_kv_entries", 0),
-                               stats.get("prefill_seconds", 0.0), extra.get("nbytes", 0), extra.get("created", 0.0),
-                               disk_bytes=path.stat().st_size, last_used=path.stat().st_mtime))
+        found = [e for path in self.directory.glob("*.safetensors") if (e := self._indexed(path)) is not None]
         with self.lock:
             for entry in sorted(found, key=lambda e: e.last_used):
-                self.entries[entry.key] = entry
+                self.entries.setdefault(entry.key, entry)  # one known already (a shared rescan) keeps its state
         return len(found)
 
+    def _indexed(self, path: Path) -> Entry | None:
+        """The entry of a state file of this model written by a kvpot server, else None (logged if unreadable)."""
+        from kvpot.engine.state_io import read_metadata
+
+        try:
+            meta = read_metadata(path)
+            disk_bytes, mtime = path.stat().st_size, path.stat().st_mtime
+        except KvpotError as err:
+            log.warning("ignoring %s: %s", path, err)
+            return None
+        except OSError:
+            return None  # removed meanwhile (another replica deleted it)
+        extra, stats = meta.get("extra", {}), meta.get("stats", {})
+        if meta["model"] != self.fingerprint or "kind" not in extra:
+            return None  # another model's state, or not one this server wrote
+        return Entry(path.stem, extra["kind"], extra["spec"], stats.get("context_tokens", 0),
+                     stats.get("final_kv_entries", 0), stats.get("max_kv_entries", 0), stats.get("prefill_seconds", 0.0),
+                     extra.get("nbytes", 0), extra.get("created", 0.0), disk_bytes=disk_bytes, last_used=mtime)
+
+    def _sync(self, key: str) -> None:
+        """(shared directory) Agree with the directory about one key: adopt a file another server wrote, forget
+        an entry whose file another server deleted."""
+        if not _KEY.fullmatch(key):
+            return  # not a key this store writes (a client's text: never a path)
+        path = self._path(key)
+        with self.lock:
+            entry = self.entries.get(key)
+        if entry is None:
+            found = self._indexed(path) if path.exists() else None
+            if found is not None:
+                with self.lock:
+                    self.entries.setdefault(key, found)
+        elif entry.disk_bytes and not path.exists():
+            with self.lock:
+                self.entries.pop(key, None)
+            entry.state = None
+
+    def _sync_all(self) -> None:
+        """(shared directory) The whole listing against the directory."""
+        with self.lock:
+            written = [key for key, entry in self.entries.items() if entry.disk_bytes]
+        for key in written:
+            self._sync(key)
+        self.scan(self.fingerprint)
+
     def lookup(self, key: str) -> Entry | None:
+        if self.shared:
+            self._sync(key)
         with self.lock:
             return self.entries.get(key)
 
     def listing(self) -> list[dict]:
+        if self.shared:
+            self._sync_all()
         with self.lock:
             return [e.describe() for e in reversed(self.entries.values())]
 
