@@ -25,7 +25,8 @@ python -m pip install -q --no-index --no-deps --target /tmp/hip-site .whl-hip/hi
 if ! python -c "import gguf" 2>/dev/null && ls .whl/gguf-*.whl > /dev/null 2>&1; then
   python -m pip install -q --no-index --no-deps --target /tmp/hip-site .whl/gguf-*.whl
 fi
-export PYTHONPATH=$PWD/src:/tmp/hip-site
+# HIP_PYTHONPATH: paths put first, e.g. /tmp/tri34 (Triton 3.4.0, the version hip-attn 1.2.9 pins)
+export PYTHONPATH=${HIP_PYTHONPATH:+$HIP_PYTHONPATH:}$PWD/src:/tmp/hip-site
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   echo "commit ${KVPOT_GIT_COMMIT:-$(git log -1 --format='%H %cI' 2>/dev/null)}"
   python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,

@@ -19,7 +19,7 @@
 # ~60 s to load, each bench ~30 s: ~6 minutes. Writes under $OUT: serve-R.log, replicas-R/ (results.json,
 # summary.md) for R in 2, 1 and plain, and ratio.txt.
 set -uo pipefail
-export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1  # absolute: Ray's workers import this checkout's kvpot too
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # absolute: Ray's workers import this checkout's kvpot too
 out=${OUT:?set OUT}
 users=${USERS:-128} slots=${SLOTS:-64} length=${LENGTH:-32k} new=${NEW:-256} slack=${SLACK:-0}
 model=/tmp/llama3-8b-words
