@@ -61,7 +61,7 @@ serve_and_bench() {  # NAME PORT [kvpot serve flags...]
   tail -n 5 "$out/serve-$name.log"
 }
 
-serve_and_bench 2 8102 --replicas 2 --affinity-slack "$slack"
+serve_and_bench 2 8102 --replicas 2 --affinity-slack "$slack" --fronts "${FRONTS:-1}"
 serve_and_bench 1 8101 --replicas 1 --affinity-slack "$slack"
 serve_and_bench plain 8100
 rm -f "$out"/*/*.png

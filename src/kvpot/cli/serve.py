@@ -115,6 +115,10 @@ def register(subparsers) -> None:
     r.add_argument("--affinity-slack", type=int, default=4,
                    help="a document's questions leave the replicas holding it for the least-loaded one once those "
                         "have this many more requests in flight (default 4; 0: spread evenly; needs --state-dir)")
+    r.add_argument("--fronts", type=int, default=1,
+                   help="replicas of the front that relays every request and streamed token to the engines "
+                        "(default 1; one relays ~2,500 tokens/s: raise it with the replicas; /metrics' cluster "
+                        "counters are then per front)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's and kvpot's log lines from this level (default info: pools, stored states "
                         "found, shutdown)")
@@ -158,7 +162,7 @@ def run(args) -> int:
         from kvpot.serve.cluster import ClusterConfig, run_cluster
 
         cluster = ClusterConfig(replicas=args.replicas, replica_cpus=args.replica_cpus, retries=args.retries,
-                                affinity_slack=args.affinity_slack)
+                                affinity_slack=args.affinity_slack, fronts=args.fronts)
         run_cluster(recipe, config, cluster, args.log_level)
         return 0
     from kvpot.serve.server import run_server
