@@ -431,3 +431,25 @@ def test_a_slot_holds_no_more_score_arrays_than_its_bytes_count(prompts, name, o
     none = slot_nbytes(model.config, size, engine.head.weight.dtype, scores=0)
     assert slot_bytes(engine, size) == none + method.score_arrays * (one - none) + 4 * model.config.vocab_size
 
+
+
+def test_a_given_pool_size_is_checked_against_free_gpu_memory_once_for_library_and_server(monkeypatch):
+    """`slot_count` is the one memory check of a pool: slots a caller (or `kvpot serve --max-slots`) gives must fit
+    in `GIVEN_SLOTS_MEMORY_FRACTION` of the free GPU memory; a pool sized by itself takes `fraction` of it."""
+    from types import SimpleNamespace
+
+    from kvpot.defaults import GIVEN_SLOTS_MEMORY_FRACTION
+    from kvpot.engine import pool
+
+    engine = kvpot.Engine(build("llama3"), method=kvpot.StreamingLLM(sinks=4, window=60))
+    per_slot = pool.slot_bytes(engine, 64, torch.float32)
+    free = 10 * per_slot
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 2 * free))
+    on_gpu = SimpleNamespace(device=torch.device("cuda"), model=engine.model, method=engine.method, head=engine.head)
+    fits = int(free * GIVEN_SLOTS_MEMORY_FRACTION) // per_slot
+    assert pool.slot_count(on_gpu, 64, fits, 256, 0.5, torch.float32) == fits
+    with pytest.raises(KvpotError, match=f"{fits + 1} slots of 64 entries take"):
+        pool.slot_count(on_gpu, 64, fits + 1, 256, 0.5, torch.float32)
+    assert pool.slot_count(on_gpu, 64, None, 256, 0.5, torch.float32) == 5  # half the free memory
+    assert pool.slot_count(on_gpu, 64, None, 3, 0.5, torch.float32) == 3  # at most max_slots
+    assert pool.slot_count(engine, 64, None, 256, 0.5, torch.float32) == 8  # a CPU: 8

@@ -7,3 +7,12 @@ A module without imports: the command line reads it to print its defaults withou
 # `kvpot bench throughput --prefill-tokens`): on the `llama3-8b` shape a 2,048-token forward takes about 90 ms
 # on an H200 (records/engine-core-h100/), what a user decoding beside it waits for at most per step.
 PREFILL_TOKENS = 2048
+
+# Share of the GPU memory free after loading that a batched pool sized by itself takes
+# (`Scheduler(memory_fraction=...)`): the rest is for a step's activations and the logits. `kvpot serve` gives
+# its default method's pool less (`--kv-memory-fraction`, 0.7): other methods' pools and stored states share it.
+SLOT_MEMORY_FRACTION = 0.85
+
+# A pool of a size the caller gave must fit in this share of the free GPU memory (`kvpot.engine.pool.slot_count`,
+# the one check for the library and the server), else the pool is refused before it is allocated.
+GIVEN_SLOTS_MEMORY_FRACTION = 0.9

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from kvpot.cache import PotCache, PotLayer, _clone_state
+from kvpot.defaults import GIVEN_SLOTS_MEMORY_FRACTION
 from kvpot.errors import KvpotError
 from kvpot.positions import PositionPolicy
 from kvpot.rope import Rope
@@ -221,11 +222,18 @@ def slot_capacity(method, capacity: int | None, question_room: int) -> int:
 
 
 def slot_count(engine, capacity: int, slots: int | None, max_slots: int, fraction: float, dtype: torch.dtype) -> int:
-    """`slots` if given, else as many as fit in `fraction` of the GPU's free memory (at most `max_slots`),
-    or 8 on a CPU."""
+    """`slots` if given (on a GPU: if they fit in `GIVEN_SLOTS_MEMORY_FRACTION` of its free memory), else as
+    many as fit in `fraction` of the GPU's free memory (at most `max_slots`), or 8 on a CPU. The one memory
+    check of a pool, for the library and the server alike."""
     if slots is not None:
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise KvpotError(f"slots must be a positive integer, got {slots!r}.")
+        if engine.device.type == "cuda":
+            need = slots * slot_bytes(engine, capacity, dtype)
+            free, _ = torch.cuda.mem_get_info(engine.device)
+            if need > free * GIVEN_SLOTS_MEMORY_FRACTION:
+                raise KvpotError(f"{slots} slots of {capacity:,} entries take {need / 2**30:.2f} GiB and "
+                                 f"{free / 2**30:.2f} GiB of GPU memory is free; ask for fewer slots.")
         return slots
     if engine.device.type != "cuda":
         return min(8, max_slots)

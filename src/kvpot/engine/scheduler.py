@@ -21,7 +21,7 @@ from kvpot.engine.decoding import resolve_mode
 from kvpot.engine.delivery import TokenOutbox
 from kvpot.engine.evict import evict_steady
 from kvpot.engine.mixed import Chunk, mixable, mixed_forward
-from kvpot.defaults import PREFILL_TOKENS
+from kvpot.defaults import PREFILL_TOKENS, SLOT_MEMORY_FRACTION
 from kvpot.engine.plan import Candidate, check_options, plan_chunks
 from kvpot.engine.pool import SlotPool, slot_bytes, slot_capacity, slot_count
 from kvpot.engine.reading import PromptReader
@@ -53,7 +53,7 @@ class Scheduler:
 
     def __init__(self, engine, slots: int | None = None, capacity: int | None = None, question_room: int = 512,
                  max_waiting: int | None = None, prefill_tokens: int = PREFILL_TOKENS, decode: str = "auto",
-                 max_slots: int = 256, memory_fraction: float = 0.85, feed_questions: str = "auto",
+                 max_slots: int = 256, memory_fraction: float = SLOT_MEMORY_FRACTION, feed_questions: str = "auto",
                  feed_tokens: int = 64, mix: bool = False):
         if len(engine.devices) > 1:
             raise KvpotError("batched decoding runs a model on one device; a model split over several GPUs "

@@ -114,16 +114,7 @@ class Service:
             return SoloScheduler(engine)
         capacity = self.slot_capacity(engine)
         decode = engine.decode if engine.decode in ("graph", "static") else "auto"
-        if slots is not None and engine.device.type == "cuda":  # a pool of a given size: does it fit?
-            import torch
-
-            from kvpot.engine.pool import slot_bytes, slot_capacity
-
-            need = slots * slot_bytes(engine, slot_capacity(engine.method, capacity, 512), engine.head.weight.dtype)
-            free, _ = torch.cuda.mem_get_info(engine.device)
-            if need > free * 0.9:
-                raise KvpotError(f"{slots} slots take {need / 2**30:.2f} GiB and {free / 2**30:.2f} GiB of GPU "
-                                 "memory is free")
+        # a pool of a given size that does not fit is refused by the Scheduler (kvpot.engine.pool.slot_count)
         scheduler = Scheduler(engine, slots=slots, capacity=capacity, prefill_tokens=self.config.prefill_tokens,
                               decode=decode, max_slots=self.config.max_slots or 256,
                               memory_fraction=self.config.kv_memory_fraction,
