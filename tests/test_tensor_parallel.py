@@ -119,7 +119,7 @@ def test_tensor_parallel_refuses_a_size_that_is_not_the_world(monkeypatch):
 
 
 def test_tensor_parallel_refuses_heads_that_do_not_divide():
-    config = LlamaConfig(num_attention_heads=12, num_key_value_heads=6)
+    config = LlamaConfig(hidden_size=768, num_attention_heads=12, num_key_value_heads=6)
     check_heads(config, 3)
     with pytest.raises(KvpotError, match="allows tp_size 1, 2, 3, 6"):
         check_heads(config, 4)

@@ -185,10 +185,19 @@ def resolve_device(device: str | None) -> str:
     return device
 
 
-def resolve_placement(device: str | None, device_map: str | dict | None,
-                      max_memory: str | dict | None) -> tuple[str | None, str | dict | None, dict | None]:
-    """Command-line placement (--device, --device-map, --max-memory as text) as `load_pretrained`'s
-    (device, device_map, max_memory): a device map excludes a device; without either, cuda if available."""
+def resolve_placement(device: str | None, device_map: str | dict | None, max_memory: str | dict | None,
+                      tp: int = 1) -> tuple[str | None, str | dict | None, dict | None]:
+    """Command-line placement (--device, --device-map, --max-memory as text, --tp) as `load_pretrained`'s
+    (device, device_map, max_memory): a device map excludes a device; without either, cuda if available.
+    With --tp N > 1 transformers places each rank (cuda:LOCAL_RANK, or the CPU): no device map."""
+    if tp != 1:
+        from kvpot.models.parallel import check_world
+
+        check_world(tp)
+        if device_map is not None or max_memory is not None:
+            raise KvpotError("--tp splits every layer over the GPUs; --device-map/--max-memory split the layers: "
+                             "give one of them.")
+        return device, None, None
     max_memory = parse_max_memory(max_memory) if isinstance(max_memory, str) else max_memory
     check_device_map(device_map, max_memory)
     if device_map is None:
