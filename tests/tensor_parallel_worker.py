@@ -125,7 +125,9 @@ def main(model_dir: str, out_dir: str) -> None:
     faulthandler.dump_traceback_later(int(os.environ.get("KVPOT_TP_WATCHDOG", "600")), exit=True)
 
     world = int(os.environ["WORLD_SIZE"])
-    model, tokenizer = load_pretrained(model_dir, tp_size=world)
+    # float32 on a GPU too: the one-process reference is float32 on one GPU (bfloat16 rounds the ranks' partial
+    # sums of the row-wise projections differently from one GPU's whole sums)
+    model, tokenizer = load_pretrained(model_dir, tp_size=world, dtype=torch.float32)
     result = run(model, tokenizer)
     result["world"] = world
     rank = int(os.environ["RANK"])

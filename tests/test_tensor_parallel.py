@@ -46,10 +46,12 @@ def save_tiny(path: Path) -> Path:
     return path
 
 
-def torchrun(args: list[str], nproc: int, env_extra: dict | None = None, timeout: int = TIMEOUT):
+def torchrun(args: list[str], nproc: int, gpus: bool = False, timeout: int = TIMEOUT):
+    """`torchrun --standalone --nproc-per-node nproc ARGS`; on the CPU (gloo) unless `gpus` (NCCL)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")]),
-           "OMP_NUM_THREADS": "1", **(env_extra or {})}
-    env.pop("CUDA_VISIBLE_DEVICES", None) if not torch.cuda.is_available() else None
+           "OMP_NUM_THREADS": "1"}
+    if not gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ""  # transformers picks the accelerator it sees: none, so gloo on the CPU
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                "--standalone", *args]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
@@ -107,6 +109,30 @@ def test_tensor_parallel_scheduler_gives_the_tokens_it_gives_alone(ranks, alone,
     assert expected["cancelled"] == "cancelled"
     for rank in ranks:
         assert rank["batched"][name] == expected  # the same tokens, slots and step count on every rank
+
+
+def compare(ranks: list[dict], alone: dict) -> None:
+    for name, expected in alone["one"].items():
+        for rank in ranks:
+            if name == "infinitehip-shared":
+                assert "selection=head" in rank["one"][name]["error"]
+            else:
+                assert rank["one"][name] == expected, name
+    for name, expected in alone["batched"].items():
+        assert [rank["batched"][name] for rank in ranks] == [expected] * len(ranks), name
+
+
+@pytest.mark.gpu
+def test_tensor_parallel_on_two_gpus_captures_the_collectives(tiny_model, tmp_path):
+    """NCCL on two GPUs: decoding steps are CUDA graphs whose captured body holds the collectives (the token's
+    broadcast, TOVA's gathered heads in its steady steps, InfLLM's all-reduce), batched steps too."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    done = torchrun([str(ROOT / "tests" / "tensor_parallel_worker.py"), str(tiny_model), str(tmp_path)], 2, gpus=True)
+    assert done.returncode == 0, done.stderr[-6000:]
+    ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
+    model, tokenizer = load_pretrained(tiny_model, device="cuda", dtype=torch.float32)
+    compare(ranks, worker.run(model, tokenizer))
 
 
 def test_tensor_parallel_refuses_a_size_that_is_not_the_world(monkeypatch):

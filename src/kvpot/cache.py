@@ -302,7 +302,7 @@ class PotCache(Cache):
     attention observation a method asked for (`request`).
     """
 
-    def __init__(self, num_layers: int, rope: Rope, policy: PositionPolicy, capacity_hint: int = 0):
+    def __init__(self, num_layers: int, rope: Rope, policy: PositionPolicy, capacity_hint: int = 0, parallel=None):
         self.rope = rope
         self.policy = policy
         self.capacity_hint = capacity_hint
@@ -321,7 +321,7 @@ class PotCache(Cache):
         self.unordered = False  # entries out of stream order in their places (`kvpot.methods.replace`)
         # tensor parallelism (`kvpot.models.parallel.TensorParallel`): this rank holds its own KV heads only; a method
         # whose selection spans heads gathers every rank's scores through it (`kvpot.models.parallel.all_heads`)
-        self.parallel = None
+        self.parallel = parallel
         super().__init__(layers=[PotLayer(self, i) for i in range(num_layers)])
 
     def begin_forward(self, positions: torch.Tensor, max_position: int, request=None) -> None:
