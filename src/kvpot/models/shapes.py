@@ -197,11 +197,11 @@ def build(name: str, device: str = "cpu", dtype=None, seed: int = 0, device_map=
     from kvpot.models import default_dtype
 
     if tp_size > 1:
-        from kvpot.models.tensor_parallel import build_tensor_parallel
+        from kvpot.models.tensor_parallel import build_tensor_parallel, tp_device_type
 
         if device_map is not None:
             raise KvpotError("give either tp_size (tensor parallelism) or a device_map, not both.")
-        return build_tensor_parallel(get_shape(name).config(), tp_size, dtype, seed)
+        return build_tensor_parallel(get_shape(name).config(), tp_size, dtype or default_dtype(tp_device_type()), seed)
 
     if device_map is not None:
         return build_split(name, device_map, dtype, seed, max_memory)

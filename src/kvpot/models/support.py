@@ -140,10 +140,10 @@ def load_pretrained(
         raise KvpotError(f"cannot load a model config from {source!r}: {err}".splitlines()[0]) from None
     architecture_of(config)
     if tp_size is not None:
-        from kvpot.models.tensor_parallel import check_tp, load_tensor_parallel
+        from kvpot.models.tensor_parallel import check_tp, load_tensor_parallel, tp_device_type
 
         check_tp(config, tp_size, device, device_map)
-        model = load_tensor_parallel(source, config, tp_size, dtype, device)
+        model = load_tensor_parallel(source, tp_size, dtype or default_dtype(device or tp_device_type()))
     elif device_map is None:
         device = device or "cpu"
         dtype = dtype or default_dtype(device)

@@ -46,14 +46,11 @@ def check_tp(config, tp_size: int, device: str | None, device_map) -> None:
     check_heads(config, tp_size)
 
 
-def load_tensor_parallel(source: str, config, tp_size: int, dtype: torch.dtype | None, device: str | None):
+def load_tensor_parallel(source: str, tp_size: int, dtype: torch.dtype):
     """`source` (a local folder or Hub id) sharded over the `tp_size` ranks of this torchrun, in eval mode."""
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
-    from kvpot.models.support import default_dtype
-
-    dtype = dtype or default_dtype(device or tp_device_type())
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype,
                                                  distributed_config=DistributedConfig(tp_size=tp_size))
     if (getattr(model, "tp_size", None) or 1) != tp_size:
@@ -62,7 +59,7 @@ def load_tensor_parallel(source: str, config, tp_size: int, dtype: torch.dtype |
     return model.eval()
 
 
-def build_tensor_parallel(config, tp_size: int, dtype: torch.dtype | None, seed: int = 0):
+def build_tensor_parallel(config, tp_size: int, dtype: torch.dtype, seed: int = 0):
     """A random-weight model of `config` sharded over the `tp_size` ranks of this torchrun (benchmark shapes)."""
     from safetensors.torch import save_file
 
@@ -77,6 +74,6 @@ def build_tensor_parallel(config, tp_size: int, dtype: torch.dtype | None, seed:
         verbosity = logging.get_verbosity()
         logging.set_verbosity_error()  # every weight is "missing" from the empty file, on purpose
         try:
-            return load_tensor_parallel(folder, config, tp_size, dtype, None)
+            return load_tensor_parallel(folder, tp_size, dtype)
         finally:
             logging.set_verbosity(verbosity)
