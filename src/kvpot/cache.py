@@ -162,6 +162,11 @@ class PotLayer(CacheLayerMixin):
 
     # ---- kvpot's surface ----
     @property
+    def parallel(self):
+        """The tensor-parallel group this layer's heads are a part of (`kvpot.models.parallel.TensorParallel`), or None."""
+        return self.cache.parallel
+
+    @property
     def capacity(self) -> int:
         return 0 if not self.is_initialized else self.keys.shape[2]
 
@@ -297,7 +302,7 @@ class PotCache(Cache):
     attention observation a method asked for (`request`).
     """
 
-    def __init__(self, num_layers: int, rope: Rope, policy: PositionPolicy, capacity_hint: int = 0):
+    def __init__(self, num_layers: int, rope: Rope, policy: PositionPolicy, capacity_hint: int = 0, parallel=None):
         self.rope = rope
         self.policy = policy
         self.capacity_hint = capacity_hint
@@ -314,6 +319,9 @@ class PotCache(Cache):
         self.attention = None
         self.static = False  # fixed-shape decoding steps (`kvpot.engine.decoding`); see PotLayer._static_update
         self.unordered = False  # entries out of stream order in their places (`kvpot.methods.replace`)
+        # tensor parallelism (`kvpot.models.parallel.TensorParallel`): this rank holds its own KV heads only; a method
+        # whose selection spans heads gathers every rank's scores through it (`kvpot.models.parallel.all_heads`)
+        self.parallel = parallel
         super().__init__(layers=[PotLayer(self, i) for i in range(num_layers)])
 
     def begin_forward(self, positions: torch.Tensor, max_position: int, request=None) -> None:
@@ -355,6 +363,7 @@ class PotCache(Cache):
     def twin(self) -> PotCache:
         """An empty cache with the same layers, RoPE and policy, linked to this one for counting."""
         other = PotCache(len(self.layers), self.rope, self.policy, self.capacity_hint)
+        other.parallel = self.parallel
         other.linked, self.linked = self, other
         return other
 
@@ -376,6 +385,7 @@ class PotCache(Cache):
         """An independent copy (the engine's reusable prefill state is never consumed)."""
         twin = PotCache(len(self.layers), self.rope, self.policy, self.capacity_hint)
         twin.host_storage = self.host_storage
+        twin.parallel = self.parallel
         twin.layers = [layer.clone_into(twin) for layer in self.layers]
         twin.max_entries = self.max_entries
         twin.unordered = self.unordered

@@ -74,6 +74,7 @@ class BenchConfig:
     device_map: str | None = None  # split the shape over GPUs (accelerate) instead of `device`
     max_memory: dict | None = None  # with device_map: {0: "70GiB", 1: "70GiB"}
     model_devices: str | None = None  # set by run_bench: "cuda:0,cuda:1" for a split model
+    tp: int = 1  # tensor parallelism over `tp` torchrun processes (transformers' TP plan), one GPU each
     repeats: int = 1
     decode_steps: int = 64
     warmup_steps: int = 8
@@ -118,6 +119,9 @@ class BenchConfig:
         if self.mode not in MODES:
             raise KvpotError(f"unknown mode {self.mode!r}; choose one of: {', '.join(MODES)}.")
         get_shape(self.shape)
+        if self.tp > 1 and self.mode == "attention":
+            raise KvpotError("bench attention times one layer on one device; --tp applies to prefill, decode and "
+                             "throughput.")
         if self.device_map is not None and self.mode == "attention":
             raise KvpotError("bench attention times one layer on one device; --device-map applies to prefill and decode.")
         if self.mode != "attention" and not self.methods:

@@ -26,7 +26,12 @@ def run_bench(config: BenchConfig, progress: bool = True, show: bool = True, mod
 
     runs = build_methods([MethodSpec.parse(m) for m in config.methods], config.budget, config.settings) \
         if config.methods else []
-    if config.device_map is None:
+    if config.tp > 1:  # under torchrun: every rank runs the same rows; rank 0 writes OUT, rank r OUT/rank-r
+        from kvpot.models.parallel import is_rank_zero, rank
+
+        show = show and is_rank_zero()
+        config.out = config.out if is_rank_zero() else config.out / f"rank-{rank()}"
+    elif config.device_map is None:
         config.device = resolve_device(config.device)
     if config.threads is not None:
         torch.set_num_threads(config.threads)
@@ -39,7 +44,7 @@ def run_bench(config: BenchConfig, progress: bool = True, show: bool = True, mod
     else:
         if model is None:
             model = shapes.build(config.shape, config.device, resolve_dtype(config.dtype), seed=config.seed,
-                                 device_map=config.device_map, max_memory=config.max_memory)
+                                 device_map=config.device_map, max_memory=config.max_memory, tp_size=config.tp)
         from kvpot.models.devices import describe_devices, input_device
 
         config.device, config.model_devices = str(input_device(model)), describe_devices(model)  # ids go in there

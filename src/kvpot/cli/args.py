@@ -17,7 +17,7 @@ METHOD_METAVAR = "NAME[:KEY=VALUE,...]"
 
 __all__ = [
     "DTYPES", "EXIT_USAGE", "METHOD_METAVAR", "Parser", "add_budget_argument", "add_device_arguments",
-    "add_gguf_argument",
+    "add_gguf_argument", "add_tp_argument",
     "add_method_arguments", "add_model_arguments", "add_set_argument", "parse_length",
     "parse_lengths",
 ]
@@ -42,6 +42,16 @@ def add_device_arguments(parser: argparse.ArgumentParser, dtype_help: str | None
     parser.add_argument(
         "--dtype", default="auto", choices=DTYPES,
         help=dtype_help or "weights and KV dtype (auto: bfloat16 on GPU, float32 on CPU)",
+    )
+
+
+def add_tp_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tp", type=int, default=1, metavar="N",
+        help="tensor parallelism over N processes, one GPU each (transformers' TP plan: every projection split "
+             "N ways, each rank holding num_key_value_heads/N KV heads and their bounded cache). Start the command "
+             "with `torchrun --nproc-per-node N -m kvpot ...` (N = WORLD_SIZE); only rank 0 prints. Excludes "
+             "--device-map; the heads must divide by N",
     )
 
 

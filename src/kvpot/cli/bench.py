@@ -10,7 +10,7 @@ from kvpot.bench.backends import DEFAULT_SDPA, SDPA_CHOICES
 from kvpot.bench.config import DEFAULT_LENGTHS, MODES, BenchConfig
 from kvpot.bench.load import parse_rate
 from kvpot.bench.serve_config import MODE as SERVE_MODE, ServeBenchConfig
-from kvpot.cli.args import METHOD_METAVAR, add_device_arguments, parse_length, parse_lengths
+from kvpot.cli.args import METHOD_METAVAR, add_device_arguments, add_tp_argument, parse_length, parse_lengths
 from kvpot.defaults import PREFILL_TOKENS
 from kvpot.errors import KvpotError
 
@@ -79,6 +79,7 @@ def register(sub) -> None:
                    help=f"context lengths in tokens, e.g. 32k,128k,512k,1m, one run each (default {DEFAULT_LENGTHS}; "
                         "throughput and serve: see --length-mix for lengths mixed within one run)")
     add_device_arguments(p, dtype_help="weights, KV and q/k/v dtype (auto: bfloat16 on GPU, float32 on CPU)")
+    add_tp_argument(p)
     p.add_argument("--repeats", type=int, default=1, help="prefill: timed runs per method and length (default 1)")
     p.add_argument("--decode-steps", type=int, default=64, help="decode: timed steps per length (default 64)")
     p.add_argument("--warmup-steps", type=int, default=8, help="decode: untimed steps first (default 8)")
@@ -255,8 +256,9 @@ def serve_config_from_args(args) -> ServeBenchConfig:
 
     if args.out is None:
         raise KvpotError("bench serve needs --out DIR, the folder for results.")
-    if args.device_map or args.max_memory:
-        raise KvpotError("bench serve launches its server on one device (--device); --device-map is not supported.")
+    if args.device_map or args.max_memory or args.tp != 1:
+        raise KvpotError("bench serve launches its server on one device (--device); --device-map and --tp are not "
+                         "supported (measure a `kvpot serve --tp N` started with torchrun through --url).")
     return ServeBenchConfig(
         out=args.out, url=args.url, api_key=args.api_key, served_model=args.served_model, ignore_eos=args.ignore_eos,
         shape=args.shape, model=args.model, methods=list(args.method), budget=args.budget,
@@ -275,7 +277,7 @@ def config_from_args(args) -> BenchConfig:
 
     if args.out is None:
         raise KvpotError(f"bench {args.mode} needs --out DIR, the folder for results.")
-    device, device_map, max_memory = resolve_placement(args.device, args.device_map, args.max_memory)
+    device, device_map, max_memory = resolve_placement(args.device, args.device_map, args.max_memory, args.tp)
     return BenchConfig(
         mode=args.mode, shape=args.shape, out=args.out, methods=list(args.method), lengths=_lengths(args),
         budget=args.budget, settings=parse_assignments(args.set), device=device, device_map=device_map,
@@ -289,7 +291,7 @@ def config_from_args(args) -> BenchConfig:
         kvpress_path=args.kvpress_path or os.environ.get("KVPOT_KVPRESS_PATH") or None,
         users=args.users, new_tokens=args.new_tokens, document=args.document, slots=args.slots,
         prefill_tokens=args.prefill_tokens, sequential_users=args.sequential_users, hf_timeout=args.hf_timeout,
-        mixed=args.mixed,
+        mixed=args.mixed, tp=args.tp,
         sdpa=args.sdpa, **_load_options(args),
     )
 

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from kvpot.cli.args import add_decode_argument, add_method_arguments, add_model_arguments
+from kvpot.cli.args import add_decode_argument, add_method_arguments, add_model_arguments, add_tp_argument
 from kvpot.errors import KvpotError
 
 # Without --method: InfiniPot (bounded at every instant of prefill and decoding) with a pot of
@@ -37,6 +37,7 @@ def register(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_model_arguments(p)
+    add_tp_argument(p)
     add_decode_argument(p)
     add_method_arguments(
         p, required=False,
@@ -100,17 +101,22 @@ def run(args) -> int:
     from kvpot.models.support import resolve_placement
 
     template = {"auto": "auto", "on": True, "off": False}[args.chat_template]
-    device, device_map, max_memory = resolve_placement(args.device, args.device_map, args.max_memory)
+    device, device_map, max_memory = resolve_placement(args.device, args.device_map, args.max_memory, args.tp)
     engine = Engine.from_pretrained(
         resolve_model(args.model, args.gguf), method=method, device=device, dtype=resolve_dtype(args.dtype),
         chat_template=template, device_map=device_map, max_memory=max_memory, gguf_file=args.gguf,
-        decode=args.decode, compile_step=args.compile_step, linear=args.linear,
+        decode=args.decode, compile_step=args.compile_step, linear=args.linear, tp_size=args.tp,
     )
-    stream = None if args.json else (lambda piece: print(piece, end="", flush=True))
+    from kvpot.models.parallel import is_rank_zero
+
+    quiet = not is_rank_zero()  # under torchrun every rank generates the same tokens; rank 0 prints them
+    stream = None if args.json or quiet else (lambda piece: print(piece, end="", flush=True))
     result = engine.generate(
         context, question=args.question, max_new_tokens=args.max_new_tokens, on_text=stream,
         progress=sys.stderr.isatty(), temperature=args.temperature, top_p=args.top_p, seed=args.seed,
     )
+    if quiet:
+        return 0
     if args.json:
         payload = {"text": result.text, "token_ids": result.token_ids, "stats": result.stats.to_dict(),
                    "method": method.config(), "method_spec": label, "model": model_label(args.model, args.gguf)}

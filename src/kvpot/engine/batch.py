@@ -213,6 +213,8 @@ class BatchDecoder:
 
     def pick_from(self, rows: torch.Tensor, logits: torch.Tensor, sampling: bool) -> None:
         token = pick_rows(logits, self.temperature[rows], self.top_p[rows], self.seed[rows], self.counter[rows], sampling)
+        if self.engine.parallel is not None:  # tensor parallelism: rank 0's picks for every rank (seeds may differ)
+            token = self.engine.parallel.broadcast(token.contiguous())
         self.last_token[rows] = token
         self.counter[rows] += 1
 

@@ -69,6 +69,8 @@ def decode_eager(engine, run, max_new_tokens: int, on_token, temperature: float,
     last = time.perf_counter()
     for index in range(max_new_tokens):
         token = _pick(run.logits, temperature, top_p, generator)  # reads the token back: a sync
+        if engine.parallel is not None:  # tensor parallelism: every rank continues with rank 0's token
+            token = engine.parallel.same_token(token, run.logits.device)
         if times is not None:
             now = time.perf_counter()
             if index:
@@ -268,6 +270,10 @@ class Decoder:
 
     def _pick(self, logits: torch.Tensor) -> None:
         token = pick_token(logits, self.temperature, self.top_p, self.generator)
+        if self.engine.parallel is not None:
+            # tensor parallelism: the logits are the same on every rank, but a generator seeded per process
+            # (seed=None) is not; rank 0's token goes to all, a device broadcast inside the captured step
+            token = self.engine.parallel.broadcast(token.view(-1)).view_as(token)
         self.token.copy_(token)
         self.out.index_copy_(0, self.index.clamp(max=self.out.numel() - 1), token)
         self.index.add_(1)

@@ -34,8 +34,8 @@ from kvpot.errors import KvpotError
 from kvpot.methods import Full, Method, Step
 from kvpot.methods.base import Setup
 from kvpot.models import architecture_of, load_pretrained, rotary_embedding
-from kvpot.models.devices import input_device, model_devices, output_device, peak_memory, reset_peak_memory
-from kvpot.models.devices import synchronize
+from kvpot.models.devices import input_device, model_devices, output_device, peak_memory, reset_peak_memory, synchronize
+from kvpot.models.parallel import TensorParallel
 from kvpot.positions import make_policy
 from kvpot.rope import Rope
 from kvpot.scoring import token_nll
@@ -82,8 +82,9 @@ class Engine(TextApi, Scoring):
         # split by accelerate (device_map), each layer's cache lives on its layer's device (kvpot.models.devices)
         self._device, self.output_device = input_device(model), output_device(model)
         self.devices = model_devices(model)
+        self.parallel = TensorParallel.of(model)  # sharded by transformers' TP plan (kvpot.models.parallel)
         # single-token steps' linear layers: kvpot's matrix-vector kernel on a GPU (kvpot.engine.linear)
-        self.linear = resolve_linear(linear, self._device)
+        self.linear = resolve_linear(linear, self._device, self.parallel is not None)
         self._linear_devices = ("cuda",)
 
     @classmethod
@@ -100,14 +101,16 @@ class Engine(TextApi, Scoring):
         device_map: str | dict | None = None,
         max_memory: dict | None = None,
         gguf_file: str | None = None,
+        tp_size: int | None = None,
     ) -> Engine:
         """Load a model on `device` (default "cpu"), or split over several by `device_map` ("auto", or a dict
         module -> device) within `max_memory` ({0: "70GiB", ...}); each layer's cache lives on its device.
         The model: a Hub id, a local folder, a named model (`kvpot.models.SMOLLM2_135M` or "smollm2-135m"),
         or a GGUF file (`gguf_file`: a path, or a file name in the folder or Hub repository `name_or_path`),
-        de-quantized once into kvpot's cache."""
+        de-quantized once into kvpot's cache. `tp_size=N`: sharded by transformers' tensor-parallel plan over the
+        N processes of `torchrun --nproc-per-node N`, one engine each (docs/scaling.md, *Tensor parallelism*)."""
         model, tokenizer = load_pretrained(name_or_path, device=device, dtype=dtype, device_map=device_map,
-                                           max_memory=max_memory, gguf_file=gguf_file)
+                                           max_memory=max_memory, gguf_file=gguf_file, tp_size=tp_size)
         return cls(model, tokenizer, method=method, chat_template=chat_template, decode=decode,
                    compile_step=compile_step, linear=linear)
 
@@ -216,7 +219,7 @@ class Engine(TextApi, Scoring):
         bound = self.method.max_entries()
         hint = bound if bound is not None else total_tokens
         policy = make_policy(self.method.positions)
-        return PotCache(self.model.config.num_hidden_layers, self.rope, policy, capacity_hint=hint)
+        return PotCache(self.model.config.num_hidden_layers, self.rope, policy, capacity_hint=hint, parallel=self.parallel)
 
     def _resume(self, state: State, question_ids, progress: bool, keep: bool = True, should_stop=None) -> _Run:
         self.check_state(state)

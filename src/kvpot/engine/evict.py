@@ -31,6 +31,7 @@ class RowsView:
     def __init__(self, storage, rows: torch.Tensor, n: int, observation: torch.Tensor | None):
         self.storage, self.rows, self.n = storage, rows, n
         self.batch, self.kv_heads, self.device = rows.numel(), storage.kv_heads, storage.device
+        self.parallel = storage.parallel  # tensor parallelism: the rank's own KV heads (kvpot.models.parallel)
         self.observation = observation  # [B, kv_heads, n]: each row's step observation
         self.gathered: dict[str, torch.Tensor] = {}  # score name -> [B, kv_heads, n] (written back after)
 

@@ -76,10 +76,17 @@ class SingleRowLinear(TorchFunctionMode):
         return bias is None or (bias.dtype == x.dtype and bias.device == x.device)
 
 
-def resolve_linear(linear: str, device: torch.device) -> str:
-    """`auto`: the kernel where kvpot's kernels run on a CUDA device, else torch's."""
+def resolve_linear(linear: str, device: torch.device, sharded: bool = False) -> str:
+    """`auto`: the kernel where kvpot's kernels run on a CUDA device, else torch's. A model `sharded` by
+    transformers' tensor-parallel plan always takes torch's: its projections hold DTensor weights and run
+    transformers' own TP forward around them, which the kernel would bypass."""
     if linear not in LINEARS:
         raise KvpotError(f"linear must be one of {LINEARS}, got {linear!r}.")
+    if sharded:
+        if linear == "gemv":
+            raise KvpotError("linear='gemv' under tensor parallelism: the sharded projections' DTensor weights do "
+                             "not go through kvpot's kernel; use 'auto' or 'torch'.")
+        return "torch"
     from kvpot import kernels
 
     if linear == "gemv" and not (device.type == "cuda" and kernels.available(device)):

@@ -31,6 +31,7 @@ class PoolLayer:
     def __init__(self, rows: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device):
         self.rows, self.kv_heads, self.capacity, self.head_dim = rows, kv_heads, capacity, head_dim
+        self.parallel = None  # the pool's tensor-parallel group (set by SlotPool)
         self.dtype, self.device = dtype, device
         # zeros, not empty: lanes past a slot's length are masked by the attention, but must be finite
         self.keys = torch.zeros(rows, kv_heads, capacity, head_dim, dtype=dtype, device=device)
@@ -97,7 +98,7 @@ class SlotPool:
     """KV storage for `slots` sequences of at most `capacity` entries per layer and KV head."""
 
     def __init__(self, config, rope: Rope, policy: PositionPolicy, slots: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, parallel=None):
         if not isinstance(slots, int) or slots < 1:
             raise KvpotError(f"a pool needs at least one slot, got {slots!r}.")
         if not isinstance(capacity, int) or capacity < 1:
@@ -105,10 +106,13 @@ class SlotPool:
         self.rope, self.policy = rope, policy
         self.slots, self.capacity = slots, capacity
         self.scratch = slots  # the row padding rows of a batched step write to
-        kv_heads, head_dim = kv_shape(config)
+        self.parallel = parallel  # kvpot.models.parallel.TensorParallel: each rank's slots hold its own KV heads
+        kv_heads, head_dim = kv_shape(config, parallel.size if parallel is not None else 1)
         self.num_layers = config.num_hidden_layers
         self.layers = [PoolLayer(slots + 1, kv_heads, capacity, head_dim, dtype, device)
                        for _ in range(self.num_layers)]
+        for layer in self.layers:
+            layer.parallel = parallel
         self.lengths = torch.zeros(self.num_layers, slots + 1, dtype=torch.long, device=device)
         self.device = device
         self.free: list[int] = list(range(slots))  # lowest first: low rows stay dense
@@ -136,6 +140,7 @@ class SlotPool:
     def cache(self, slot: int, capacity_hint: int | None = None) -> PotCache:
         """An empty `PotCache` over slot `slot`'s row (a new sequence starts here)."""
         cache = PotCache(self.num_layers, self.rope, self.policy, capacity_hint=self.capacity)
+        cache.parallel = self.parallel
         cache.layers = [SlotLayer(cache, i, storage, slot) for i, storage in enumerate(self.layers)]
         self.caches[slot] = cache
         self.lengths[:, slot] = 0
@@ -183,18 +188,21 @@ class SlotPool:
         return sum(layer.nbytes for layer in self.layers) + self.lengths.nbytes
 
 
-def kv_shape(config) -> tuple[int, int]:
-    """(KV heads, head dim) of a model's attention layers, from its config."""
+def kv_shape(config, tp: int = 1) -> tuple[int, int]:
+    """(KV heads, head dim) of a model's attention layers, from its config; with tensor parallelism over `tp`
+    processes, the KV heads one rank holds (the model's own split: `kvpot.models.parallel.check_heads`)."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return kv_heads, head_dim
+    return kv_heads // tp, head_dim
 
 
-def slot_nbytes(config, capacity: int, dtype: torch.dtype, scores: int = 1, observed: bool = True) -> int:
-    """Bytes one slot takes in a pool: keys and values, two position arrays (int64), `scores` float32
-    score arrays and, with `observed`, the batched step's observation row."""
-    kv_heads, head_dim = kv_shape(config)
+def slot_nbytes(config, capacity: int, dtype: torch.dtype, scores: int = 1, observed: bool = True,
+                tp: int = 1) -> int:
+    """Bytes one slot takes in a pool (on each rank, with tensor parallelism over `tp`): keys and values, two
+    position arrays (int64), `scores` float32 score arrays and, with `observed`, the batched step's observation
+    row."""
+    kv_heads, head_dim = kv_shape(config, tp)
     element = torch.empty((), dtype=dtype).element_size()
     per_entry = 2 * head_dim * element + 2 * 8 + 4 * scores + (4 if observed else 0)
     return config.num_hidden_layers * kv_heads * capacity * per_entry
@@ -205,7 +213,8 @@ def slot_bytes(engine, capacity: int, dtype: torch.dtype | None = None) -> int:
     arrays (`Method.score_arrays`), the observation row, and the slot's last logits (float32)."""
     dtype = dtype or engine.head.weight.dtype
     vocab = engine.head.weight.shape[0]
-    return slot_nbytes(engine.model.config, capacity, dtype, scores=engine.method.score_arrays) + 4 * vocab
+    tp = engine.parallel.size if engine.parallel is not None else 1
+    return slot_nbytes(engine.model.config, capacity, dtype, scores=engine.method.score_arrays, tp=tp) + 4 * vocab
 
 
 def slot_capacity(method, capacity: int | None, question_room: int) -> int:
@@ -240,6 +249,8 @@ def slot_count(engine, capacity: int, slots: int | None, max_slots: int, fractio
     per_slot = slot_bytes(engine, capacity, dtype)
     free, _ = torch.cuda.mem_get_info(engine.device)
     fits = int(free * fraction) // per_slot
+    if engine.parallel is not None:  # every rank must run the same slots: the one with least memory decides
+        fits = int(engine.parallel.all_reduce(torch.tensor([fits], device=engine.device), op="min").item())
     if fits < 1:
         raise KvpotError(f"one slot of {capacity:,} entries takes {per_slot / 2**30:.2f} GiB and only "
                          f"{free / 2**30:.2f} GiB of GPU memory is free; lower the capacity or free memory.")

@@ -16,6 +16,7 @@ from collections import deque
 
 import torch
 
+from kvpot.engine.agreement import StepAgreement
 from kvpot.engine.batch import BatchDecoder, batchable_request, batched_method, mirror_append, step_observations
 from kvpot.engine.decoding import resolve_mode
 from kvpot.engine.delivery import TokenOutbox
@@ -64,8 +65,9 @@ class Scheduler:
         self.capacity = slot_capacity(self.method, capacity, question_room)
         dtype = engine.head.weight.dtype
         slots = slot_count(engine, self.capacity, slots, max_slots, memory_fraction, dtype)
-        config = engine.model.config
-        self.pool = SlotPool(config, engine.rope, _policy(engine), slots, self.capacity, dtype, engine.device)
+        self.pool = SlotPool(engine.model.config, engine.rope, _policy(engine), slots, self.capacity, dtype, engine.device,
+                             engine.parallel)
+        self.agreement = StepAgreement.of(engine)  # tensor parallelism: every rank's step alike (engine/agreement.py)
         self.decoder = BatchDecoder(engine, self.pool, graphs=mode == "graph")
         self.mode = mode
         self.max_waiting, self.prefill_tokens = max_waiting, prefill_tokens
@@ -140,6 +142,7 @@ class Scheduler:
     def step(self) -> list[Request]:
         """Advance every request by one step; returns the requests that ended in it."""
         ended: list[Request] = []
+        self.agreement.agree(self)  # under tensor parallelism, rank 0's new requests and cancellations
         begun = time.perf_counter()
         self._deliver(ended)  # the previous step's tokens: the device ran ahead while the host came back here
         delivered = time.perf_counter()
@@ -159,10 +162,10 @@ class Scheduler:
         return ended
 
     def _drop_cancelled(self, ended: list[Request]) -> None:
-        for request in [r for r in self.waiting if r.cancel_requested]:
+        for request in [r for r in self.waiting if self.agreement.cancels(r)]:
             self.waiting.remove(request)
             self._end(request, "cancelled", "cancelled", ended)
-        for active in [a for a in self.active.values() if a.request.cancel_requested]:
+        for active in [a for a in self.active.values() if self.agreement.cancels(a.request)]:
             self._end(active.request, "cancelled", "cancelled", ended)
 
     def _admit(self, ended: list[Request]) -> None:
@@ -207,8 +210,7 @@ class Scheduler:
         return fits and (self.feed_questions == "always" or len(self.active) > 1 or bool(self.waiting))
 
     def _chunks(self, batch: int) -> tuple[list[tuple[int, _Active, Chunk]], int]:
-        """The prompt chunks that join this step's forward beside `batch` decoding rows (`plan_chunks`), and
-        the prompt tokens left for forwards of their own."""
+        """Prompt chunks joining this step's forward beside `batch` decoding rows (`plan_chunks`); tokens left."""
         if not self.mix:
             return [], self.prefill_tokens
         candidates, peeked = [], {}

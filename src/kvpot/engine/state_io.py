@@ -25,6 +25,7 @@ import torch
 from kvpot.cache import PotCache, PotLayer
 from kvpot.errors import KvpotError
 from kvpot.host_memory import empty_buffer
+from kvpot.models.parallel import TensorParallel, local_tensor
 from kvpot.positions import make_policy
 
 FORMAT = "kvpot-state"
@@ -57,7 +58,7 @@ def model_fingerprint(model) -> dict:
         if params[name].is_meta:  # offloaded by accelerate (weights on disk or elsewhere): its shape only
             digest.update(str(tuple(params[name].shape)).encode())
             continue
-        flat = params[name].detach().reshape(-1)
+        flat = local_tensor(params[name].detach()).reshape(-1)
         probe = torch.cat([flat[:_PROBES], flat[-_PROBES:]]).float().cpu()
         digest.update(probe.numpy().tobytes())
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
@@ -67,6 +68,9 @@ def model_fingerprint(model) -> dict:
         "weights": digest.hexdigest()[:16],
         "dtype": dtype,
     }
+    parallel = TensorParallel.of(model)
+    if parallel is not None:  # a rank's state holds its own KV heads: it resumes on the same rank of the same split
+        _FINGERPRINTS[model]["tensor_parallel"] = f"rank {parallel.rank} of {parallel.size}"
     return _FINGERPRINTS[model]
 
 
@@ -243,6 +247,7 @@ class _Reader:
             raise KvpotError(f"the state has {len(meta['layers'])} layers; the model has "
                              f"{engine.model.config.num_hidden_layers}.")
         cache = PotCache(len(meta["layers"]), engine.rope, make_policy(meta["policy"]), meta["capacity_hint"])
+        cache.parallel = engine.parallel
         cache.host_storage = meta["host_storage"]
         cache.max_entries = meta["max_entries"]
         self.caches[name] = cache

@@ -7,6 +7,7 @@ import torch
 from kvpot.attention import AttentionRequest
 from kvpot.errors import KvpotError
 from kvpot.methods.base import Method, Setup, Step, check_policy, check_positive, top_indices
+from kvpot.models.parallel import all_heads
 
 INSTRUCTION = "citrus.instruction"  # tokenized instruction, in cache.method_state
 INSTRUCTION_CACHE = "citrus.instruction_cache"  # C^I of the individual-cache variant
@@ -222,8 +223,8 @@ class CItruS(Method):
                 accumulated = layer.score(ACCUMULATED)
                 accumulated[..., :old] += score
                 score = accumulated[..., :old]
-            if self.selection == "layer":
-                score = score.mean(dim=1, keepdim=True)  # one selection for the layer's heads
+            if self.selection == "layer":  # one selection for the layer's heads (every rank's, with TP)
+                score = all_heads(layer.parallel, score).mean(dim=1, keepdim=True)
             chosen = top_indices(score, keep)  # [b, 1 | kv, keep]
             newer = torch.arange(old, layer.n, device=chosen.device).expand(*chosen.shape[:2], -1)
             layer.select(torch.cat([chosen, newer], dim=-1))

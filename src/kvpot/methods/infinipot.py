@@ -8,6 +8,7 @@ from kvpot.attention import AttentionRequest
 from kvpot.errors import KvpotError
 from kvpot.methods.base import Method, Setup, Step, check_policy, check_positive
 from kvpot.methods.token_scores import store_append, store_batch, store_forward
+from kvpot.models.parallel import all_heads
 
 NUC = "nuc"
 SHARE = ("none", "layer", "model")  # which entries rank together: per KV head (Code 1), per layer, whole model
@@ -194,7 +195,10 @@ class InfiniPot(Method):
                 # [b, kv_heads, |C|]
                 keep = select(None if caps is None else caps[0], nucs[0], self.compress_size, nuc_slots)
             else:
-                keep = select_shared(caps, nucs, self.compress_size, nuc_slots)  # [b, 1, |C|]: every head alike
+                # [b, 1, |C|]: every head alike, so every rank's heads (tensor parallelism) are scored together
+                parallel = layers[0].parallel
+                keep = select_shared(None if caps is None else [all_heads(parallel, c) for c in caps],
+                                     [all_heads(parallel, n) for n in nucs], self.compress_size, nuc_slots)
             for i in group:
                 layers[i].select(keep.to(layers[i].device))
 

@@ -7,6 +7,7 @@ import torch
 from kvpot.attention import AttentionRequest
 from kvpot.methods import replace
 from kvpot.methods.base import EvictionMethod, Ranking, Step, check_policy, check_positive
+from kvpot.models.parallel import all_heads
 
 
 @dataclass
@@ -52,11 +53,15 @@ class TOVA(EvictionMethod):
         return self.budget
 
     def ranking(self, layer, step: Step) -> Ranking:
-        return Ranking(head_total(layer.observation))  # [b, 1, n]: all heads of the layer
+        # [b, 1, n]: all heads of the layer, every rank's under tensor parallelism (one selection for all)
+        return Ranking(head_total(all_heads(layer.parallel, layer.observation)))
 
     def replace_fused(self, layer, step: Step, storage, rows, renumbers: bool) -> bool:
         """A steady step in one launch: the heads' sum and the drop found in the kernel, the newest entry
-        written into the dropped one's slot (`replace.fold_replace`)."""
+        written into the dropped one's slot (`replace.fold_replace`). Not under tensor parallelism: the kernel
+        sums the heads it holds, and the sum must span every rank's (`ranking`)."""
+        if layer.parallel is not None:
+            return False
         return replace.fold_replace(layer, step, storage, rows, renumbers, "heads")
 
 

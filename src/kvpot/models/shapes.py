@@ -184,14 +184,24 @@ def rotary(name: str, device: str = "cpu"):
         return type(rotary_embedding(model))(shape.config())
 
 
-def build(name: str, device: str = "cpu", dtype=None, seed: int = 0, device_map=None, max_memory=None):
+def build(name: str, device: str = "cpu", dtype=None, seed: int = 0, device_map=None, max_memory=None,
+          tp_size: int = 1):
     """A random-weight model of shape `name` on `device` in `dtype` (default: float32 on CPU,
     bfloat16 elsewhere), in eval mode. See the module docstring for how the init is skipped.
-    With `device_map` ("auto", ... or a dict), split over devices instead (`build_split`)."""
+    With `device_map` ("auto", ... or a dict), split over devices instead (`build_split`); with `tp_size` N > 1
+    (under torchrun), sharded by transformers' tensor-parallel plan as a checkpoint would be
+    (`kvpot.models.tensor_parallel.build_tensor_parallel`)."""
     import torch
     from transformers.initialization import no_init_weights
 
     from kvpot.models import default_dtype
+
+    if tp_size > 1:
+        from kvpot.models.tensor_parallel import build_tensor_parallel, tp_device_type
+
+        if device_map is not None:
+            raise KvpotError("give either tp_size (tensor parallelism) or a device_map, not both.")
+        return build_tensor_parallel(get_shape(name).config(), tp_size, dtype or default_dtype(tp_device_type()), seed)
 
     if device_map is not None:
         return build_split(name, device_map, dtype, seed, max_memory)

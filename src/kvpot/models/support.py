@@ -116,7 +116,7 @@ def resolve_source(name_or_path, gguf_file: str | Path | None = None) -> str:
 
 def load_pretrained(
     name_or_path, device: str | None = "cpu", dtype: torch.dtype | None = None, device_map=None,
-    max_memory: dict | None = None, gguf_file: str | Path | None = None,
+    max_memory: dict | None = None, gguf_file: str | Path | None = None, tp_size: int | None = None,
 ) -> tuple[PreTrainedModel, object]:
     """Load a supported causal LM and its tokenizer; checks support before reading weights.
 
@@ -126,8 +126,11 @@ def load_pretrained(
     With `device_map` ("auto", "balanced", "sequential" or a dict of module name -> device) the
     weights are placed by accelerate, layer by layer, over the devices (within `max_memory`), and
     `device` must be None: a model larger than one GPU is read straight onto several.
+    With `tp_size` N > 1 (under `torchrun --nproc-per-node N`) transformers' tensor-parallel plan shards the
+    weights over the N processes (`kvpot.models.tensor_parallel`).
     """
     check_device_map(device_map, max_memory)
+    tp_size = None if tp_size == 1 else tp_size
     if device_map is not None and device is not None:
         raise KvpotError(f"give either a device ({device!r}) or a device_map, not both.")
     source = resolve_source(name_or_path, gguf_file)
@@ -136,7 +139,12 @@ def load_pretrained(
     except (OSError, ValueError) as err:
         raise KvpotError(f"cannot load a model config from {source!r}: {err}".splitlines()[0]) from None
     architecture_of(config)
-    if device_map is None:
+    if tp_size is not None:
+        from kvpot.models.tensor_parallel import check_tp, load_tensor_parallel, tp_device_type
+
+        check_tp(config, tp_size, device, device_map)
+        model = load_tensor_parallel(source, tp_size, dtype or default_dtype(device or tp_device_type()))
+    elif device_map is None:
         device = device or "cpu"
         dtype = dtype or default_dtype(device)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
@@ -177,10 +185,19 @@ def resolve_device(device: str | None) -> str:
     return device
 
 
-def resolve_placement(device: str | None, device_map: str | dict | None,
-                      max_memory: str | dict | None) -> tuple[str | None, str | dict | None, dict | None]:
-    """Command-line placement (--device, --device-map, --max-memory as text) as `load_pretrained`'s
-    (device, device_map, max_memory): a device map excludes a device; without either, cuda if available."""
+def resolve_placement(device: str | None, device_map: str | dict | None, max_memory: str | dict | None,
+                      tp: int = 1) -> tuple[str | None, str | dict | None, dict | None]:
+    """Command-line placement (--device, --device-map, --max-memory as text, --tp) as `load_pretrained`'s
+    (device, device_map, max_memory): a device map excludes a device; without either, cuda if available.
+    With --tp N > 1 transformers places each rank (cuda:LOCAL_RANK, or the CPU): no device map."""
+    if tp != 1:
+        from kvpot.models.parallel import check_world
+
+        check_world(tp)
+        if device_map is not None or max_memory is not None:
+            raise KvpotError("--tp splits every layer over the GPUs; --device-map/--max-memory split the layers: "
+                             "give one of them.")
+        return device, None, None
     max_memory = parse_max_memory(max_memory) if isinstance(max_memory, str) else max_memory
     check_device_map(device_map, max_memory)
     if device_map is None:

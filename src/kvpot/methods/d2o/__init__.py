@@ -11,6 +11,7 @@ from kvpot.methods import replace
 from kvpot.methods.d2o.merge import kernel_merges, merge_one, nearest_kept, nearest_other, weighted_merge
 from kvpot.methods.base import DECODE_STEP, Method, Ranking, Step, check_policy, check_positive, top_indices
 from kvpot.methods.h2o import accumulate
+from kvpot.models.parallel import all_heads
 
 SCORE = "d2o"  # accumulated attention per entry (eq. 6)
 BUDGETS = "d2o.budgets"  # per-layer S_l, fixed at the end of the prompt
@@ -137,6 +138,7 @@ class D2O(Method):
         # a model split over GPUs holds each layer's scores on its own device: gather the [kv] variances
         device = cache.layers[0].device
         per_head = torch.stack([layer.score(SCORE)[0].var(dim=-1).to(device) for layer in cache.layers])  # [L, kv]
+        per_head = all_heads(cache.parallel, per_head)  # tensor parallelism: every rank's heads, in model order
         span = (per_head.max() - per_head.min()).clamp_min(1e-12)
         return ((per_head - per_head.min()) / span).mean(dim=-1).cpu()  # [L]
 

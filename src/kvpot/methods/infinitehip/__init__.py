@@ -198,6 +198,12 @@ class InfiniteHiP(Method):
         return HipRuntime(plans, last, self.refresh, rope, self.kernels, gpu_cache)
 
     def begin(self, cache, setup: Setup) -> None:
+        if cache.parallel is not None and self.selection == "shared":
+            # a shared selection takes the max over every KV head at each step of the halving search, inside
+            # one kernel per stage: across ranks that would be a collective per halving step, not built
+            raise KvpotError("infinitehip: under tensor parallelism each rank holds its own KV heads, and "
+                             "selection='shared' ranks over all of them inside its search; use "
+                             "selection=head (--method infinitehip:selection=head), which runs unchanged per rank.")
         max_positions = getattr(setup.config, "max_position_embeddings", None)
         cache.attention = self.runtime(len(cache.layers), max_positions, cache.rope)
         cache.host_storage = self.offload

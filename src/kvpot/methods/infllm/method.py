@@ -140,6 +140,7 @@ class InfLLM(Method):
                 raise KvpotError(f"infllm: gpu_cache_tokens={gpu_cache} is too small: one read takes up to "
                                  f"{need // 2} keys and the cache must hold twice that ({need}).")
         cache.attention = InfLLMRuntime(self.sizes(max_positions), cache.rope, self.kernels, gpu_cache)
+        cache.attention.parallel = cache.parallel  # a lookup's scores sum over every rank's heads
         cache.host_storage = self.offload
 
     def after_forward(self, cache, step: Step) -> bool:

@@ -78,12 +78,16 @@ class InfLLMRuntime:
         self.gpu_caches: dict[int, GpuKvCache] = {}
         self.max_attended = 0  # most keys one query attended to (host-side counts: not fixed-shape steps)
         self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # RoPE tables (`Turner`)
+        # tensor parallelism (kvpot.models.parallel): a lookup ranks units by a sum over the model's KV heads, so each
+        # rank's partial sum over its own heads is summed over the ranks (all-reduce) before the top-k
+        self.parallel = None
 
     def clone(self) -> InfLLMRuntime:
         twin = InfLLMRuntime(self.sizes, self.rope, self.kernels, self.gpu_cache_tokens)
         twin.memories = {i: m.clone() for i, m in self.memories.items()}
         twin.gpu_caches = {i: c.clone() for i, c in self.gpu_caches.items()}
         twin.max_attended = self.max_attended
+        twin.parallel = self.parallel
         return twin
 
     def memory(self, index: int) -> Memory:
@@ -262,7 +266,7 @@ class InfLLMRuntime:
         if top:
             summed = far_q.float().view(c, kv, h // kv, rows, d).sum((2, 3))  # [c, kv, d]
             units = device_ints([unit_count(w, s.initial, s.block) for w in starts_w0], device)
-            scores = relevance(summed, memory.summaries[: memory.formed], units)
+            scores = self._all_ranks(relevance(summed, memory.summaries[: memory.formed], units))
             chosen = scores.topk(top, dim=-1).indices.sort(dim=-1).values  # [c, top]
             lane = torch.arange(s.block, device=device)
             parts.append((s.initial + chosen.unsqueeze(-1) * s.block + lane).flatten(1))
@@ -319,7 +323,13 @@ class InfLLMRuntime:
         h, d = query.shape
         summed = self.far_turn(query.float().view(kv, h // kv, d).sum(dim=1), rotate)  # [kv, d]
         scores = torch.addmv(memory.bias, memory.summaries.view(memory.capacity + 1, -1), summed.view(-1))
-        return scores.topk(top).indices
+        return self._all_ranks(scores).topk(top).indices
+
+    def _all_ranks(self, scores: torch.Tensor) -> torch.Tensor:
+        """Unit scores summed over every rank's KV heads (tensor parallelism; as they are on one process). The
+        sum is the one-process sum regrouped, so a near-tie may round the other way; a bias of -inf (a unit not
+        complete) stays -inf."""
+        return scores if self.parallel is None else self.parallel.all_reduce(scores)
 
     def table(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rope.table(self.sizes.window + self.sizes.lookup + 1, like)
