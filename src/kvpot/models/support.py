@@ -115,7 +115,7 @@ def resolve_source(name_or_path, gguf_file: str | Path | None = None) -> str:
 
 
 def load_pretrained(
-    name_or_path, device: str | None = "cpu", dtype: torch.dtype | None = None, device_map=None,
+    name_or_path, device: str | None = None, dtype: torch.dtype | None = None, device_map=None,
     max_memory: dict | None = None, gguf_file: str | Path | None = None, tp_size: int | None = None,
 ) -> tuple[PreTrainedModel, object]:
     """Load a supported causal LM and its tokenizer; checks support before reading weights.
