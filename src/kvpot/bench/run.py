@@ -58,7 +58,7 @@ def run_bench(config: BenchConfig, progress: bool = True, show: bool = True, mod
         "shape": shapes.describe(shape), "model_config": model_config.to_dict(),
         "methods": {run.label: run.describe() for run in runs}, "complete": False, "rows": [],
     }
-    config.out.mkdir(exist_ok=True)
+    config.out.mkdir(parents=True, exist_ok=True)  # under torchrun, rank r writes OUT/rank-r, maybe before rank 0 made OUT
     with sdpa_backends(config.sdpa, config.device) as enabled:  # every row, warm-ups included
         results["machine"].update(sdpa=config.sdpa, sdpa_backends=enabled)
         if config.mode == "prefill":
