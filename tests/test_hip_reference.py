@@ -123,12 +123,13 @@ def test_kvpot_keeps_what_hip_attn_keeps_at_the_papers_settings(tmp_path):
     hip = load_hip()
     assert "hip_attn.v1_2.triton_jit" in hip.replaced or hip.triton == "3.4.0"
     inputs = random_inputs("llama3-8b", 16384, 512, "cuda", torch.bfloat16, 0)
-    row = prefill_row(hip, CASES["paper"], inputs, False, "cuda", 1)
+    paper = prefill_row(hip, CASES["paper"], inputs, False, "cuda", 1)
+    # kvpot's re-statement of hip-attn's rule (kvpot.bench.hip_rule) picks what hip-attn's kernel picks
+    assert paper["restated_rule"][-1]["recall"] >= 0.95, paper["restated_rule"]
+    row = prefill_row(hip, CASES["paper-hipscan"], inputs, False, "cuda", 1)  # kvpot's scan='hip'
     assert [s["stage"] for s in row["stages"]] == [1, 2, 3]
     assert row["stages"][-1]["recall"] >= 0.95, row["stages"]
-    errors = row["errors"]
-    assert errors["kvpot_vs_hip"]["mean"] <= max(errors["kvpot_vs_dense"]["mean"], errors["hip_vs_dense"]["mean"])
-    decoded = decode_row(hip, CASES["paper"], inputs, False, "cuda", 16, True)
+    decoded = decode_row(hip, CASES["paper-hipscan"], inputs, False, "cuda", 16, True)
     assert decoded["refreshes_compared"] >= 2 and decoded["last_stage_recall_mean"] >= 0.95
 
 
@@ -157,3 +158,84 @@ def test_kvpot_side_runs_on_cpu_and_its_selection_agrees_with_itself():
     assert starts.shape == (2, 16)  # 2 query blocks, 128 kept keys in chunks of 8
     stats = _pooled(starts, ends, starts, ends, 8192, region_ends(case, 8192, 128, 2, "cpu"), case.sink)
     assert (stats["recall"], stats["common"]) == (1.0, 256)
+
+
+def _rule_inputs(n=4096, q=128, h=8, kv=2, d=32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    query, keys = torch.randn(h, q, d, generator=gen), torch.randn(kv, n, d, generator=gen)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    angles = torch.outer(torch.arange(n + 64).float(), inv)
+    emb = torch.cat([angles, angles], -1)
+    return query, keys, emb.cos(), emb.sin()
+
+
+def _kvpot_prune(query, keys, cos, sin, chunks, keep, sink, window, block, scan):
+    import math
+
+    from kvpot.methods.infinitehip.reference import LayerPlan, Stage, prune
+    from kvpot.rope import rotate_half
+
+    h, q, d = query.shape
+    kv, n = keys.shape[0], keys.shape[1]
+    blocks = math.ceil(q / block)
+    plan = LayerPlan(tuple(Stage(c, k) for c, k in zip(chunks, keep)), sink, window, block, "relative", "streaming",
+                     True, scan)
+    pos = n - q + torch.arange(blocks * block).view(blocks, block)
+    w0 = (pos[:, 0] + 1 - window).clamp(min=sink)
+
+    def rotate(x, positions):
+        return x * cos[positions] + rotate_half(x) * sin[positions]
+
+    grouped = query.view(kv, h // kv, blocks, block, d)
+    return prune(grouped, pos < n, keys, plan, keep[-1], pos, w0, rotate)
+
+
+@pytest.mark.parametrize("scan", ["paper", "hip"])
+def test_restated_hip_rule_is_kvpots_search_with_the_matching_switches(scan):
+    from kvpot.bench.hip_rule import Rule, select
+
+    query, keys, cos, sin = _rule_inputs()
+    chunks, keep = (64, 16, 4), (1024, 512, 128)
+    mine = _kvpot_prune(query, keys, cos, sin, chunks, keep, 64, 256, 32, scan)
+    rule = Rule(chunks, keep, 64, 256, 32, per_head=scan == "hip", path_max=scan == "hip")
+    restated = select(rule, query, keys, cos, sin)
+    for ours, theirs in zip(mine, restated):
+        assert torch.equal(range_mask(ours.starts[0], ours.ends[0], 4096), range_mask(*theirs, 4096))
+
+
+def test_hip_scan_explains_most_of_the_disagreement():
+    """On random q/k the two searches disagree on the later stages (the GPU showed recall 0.60 / 0.36 of hip-attn's
+    keys at 16K); per-head paths with path-max scores recover nearly all of hip-attn's keys, its tie rule and
+    candidate region the rest (a chunk cut by a block's window is scanned whole there)."""
+    from kvpot.bench.hip_rule import HIP, Rule, select
+
+    query, keys, cos, sin = _rule_inputs()
+    chunks, keep, sink, window, block = (64, 16, 4), (1024, 512, 128), 64, 256, 32
+    n = keys.shape[1]
+    hip = select(Rule(chunks, keep, sink, window, block, **HIP), query, keys, cos, sin)
+    near = select(Rule(chunks, keep, sink, window, block, per_head=True, path_max=True), query, keys, cos, sin)
+    paper = select(Rule(chunks, keep, sink, window, block), query, keys, cos, sin)
+    first = n - 128 + torch.arange(4) * block
+    ends = torch.minimum((first + 1 - window).clamp(min=sink), first + 1 - (window + chunks[0] + block)).clamp(min=sink)
+    col = torch.arange(n)
+    region = (col >= sink) & (col < ends.view(-1, 1))
+
+    def recall(a, b):
+        a, b = range_mask(*a, n) & region, range_mask(*b, n) & region
+        return float((a & b).sum() / b.sum())
+
+    assert recall(near[-1], hip[-1]) >= 0.95 and recall(near[1], hip[1]) >= 0.95
+    assert recall(paper[-1], hip[-1]) < 0.8
+    cut = select(Rule(chunks, keep, sink, window, block, **{**HIP, "hip_region": False}), query, keys, cos, sin)
+    assert recall(cut[-1], hip[-1]) < 1.0  # the candidate region matters here
+
+
+def test_scan_option_is_checked_and_reaches_every_plan():
+    method = InfiniteHiP(scan="hip")
+    plans, _ = method.plans(4, None)
+    assert {plan.scan for plan in plans} == {"hip"}
+    with pytest.raises(KvpotError, match="scan must be"):
+        InfiniteHiP(scan="nope")
+    with pytest.raises(KvpotError, match="offloaded"):
+        InfiniteHiP(scan="hip", offload=True)
+    assert CASES["paper-hipscan"].kvpot_method().scan == "hip"

@@ -28,6 +28,8 @@ MAPPING: dict[str, str] = {
     "rope='relative'": "scan_extend_backend='relative' in every layer",
     "rope='absolute'": "using_extend=False on keys rotated at their true positions",
     "selection='shared'": "env HIP_HEAD_REDUCE=1 (hip-attn's default: scores max-reduced over query heads)",
+    "scan='hip'": "hip-attn's scan kernel as it is (each query head searches on its own path, a chunk scores the best "
+                  "probe its path met, heads max-reduced after the search)",
     "refresh": "HiPAttentionConfig.mask_refresh_interval (the caller passes cached_metadata.stage_caches[:i + 1])",
     "offload, gpu_cache_tokens": "offload_cache (HiPOffloadCache: UVM host memory + GPU cache, sized in its "
                                  "constructor)",
@@ -35,6 +37,8 @@ MAPPING: dict[str, str] = {
 # where nothing maps
 UNMAPPED: dict[str, str] = {
     "selection='head'": "hip-attn selects per query head (HIP_HEAD_REDUCE=0), kvpot per KV head",
+    "scan='paper'": "no hip-attn setting: the paper's search (max over heads at every split, a chunk scored by its "
+                    "representative key); hip-attn 1.2.9's kernel always runs its own (kvpot's scan='hip')",
     "chunk_size": "none: hip-attn attends what its caller passes (sglang's chunked prefill sizes it)",
     "kernels": "none: hip-attn always runs Triton (TileLang optional)",
     "stages[i].stage_block_stride_q": "no kvpot parameter: hip-attn scores every 4th query of a block in stages 0-1 "
@@ -65,6 +69,7 @@ class HipCase:
     landmark: bool  # hip-attn only (prefill)
     decode_chunks: tuple[int, ...] | None = None  # hip-attn's config has other chunks for decoding
     note: str = ""
+    scan: str = "paper"  # kvpot's InfiniteHiP(scan=...): "hip" searches as hip-attn's kernel does
 
     def kvpot_method(self, decoding: bool = False):
         """kvpot's InfiniteHiP with this case's values (explicit: no short-window halving)."""
@@ -72,7 +77,7 @@ class HipCase:
 
         chunks = self.decode_chunks if decoding and self.decode_chunks else self.chunks
         return InfiniteHiP(chunks=chunks, keep=self.keep, early_keep=self.early_keep, sink=self.sink,
-                           window=self.window, query_block=self.query_block, refresh=self.refresh)
+                           window=self.window, query_block=self.query_block, refresh=self.refresh, scan=self.scan)
 
     def hip_fields(self, early: bool, decoding: bool = False) -> dict:
         """HiPAttentionArgs keyword arguments (tensors and positions aside); `stages` as ScanStage kwargs."""
@@ -93,6 +98,9 @@ PAPER = HipCase("paper", (256, 32, 8), (32768, 8192, 2048), 4096, 256, 1024, 64,
                      "stride and landmarks: the same algorithm on both sides")
 CASES: dict[str, HipCase] = {
     "paper": PAPER,
+    "paper-hipscan": replace(PAPER, name="paper-hipscan", scan="hip",
+                             note="the paper's settings with kvpot's scan='hip': both sides search as hip-attn's kernel "
+                                  "does (per-query-head paths, path-max chunk scores)"),
     "hip-args": replace(PAPER, name="hip-args", window=512, stride_q=(4, 4, 1), landmark=True,
                         note="HiPAttentionArgs' defaults (window 512, query stride 4/4/1, landmark scan); kvpot "
                              "takes what maps"),

@@ -185,12 +185,30 @@ def compare_outputs(kvpot_out, hip_out, reference) -> dict:
             "kvpot_vs_hip": output_errors(kvpot_out, hip_out)}
 
 
+def restated(case: HipCase, inputs: Inputs, hip: Side, switches: dict) -> list[dict]:
+    """hip-attn's selection rule re-stated in PyTorch (`kvpot.bench.hip_rule`, later layers only) on the same
+    inputs: per stage, its recall of the keys hip-attn itself kept (1.0 = the rule is hip-attn's)."""
+    from kvpot.bench.hip_rule import Rule, select
+
+    n, q = inputs.keys.shape[1], inputs.query.shape[1]
+    cos, sin = inputs.rope.table(n + case.window + 2, inputs.keys)
+    rule = Rule(case.chunks, case.keep, case.sink, case.window, case.query_block, **switches)
+    ranges = select(rule, inputs.query, inputs.keys, cos, sin)
+    return compare_stages(Side(inputs.query, ranges), hip, case, n, q)
+
+
 def prefill_row(hip, case: HipCase, inputs: Inputs, early: bool, device: str, repeats: int) -> dict:
+    from kvpot.bench.hip_rule import HIP
+
     n, q = inputs.keys.shape[1], inputs.query.shape[1]
     mine = kvpot_prefill(case, inputs, early, device, repeats)
     theirs = hip_prefill(hip, case, inputs, early, device, repeats)
     reference = dense(inputs, inputs.query, n)
-    return {"phase": "prefill", "queries": q, "stages": compare_stages(mine, theirs, case, n, q),
+    extra = {}
+    if not early and case.stride_q == (1,) * len(case.chunks) and not case.landmark:
+        extra["restated_rule"] = [{k: st[k] for k in ("stage", "recall", "precision")}
+                                  for st in restated(case, inputs, theirs, HIP)]
+    return {"phase": "prefill", "queries": q, "stages": compare_stages(mine, theirs, case, n, q), **extra,
             "errors": compare_outputs(mine.out, theirs.out, reference),
             "kvpot_us": mine.micros, "hip_us": theirs.micros, "blocks": math.ceil(q / case.query_block)}
 
@@ -229,15 +247,20 @@ class HipDecoder:
                                  stage_caches=list(self.stage_caches[:stage + 1]), **empty), True
 
     def __call__(self, step: int, query: torch.Tensor, n: int) -> tuple[torch.Tensor, bool]:
+        """One step. hip-attn 1.2.9's single-query scan (`decode_chunk_controllable_sampling_mask_cuda`) does not
+        compile with `using_extend=True` (its config's default) under Triton 3.4.0 or 3.6.0: it passes the Python
+        constant `True` as the query mask into code that calls `.to()` on it and loads a [1, d] RoPE row under a
+        [heads, d] mask. So the step is sent as two identical query rows at the same position: hip-attn's extend
+        path (the kernels its prefill runs), whose max over rows equals the one query's; row 0 is the output."""
         cached, recomputed = self.cached(step)
-        positions = torch.tensor([n - 1], device=query.device)
+        positions = torch.tensor([n - 1, n - 1], device=query.device)
         args = hip_args(self.hip, self.case, self.inputs, self.early, positions, True)
-        out, metadata = self.hip.attention(_bthd(query), _bthd(self.inputs.keys[:, :n]),
+        out, metadata = self.hip.attention(_bthd(torch.cat([query, query], dim=1)), _bthd(self.inputs.keys[:, :n]),
                                            _bthd(self.inputs.values[:, :n]), args, cached)
         if recomputed:
             self.last = metadata
             self.stage_caches = metadata.stage_caches
-        return out[0].transpose(0, 1), recomputed
+        return out[0, :1].transpose(0, 1), recomputed
 
 
 def _steps(case, inputs, early, refresh, hip, steps):

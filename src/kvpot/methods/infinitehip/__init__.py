@@ -58,6 +58,12 @@ class InfiniteHiP(Method):
     Selection is shared by a layer's KV heads (`selection="shared"`: scores max-reduced over heads)
     or made per KV head (`"head"`); GQA is read per KV head, keys are never repeated.
 
+    Scan: `scan="paper"` runs the halving search as the paper states it (max over heads at every split,
+    a chunk scored by its representative key); `scan="hip"` runs it as the authors' hip-attn 1.2.9 does
+    (each query head on its own path, a chunk scored by the best probe its path met, heads max-reduced
+    afterwards), so selections can be compared with hip-attn's. The "hip" search has no Triton kernel:
+    it runs in PyTorch (the attention still uses the kernels) and cannot be offloaded.
+
     Prefill is chunked (`chunk_size` tokens per forward) and every query block prunes for itself.
     Decoding reuses each layer's stage outputs: stage `i` is recomputed every `refresh[i]` steps
     (Sec. 4 "Sparse Attention Mask Caching"); the window then starts where it started when stage 1
@@ -103,6 +109,7 @@ class InfiniteHiP(Method):
     query_block: int = 64
     rope: str = "dynamic"
     selection: str = "shared"
+    scan: str = "paper"
     refresh: tuple[int, ...] | str = (32, 16, 8)
     chunk_size: int = 2048
     kernels: str = "auto"
@@ -131,6 +138,11 @@ class InfiniteHiP(Method):
             raise KvpotError(f"infinitehip: rope must be 'dynamic', 'relative' or 'absolute', not {self.rope!r}.")
         if self.selection not in ("shared", "head"):
             raise KvpotError(f"infinitehip: selection must be 'shared' or 'head', not {self.selection!r}.")
+        if self.scan not in ("paper", "hip"):
+            raise KvpotError(f"infinitehip: scan must be 'paper' or 'hip', not {self.scan!r}.")
+        if self.scan == "hip" and self.offload:
+            raise KvpotError("infinitehip: scan='hip' runs its search in PyTorch on GPU-resident keys; it cannot "
+                             "read offloaded ones (use scan='paper' with offload=True).")
         if self.kernels not in ("auto", "triton", "torch"):
             raise KvpotError(f"infinitehip: kernels must be 'auto', 'triton' or 'torch', not {self.kernels!r}.")
         if isinstance(self.offload, str):  # from the CLI
@@ -186,7 +198,8 @@ class InfiniteHiP(Method):
             early = index < self.early_layers
             prune_rope = {"absolute": "absolute", "relative": "relative"}.get(self.rope, "chunk" if early else "relative")
             plans.append(LayerPlan(stages, sizes["sink"], sizes["window"], self.query_block, prune_rope,
-                                   "absolute" if self.rope == "absolute" else "streaming", self.selection == "shared"))
+                                   "absolute" if self.rope == "absolute" else "streaming", self.selection == "shared",
+                                   self.scan))
             last.append(sizes["early_keep"] if early else sizes["keep"][-1])
         return plans, last
 

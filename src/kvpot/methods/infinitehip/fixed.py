@@ -33,9 +33,8 @@ from kvpot.methods.infinitehip.reference import (
     Rotate,
     Selection,
     _final_attention,
-    _KernelScorer,
-    _Scorer,
     _split,
+    make_scorer,
     refresh_due,
     run_stage,
 )
@@ -157,7 +156,7 @@ def _prune(grouped: torch.Tensor, keys: torch.Tensor, t: torch.Tensor, plan: Lay
         masks.window_start.copy_((t + 1 - plan.window).clamp(min=plan.sink))
     rows_valid = torch.ones(1, 1, dtype=torch.bool, device=t.device)
     args = (grouped, rows_valid, keys, plan, t.view(1, 1), rotate)
-    scorer = _Scorer(*args) if table is None else _KernelScorer(*args, table=table)
+    scorer = make_scorer(args, plan, table)
     s = masks.starts[0].shape[0]
     first = plan.stages[0].chunk
     starts = plan.sink + torch.arange(masks.candidates, device=t.device) * first

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpot.errors import KvpotError
+from kvpot.methods.infinitehip.hipscan import HipSearch
 
 # Bound on the float elements of one scoring block ([kv, group, blocks, rows, chunks]) and of one
 # gathered key set ([blocks, kv, keys, d]); blocks of queries are processed in groups below it.
@@ -73,6 +74,7 @@ class LayerPlan:
     prune_rope: str  # "chunk" | "relative" | "absolute"
     final_rope: str  # "streaming" | "absolute"
     shared: bool  # one selection for all KV heads (max over heads) or one per KV head
+    scan: str = "paper"  # "paper": Algorithm 3 as written; "hip": hip-attn 1.2.9's scan (`hipscan.HipSearch`)
 
     def __post_init__(self):
         chunks = [s.chunk for s in self.stages]
@@ -209,6 +211,18 @@ class _KernelScorer(_Scorer):
                           self.plan.shared, *self.table)
 
 
+class _HipScorer(HipSearch, _Scorer):
+    """`scan="hip"`: hip-attn 1.2.9's search (`kvpot.methods.infinitehip.hipscan`) with this module's scoring."""
+
+
+def make_scorer(args: tuple, plan: LayerPlan, table: tuple[torch.Tensor, torch.Tensor] | None) -> _Scorer:
+    """The scorer of a plan: hip-attn's scan in PyTorch (it has no kernel), else the paper's, in the Triton scan
+    kernel when a RoPE `table` is given."""
+    if plan.scan == "hip":
+        return _HipScorer(*args)
+    return _Scorer(*args) if table is None else _KernelScorer(*args, table=table)
+
+
 def _split(sel_starts: torch.Tensor, sel_ends: torch.Tensor, parent: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Split ranges [s, B, C] of at most `parent` keys into sub-ranges of `chunk` keys: [s, B, C*m]."""
     m = parent // chunk
@@ -249,7 +263,7 @@ def prune(queries: torch.Tensor, rows_valid: torch.Tensor, keys: torch.Tensor, p
     """
     kv = keys.shape[0]
     args = (queries, rows_valid, keys, plan, block_pos, rotate)
-    scorer = _Scorer(*args) if table is None else _KernelScorer(*args, table=table)
+    scorer = make_scorer(args, plan, table)
     s = 1 if plan.shared else kv
     first = plan.stages[0].chunk
     if not window_starts:
