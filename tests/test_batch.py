@@ -445,7 +445,8 @@ def test_a_given_pool_size_is_checked_against_free_gpu_memory_once_for_library_a
     per_slot = pool.slot_bytes(engine, 64, torch.float32)
     free = 10 * per_slot
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 2 * free))
-    on_gpu = SimpleNamespace(device=torch.device("cuda"), model=engine.model, method=engine.method, head=engine.head)
+    on_gpu = SimpleNamespace(device=torch.device("cuda"), model=engine.model, method=engine.method, head=engine.head,
+                             parallel=None)
     fits = int(free * GIVEN_SLOTS_MEMORY_FRACTION) // per_slot
     assert pool.slot_count(on_gpu, 64, fits, 256, 0.5, torch.float32) == fits
     with pytest.raises(KvpotError, match=f"{fits + 1} slots of 64 entries take"):
