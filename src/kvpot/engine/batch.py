@@ -116,6 +116,8 @@ class StepCache(Cache):
         b, heads, _, d = query.shape
         query = rope.unscale(query)
         probs = storage.observation_buffer()[:b] if self.request is not None else None
+        if self.pool.documents is not None:  # readers of shared documents: two segments, merged
+            return self._attend_shared(layer, query, scaling, probs).view(b, 1, heads, d)
         kernel = batch_kernel(query.device, d)
         lengths = layer.lengths
         if self.policy.stores_rotated:
@@ -127,6 +129,23 @@ class StepCache(Cache):
             out = kernel(query[:, :, 0], storage.keys, storage.values, self.rows, lengths, scaling, cos=cos, sin=sin,
                          key_positions=storage.rope_positions, query_positions=storage.query_position, probs=probs)
         return out.view(b, 1, heads, d)
+
+    def _attend_shared(self, layer: StepLayer, query: torch.Tensor, scaling: float, probs) -> torch.Tensor:
+        """`attend` over each row's shared document and its slot's tail (`kvpot.kernels.shared_reference`)."""
+        from kvpot.kernels.shared_reference import decode_attention_shared_reference as kernel
+
+        storage, rope, region = layer.storage, self.rope, self.pool.documents
+        i = layer.index
+        documents = (region.keys[i], region.values[i], region.of_slot, region.lengths[i])
+        if self.policy.stores_rotated:
+            turned = rope.rotate(query, self.stream_positions.view(-1, 1, 1).expand(-1, storage.kv_heads, 1),
+                                 self.max_position)
+            return kernel(turned[:, :, 0], storage.keys, storage.values, self.rows, layer.lengths, *documents, scaling,
+                          probs=probs)
+        cos, sin = rope.table(storage.capacity + 1, query)
+        return kernel(query[:, :, 0], storage.keys, storage.values, self.rows, layer.lengths, *documents, scaling,
+                      cos=cos, sin=sin, key_positions=storage.rope_positions, doc_key_positions=region.rope_positions[i],
+                      query_positions=storage.query_position, probs=probs)
 
 
 def batch_kernel(device: torch.device, head_dim: int):
