@@ -53,6 +53,11 @@ def shared_inputs(shape, rope: bool, seed: int = 0):
             copied_positions[slot, :, :n] = doc_positions[doc, :, :n]
             keys[slot, :, :n] = float("nan")  # a shared row's own first entries are never read
             values[slot, :, :n] = float("nan")
+    for slot, (_, n) in enumerate(slots):  # nor anything past a length
+        for buffer in (keys, values, copied_keys, copied_values):
+            buffer[slot, :, n:] = float("nan")
+    for doc, n in enumerate(doc_lengths):
+        doc_keys[doc, :, n:], doc_values[doc, :, n:] = float("nan"), float("nan")
     query = torch.randn(len(rows), heads, d, generator=g)
     rope_args = {}
     if rope:

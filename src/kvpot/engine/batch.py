@@ -131,9 +131,14 @@ class StepCache(Cache):
         return out.view(b, 1, heads, d)
 
     def _attend_shared(self, layer: StepLayer, query: torch.Tensor, scaling: float, probs) -> torch.Tensor:
-        """`attend` over each row's shared document and its slot's tail (`kvpot.kernels.shared_reference`)."""
-        from kvpot.kernels.shared_reference import decode_attention_shared_reference as kernel
+        """`attend` over each row's shared document and its slot's tail, merged by log-sum-exp (on a GPU the
+        cascade kernel `kvpot.kernels.shared`, else its reference `kvpot.kernels.shared_reference`)."""
+        from kvpot import kernels
 
+        if kernels.available(query.device) and kernels.supports_head_dim(query.shape[-1]):
+            from kvpot.kernels.shared import decode_attention_shared as kernel
+        else:
+            from kvpot.kernels.shared_reference import decode_attention_shared_reference as kernel
         storage, rope, region = layer.storage, self.rope, self.pool.documents
         i = layer.index
         documents = (region.keys[i], region.values[i], region.of_slot, region.lengths[i])
