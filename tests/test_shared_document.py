@@ -247,3 +247,14 @@ def test_shared_document_refusals(model):
         Scheduler(engine, slots=2, capacity=64, decode="static", share_documents=True, mix=True)
     plain = Scheduler(engine, slots=2, capacity=64, decode="static")
     assert plain.pool.documents is None and "copy_on_write" not in plain.report  # the default path: untouched
+
+
+def test_shared_document_generate_batch_answers_questions_of_one_state(one_thread):
+    """`Engine.generate_batch(states=..., share_documents=True)`: the texts of the copy-per-reader path."""
+    engine = kvpot.Engine.from_pretrained(kvpot.REFERENCE_MODEL, method=kvpot.InfiniPot(pot_size=256))
+    state = engine.prefill("The vault code is 4417. The harbour code is 9021. " * 8)
+    questions = ["What is the vault code?", "What is the harbour code?", "Which codes are there?"]
+    copied = engine.generate_batch(questions=questions, states=[state] * 3, max_new_tokens=10)
+    shared = engine.generate_batch(questions=questions, states=[state] * 3, max_new_tokens=10, share_documents=True)
+    assert [r.text for r in shared] == [r.text for r in copied]
+    assert all(r.stats.max_kv_entries <= 256 for r in shared)
