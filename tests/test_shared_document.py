@@ -258,3 +258,27 @@ def test_shared_document_generate_batch_answers_questions_of_one_state(one_threa
     shared = engine.generate_batch(questions=questions, states=[state] * 3, max_new_tokens=10, share_documents=True)
     assert [r.text for r in shared] == [r.text for r in copied]
     assert all(r.stats.max_kv_entries <= 256 for r in shared)
+
+
+def test_shared_document_bench_throughput_row_beside_copy_per_reader(capsys, tmp_path):
+    """`kvpot bench throughput --document --share-documents`: a shared-document row beside the copy-per-reader
+    row, the same output tokens, its scheduler record counting the document and its readers' copies."""
+    import json
+
+    from kvpot.cli import main
+
+    out = tmp_path / "out"
+    code = main(["bench", "throughput", "--shape", "tiny", "--device", "cpu", "--out", str(out), "--method",
+                 "infinipot:pot_size=128", "--users", "3", "--lengths", "96", "--new-tokens", "4",
+                 "--question-tokens", "4", "--document", "--share-documents", "--sequential-users", "1"])
+    assert code == 0, capsys.readouterr().err
+    rows = {row["method"]: row for row in json.loads((out / "results.json").read_text())["rows"]}
+    shared, copied = rows["infinipot [batch, shared document]"], rows["infinipot [batch]"]
+    assert shared["completed"] == copied["completed"] == 3 and shared["output_tokens"] == copied["output_tokens"] == 12
+    record = shared["scheduler"]
+    assert record["document_loads"] == 1 and record["copy_on_write"] == 0 and record["shared_readers"] == 0
+    assert shared["pool_bytes"] > copied["pool_bytes"]  # the document region, counted once beside the slots
+    assert "copy_on_write" not in copied["scheduler"]
+    code = main(["bench", "throughput", "--shape", "tiny", "--device", "cpu", "--out", str(out), "--method", "full",
+                 "--share-documents"])
+    assert code == 2 and "give --document" in capsys.readouterr().err  # sharing needs a stored document

@@ -57,7 +57,7 @@ class DocumentRegion:
         self.reading: dict[int, Document] = {}  # slot -> the document it reads
         self.copies: Counter = Counter()  # reason -> readers that copied for it
         self.loads = 0
-        self.report: dict | None = None  # the scheduler's report, kept current (`metrics`) at every change
+        self.owner = None  # the scheduler, whose `report` is kept current (`metrics`) at every change
 
     # ------------------------------------------------------------------ readers
     def attach(self, slot: int, state) -> bool:
@@ -137,8 +137,8 @@ class DocumentRegion:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def _changed(self) -> None:
-        if self.report is not None:
-            self.report.update(self.metrics())
+        if self.owner is not None:  # (its report dict may be replaced: `kvpot bench` zeroes it after a warm-up)
+            self.owner.report.update(self.metrics())
 
     def metrics(self) -> dict:
         """Loaded documents, their readers now, and copy-on-write events by reason (the scheduler's report)."""
@@ -162,7 +162,7 @@ def share_region(scheduler, share: bool, rows: int) -> DocumentRegion | None:
     if scheduler.engine.parallel is not None:
         raise KvpotError("share_documents does not run under tensor parallelism yet.")
     region = DocumentRegion(scheduler.pool, rows)
-    region.report = scheduler.report
+    region.owner = scheduler
     region._changed()
     return region
 
