@@ -211,11 +211,11 @@ def test_shared_document_lru_keeps_documents_with_readers(model, one_thread):
     assert region.documents == 2 and region.readers == 2 and scheduler.report["copy_on_write_full"] == 1
     scheduler.run()
     assert all(r.status == "finished" for r in first) and region.readers == 0
-    loaded = [d.state for d in region.loaded.values()]
+    loaded = [d.state() for d in region.loaded.values()]
     assert loaded == states[:2]  # both kept loaded after their readers ended (least recent first)
     scheduler.submit(Request(None, [7], state=states[2], max_new_tokens=4, ignore_eos=True))
     scheduler.step()
-    assert [d.state for d in region.loaded.values()] == [states[1], states[2]]  # the oldest left
+    assert [d.state() for d in region.loaded.values()] == [states[1], states[2]]  # the oldest left
     assert region.loaded[id(states[2])].row == 0  # and its row was reused
     scheduler.run()
     scheduler.submit(Request(None, [8, 9], state=states[1], max_new_tokens=4, ignore_eos=True))
@@ -282,3 +282,33 @@ def test_shared_document_bench_throughput_row_beside_copy_per_reader(capsys, tmp
     code = main(["bench", "throughput", "--shape", "tiny", "--device", "cpu", "--out", str(out), "--method", "full",
                  "--share-documents"])
     assert code == 2 and "give --document" in capsys.readouterr().err  # sharing needs a stored document
+
+
+def test_shared_document_serve_readers_of_an_uploaded_document(tmp_path):
+    """`kvpot serve --share-documents`: questions about one uploaded document (POST /v1/documents), asked at once,
+    read it from one copy; /metrics shows the document, its readers and no copy (InfiniPot's pot never fills)."""
+    pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from serve_process import MODEL, PASSKEY, QUESTION, Server
+
+    server = Server(tmp_path / "states", "--share-documents", "--max-slots", "4")
+    try:
+        created = server.http("POST", "/v1/documents", json={"text": PASSKEY * 4})
+        assert created.status_code == 200, created.text
+        document = created.json()["id"]
+        client = server.client()
+
+        def ask(_):
+            out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
+                                                 max_tokens=8, temperature=0, extra_body={"document_id": document})
+            return out.choices[0].message.content
+
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(ask, range(3)))
+        assert answers.count(answers[0]) == 3 and "12345" in answers[0]
+        assert server.metric("shared_documents") == 1 and server.metric("shared_document_readers") == 0
+        assert server.metric("copy_on_write_total") == 0
+    finally:
+        server.stop()

@@ -20,6 +20,7 @@ new one needs a row (an LRU bounded by the region's rows, so by its bytes, `nbyt
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
@@ -36,7 +37,7 @@ REASONS = ("question", "eager", "steady", "positions", "attention", "full")
 @dataclass(eq=False)
 class Document:
     row: int
-    state: object  # the State read (held while loaded, so its identity cannot be reused by another)
+    state: weakref.ref  # the State read: not kept alive by the region (a server's store may let it go)
     lengths: list[int]
     readers: set[int] = field(default_factory=set)
 
@@ -64,7 +65,12 @@ class DocumentRegion:
         """Slot `slot` reads `state`'s document from the region (loaded now unless it is already); False
         when every row holds a document that has readers (the caller copies the state into the slot)."""
         document = self.loaded.get(id(state))
-        if document is None or document.state is not state:
+        if document is not None and document.state() is not state:
+            # its State is gone (every reader holds the one it reads, so it had none) and this one took its
+            # identity: the row is free again
+            del self.loaded[id(state)]
+            document = None
+        if document is None:
             document = self._load(state)
             if document is None:
                 return False
@@ -119,7 +125,7 @@ class DocumentRegion:
                 self.rope_positions[i][row, :, :n] = source.rope_positions[0, :, :n].to(self.pool.device)
             lengths.append(n)
         self.lengths[:, row] = torch.tensor(lengths, dtype=torch.long).to(self.pool.device)
-        document = self.loaded[id(state)] = Document(row, state, lengths)
+        document = self.loaded[id(state)] = Document(row, weakref.ref(state), lengths)
         self.loads += 1
         return document
 

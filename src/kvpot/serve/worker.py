@@ -224,6 +224,13 @@ class Worker:
         with self.lock:
             return sum(min(p.admitted, p.slots) for p in self.pools.values()) + min(self.reading, 1)
 
+    def shared(self) -> tuple[int, int, int]:
+        """(shared documents loaded, their readers, copy-on-write events) over every pool (`--share-documents`)."""
+        regions = [p.scheduler.pool.documents for p in list(self.pools.values())
+                   if getattr(getattr(p.scheduler, "pool", None), "documents", None) is not None]
+        return (sum(r.documents for r in regions), sum(r.readers for r in regions),
+                sum(sum(r.copies.values()) for r in regions))
+
     def slots(self) -> tuple[int, int]:
         """(used, total) over every pool."""
         pools = list(self.pools.values())
