@@ -60,3 +60,35 @@ def test_shared_document_kernel_matches_the_reference_on_long_documents(shape, d
 def test_shared_document_kernel_with_an_observation_gives_the_reference():
     out, expected = run(SHARED_SHAPES[0], rope=True, probs=True)
     torch.testing.assert_close(out, expected)
+
+
+# Triton's interpreter runs the whole step's kernels (~45 s a method on 2 cores): one method there
+@pytest.mark.parametrize("name", ["full", "infinipot"] if KERNEL_DEVICE == "cuda" else ["infinipot"])
+def test_shared_document_kernel_in_the_batched_step(name, monkeypatch):
+    """Through the scheduler (CUDA graphs on a GPU; the interpreter on CPU): readers sharing a document get the
+    copy-per-reader tokens with the Triton kernel in the step (a tiny Llama with head dim 32, which it supports)."""
+    import kvpot
+    from conftest import VOCAB, build
+    from kvpot.engine.offline import run_all
+    from kvpot.engine.scheduler import Request, Scheduler
+    from kvpot.kernels import shared
+
+    calls = []
+    kernel = shared.decode_attention_shared
+    monkeypatch.setattr(shared, "decode_attention_shared", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    model = build("llama3", hidden_size=128, head_dim=32).to(KERNEL_DEVICE)
+    method = {"full": kvpot.Full(chunk_size=64), "infinipot": kvpot.InfiniPot(pot_size=64, catalyst=None)}[name]
+    capacity = 192 if name == "full" else None
+    g = torch.Generator().manual_seed(11)
+    context = torch.randint(3, VOCAB, (100,), generator=g).to(KERNEL_DEVICE)
+    questions = [torch.randint(3, VOCAB, (k,), generator=g).tolist() for k in (3, 5, 2)]
+    state = kvpot.Engine(model, method=method, decode="eager").prefill_ids(context)
+    decode = "graph" if KERNEL_DEVICE == "cuda" else "static"
+    tokens = {}
+    for share in (False, True):
+        scheduler = Scheduler(kvpot.Engine(model, method=method), slots=3, capacity=capacity, decode=decode,
+                              share_documents=share)
+        requests = [Request(None, q, state=state, max_new_tokens=12, ignore_eos=True) for q in questions]
+        run_all(scheduler, requests)
+        tokens[share] = [r.tokens for r in requests]
+    assert tokens[True] == tokens[False] and calls  # the shared kernel ran, and changed no token
