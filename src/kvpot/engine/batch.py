@@ -35,6 +35,10 @@ class StepLayer(CacheLayerMixin):
 
     is_compileable = False
     is_sliding = False
+    # this layer's views of the pool's document region (keys, values, RoPE positions, lengths), set by
+    # `kvpot.engine.documents.share_region`: read from the layer, never picked by index (a compiled step's
+    # layers share one compilation only if nothing they read is picked by a Python integer)
+    documents: tuple | None = None
 
     def __init__(self, cache: StepCache, index: int):
         super().__init__()
@@ -139,9 +143,9 @@ class StepCache(Cache):
             from kvpot.kernels.shared import decode_attention_shared as kernel
         else:
             from kvpot.kernels.shared_reference import decode_attention_shared_reference as kernel
-        storage, rope, region = layer.storage, self.rope, self.pool.documents
-        i = layer.index
-        documents = (region.keys[i], region.values[i], region.of_slot, region.lengths[i])
+        storage, rope = layer.storage, self.rope
+        doc_keys, doc_values, doc_positions, doc_lengths, of_slot = layer.documents
+        documents = (doc_keys, doc_values, of_slot, doc_lengths)
         if self.policy.stores_rotated:
             turned = rope.rotate(query, self.stream_positions.view(-1, 1, 1).expand(-1, storage.kv_heads, 1),
                                  self.max_position)
@@ -149,7 +153,7 @@ class StepCache(Cache):
                           probs=probs)
         cos, sin = rope.table(storage.capacity + 1, query)
         return kernel(query[:, :, 0], storage.keys, storage.values, self.rows, layer.lengths, *documents, scaling,
-                      cos=cos, sin=sin, key_positions=storage.rope_positions, doc_key_positions=region.rope_positions[i],
+                      cos=cos, sin=sin, key_positions=storage.rope_positions, doc_key_positions=doc_positions,
                       query_positions=storage.query_position, probs=probs)
 
 

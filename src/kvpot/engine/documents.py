@@ -169,6 +169,9 @@ def share_region(scheduler, share: bool, rows: int) -> DocumentRegion | None:
         raise KvpotError("share_documents does not run under tensor parallelism yet.")
     region = DocumentRegion(scheduler.pool, rows)
     region.owner = scheduler
+    for i, layer in enumerate(scheduler.decoder.cache.layers):  # each step layer reads its own views
+        layer.documents = (region.keys[i], region.values[i], region.rope_positions[i], region.lengths[i],
+                           region.of_slot)
     region._changed()
     return region
 

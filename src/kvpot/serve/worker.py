@@ -55,7 +55,9 @@ class Pool:
         s = self.scheduler
         return {"method": self.spec, "slots": self.slots, "slots_used": self.slots - len(s.pool.free),
                 "capacity": s.capacity, "slot_bytes": s.slot_bytes(), "decoding": s.decoding,
-                "prefilling": s.prefilling, "waiting": len(s.waiting)}
+                "prefilling": s.prefilling, "waiting": len(s.waiting),
+                **({"shared": s.pool.documents.metrics()} if getattr(getattr(s, "pool", None), "documents", None)
+                   is not None else {})}
 
 
 class Ticket:
