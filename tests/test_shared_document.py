@@ -312,3 +312,31 @@ def test_shared_document_serve_readers_of_an_uploaded_document(tmp_path):
         assert server.metric("copy_on_write_total") == 0
     finally:
         server.stop()
+
+
+def test_shared_document_readers_beside_fresh_prompts_and_a_cancellation(model, context, one_thread):
+    """Fresh prompts decode beside a document's readers (their rows read no document); a reader cancelled
+    mid-answer drops its reference at once, and the others keep the tokens they get alone."""
+    method = kvpot.InfiniPot(pot_size=64, catalyst=None)
+    engine = kvpot.Engine(model, method=method, decode="eager")
+    state = engine.prefill_ids(context)
+    g = torch.Generator().manual_seed(9)
+    fresh = [(torch.randint(3, VOCAB, (n,), generator=g).tolist(), [7, 8]) for n in (50, 90)]
+    expected = [engine.generate_ids(question_ids=q, state=state, max_new_tokens=NEW, ignore_eos=True).token_ids
+                for q in QUESTIONS[:3]]
+    expected += [engine.generate_ids(c, q, max_new_tokens=NEW, ignore_eos=True).token_ids for c, q in fresh]
+    scheduler = Scheduler(kvpot.Engine(model, method=method), slots=6, decode="static", share_documents=True)
+    readers_ = [scheduler.submit(Request(None, q, state=state, max_new_tokens=NEW, ignore_eos=True))
+                for q in QUESTIONS[:4]]
+    others = [scheduler.submit(Request(c, q, max_new_tokens=NEW, ignore_eos=True)) for c, q in fresh]
+    for _ in range(3):
+        scheduler.step()
+    region = scheduler.pool.documents
+    before = region.readers
+    assert before >= 1 and readers_[3].slot in region.reading
+    scheduler.cancel(readers_[3])
+    scheduler.step()
+    assert readers_[3].status == "cancelled" and region.readers == before - 1
+    scheduler.run()
+    assert [r.tokens for r in readers_[:3] + others] == expected
+    assert region.readers == 0 and scheduler.pool.used == 0
