@@ -18,6 +18,8 @@ TOVA, D2O: "steady") appends in the batch and then evicts through the method's o
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -103,6 +105,7 @@ class StepCache(Cache):
         self.stream_positions: torch.Tensor | None = None  # [B] long: each token's position in its stream
         self.max_position = 0  # host bound of every stream position (sizes RoPE tables without a sync)
         self.request: AttentionRequest | None = None
+        self.groups: tuple | None = None  # shared documents' readers grouped for this step (`_attend_shared`)
         super().__init__(layers=[StepLayer(self, i) for i in range(pool.num_layers)])
 
     @property
@@ -139,12 +142,16 @@ class StepCache(Cache):
         cascade kernel `kvpot.kernels.shared`, else its reference `kvpot.kernels.shared_reference`)."""
         from kvpot import kernels
 
-        if kernels.available(query.device) and kernels.supports_head_dim(query.shape[-1]):
-            from kvpot.kernels.shared import decode_attention_shared as kernel
-        else:
-            from kvpot.kernels.shared_reference import decode_attention_shared_reference as kernel
         storage, rope = layer.storage, self.rope
         doc_keys, doc_values, doc_positions, doc_lengths, of_slot = layer.documents
+        if kernels.available(query.device) and kernels.supports_head_dim(query.shape[-1]) and probs is None:
+            from kvpot.kernels.shared import decode_attention_shared, shared_groups
+
+            if self.groups is None:  # the first layer of the step: the same rows and documents for every layer
+                self.groups = shared_groups(self.rows, of_slot, doc_keys.shape[0])
+            kernel = functools.partial(decode_attention_shared, groups=self.groups)
+        else:  # (with an observation, the reference writes it)
+            from kvpot.kernels.shared_reference import decode_attention_shared_reference as kernel
         documents = (doc_keys, doc_values, of_slot, doc_lengths)
         if self.policy.stores_rotated:
             turned = rope.rotate(query, self.stream_positions.view(-1, 1, 1).expand(-1, storage.kv_heads, 1),
@@ -327,6 +334,7 @@ class BatchDecoder:
         self.pool.lengths[:, self.pool.scratch] = 0  # padding rows write the scratch slot's first entry
         cache.rows, cache.stream_positions = rows, self.next_position[rows]
         cache.max_position, cache.request = self.max_position, observe
+        cache.groups = None  # readers of shared documents, grouped once per step (`kvpot.kernels.shared`)
         ids = self.last_token[rows].view(bucket, 1)
         nll = self.token_nll(rows) if method.needs_token_nll else None
         if observe is not None:  # made here: first made inside a compiled layer, its existence is a guard there,

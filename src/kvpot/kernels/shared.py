@@ -168,11 +168,24 @@ def _launch(query, keys, values, rows, members, gstart, gsrc, glo, ghi, rope, ou
     )
 
 
+def shared_groups(rows: torch.Tensor, doc_rows: torch.Tensor, documents: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(members [B], starts [documents + 1]): the batch rows sorted (stably) by the document they read, and where
+    each document's run of readers starts (rows reading none sort first, in no run). The same for every layer of
+    a step: `StepCache` makes them once per step and passes them as `groups`."""
+    rows = rows.to(torch.int64)
+    doc_of_row = doc_rows.to(torch.int64)[rows]  # [B], -1: none
+    sorted_docs, members = torch.sort(doc_of_row, stable=True)
+    starts = torch.searchsorted(sorted_docs, torch.arange(documents + 1, device=rows.device, dtype=torch.int64))
+    starts[documents] = rows.numel()
+    return members, starts
+
+
 def decode_attention_shared(query, keys, values, rows, lengths, doc_keys, doc_values, doc_rows, doc_lengths,
                             scaling: float, cos=None, sin=None, key_positions=None, doc_key_positions=None,
-                            query_positions=None, probs=None) -> torch.Tensor:
+                            query_positions=None, probs=None, groups=None) -> torch.Tensor:
     """`decode_attention_shared_reference` on Triton (same arguments and result): the document segment read once
-    per tile of its readers, each row's tail, merged by log-sum-exp. No host synchronisation."""
+    per tile of its readers, each row's tail, merged by log-sum-exp. `groups`: `shared_groups(rows, doc_rows,
+    documents)` if made already (once per step). No host synchronisation."""
     if probs is not None:  # the observation is not written here: the reference (exact, capture-safe) writes it
         return decode_attention_shared_reference(query, keys, values, rows, lengths, doc_keys, doc_values, doc_rows,
                                                  doc_lengths, scaling, cos, sin, key_positions, doc_key_positions,
@@ -191,10 +204,8 @@ def decode_attention_shared(query, keys, values, rows, lengths, doc_keys, doc_va
     query = query.contiguous()
     rows = rows.to(torch.int64)
     # groups, on the device: the rows sorted (stably) by their document, each document's run of rows
+    members, gstart = groups if groups is not None else shared_groups(rows, doc_rows, docs)
     doc_of_row = doc_rows.to(torch.int64)[rows]  # [B], -1: none
-    sorted_docs, members = torch.sort(doc_of_row, stable=True)
-    gstart = torch.searchsorted(sorted_docs, torch.arange(docs + 1, device=device, dtype=torch.int64))
-    gstart[docs] = batch  # rows reading no document sort first and belong to no group
     n_doc = torch.where(doc_of_row >= 0, doc_lengths.to(torch.int64)[doc_of_row.clamp(min=0)], 0)
     block_doc, block_tail = _block_m(batch * g), _block_m(g)
     tiles_doc, tiles_tail = triton.cdiv(batch * g, block_doc), triton.cdiv(g, block_tail)
