@@ -51,6 +51,8 @@ def check_load(config) -> None:
     if config.new_tokens_mix:
         # what a row records as its most; each request draws its own
         config.new_tokens = mix_bounds(config.new_tokens_mix, "--new-tokens-mix")[1]
+    if getattr(config, "share_documents", False) and not config.document:
+        raise KvpotError("--share-documents shares one stored document among its readers: give --document.")
     if config.length_mix:
         if config.document:
             raise KvpotError("--length-mix draws a context length per user; with --document every user reads one "
@@ -103,6 +105,7 @@ class BenchConfig:
     sequential_users: int | None = None  # users the one-at-a-time row serves (None: all)
     hf_timeout: float = 200.0  # seconds before transformers' continuous batching is stopped
     mixed: bool = False  # a row of the batch that reads prompt chunks in the decoding rows' forward (mix=True)
+    share_documents: bool = False  # with --document, a row whose readers share the document (share_documents=True)
     # open-loop load (kvpot.bench.load): Poisson arrivals, per-request mixes, SLOs
     arrival_rate: float | None = None  # requests per second; None (`inf`): all at once
     length_mix: str | None = None  # `2k,8k,32k` (drawn from the list) or `2k-32k` (a uniform range)

@@ -11,6 +11,9 @@ latency is measured from the request's own arrival; `--slo-ttft` / `--slo-itl` a
 Rows per method and length:
 - `METHOD [batch]`: kvpot's scheduler (`kvpot.engine.scheduler`), `--slots` sequences at once
   (default: every user, within free memory), `--prefill-tokens` prompt tokens read per step;
+- `METHOD [batch, shared document]` (`--document --share-documents`): the same scheduler with its readers sharing
+  the stored document's entries (`Scheduler(share_documents=True)`, `kvpot.engine.documents`); its `scheduler`
+  record counts the shared documents, their readers and the copy-on-write events;
 - `METHOD [one at a time]`: `Engine.generate_ids` for each user after the other (the engine before
   batching), `--sequential-users` of them (default all), in arrival order, each starting at its
   arrival or when the one before it ends, whichever is later;
@@ -41,7 +44,8 @@ WARMUP_PROMPT = 256  # warm-up prompts: long enough for one chunk of every metho
 def bench_throughput(config: BenchConfig, model, runs, results, progress) -> None:
     from tqdm.auto import tqdm
 
-    kinds = ("batch", "mixed", "sequential") if config.mixed else ("batch", "sequential")
+    kinds = ("batch",) + (("mixed",) if config.mixed else ()) + (("shared",) if config.share_documents else ()) + \
+        ("sequential",)
     entries = [(run, kind) for run in runs for kind in kinds] + \
               [("hf", "hf") for name in config.baselines if name == "hf"]
     with tqdm(total=len(entries) * len(config.lengths), unit="run", desc="bench throughput",
@@ -50,6 +54,7 @@ def bench_throughput(config: BenchConfig, model, runs, results, progress) -> Non
             for entry, kind in entries:
                 label = entry if isinstance(entry, str) else entry.label
                 name = {"batch": f"{label} [batch]", "mixed": f"{label} [batch, mixed]",
+                        "shared": f"{label} [batch, shared document]",
                         "sequential": f"{label} [one at a time]", "hf": "hf [generate_batch]"}[kind]
                 bar.set_postfix_str(f"{name} @ {length} tokens")
                 row = {"method": name, "kind": kind, "length": length, "oom": False, "skipped": False,
@@ -101,7 +106,7 @@ def _kvpot_row(config: BenchConfig, model, run, prompts: dict, kind: str, tokeni
         extra["document_prefill_seconds"] = time.perf_counter() - begun
     if kind == "sequential":
         return {**extra, **_sequential(config, engine, prompts, state)}
-    return {**extra, **_batched(config, engine, prompts, state, mix=kind == "mixed")}
+    return {**extra, **_batched(config, engine, prompts, state, mix=kind == "mixed", share=kind == "shared")}
 
 
 def _requests(config: BenchConfig, prompts: dict, state, users: int | None = None):
@@ -128,7 +133,7 @@ def _prompt_tokens(prompts: dict, index: int) -> int:
     return own + prompts["questions"][index].numel()
 
 
-def _batched(config: BenchConfig, engine, prompts: dict, state, mix: bool = False) -> dict:
+def _batched(config: BenchConfig, engine, prompts: dict, state, mix: bool = False, share: bool = False) -> dict:
     from kvpot.engine.offline import run_all
     from kvpot.engine.requests import Request
     from kvpot.engine.scheduler import Scheduler
@@ -140,7 +145,7 @@ def _batched(config: BenchConfig, engine, prompts: dict, state, mix: bool = Fals
         capacity = max(c.numel() + q.numel() for c, q in zip(prompts["contexts"], prompts["questions"])) + \
             max(plan["new_tokens"])
     scheduler = Scheduler(engine, slots=config.slots or None, capacity=capacity, max_slots=config.users,
-                          prefill_tokens=config.prefill_tokens, decode=config.decode, mix=mix)
+                          prefill_tokens=config.prefill_tokens, decode=config.decode, mix=mix, share_documents=share)
     # warm-up of the same batch sizes: kernels compile and each bucket's graph is captured, untimed
     vocab = engine.model.config.vocab_size
     warm = [Request(random_tokens(vocab, WARMUP_PROMPT, config.seed + index, config.device), q, max_new_tokens=4,

@@ -142,6 +142,9 @@ def register(sub) -> None:
     t.add_argument("--mixed", action="store_true",
                    help="add a row of the batch that reads prompt chunks in the decoding rows' forward (Scheduler "
                         "mix=True: fewer forwards, the same tokens) beside METHOD [batch], which reads them apart")
+    t.add_argument("--share-documents", action="store_true",
+                   help="with --document, add a row whose readers share the stored document's entries (Scheduler "
+                        "share_documents=True: one copy, cascade attention) beside METHOD [batch], a copy per reader")
     t.add_argument("--hf-timeout", type=float, default=200.0,
                    help="seconds before transformers' continuous batching is stopped and recorded unfinished "
                         "(default 200)")
@@ -291,7 +294,7 @@ def config_from_args(args) -> BenchConfig:
         kvpress_path=args.kvpress_path or os.environ.get("KVPOT_KVPRESS_PATH") or None,
         users=args.users, new_tokens=args.new_tokens, document=args.document, slots=args.slots,
         prefill_tokens=args.prefill_tokens, sequential_users=args.sequential_users, hf_timeout=args.hf_timeout,
-        mixed=args.mixed, tp=args.tp,
+        mixed=args.mixed, share_documents=args.share_documents, tp=args.tp,
         sdpa=args.sdpa, **_load_options(args),
     )
 

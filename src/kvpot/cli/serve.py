@@ -73,6 +73,10 @@ def register(subparsers) -> None:
                         "not depend on how the question is cut (full, truncate, infinipot, sirllm)")
     b.add_argument("--feed-tokens", type=int, default=64,
                    help="the longest question fed that way, in tokens (default 64); longer ones take a forward")
+    b.add_argument("--share-documents", action="store_true",
+                   help="the readers of a stored document (POST /v1/documents) read its entries from one copy in "
+                        "the pool, each slot holding only its own question and answer (cascade attention); a reader "
+                        "whose method changes the document takes its own copy then (copy on write)")
     b.add_argument("--method-slots", type=int, default=4,
                    help="slots of the pool made for a document read with another method (default 4)")
     b.add_argument("--slot-capacity", type=int, default=None,
@@ -145,7 +149,8 @@ def run(args) -> int:
         cache_min_tokens=args.cache_min_tokens, max_slots=args.max_slots,
         kv_memory_fraction=args.kv_memory_fraction, method_slots=args.method_slots,
         prefill_tokens=args.prefill_tokens, slot_capacity=args.slot_capacity,
-        feed_questions=args.feed_questions, feed_tokens=args.feed_tokens, read_timeout=args.read_timeout,
+        feed_questions=args.feed_questions, feed_tokens=args.feed_tokens, share_documents=args.share_documents,
+        read_timeout=args.read_timeout,
         shutdown_grace=args.shutdown_grace, allowed_hosts=tuple(args.allowed_hosts.split(",")),
     )
     from kvpot.serve.config import EngineRecipe

@@ -18,6 +18,8 @@ TOVA, D2O: "steady") appends in the batch and then evicts through the method's o
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -35,6 +37,10 @@ class StepLayer(CacheLayerMixin):
 
     is_compileable = False
     is_sliding = False
+    # this layer's views of the pool's document region (keys, values, RoPE positions, lengths), set by
+    # `kvpot.engine.documents.share_region`: read from the layer, never picked by index (a compiled step's
+    # layers share one compilation only if nothing they read is picked by a Python integer)
+    documents: tuple | None = None
 
     def __init__(self, cache: StepCache, index: int):
         super().__init__()
@@ -99,6 +105,7 @@ class StepCache(Cache):
         self.stream_positions: torch.Tensor | None = None  # [B] long: each token's position in its stream
         self.max_position = 0  # host bound of every stream position (sizes RoPE tables without a sync)
         self.request: AttentionRequest | None = None
+        self.groups: tuple | None = None  # shared documents' readers grouped for this step (`_attend_shared`)
         super().__init__(layers=[StepLayer(self, i) for i in range(pool.num_layers)])
 
     @property
@@ -116,6 +123,8 @@ class StepCache(Cache):
         b, heads, _, d = query.shape
         query = rope.unscale(query)
         probs = storage.observation_buffer()[:b] if self.request is not None else None
+        if self.pool.documents is not None:  # readers of shared documents: two segments, merged
+            return self._attend_shared(layer, query, scaling, probs).view(b, 1, heads, d)
         kernel = batch_kernel(query.device, d)
         lengths = layer.lengths
         if self.policy.stores_rotated:
@@ -127,6 +136,32 @@ class StepCache(Cache):
             out = kernel(query[:, :, 0], storage.keys, storage.values, self.rows, lengths, scaling, cos=cos, sin=sin,
                          key_positions=storage.rope_positions, query_positions=storage.query_position, probs=probs)
         return out.view(b, 1, heads, d)
+
+    def _attend_shared(self, layer: StepLayer, query: torch.Tensor, scaling: float, probs) -> torch.Tensor:
+        """`attend` over each row's shared document and its slot's tail, merged by log-sum-exp (on a GPU the
+        cascade kernel `kvpot.kernels.shared`, else its reference `kvpot.kernels.shared_reference`)."""
+        from kvpot import kernels
+
+        storage, rope = layer.storage, self.rope
+        doc_keys, doc_values, doc_positions, doc_lengths, of_slot = layer.documents
+        if kernels.available(query.device) and kernels.supports_head_dim(query.shape[-1]) and probs is None:
+            from kvpot.kernels.shared import decode_attention_shared, shared_groups
+
+            if self.groups is None:  # the first layer of the step: the same rows and documents for every layer
+                self.groups = shared_groups(self.rows, of_slot, doc_keys.shape[0])
+            kernel = functools.partial(decode_attention_shared, groups=self.groups)
+        else:  # (with an observation, the reference writes it)
+            from kvpot.kernels.shared_reference import decode_attention_shared_reference as kernel
+        documents = (doc_keys, doc_values, of_slot, doc_lengths)
+        if self.policy.stores_rotated:
+            turned = rope.rotate(query, self.stream_positions.view(-1, 1, 1).expand(-1, storage.kv_heads, 1),
+                                 self.max_position)
+            return kernel(turned[:, :, 0], storage.keys, storage.values, self.rows, layer.lengths, *documents, scaling,
+                          probs=probs)
+        cos, sin = rope.table(storage.capacity + 1, query)
+        return kernel(query[:, :, 0], storage.keys, storage.values, self.rows, layer.lengths, *documents, scaling,
+                      cos=cos, sin=sin, key_positions=storage.rope_positions, doc_key_positions=doc_positions,
+                      query_positions=storage.query_position, probs=probs)
 
 
 def batch_kernel(device: torch.device, head_dim: int):
@@ -299,6 +334,7 @@ class BatchDecoder:
         self.pool.lengths[:, self.pool.scratch] = 0  # padding rows write the scratch slot's first entry
         cache.rows, cache.stream_positions = rows, self.next_position[rows]
         cache.max_position, cache.request = self.max_position, observe
+        cache.groups = None  # readers of shared documents, grouped once per step (`kvpot.kernels.shared`)
         ids = self.last_token[rows].view(bucket, 1)
         nll = self.token_nll(rows) if method.needs_token_nll else None
         if observe is not None:  # made here: first made inside a compiled layer, its existence is a guard there,

@@ -14,7 +14,7 @@ from kvpot.errors import KvpotError
 
 
 def generate_texts(engine, contexts, questions, max_new_tokens: int, states, progress: bool, batch_size: int | None,
-                   **sampling):
+                   share_documents: bool = False, **sampling):
     """`Engine.generate_batch`: encode each prompt, run them `batch_size` at a time, results in order."""
     if (contexts is None) == (states is None):
         raise KvpotError("give either contexts or states (one list), not both.")
@@ -32,7 +32,8 @@ def generate_texts(engine, contexts, questions, max_new_tokens: int, states, pro
         else:
             _, question_ids = engine.encode(None, question)
             requests.append(Request(None, question_ids, state=prompt, max_new_tokens=max_new_tokens, **sampling))
-    generate_many(engine, requests, batch_size or min(len(requests), 64) or 1, progress=progress)
+    generate_many(engine, requests, batch_size or min(len(requests), 64) or 1, progress=progress,
+                  share_documents=share_documents)
     failed = [r for r in requests if r.status == "failed"]
     if failed:
         raise KvpotError(f"{len(failed)} of {len(requests)} prompts failed; the first: {failed[0].error}")
@@ -58,7 +59,7 @@ def run_all(scheduler: Scheduler, requests: list[Request], progress: bool = Fals
 
 
 def generate_many(engine, requests: list[Request], batch_size: int, progress: bool = False,
-                  decode: str = "auto") -> list[Request]:
+                  decode: str = "auto", share_documents: bool = False) -> list[Request]:
     """Run `requests` through schedulers of `batch_size` slots, `batch_size` requests at a time (offline
     jobs: evaluation, lm-eval). A method whose cache grows with the input gets slots as large as the
     longest request of each group needs. Requests that fail are left failed (their `error` says why)."""
@@ -72,7 +73,8 @@ def generate_many(engine, requests: list[Request], batch_size: int, progress: bo
             capacity = None
             if engine.method.max_entries() is None:
                 capacity = max(_needed(engine, request) for request in group)
-            scheduler = Scheduler(engine, slots=len(group), capacity=capacity, decode=decode)
+            scheduler = Scheduler(engine, slots=len(group), capacity=capacity, decode=decode,
+                                  share_documents=share_documents)
             for request in group:
                 try:
                     scheduler.submit(request)

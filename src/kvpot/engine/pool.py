@@ -117,6 +117,7 @@ class SlotPool:
         self.device = device
         self.free: list[int] = list(range(slots))  # lowest first: low rows stay dense
         self.caches: dict[int, PotCache] = {}
+        self.documents = None  # kvpot.engine.documents.DocumentRegion: stored documents shared by their readers
 
     # ------------------------------------------------------------------ slots
     def acquire(self) -> int | None:
@@ -130,6 +131,8 @@ class SlotPool:
         if slot in self.free or not 0 <= slot < self.slots:
             raise KvpotError(f"slot {slot} is not in use.")
         self.caches.pop(slot, None)
+        if self.documents is not None:
+            self.documents.detach(slot)
         self.lengths[:, slot] = 0
         self.free.append(slot)
 
@@ -146,9 +149,11 @@ class SlotPool:
         self.lengths[:, slot] = 0
         return cache
 
-    def load(self, slot: int, source: PotCache) -> PotCache:
+    def load(self, slot: int, source: PotCache, keys: bool = True) -> PotCache:
         """Slot `slot` holding a copy of `source`'s entries, scores and method state (a stored document's
-        state, or a cache a method built beside the pool: CItruS' instruction cache). `source` is unchanged."""
+        state, or a cache a method built beside the pool: CItruS' instruction cache). `source` is unchanged.
+        keys=False leaves the keys and values out: a reader of a shared document reads them from the pool's
+        document region (`kvpot.engine.documents`) and copies them here only on write."""
         if source.host_storage:
             raise KvpotError("a state offloaded to host memory (infinitehip offload=True) cannot decode in a batch.")
         cache = self.cache(slot)
@@ -156,7 +161,7 @@ class SlotPool:
             n = other.n
             layer.reserve(n)
             if n:
-                for name in ("keys", "values", "positions", "rope_positions"):
+                for name in ("keys", "values", "positions", "rope_positions")[0 if keys else 2 :]:
                     getattr(layer, name)[:, :, :n] = getattr(other, name)[:, :, :n].to(self.device)
                 for name, buf in other.scores.items():
                     layer.storage.score(name)[slot : slot + 1, :, :n] = buf[:, :, :n].to(self.device)
@@ -185,7 +190,8 @@ class SlotPool:
     # ------------------------------------------------------------------ sizes
     @property
     def nbytes(self) -> int:
-        return sum(layer.nbytes for layer in self.layers) + self.lengths.nbytes
+        shared = self.documents.nbytes if self.documents is not None else 0  # a shared document counts once
+        return sum(layer.nbytes for layer in self.layers) + self.lengths.nbytes + shared
 
 
 def kv_shape(config, tp: int = 1) -> tuple[int, int]:

@@ -20,6 +20,7 @@ from kvpot.engine.agreement import StepAgreement
 from kvpot.engine.batch import BatchDecoder, batchable_request, batched_method, mirror_append, step_observations
 from kvpot.engine.decoding import resolve_mode
 from kvpot.engine.delivery import TokenOutbox
+from kvpot.engine.documents import copy_before_step, load_state, share_region, unshare
 from kvpot.engine.evict import evict_steady
 from kvpot.engine.mixed import Chunk, mixable, mixed_forward
 from kvpot.defaults import PREFILL_TOKENS, SLOT_MEMORY_FRACTION
@@ -30,6 +31,7 @@ from kvpot.engine.requests import Active as _Active, QueueFull, Request, check_f
 from kvpot.engine.results import _Run, close_stats
 from kvpot.engine.sampling import _as_ids, _eos_ids
 from kvpot.errors import KvpotError
+from kvpot.positions import make_policy
 
 
 class Scheduler:
@@ -50,12 +52,14 @@ class Scheduler:
     mix: read prompt chunks in the decoding rows' forward (`kvpot.engine.mixed`): the same tokens, fewer
         forwards. Off by default: measured on an H200 (records/engine-core-h100/), the mixed step is slower
         than a decoding step and a prompt forward apart (129 against 138 output tok/s, ITL p99 306 against 144 ms).
+    share_documents: readers of a stored `State` read its keys and values from one copy (`kvpot.engine.documents`,
+        `documents` at once; questions fed even alone), copied on write (`Method.copies_document`). Off by default.
     """
 
     def __init__(self, engine, slots: int | None = None, capacity: int | None = None, question_room: int = 512,
                  max_waiting: int | None = None, prefill_tokens: int = PREFILL_TOKENS, decode: str = "auto",
                  max_slots: int = 256, memory_fraction: float = SLOT_MEMORY_FRACTION, feed_questions: str = "auto",
-                 feed_tokens: int = 64, mix: bool = False):
+                 feed_tokens: int = 64, mix: bool = False, share_documents: bool = False, documents: int = 4):
         if len(engine.devices) > 1:
             raise KvpotError("batched decoding runs a model on one device; a model split over several GPUs "
                              "(device_map) decodes one sequence at a time with Engine.generate.")
@@ -65,8 +69,8 @@ class Scheduler:
         self.capacity = slot_capacity(self.method, capacity, question_room)
         dtype = engine.head.weight.dtype
         slots = slot_count(engine, self.capacity, slots, max_slots, memory_fraction, dtype)
-        self.pool = SlotPool(engine.model.config, engine.rope, _policy(engine), slots, self.capacity, dtype, engine.device,
-                             engine.parallel)
+        self.pool = SlotPool(engine.model.config, engine.rope, make_policy(engine.method.positions), slots, self.capacity,
+                             dtype, engine.device, engine.parallel)
         self.agreement = StepAgreement.of(engine)  # tensor parallelism: every rank's step alike (engine/agreement.py)
         self.decoder = BatchDecoder(engine, self.pool, graphs=mode == "graph")
         self.mode = mode
@@ -84,6 +88,7 @@ class Scheduler:
         self.report = {"steps": 0, "batched_rows": 0, "eager_rows": 0, "steady_rows": 0, "prefill_forwards": 0,
                        "fed_tokens": 0, "mixed_forwards": 0, "forwards": 0, "decode_seconds": 0.0, "prefill_seconds": 0.0,
                        "deliver_seconds": 0.0}
+        self.pool.documents = share_region(self, share_documents, documents)  # None unless sharing
 
     def slot_bytes(self, dtype: torch.dtype | None = None) -> int:
         """Bytes one slot takes (KV, positions, two score arrays, the observation row, its logits)."""
@@ -189,7 +194,7 @@ class Scheduler:
                                           lambda _tokens: self.pool.cache(slot))
         else:
             question = _as_ids(request.question_ids, engine.device, "question_ids")
-            cache = self.pool.load(slot, request.state.cache)
+            cache = load_state(self, slot, request.state, question)
             run = engine._resumed(request.state, cache, question)
             segments = [("question", question)] if question.numel() else []
             if request.max_new_tokens and self._feeds(run, question):
@@ -199,6 +204,7 @@ class Scheduler:
                                    question.numel() + request.max_new_tokens)
                 active.read_started = time.perf_counter()
                 return
+            unshare(self, slot, "question")  # read in a forward of its own: the forward reads the slot's keys
         active.run, active.reader = run, PromptReader(self.method, run, segments)
         active.read_started = time.perf_counter()
 
@@ -207,7 +213,8 @@ class Scheduler:
         if self.feed_questions == "never" or not self.method.feeds_question or not self.batched:
             return False
         fits = 0 < question.numel() <= self.feed_tokens and run.logits is not None and run.cache.attention is None
-        return fits and (self.feed_questions == "always" or len(self.active) > 1 or bool(self.waiting))
+        alone = self.pool.documents is None  # sharing documents, a forward of its own would copy the document
+        return fits and (self.feed_questions == "always" or len(self.active) > 1 or bool(self.waiting) or not alone)
 
     def _chunks(self, batch: int) -> tuple[list[tuple[int, _Active, Chunk]], int]:
         """Prompt chunks joining this step's forward beside `batch` decoding rows (`plan_chunks`); tokens left."""
@@ -303,6 +310,7 @@ class Scheduler:
                     if a.request.status == "decoding" or a.feeding is not None]
         self._feed(decoding)
         plans = {slot: self._plan(active) for slot, active in decoding}
+        copy_before_step(self, decoding, plans)  # readers of a shared document whose step changes it copy first
         stepped = []
         for slot, active in decoding:
             if plans[slot] == "eager":
@@ -429,22 +437,13 @@ class Scheduler:
         request.status, request.finish_reason = status, reason
         request.finished_time = time.perf_counter()
         active = self.active.pop(request.slot, None) if request.slot is not None else None
+        if active is not None and active.run is not None:
+            decode = {"mode": f"batch-{self.mode}", "slots": self.pool.slots, "capacity": self.capacity}
+            request.stats = close_stats(self.engine, active.run, len(request.tokens), active.decode_started, decode)
         if active is not None:
-            self._close_stats(active)
             self.decoder.sampling_slots.discard(request.slot)
             self.pool.release(request.slot)
         ended.append(request)
         if request.on_finish is not None:
             request.on_finish(request)
 
-    def _close_stats(self, active: _Active) -> None:
-        if active.run is not None:
-            decode = {"mode": f"batch-{self.mode}", "slots": self.pool.slots, "capacity": self.capacity}
-            active.request.stats = close_stats(self.engine, active.run, len(active.request.tokens),
-                                               active.decode_started, decode)
-
-
-def _policy(engine):
-    from kvpot.positions import make_policy
-
-    return make_policy(engine.method.positions)

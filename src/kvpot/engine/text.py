@@ -95,16 +95,20 @@ class TextApi:
         states: list[State] | None = None,
         progress: bool = False,
         batch_size: int | None = None,
+        share_documents: bool = False,
         **sampling,
     ) -> list[Result]:
         """Answer many prompts at once: each `contexts[i]` with `questions[i]` (or each prefilled
         `states[i]`), `batch_size` (default: all, at most 64) decoding together over a pool of bounded
         caches (continuous batching, `kvpot.engine.scheduler`). Results come back in order; each equals
         what `generate` gives the same prompt alone (greedy). `sampling`: temperature, top_p, seed,
-        ignore_eos, as `generate`; a seeded request samples the same tokens whatever shares its batch."""
+        ignore_eos, as `generate`; a seeded request samples the same tokens whatever shares its batch.
+        `share_documents`: requests asking the same `State` read its entries from one copy
+        (`Scheduler(share_documents=True)`), the same tokens."""
         from kvpot.engine.offline import generate_texts
 
-        return generate_texts(self, contexts, questions, max_new_tokens, states, progress, batch_size, **sampling)
+        return generate_texts(self, contexts, questions, max_new_tokens, states, progress, batch_size,
+                              share_documents=share_documents, **sampling)
 
     def uses_chat_template(self) -> bool:
         """Whether prompts go through the tokenizer's chat template (`chat_template`: auto, True or False)."""

@@ -99,6 +99,12 @@ class Method:
     # No fixed bound: the entries held grow with the input (context, question or generated tokens) at some
     # point of a run; `max_entries()` is None exactly then.
     grows: ClassVar[bool] = True
+    # When a reader of a shared stored document (`Scheduler(share_documents=True)`, `kvpot.engine.documents`)
+    # takes its own copy of the document's entries: "never" (a reader whose question is fed only appends),
+    # "when_full" (at the step its pot fills and it compresses: InfiniPot, SirLLM), or "at_admission" (its
+    # question is read in a forward of its own, over the cache: every method that does not feed questions).
+    # A question read in a forward (longer than the scheduler's `feed_tokens`, or none) copies for every method.
+    copies_document: ClassVar[str] = "at_admission"
 
     needs_token_nll: ClassVar[bool] = False  # engine fills Step.token_nll (InfiniPot's NuC)
     # Reading a question one token per decoding step leaves the same cache as reading it in forwards

@@ -54,6 +54,7 @@ class CaM(EvictionMethod):
     evicts_while_decoding = True
     merges = True  # evicted values are added into the kept entries that follow them (with `merge`, the default)
     grows = False
+    copies_document = "at_admission"  # its question is read in a forward of its own, which reads and evicts the cache
     start: int = 512
     recent: int = 512
     merge_budget: int = 32

@@ -63,6 +63,7 @@ class CItruS(Method):
     evicts_while_decoding = True  # back to `keep` older entries once past keep + chunk_size
     merges = False
     grows = False
+    copies_document = "at_admission"  # its question is read in a forward of its own, which reads and evicts the cache
     chunk_size: int = 256
     keep: int = 768
     cache: str = "shared"

@@ -23,6 +23,7 @@ class Full(Method):
     evicts_while_decoding = False
     merges = False
     grows = True
+    copies_document = "never"  # appends only: a reader whose question is fed reads the document to its end
     feeds_question = True
 
     def __post_init__(self):

@@ -75,6 +75,7 @@ class InfiniPot(Method):
     evicts_while_decoding = True  # the pot distills whenever it fills, during decoding too
     merges = False
     grows = False
+    copies_document = "when_full"  # at the step its pot fills and distils (fed question or decoding)
     feeds_question = True  # its question appends, or fills the pot as a decoded token would
     pot_size: int = 2048
     compress_size: int | None = None

@@ -41,6 +41,7 @@ class PyramidKV(SnapKV):
     evicts_while_decoding = False  # as SnapKV: compressed at the end of a prompt only
     merges = False
     grows = True  # as SnapKV
+    copies_document = "at_admission"  # its question is read in a forward of its own, which reads and evicts the cache
     beta: int = 20
 
     def __post_init__(self):

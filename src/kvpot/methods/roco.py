@@ -49,6 +49,7 @@ class RoCo(EvictionMethod):
     evicts_while_decoding = True
     merges = False
     grows = False
+    copies_document = "at_admission"  # its question is read in a forward of its own, which reads and evicts the cache
     budget: int = 1024
     sinks: int = 4
     recent: int = 10

@@ -43,6 +43,7 @@ class Scissorhands(EvictionMethod):
     evicts_while_decoding = True
     merges = False
     grows = False
+    copies_document = "at_admission"  # its question is read in a forward of its own, which reads and evicts the cache
     budget: int = 1024
     drop: int | None = None  # None: 40% of the budget, the paper's setting
     history: int = 400

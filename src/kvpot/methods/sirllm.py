@@ -45,6 +45,7 @@ class SirLLM(Method):
     evicts_while_decoding = True  # the pot compresses whenever it fills, during decoding too
     merges = False
     grows = False
+    copies_document = "when_full"  # at the step its pot fills and it evicts
     feeds_question = True  # a question appends, or fills the pot, as decoded tokens would
     pot_size: int = 2048
     compress_size: int | None = None

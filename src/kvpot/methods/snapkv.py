@@ -35,6 +35,7 @@ class SnapKV(EvictionMethod):
     evicts_while_decoding = False  # compressed once at the end of a prompt; decoding appends
     merges = False
     grows = True  # the prompt is cached whole before its compression, and decoding appends
+    copies_document = "at_admission"  # its question is read in a forward of its own, which reads and evicts the cache
     budget: int = 1024
     window: int = 32
     kernel: int = 7

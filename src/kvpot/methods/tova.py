@@ -31,6 +31,7 @@ class TOVA(EvictionMethod):
     evicts_while_decoding = True
     merges = False
     grows = False
+    copies_document = "at_admission"  # its question is read in a forward of its own, which reads and evicts the cache
     budget: int = 1024
     chunk_size: int = 2048  # measured: 512-token chunks are launch-bound on a GPU (records/prefill-h100)
     positions: str = "shift"

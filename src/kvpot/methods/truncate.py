@@ -25,6 +25,7 @@ class Truncate(Method):
     evicts_while_decoding = False
     merges = False
     grows = True  # the cut context is bounded, but the question and every generated token are appended
+    copies_document = "never"  # appends only while decoding
     feeds_question = True
 
     def __post_init__(self):

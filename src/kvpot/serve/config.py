@@ -44,6 +44,7 @@ class ServeConfig:
     slot_capacity: int | None = None  # KV entries per slot for methods whose cache grows with the input
     feed_questions: str = "auto"  # a stored document's questions fed through the decoding steps (Scheduler)
     feed_tokens: int = 64  # the longest question fed so
+    share_documents: bool = False  # a stored document's readers share one copy of its entries (Scheduler)
     max_context_tokens: int = 1 << 20  # prompt tokens (context + question); beyond: 413
     max_body_bytes: int = 64 * 1024**2  # request bodies beyond: 413
     max_tokens_limit: int = 8192  # largest max_tokens a request may ask for

@@ -86,6 +86,7 @@ class Metrics:
         """The exposition text; gauges come from the worker and the state store at call time."""
         totals = store.totals()
         used, slots = worker.slots()
+        documents, readers, copies = worker.shared()
         waiting, running = worker.waiting, worker.running
         with self.lock:
             now = time.monotonic()
@@ -102,6 +103,11 @@ class Metrics:
                 *_metric("running", "gauge", "Same as kvpot_running_requests (earlier name).", running),
                 *_metric("slots_used", "gauge", "KV slots taken, over every method's pool.", used),
                 *_metric("slots_free", "gauge", "KV slots free, over every method's pool.", slots - used),
+                *_metric("shared_documents", "gauge", "Stored documents loaded once for their readers "
+                         "(--share-documents).", documents),
+                *_metric("shared_document_readers", "gauge", "Requests reading a shared document now.", readers),
+                *_metric("copy_on_write_total", "counter", "Readers of a shared document that took their own copy.",
+                         copies),
                 *_metric("rejected_total", "counter",
                          "Requests refused with 429 (slots and queue full, or no memory for a pool).", worker.rejected),
                 *_metric("cancelled_total", "counter", "Requests stopped because the client went away.",

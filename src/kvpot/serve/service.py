@@ -118,7 +118,8 @@ class Service:
         scheduler = Scheduler(engine, slots=slots, capacity=capacity, prefill_tokens=self.config.prefill_tokens,
                               decode=decode, max_slots=self.config.max_slots or 256,
                               memory_fraction=self.config.kv_memory_fraction,
-                              feed_questions=self.config.feed_questions, feed_tokens=self.config.feed_tokens)
+                              feed_questions=self.config.feed_questions, feed_tokens=self.config.feed_tokens,
+                              share_documents=self.config.share_documents)
         # every batch size's graph before the first user: measured on an H100 (records/serve-batch-h100),
         # the first step at 64 users otherwise took 2.6 s of compiling and capturing while they waited
         captured = scheduler.capture()

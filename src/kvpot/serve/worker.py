@@ -55,7 +55,9 @@ class Pool:
         s = self.scheduler
         return {"method": self.spec, "slots": self.slots, "slots_used": self.slots - len(s.pool.free),
                 "capacity": s.capacity, "slot_bytes": s.slot_bytes(), "decoding": s.decoding,
-                "prefilling": s.prefilling, "waiting": len(s.waiting)}
+                "prefilling": s.prefilling, "waiting": len(s.waiting),
+                **({"shared": s.pool.documents.metrics()} if getattr(getattr(s, "pool", None), "documents", None)
+                   is not None else {})}
 
 
 class Ticket:
@@ -223,6 +225,13 @@ class Worker:
     def running(self) -> int:
         with self.lock:
             return sum(min(p.admitted, p.slots) for p in self.pools.values()) + min(self.reading, 1)
+
+    def shared(self) -> tuple[int, int, int]:
+        """(shared documents loaded, their readers, copy-on-write events) over every pool (`--share-documents`)."""
+        regions = [p.scheduler.pool.documents for p in list(self.pools.values())
+                   if getattr(getattr(p.scheduler, "pool", None), "documents", None) is not None]
+        return (sum(r.documents for r in regions), sum(r.readers for r in regions),
+                sum(sum(r.copies.values()) for r in regions))
 
     def slots(self) -> tuple[int, int]:
         """(used, total) over every pool."""

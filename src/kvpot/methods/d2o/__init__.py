@@ -72,6 +72,7 @@ class D2O(Method):
     evicts_while_decoding = True  # each generated token evicts one entry, holding every layer at S_l
     merges = True  # an evicted entry is merged into its most similar kept one (with `merge`, the default)
     grows = True  # the prompt is cached whole before its compression
+    copies_document = "at_admission"  # its question is read in a forward of its own, which reads and evicts the cache
 
     def __post_init__(self):
         if not 0.0 < float(self.ratio) <= 1.0:

@@ -99,6 +99,7 @@ class InfiniteHiP(Method):
     evicts_while_decoding = False  # nothing is evicted
     merges = False
     grows = True  # every entry is kept
+    copies_document = "at_admission"  # its question is read in a forward of its own, which reads and evicts the cache
     positions = "hip"
     chunks: tuple[int, ...] | str = (256, 32, 8)
     keep: tuple[int, ...] | str | None = None

@@ -62,6 +62,7 @@ class InfLLM(Method):
     evicts_while_decoding = False  # nothing is evicted
     merges = False
     grows = True  # every entry is kept
+    copies_document = "at_admission"  # its question is read in a forward of its own, which reads and evicts the cache
     positions = "hip"
     initial: int = 128
     window: int | None = None

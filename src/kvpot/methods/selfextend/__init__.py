@@ -59,6 +59,7 @@ class SelfExtend(Method):
     evicts_while_decoding = False  # nothing is evicted
     merges = False
     grows = True  # every entry is kept, as Full
+    copies_document = "at_admission"  # its question is read in a forward of its own, which reads and evicts the cache
 
     def __post_init__(self):
         check_positive(self, "group_size", "chunk_size")

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Issue 48 on one H100: readers of one stored 128K document sharing its entries (Scheduler(share_documents=True),
+# cascade attention) beside a copy per reader, on the llama3-8b shape in bf16, InfiniPot with a 4,096-entry pot,
+# 256 new tokens each. Targets: 64 readers >= 6,000 output tok/s (copy per reader: 2,414); 256 readers fit at
+# >= 10,000 tok/s. Each part fits one device call (under ~4 minutes); run them one per call:
+#   OUT=DIR bash benchmarks/shared-document-h100/run.sh tests   # the GPU tests (kernel vs reference, graphs)
+#   OUT=DIR bash benchmarks/shared-document-h100/run.sh 64      # 64 readers: copy per reader, then shared
+#   OUT=DIR bash benchmarks/shared-document-h100/run.sh 256     # 256 readers: the same two rows
+# Extra arguments go to `kvpot bench throughput` (e.g. --slots 256, --question-tokens 16).
+# Rows: `infinipot [batch]` (a copy per reader) and `infinipot [batch, shared document]`; each row's
+# `scheduler` record holds the document loads, readers and copy-on-write events, `pool_bytes` the pool's memory.
+set -euo pipefail
+part=${1:?usage: run.sh tests|64|256 [kvpot bench throughput options...]}; shift
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu-$part.csv" || true
+case "$part" in
+  tests)
+    # kernel vs reference over the named and the long shapes (fp32, bf16), and through the scheduler with graphs
+    python3 -m pytest -q -p no:cacheprovider tests/test_shared_document_kernel.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -15
+    # the CPU-side tests on this machine too (every method's tokens, refcounts, LRU, bytes)
+    python3 -m pytest -q -p no:cacheprovider -k shared_document tests/test_shared_document.py 2>&1 \
+        | tee "$OUT/shared-tests.log" | tail -5
+    ;;
+  64|256)
+    # one user one at a time keeps the third row short
+    python3 -m kvpot bench throughput --shape llama3-8b --device cuda --method infinipot:pot_size=4096 \
+        --users "$part" --lengths 128k --document --share-documents --new-tokens 256 --sequential-users 1 \
+        --seed 0 --out "$OUT/readers-$part" "$@"
+    python3 - "$OUT/readers-$part/results.json" <<'PY'
+import json, sys
+rows = json.load(open(sys.argv[1]))["rows"]
+for row in rows:
+    record = row.get("scheduler", {})
+    print(f"{row['method']:<40} tok/s {row.get('output_tokens_per_second', 0):>9.1f}  slots {row.get('slots')}"
+          f"  pool {row.get('pool_bytes', 0) / 2**30:6.2f} GiB  peak {row.get('peak_memory_bytes', 0) / 2**30:6.2f} GiB"
+          f"  loads {record.get('document_loads', '-')}  copies {record.get('copy_on_write', '-')}"
+          f"  {row.get('error', '')}")
+PY
+    ;;
+  *) echo "unknown part $part (tests, 64 or 256)" >&2; exit 2 ;;
+esac

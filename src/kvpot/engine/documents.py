@@ -1,0 +1,227 @@
+"""Stored documents shared by their readers: one read-only copy in the pool, each reader's slot holding its tail.
+
+`Scheduler(share_documents=True)` (docs/design.md, *Shared documents*). A `State` asked by several requests is
+loaded once into a row of the pool's document region (`[documents, kv_heads, capacity, d]` per layer, the slots'
+layout); each reader's slot keeps the indices it has when copied per reader, so entries `[0, n_doc)` are the
+document's, read from the region, and what the reader appends lands at `[n_doc, ...)` of its own slot. The slot
+holds a private copy of the document's positions and scores (a method's per-entry statistics are the reader's
+own: H2O accumulates over the document too), never its keys and values.
+
+A reader copies on write: before a step that would change the document's keys or values in place or read them
+through the one-sequence engine (an eviction, a distillation, a question read in its own forward, a policy that
+renumbers rotated entries while decoding), `copy_out` writes the document's keys and values into the reader's slot
+and the row goes on exactly as a copied reader does. Each method states when that happens
+(`Method.copies_document`).
+
+Reference counting: a document's readers are the slots that read it; when the last one ends (or copies), the
+document stays loaded but its row may be reused: the least recently used document without readers leaves when a
+new one needs a row (an LRU bounded by the region's rows, so by its bytes, `nbytes`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+# Why a reader copies (the report's `copy_on_write_<reason>` counts):
+# question: its question is read in a forward of its own (not fed through the batched steps);
+# eager, steady: its method reshapes or evicts at this step; positions: the policy renumbers entries while
+# decoding (Self-Extend's window); attention: the method attends for itself (InfLLM, InfiniteHiP);
+# full: every document row holds a document with readers, so this reader is copied at admission.
+REASONS = ("question", "eager", "steady", "positions", "attention", "full")
+
+
+@dataclass(eq=False)
+class Document:
+    row: int
+    state: weakref.ref  # the State read: not kept alive by the region (a server's store may let it go)
+    lengths: list[int]
+    readers: set[int] = field(default_factory=set)
+
+
+class DocumentRegion:
+    """`rows` documents' keys, values and RoPE positions beside `pool`'s slots, counted once in its bytes."""
+
+    def __init__(self, pool, rows: int):
+        self.pool, self.rows = pool, rows
+        like = pool.layers[0]
+        shape = (rows, like.kv_heads, pool.capacity)
+        self.keys = [torch.zeros(*shape, like.head_dim, dtype=like.dtype, device=pool.device) for _ in pool.layers]
+        self.values = [torch.zeros_like(k) for k in self.keys]
+        self.rope_positions = [torch.zeros(shape, dtype=torch.long, device=pool.device) for _ in pool.layers]
+        self.lengths = torch.zeros(pool.num_layers, rows, dtype=torch.long, device=pool.device)
+        self.of_slot = torch.full((pool.slots + 1,), -1, dtype=torch.long, device=pool.device)  # -1: no document
+        self.loaded: OrderedDict[int, Document] = OrderedDict()  # id(state) -> document, least recent first
+        self.reading: dict[int, Document] = {}  # slot -> the document it reads
+        self.copies: Counter = Counter()  # reason -> readers that copied for it
+        self.loads = 0
+        self.owner = None  # the scheduler, whose `report` is kept current (`metrics`) at every change
+
+    # ------------------------------------------------------------------ readers
+    def attach(self, slot: int, state) -> bool:
+        """Slot `slot` reads `state`'s document from the region (loaded now unless it is already); False
+        when every row holds a document that has readers (the caller copies the state into the slot)."""
+        document = self.loaded.get(id(state))
+        if document is not None and document.state() is not state:
+            # its State is gone (every reader holds the one it reads, so it had none) and this one took its
+            # identity: the row is free again
+            del self.loaded[id(state)]
+            document = None
+        if document is None:
+            document = self._load(state)
+            if document is None:
+                return False
+        self.loaded.move_to_end(id(state))
+        document.readers.add(slot)
+        self.reading[slot] = document
+        self.of_slot[slot] = document.row
+        self._changed()
+        return True
+
+    def shares(self, slot: int) -> bool:
+        return slot in self.reading
+
+    def detach(self, slot: int) -> None:
+        """The slot reads its document no more (it ended, or copied); the document stays loaded."""
+        document = self.reading.pop(slot, None)
+        if document is not None:
+            document.readers.discard(slot)
+            self.of_slot[slot] = -1
+            self._changed()
+
+    def copy_out(self, slot: int, reason: str) -> None:
+        """Copy on write: the document's keys and values into the slot's own row, which then reads only itself."""
+        document = self.reading[slot]
+        for layer, keys, values, n in zip(self.pool.layers, self.keys, self.values, document.lengths):
+            if n:
+                layer.keys[slot, :, :n] = keys[document.row, :, :n]
+                layer.values[slot, :, :n] = values[document.row, :, :n]
+        self.copied(reason)
+        self.detach(slot)
+
+    def copied(self, reason: str) -> None:
+        """A reader took (or was given at admission) its own copy of the document, for `reason` (`REASONS`)."""
+        self.copies[reason] += 1
+        self._changed()
+
+    # ------------------------------------------------------------------ documents
+    def _load(self, state) -> Document | None:
+        used = {d.row for d in self.loaded.values()}
+        free = [row for row in range(self.rows) if row not in used]
+        if not free:  # the least recently used document nobody reads leaves
+            idle = next((key for key, d in self.loaded.items() if not d.readers), None)
+            if idle is None:
+                return None
+            free = [self.loaded.pop(idle).row]
+        row, lengths = free[0], []
+        for i, source in enumerate(state.cache.layers):
+            n = source.n
+            if n:
+                self.keys[i][row, :, :n] = source.keys[0, :, :n].to(self.pool.device)
+                self.values[i][row, :, :n] = source.values[0, :, :n].to(self.pool.device)
+                self.rope_positions[i][row, :, :n] = source.rope_positions[0, :, :n].to(self.pool.device)
+            lengths.append(n)
+        self.lengths[:, row] = torch.tensor(lengths, dtype=torch.long).to(self.pool.device)
+        document = self.loaded[id(state)] = Document(row, weakref.ref(state), lengths)
+        self.loads += 1
+        return document
+
+    @property
+    def readers(self) -> int:
+        return len(self.reading)
+
+    @property
+    def documents(self) -> int:
+        return len(self.loaded)
+
+    @property
+    def nbytes(self) -> int:
+        tensors = (*self.keys, *self.values, *self.rope_positions, self.lengths, self.of_slot)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def _changed(self) -> None:
+        if self.owner is not None:  # (its report dict may be replaced: `kvpot bench` zeroes it after a warm-up)
+            self.owner.report.update(self.metrics())
+
+    def metrics(self) -> dict:
+        """Loaded documents, their readers now, and copy-on-write events by reason (the scheduler's report)."""
+        out = {"shared_documents": self.documents, "shared_readers": self.readers, "document_loads": self.loads,
+               "copy_on_write": sum(self.copies.values())}
+        out.update({f"copy_on_write_{reason}": self.copies[reason] for reason in REASONS})
+        return out
+
+
+# ---------------------------------------------------------------------- the scheduler's side
+def share_region(scheduler, share: bool, rows: int) -> DocumentRegion | None:
+    """The document region of `Scheduler(share_documents=True)`, `rows` documents; None when not sharing."""
+    from kvpot.errors import KvpotError
+
+    if not share:
+        return None
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        raise KvpotError(f"documents (stored documents loaded at once) must be a positive integer, got {rows!r}.")
+    if scheduler.mix:
+        raise KvpotError("share_documents does not run with mix=True yet: give one or the other.")
+    if scheduler.engine.parallel is not None:
+        raise KvpotError("share_documents does not run under tensor parallelism yet.")
+    region = DocumentRegion(scheduler.pool, rows)
+    region.owner = scheduler
+    for i, layer in enumerate(scheduler.decoder.cache.layers):  # each step layer reads its own views
+        layer.documents = (region.keys[i], region.values[i], region.rope_positions[i], region.lengths[i],
+                           region.of_slot)
+    region._changed()
+    return region
+
+
+def load_state(scheduler, slot: int, state, question: torch.Tensor):
+    """Slot `slot`'s cache for a request that continues `state`: a reader of the shared document where its
+    question is fed through the batched steps (so nothing reads the slot's keys before it decodes), else a copy."""
+    pool, region = scheduler.pool, scheduler.pool.documents
+    if region is None:
+        return pool.load(slot, state.cache)
+    method = scheduler.method
+    fed = (method.feeds_question and scheduler.batched and scheduler.feed_questions != "never"
+           and 0 < question.numel() <= scheduler.feed_tokens and state.last_logits is not None
+           and state.cache.attention is None and not state.cache.host_storage)
+    if not fed:
+        region.copied("question")
+        return pool.load(slot, state.cache)
+    if not region.attach(slot, state):
+        region.copied("full")
+        return pool.load(slot, state.cache)
+    return pool.load(slot, state.cache, keys=False)
+
+
+def copy_reason(scheduler, cache, plan: str) -> str | None:
+    """Why a reader of a shared document must copy it before this step (None: the step appends alone)."""
+    from kvpot.positions import PositionPolicy
+
+    if cache.attention is not None:
+        return "attention"
+    if plan != "append":
+        return plan  # "eager" (a distillation, a chunk eviction) or "steady" (evicts after the append)
+    if type(scheduler.pool.policy).decode_positions is not PositionPolicy.decode_positions:
+        return "positions"
+    return None
+
+
+def copy_before_step(scheduler, rows, plans: dict[int, str]) -> None:
+    """Copy on write for the step's decoding `rows` (slot, active) whose plan changes their entries."""
+    region = scheduler.pool.documents
+    if region is None:
+        return
+    for slot, active in rows:
+        if region.shares(slot):
+            reason = copy_reason(scheduler, active.run.cache, plans[slot])
+            if reason is not None:
+                region.copy_out(slot, reason)
+
+
+def unshare(scheduler, slot: int, reason: str) -> None:
+    """Copy on write now, if the slot reads a shared document (its question is read in a forward after all)."""
+    region = scheduler.pool.documents
+    if region is not None and region.shares(slot):
+        region.copy_out(slot, reason)

@@ -1,0 +1,229 @@
+"""Triton decode attention over a shared document and each row's private tail (cascade attention).
+
+`decode_attention_shared` takes `kvpot.kernels.shared_reference.decode_attention_shared_reference`'s arguments and
+must match it (tests/test_shared_document_kernel.py). One kernel, `_segment_kernel`, attends *groups* of batch rows
+to one range of one row of a KV buffer, launched twice:
+
+- the document segment: a group is every batch row reading one document row of the pool's region; its tile is
+  (reader, query head) pairs, so the document's keys and values are read once per tile of up to 64 query rows
+  (16 readers of a GQA-4 model), not once per reader: the step reads a document shared by 64 readers 4 times
+  instead of 64 (FlashInfer calls this cascade attention; nothing here is taken from its code);
+- the tail: a group is one batch row, its range `[n_doc, length)` of its own slot (rows reading no document:
+  `[0, length)`), as `kvpot.kernels.decode` reads a slot.
+
+Both write split-K partials (normalised outputs and log2-sum-exps) into one `[splits_a + splits_b, B * H, d]`
+buffer, and `kvpot.kernels.common.merge` merges them: the log-sum-exp merge of two segments is the split-K merge.
+Shapes and grids depend on tensor shapes only; groups are formed on the device (a stable sort of the rows by
+their document), so nothing synchronises with the host and the step can be captured in a CUDA graph.
+`probs` (an observation of the step: H2O, TOVA) is not written by this kernel: with `probs` the reference runs
+(the methods that share a document through decoding, Full, Truncate, InfiniPot and SirLLM, observe nothing
+in an append step).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvpot.errors import KvpotError
+from kvpot.kernels.common import merge, multiprocessors, next_power_of_2
+from kvpot.kernels.decode_reference import check_decode_batch_inputs
+from kvpot.kernels.shared_reference import check_shared_inputs, decode_attention_shared_reference
+
+BLOCK_N = 64  # entries per loop step
+
+
+@triton.jit(do_not_specialize=["N", "G", "KV", "SPLITS", "TILES", "stride_os", "stride_ls"])
+def _segment_kernel(
+    Q,  # [B, H, D] one token's queries per batch row, un-rotated when ROPE (H = KV * G)
+    K, V,  # [R, KV, N, D] the buffer a group reads (the document region, or the pool's slots)
+    ROWS,  # [B] each batch row's pool slot (where its query position is)
+    MEMBERS,  # [B] batch rows ordered by group
+    GSTART,  # [NG + 1] group g's rows are MEMBERS[GSTART[g] : GSTART[g + 1]]
+    GSRC, GLO, GHI,  # [NG] the group's row of K/V and its entries [GLO, GHI)
+    COS, SIN,  # [P, D] RoPE table (ROPE)
+    KPOS,  # [R, KV, N] RoPE position of each entry (ROPE)
+    QPOS,  # [S] or [S, KV] each slot's query position (ROPE)
+    OUT,  # [SPLITS, B * H, D] float32 normalised partials
+    LSE,  # [SPLITS, B * H] float32 log2-sum-exp of each partial's scores (-inf: it saw no key)
+    N, G, KV, SPLITS, TILES, scale,
+    stride_qb, stride_qh, stride_r,
+    stride_ks, stride_kh, stride_kn, stride_vs, stride_vh, stride_vn,
+    stride_ps, stride_ph, stride_pn, stride_qs, stride_qk, stride_t,
+    stride_os, stride_or, stride_ls,
+    ROPE: tl.constexpr, HALF: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    grp = (pid // (KV * TILES)).to(tl.int64)
+    h = pid // TILES % KV
+    tile = pid % TILES
+    first = tl.load(GSTART + grp)
+    count = tl.load(GSTART + grp + 1) - first
+    r = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # (member, query head of the group) pairs
+    row_ok = r < count * G
+    member = tl.load(MEMBERS + first + r // G, mask=row_ok, other=0).to(tl.int64)  # each tile row's batch row
+    head = h * G + r % G
+    out_row = member * (KV * G) + head
+    src = tl.load(GSRC + grp).to(tl.int64)
+    dh = tl.arange(0, HALF)
+    dd = tl.arange(0, 2 * HALF)
+    K += src * stride_ks + h * stride_kh
+    V += src * stride_vs + h * stride_vh
+
+    q_ptr = Q + member[:, None] * stride_qb + head[:, None] * stride_qh + dh[None, :]
+    q1 = tl.load(q_ptr, mask=row_ok[:, None], other=0.0).to(tl.float32)  # [BLOCK_M, HALF]
+    q2 = tl.load(q_ptr + HALF, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    if ROPE:  # each tile row rotated at its own slot's query position
+        slot = tl.load(ROWS + member * stride_r, mask=row_ok, other=0).to(tl.int64)
+        qt = tl.load(QPOS + slot * stride_qs + h * stride_qk, mask=row_ok, other=0)[:, None] * stride_t + dh[None, :]
+        c1 = tl.load(COS + qt, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        c2 = tl.load(COS + qt + HALF, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        s1 = tl.load(SIN + qt, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        s2 = tl.load(SIN + qt + HALF, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        q1, q2 = q1 * c1 - q2 * s1, q2 * c2 + q1 * s2  # rotate_half: (-x2, x1)
+        KPOS += src * stride_ps + h * stride_ph
+    qk = scale * 1.4426950408889634
+    q1 = (q1 * qk).to(K.dtype.element_ty)
+    q2 = (q2 * qk).to(K.dtype.element_ty)
+
+    # this split's share of the group's range; a tile past the group's rows reads nothing
+    start_at = tl.load(GLO + grp).to(tl.int32)
+    end_at = tl.minimum(tl.load(GHI + grp).to(tl.int32), N)
+    end_at = tl.where(tile * BLOCK_M < count * G, end_at, start_at)
+    per = tl.cdiv(tl.cdiv(tl.maximum(end_at - start_at, 0), SPLITS), BLOCK_N) * BLOCK_N
+    lo = start_at + split * per
+    hi = tl.minimum(lo + per, end_at)
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, 2 * HALF], tl.float32)
+    for begin in range(lo, hi, BLOCK_N):
+        j = begin + tl.arange(0, BLOCK_N)
+        live = j < hi
+        k_ptr = K + j[:, None] * stride_kn + dh[None, :]
+        k1 = tl.load(k_ptr, mask=live[:, None], other=0.0)
+        k2 = tl.load(k_ptr + HALF, mask=live[:, None], other=0.0)
+        if ROPE:
+            pos = tl.load(KPOS + j * stride_pn, mask=live, other=0)
+            kt = pos[:, None] * stride_t + dh[None, :]
+            kc1 = tl.load(COS + kt, mask=live[:, None], other=0.0).to(tl.float32)
+            kc2 = tl.load(COS + kt + HALF, mask=live[:, None], other=0.0).to(tl.float32)
+            ks1 = tl.load(SIN + kt, mask=live[:, None], other=0.0).to(tl.float32)
+            ks2 = tl.load(SIN + kt + HALF, mask=live[:, None], other=0.0).to(tl.float32)
+            a, c = k1.to(tl.float32), k2.to(tl.float32)
+            k1 = (a * kc1 - c * ks1).to(K.dtype.element_ty)
+            k2 = (c * kc2 + a * ks2).to(K.dtype.element_ty)
+        if IEEE:
+            sc = tl.dot(q1, tl.trans(k1), input_precision="ieee") + tl.dot(q2, tl.trans(k2), input_precision="ieee")
+        else:
+            sc = tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))  # log2 units
+        sc = tl.where(live[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(sc - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(V + j[:, None] * stride_vn + dd[None, :], mask=live[:, None], other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(V.dtype.element_ty), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(V.dtype.element_ty), v)
+        m_i = m_new
+    safe = tl.where(l_i > 0, l_i, 1.0)
+    tl.store(OUT + split * stride_os + out_row[:, None] * stride_or + dd[None, :], acc / safe[:, None],
+             mask=row_ok[:, None])
+    tl.store(LSE + split * stride_ls + out_row, tl.where(l_i > 0, m_i + tl.log2(safe), float("-inf")), mask=row_ok)
+
+
+def _block_m(rows: int) -> int:
+    return min(64, max(16, next_power_of_2(rows)))
+
+
+def _splits(programs: int, capacity: int, device: torch.device) -> int:
+    """Splits of a range: about two programs per multiprocessor in all, at most one per block (shapes only)."""
+    return max(1, min(triton.cdiv(capacity, BLOCK_N), triton.cdiv(2 * multiprocessors(device), max(1, programs))))
+
+
+def _launch(query, keys, values, rows, members, gstart, gsrc, glo, ghi, rope, out, lse, g, kv, tiles, block_m,
+            scaling):
+    cos, sin, key_positions, query_positions = rope
+    splits = out.shape[0]
+    groups = gsrc.shape[0]
+    if cos is None:
+        tables, rope_strides = (keys, keys, rows, rows), (0,) * 6
+    else:
+        per_head = query_positions.dim() == 2
+        tables = (cos, sin, key_positions, query_positions)
+        rope_strides = (*key_positions.stride(), query_positions.stride(0),
+                        query_positions.stride(1) if per_head else 0, cos.stride(0))
+    d = query.shape[-1]
+    _segment_kernel[(groups * kv * tiles, splits)](
+        query, keys, values, rows, members, gstart, gsrc, glo, ghi, *tables, out, lse,
+        keys.shape[2], g, kv, splits, tiles, scaling,
+        query.stride(0), query.stride(1), rows.stride(0),
+        *keys.stride()[:3], *values.stride()[:3], *rope_strides,
+        out.stride(0), out.stride(1), lse.stride(0),
+        ROPE=cos is not None, HALF=d // 2, IEEE=keys.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        num_warps=4, num_stages=1 if d > 128 else 2,
+    )
+
+
+def shared_groups(rows: torch.Tensor, doc_rows: torch.Tensor, documents: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(members [B], starts [documents + 1]): the batch rows sorted (stably) by the document they read, and where
+    each document's run of readers starts (rows reading none sort first, in no run). The same for every layer of
+    a step: `StepCache` makes them once per step and passes them as `groups`."""
+    rows = rows.to(torch.int64)
+    doc_of_row = doc_rows.to(torch.int64)[rows]  # [B], -1: none
+    sorted_docs, members = torch.sort(doc_of_row, stable=True)
+    starts = torch.searchsorted(sorted_docs, torch.arange(documents + 1, device=rows.device, dtype=torch.int64))
+    starts[documents] = rows.numel()
+    return members, starts
+
+
+def decode_attention_shared(query, keys, values, rows, lengths, doc_keys, doc_values, doc_rows, doc_lengths,
+                            scaling: float, cos=None, sin=None, key_positions=None, doc_key_positions=None,
+                            query_positions=None, probs=None, groups=None) -> torch.Tensor:
+    """`decode_attention_shared_reference` on Triton (same arguments and result): the document segment read once
+    per tile of its readers, each row's tail, merged by log-sum-exp. `groups`: `shared_groups(rows, doc_rows,
+    documents)` if made already (once per step). No host synchronisation."""
+    if probs is not None:  # the observation is not written here: the reference (exact, capture-safe) writes it
+        return decode_attention_shared_reference(query, keys, values, rows, lengths, doc_keys, doc_values, doc_rows,
+                                                 doc_lengths, scaling, cos, sin, key_positions, doc_key_positions,
+                                                 query_positions, probs)
+    check_decode_batch_inputs(query, keys, values, rows, lengths, cos, sin, key_positions, query_positions, None)
+    check_shared_inputs(query, keys, doc_keys, doc_values, doc_rows, doc_lengths, doc_key_positions, cos)
+    if keys.stride(-1) != 1 or values.stride(-1) != 1 or doc_keys.stride(-1) != 1 or doc_values.stride(-1) != 1:
+        raise KvpotError("shared decode attention reads rows in place: their last dimension must be contiguous")
+    batch, heads, d = query.shape
+    docs, kv, capacity = doc_keys.shape[:3]
+    g = heads // kv
+    device = query.device
+    out = torch.empty(batch, heads, d, dtype=query.dtype, device=device)
+    if batch == 0:
+        return out
+    query = query.contiguous()
+    rows = rows.to(torch.int64)
+    # groups, on the device: the rows sorted (stably) by their document, each document's run of rows
+    members, gstart = groups if groups is not None else shared_groups(rows, doc_rows, docs)
+    doc_of_row = doc_rows.to(torch.int64)[rows]  # [B], -1: none
+    n_doc = torch.where(doc_of_row >= 0, doc_lengths.to(torch.int64)[doc_of_row.clamp(min=0)], 0)
+    block_doc, block_tail = _block_m(batch * g), _block_m(g)
+    tiles_doc, tiles_tail = triton.cdiv(batch * g, block_doc), triton.cdiv(g, block_tail)
+    # a document's readers fill few programs (one per tile of readers and KV head): split its range
+    splits_doc = _splits(kv * tiles_doc, capacity, device)
+    splits_tail = _splits(batch * kv * tiles_tail, capacity, device)
+    part = torch.zeros(splits_doc + splits_tail, batch * heads, d, dtype=torch.float32, device=device)
+    lse = torch.full((splits_doc + splits_tail, batch * heads), float("-inf"), dtype=torch.float32, device=device)
+    arange = torch.arange(batch + 1, device=device, dtype=torch.int64)
+    _launch(query, doc_keys, doc_values, rows, members, gstart, torch.arange(docs, device=device),
+            torch.zeros(docs, dtype=torch.int64, device=device), doc_lengths.to(torch.int64),
+            (cos, sin, doc_key_positions, query_positions), part[:splits_doc], lse[:splits_doc], g, kv,
+            tiles_doc, block_doc, scaling)
+    _launch(query, keys, values, rows, arange[:batch], arange, rows, n_doc, lengths.to(torch.int64)[rows],
+            (cos, sin, key_positions, query_positions), part[splits_doc:], lse[splits_doc:], g, kv, tiles_tail,
+            block_tail, scaling)
+    merge(part, lse, out.view(batch * heads, d))
+    return out
+
+
+decode_attention_shared = torch.compiler.disable(decode_attention_shared)

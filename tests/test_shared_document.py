@@ -1,0 +1,342 @@
+"""Readers of one stored document sharing its entries (`Scheduler(share_documents=True)`, `kvpot.engine.documents`).
+
+The two-segment attention (a row's shared document, then its own tail, merged by log-sum-exp) is checked against
+the one-segment reference over the same entries copied into each row's slot, over named shapes; every method's
+readers get the tokens of the copy-per-reader path (float32, CPU) and of the one-sequence engine; the document is
+loaded once, counted once in the pool's bytes, released by its last reader and evicted least recently used; each
+method's copy-on-write events are those its `copies_document` declares. `pytest -k shared_document` selects all.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import VOCAB, build, rope_table
+from test_batch import methods
+
+import kvpot
+from kvpot.engine.documents import DocumentRegion, copy_reason
+from kvpot.engine.offline import run_all
+from kvpot.engine.scheduler import Request, Scheduler
+from kvpot.errors import KvpotError
+from kvpot.kernels.decode_reference import decode_attention_batch_reference
+from kvpot.kernels.shared_reference import decode_attention_shared_reference
+
+NEW = 20
+
+# (name, query heads, kv heads, head dim, capacity, documents' lengths, each slot's (document row or -1, length),
+#  each batch row's slot): several readers per document, rows without one, empty tails, an empty slot
+SHARED_SHAPES = [
+    ("gqa4-two-docs", 8, 2, 64, 96, [60, 33], [(0, 70), (0, 60), (1, 90), (-1, 41), (1, 34)], [0, 1, 2, 3, 4]),
+    ("gqa1-one-doc-many-readers", 4, 4, 32, 64, [50], [(0, 51), (0, 64), (0, 55), (0, 50)], [0, 1, 2, 3, 3]),
+    ("gqa8-short-doc", 16, 2, 64, 48, [1], [(0, 1), (0, 2), (-1, 0), (-1, 48)], [3, 0, 1, 2]),
+    ("gqa3-full-doc", 6, 2, 32, 40, [40, 12], [(0, 40), (1, 40), (1, 12)], [2, 1, 0, 1]),
+]
+
+
+def shared_inputs(shape, rope: bool, seed: int = 0):
+    """The shared layout and the same entries copied per slot (the reference's input)."""
+    name, heads, kv, d, capacity, doc_lengths, slots, rows = shape
+    g = torch.Generator().manual_seed(seed)
+    S, D = len(slots), len(doc_lengths)
+    keys, values = torch.randn(S, kv, capacity, d, generator=g), torch.randn(S, kv, capacity, d, generator=g)
+    doc_keys, doc_values = torch.randn(D, kv, capacity, d, generator=g), torch.randn(D, kv, capacity, d, generator=g)
+    key_positions = torch.randint(0, 2 * capacity, (S, kv, capacity), generator=g)
+    doc_positions = torch.randint(0, 2 * capacity, (D, kv, capacity), generator=g)
+    doc_rows = torch.tensor([doc for doc, _ in slots])
+    lengths = torch.tensor([n for _, n in slots])
+    copied_keys, copied_values, copied_positions = keys.clone(), values.clone(), key_positions.clone()
+    for slot, (doc, _) in enumerate(slots):
+        if doc >= 0:
+            n = doc_lengths[doc]
+            copied_keys[slot, :, :n], copied_values[slot, :, :n] = doc_keys[doc, :, :n], doc_values[doc, :, :n]
+            copied_positions[slot, :, :n] = doc_positions[doc, :, :n]
+            keys[slot, :, :n] = float("nan")  # a shared row's own first entries are never read
+            values[slot, :, :n] = float("nan")
+    for slot, (_, n) in enumerate(slots):  # nor anything past a length
+        for buffer in (keys, values, copied_keys, copied_values):
+            buffer[slot, :, n:] = float("nan")
+    for doc, n in enumerate(doc_lengths):
+        doc_keys[doc, :, n:], doc_values[doc, :, n:] = float("nan"), float("nan")
+    query = torch.randn(len(rows), heads, d, generator=g)
+    rope_args = {}
+    if rope:
+        cos, sin = rope_table(2 * capacity + 1, d, torch.float32, device="cpu")
+        query_positions = torch.randint(0, 2 * capacity, (S,), generator=g)
+        rope_args = dict(cos=cos, sin=sin, query_positions=query_positions)
+    shared = (query, keys, values, torch.tensor(rows), lengths, doc_keys, doc_values, doc_rows, torch.tensor(doc_lengths))
+    copied = (query, copied_keys, copied_values, torch.tensor(rows), lengths)
+    return shared, copied, rope_args, (key_positions, doc_positions, copied_positions)
+
+
+@pytest.mark.parametrize("rope", [True, False], ids=["rope-on-load", "pre-rotated"])
+@pytest.mark.parametrize("shape", SHARED_SHAPES, ids=[s[0] for s in SHARED_SHAPES])
+def test_shared_document_reference_merges_two_segments_exactly(shape, rope):
+    shared, copied, rope_args, (key_positions, doc_positions, copied_positions) = shared_inputs(shape, rope)
+    batch, kv, capacity = len(shape[7]), shape[2], shape[4]
+    probs, expected_probs = torch.full((batch, kv, capacity), float("nan")), torch.zeros(batch, kv, capacity)
+    extra = dict(key_positions=key_positions, doc_key_positions=doc_positions) if rope else {}
+    out = decode_attention_shared_reference(*shared, 0.125, probs=probs, **rope_args, **extra)
+    expected = decode_attention_batch_reference(*copied, 0.125, probs=expected_probs, **rope_args,
+                                                **(dict(key_positions=copied_positions) if rope else {}))
+    assert torch.isfinite(out).all() and torch.isfinite(probs).all()
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(probs, expected_probs, atol=1e-6, rtol=1e-5)
+
+
+def test_shared_document_reference_refuses_a_region_unlike_the_pool():
+    shared, *_ = shared_inputs(SHARED_SHAPES[0], rope=False)
+    query, keys, values, rows, lengths, doc_keys, doc_values, doc_rows, doc_lengths = shared
+    with pytest.raises(KvpotError, match="document region"):
+        decode_attention_shared_reference(query, keys, values, rows, lengths, doc_keys[:, :1], doc_values[:, :1],
+                                          doc_rows, doc_lengths, 0.1)
+    with pytest.raises(KvpotError, match="doc_rows"):
+        decode_attention_shared_reference(query, keys, values, rows, lengths, doc_keys, doc_values, doc_rows[:2],
+                                          doc_lengths, 0.1)
+
+
+# ---------------------------------------------------------------------- through the scheduler
+@pytest.fixture(scope="module")
+def model():
+    return build("llama3")
+
+
+@pytest.fixture(scope="module")
+def context():
+    return torch.randint(3, VOCAB, (120,), generator=torch.Generator().manual_seed(3)).tolist()
+
+
+QUESTIONS = [torch.randint(3, VOCAB, (k,), generator=torch.Generator().manual_seed(k)).tolist() for k in (3, 6, 2, 5)]
+
+
+def readers(model, method, capacity, state, share: bool, slots: int = 3, documents: int = 2, questions=QUESTIONS):
+    scheduler = Scheduler(kvpot.Engine(model, method=method), slots=slots, capacity=capacity, decode="static",
+                          share_documents=share, documents=documents)
+    requests = [Request(None, q, state=state, max_new_tokens=NEW, ignore_eos=True) for q in questions]
+    run_all(scheduler, requests)
+    return scheduler, requests
+
+
+@pytest.mark.parametrize("name", sorted(methods()))
+def test_shared_document_readers_get_the_copy_per_reader_tokens(model, context, name, one_thread):
+    """Every method: readers sharing the document get the tokens of readers with a copy each, and of the
+    one-sequence engine; the copy-on-write events are the ones the method declares (`copies_document`)."""
+    method, capacity = methods()[name]
+    engine = kvpot.Engine(model, method=method, decode="eager")
+    # CItruS' instruction caches and InfiniPot's question catalyst read the document with its question
+    state = engine.prefill_ids(context, [4, 5] if name in ("citrus-shared", "citrus-individual",
+                                                           "infinipot-question") else None)
+    alone = [engine.generate_ids(question_ids=q, state=state, max_new_tokens=NEW, ignore_eos=True) for q in QUESTIONS]
+    _, copied = readers(model, method, capacity, state, share=False)
+    scheduler, shared = readers(model, method, capacity, state, share=True)
+    assert [r.tokens for r in shared] == [r.tokens for r in copied] == [a.token_ids for a in alone]
+    assert [r.stats.compressions for r in shared] == [a.stats.compressions for a in alone]
+    report, declared = scheduler.report, type(method).copies_document
+    assert report["shared_readers"] == 0 and scheduler.pool.used == 0  # every reader ended, or copied
+    if declared == "never":
+        assert report["copy_on_write"] == 0 and report["document_loads"] == 1
+    elif declared == "when_full":  # one copy per reader whose pot filled after the stored state
+        filled = sum(a.stats.compressions > state.stats.compressions for a in alone)
+        assert report["copy_on_write"] == report["copy_on_write_eager"] == filled
+    else:
+        assert declared == "at_admission" and not method.feeds_question
+        assert report["copy_on_write"] == report["copy_on_write_question"] == len(QUESTIONS)
+        assert report["document_loads"] == 0  # nobody read the region: it was never loaded
+
+
+def test_shared_document_every_method_declares_when_it_copies():
+    from kvpot.methods import METHODS
+
+    for name, cls in METHODS.items():
+        assert vars(cls).get("copies_document") in ("never", "when_full", "at_admission"), name
+        assert (cls.copies_document == "at_admission") == (not cls.feeds_question), name  # no fed question: a forward
+        assert (cls.copies_document == "never") == (not cls.evicts_while_decoding and cls.feeds_question), name
+
+
+def test_shared_document_readers_read_the_region_not_their_slot(model, context, one_thread):
+    """While shared, a reader's slot holds no copy of the document's keys (zeros), yet its tokens are right."""
+    method = kvpot.Full(chunk_size=64)
+    state = kvpot.Engine(model, method=method, decode="eager").prefill_ids(context)
+    scheduler = Scheduler(kvpot.Engine(model, method=method), slots=4, capacity=256, decode="static",
+                          share_documents=True)
+    requests = [scheduler.submit(Request(None, q, state=state, max_new_tokens=NEW, ignore_eos=True)) for q in QUESTIONS]
+    scheduler.step()
+    region, n = scheduler.pool.documents, state.cache.layers[0].n
+    assert region.readers == 4 and region.documents == 1 and scheduler.report["shared_readers"] == 4
+    assert len(region.loaded[id(state)].readers) == 4  # one document, four references
+    for layer in scheduler.pool.layers:
+        assert not layer.keys[:4, :, :n].any()  # nothing copied into the slots
+    scheduler.run()
+    assert all(len(r.tokens) == NEW for r in requests)
+    assert region.readers == 0 and region.documents == 1  # the last reader ended: loaded, no reference left
+
+
+def test_shared_document_is_counted_once_in_the_pool_bytes(model, context, one_thread):
+    method = kvpot.InfiniPot(pot_size=64, catalyst=None)
+    state = kvpot.Engine(model, method=method, decode="eager").prefill_ids(context)
+    sizes = {}
+    for share in (False, True):
+        for count in (1, 4):
+            scheduler = Scheduler(kvpot.Engine(model, method=method), slots=4, decode="static", share_documents=share,
+                                  documents=2)
+            for q in QUESTIONS[:count]:
+                scheduler.submit(Request(None, q, state=state, max_new_tokens=NEW, ignore_eos=True))
+            scheduler.step()  # admitted: the same score buffers in both pools
+            assert not share or scheduler.pool.documents.readers == count
+            sizes[share, count] = scheduler.pool.nbytes
+    config = model.config
+    kv, d = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+    element = torch.empty((), dtype=model.dtype).element_size()
+    # per document row and layer: keys and values, and one int64 RoPE position per entry; then the region's counts
+    row = config.num_hidden_layers * kv * scheduler.capacity * (2 * d * element + 8)
+    region = 2 * row + 8 * (config.num_hidden_layers * 2 + scheduler.pool.slots + 1)
+    assert scheduler.pool.documents.nbytes == region
+    # one reader or four: the document counts once, beside slots as large as a copied reader's
+    assert sizes[True, 1] == sizes[True, 4] == sizes[False, 4] + region
+
+
+def test_shared_document_lru_keeps_documents_with_readers(model, one_thread):
+    """Two document rows, three documents: a document whose readers ended leaves for a new one (least recently
+    used first); while both rows have readers, a reader of a third gets its own copy ("full")."""
+    method = kvpot.Full(chunk_size=64)
+    engine = kvpot.Engine(model, method=method, decode="eager")
+    g = torch.Generator().manual_seed(5)
+    states = [engine.prefill_ids(torch.randint(3, VOCAB, (n,), generator=g).tolist()) for n in (40, 50, 60)]
+    scheduler = Scheduler(kvpot.Engine(model, method=method), slots=3, capacity=128, decode="static",
+                          share_documents=True, documents=2)
+    region = scheduler.pool.documents
+    assert isinstance(region, DocumentRegion) and region.rows == 2
+    first = [scheduler.submit(Request(None, [5, 6], state=s, max_new_tokens=4, ignore_eos=True)) for s in states]
+    scheduler.step()
+    assert region.documents == 2 and region.readers == 2 and scheduler.report["copy_on_write_full"] == 1
+    scheduler.run()
+    assert all(r.status == "finished" for r in first) and region.readers == 0
+    loaded = [d.state() for d in region.loaded.values()]
+    assert loaded == states[:2]  # both kept loaded after their readers ended (least recent first)
+    scheduler.submit(Request(None, [7], state=states[2], max_new_tokens=4, ignore_eos=True))
+    scheduler.step()
+    assert [d.state() for d in region.loaded.values()] == [states[1], states[2]]  # the oldest left
+    assert region.loaded[id(states[2])].row == 0  # and its row was reused
+    scheduler.run()
+    scheduler.submit(Request(None, [8, 9], state=states[1], max_new_tokens=4, ignore_eos=True))
+    scheduler.step()
+    assert scheduler.report["document_loads"] == 3  # a loaded document is read again without a load
+    scheduler.run()
+
+
+def test_shared_document_copy_reasons_follow_the_step_plan(model, context):
+    """Why a reader copies before a step: `copy_reason` over the plans a method gives (the scheduler copies
+    exactly when it is not None)."""
+    method = kvpot.Full(chunk_size=64)
+    scheduler = Scheduler(kvpot.Engine(model, method=method), slots=2, capacity=256, decode="static",
+                          share_documents=True)
+    cache = scheduler.pool.cache(0)
+    assert copy_reason(scheduler, cache, "append") is None
+    assert copy_reason(scheduler, cache, "steady") == "steady"
+    assert copy_reason(scheduler, cache, "eager") == "eager"
+    extend = Scheduler(kvpot.Engine(model, method=kvpot.SelfExtend(group_size=4, window=16)), slots=1, capacity=256,
+                       decode="static", share_documents=True)
+    assert copy_reason(extend, extend.pool.cache(0), "append") == "positions"  # renumbers entries while decoding
+
+
+def test_shared_document_refusals(model):
+    engine = kvpot.Engine(model, method=kvpot.Full(chunk_size=64))
+    with pytest.raises(KvpotError, match="documents"):
+        Scheduler(engine, slots=2, capacity=64, decode="static", share_documents=True, documents=0)
+    with pytest.raises(KvpotError, match="mix"):
+        Scheduler(engine, slots=2, capacity=64, decode="static", share_documents=True, mix=True)
+    plain = Scheduler(engine, slots=2, capacity=64, decode="static")
+    assert plain.pool.documents is None and "copy_on_write" not in plain.report  # the default path: untouched
+
+
+def test_shared_document_generate_batch_answers_questions_of_one_state(one_thread):
+    """`Engine.generate_batch(states=..., share_documents=True)`: the texts of the copy-per-reader path."""
+    engine = kvpot.Engine.from_pretrained(kvpot.REFERENCE_MODEL, method=kvpot.InfiniPot(pot_size=256))
+    state = engine.prefill("The vault code is 4417. The harbour code is 9021. " * 8)
+    questions = ["What is the vault code?", "What is the harbour code?", "Which codes are there?"]
+    copied = engine.generate_batch(questions=questions, states=[state] * 3, max_new_tokens=10)
+    shared = engine.generate_batch(questions=questions, states=[state] * 3, max_new_tokens=10, share_documents=True)
+    assert [r.text for r in shared] == [r.text for r in copied]
+    assert all(r.stats.max_kv_entries <= 256 for r in shared)
+
+
+def test_shared_document_bench_throughput_row_beside_copy_per_reader(capsys, tmp_path):
+    """`kvpot bench throughput --document --share-documents`: a shared-document row beside the copy-per-reader
+    row, the same output tokens, its scheduler record counting the document and its readers' copies."""
+    import json
+
+    from kvpot.cli import main
+
+    out = tmp_path / "out"
+    code = main(["bench", "throughput", "--shape", "tiny", "--device", "cpu", "--out", str(out), "--method",
+                 "infinipot:pot_size=128", "--users", "3", "--lengths", "96", "--new-tokens", "4",
+                 "--question-tokens", "4", "--document", "--share-documents", "--sequential-users", "1"])
+    assert code == 0, capsys.readouterr().err
+    rows = {row["method"]: row for row in json.loads((out / "results.json").read_text())["rows"]}
+    shared, copied = rows["infinipot [batch, shared document]"], rows["infinipot [batch]"]
+    assert shared["completed"] == copied["completed"] == 3 and shared["output_tokens"] == copied["output_tokens"] == 12
+    record = shared["scheduler"]
+    assert record["document_loads"] == 1 and record["copy_on_write"] == 0 and record["shared_readers"] == 0
+    assert shared["pool_bytes"] > copied["pool_bytes"]  # the document region, counted once beside the slots
+    assert "copy_on_write" not in copied["scheduler"]
+    code = main(["bench", "throughput", "--shape", "tiny", "--device", "cpu", "--out", str(out), "--method", "full",
+                 "--share-documents"])
+    assert code == 2 and "give --document" in capsys.readouterr().err  # sharing needs a stored document
+
+
+def test_shared_document_serve_readers_of_an_uploaded_document(tmp_path):
+    """`kvpot serve --share-documents`: questions about one uploaded document (POST /v1/documents), asked at once,
+    read it from one copy; /metrics shows the document, its readers and no copy (InfiniPot's pot never fills)."""
+    pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from serve_process import MODEL, PASSKEY, QUESTION, Server
+
+    server = Server(tmp_path / "states", "--share-documents", "--max-slots", "4")
+    try:
+        created = server.http("POST", "/v1/documents", json={"text": PASSKEY * 4})
+        assert created.status_code == 200, created.text
+        document = created.json()["id"]
+        client = server.client()
+
+        def ask(_):
+            out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
+                                                 max_tokens=8, temperature=0, extra_body={"document_id": document})
+            return out.choices[0].message.content
+
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(ask, range(3)))
+        assert answers.count(answers[0]) == 3 and "12345" in answers[0]
+        assert server.metric("shared_documents") == 1 and server.metric("shared_document_readers") == 0
+        assert server.metric("copy_on_write_total") == 0
+    finally:
+        server.stop()
+
+
+def test_shared_document_readers_beside_fresh_prompts_and_a_cancellation(model, context, one_thread):
+    """Fresh prompts decode beside a document's readers (their rows read no document); a reader cancelled
+    mid-answer drops its reference at once, and the others keep the tokens they get alone."""
+    method = kvpot.InfiniPot(pot_size=64, catalyst=None)
+    engine = kvpot.Engine(model, method=method, decode="eager")
+    state = engine.prefill_ids(context)
+    g = torch.Generator().manual_seed(9)
+    fresh = [(torch.randint(3, VOCAB, (n,), generator=g).tolist(), [7, 8]) for n in (50, 90)]
+    expected = [engine.generate_ids(question_ids=q, state=state, max_new_tokens=NEW, ignore_eos=True).token_ids
+                for q in QUESTIONS[:3]]
+    expected += [engine.generate_ids(c, q, max_new_tokens=NEW, ignore_eos=True).token_ids for c, q in fresh]
+    scheduler = Scheduler(kvpot.Engine(model, method=method), slots=6, decode="static", share_documents=True)
+    readers_ = [scheduler.submit(Request(None, q, state=state, max_new_tokens=NEW, ignore_eos=True))
+                for q in QUESTIONS[:4]]
+    others = [scheduler.submit(Request(c, q, max_new_tokens=NEW, ignore_eos=True)) for c, q in fresh]
+    for _ in range(3):
+        scheduler.step()
+    region = scheduler.pool.documents
+    before = region.readers
+    assert before >= 1 and readers_[3].slot in region.reading
+    scheduler.cancel(readers_[3])
+    scheduler.step()
+    assert readers_[3].status == "cancelled" and region.readers == before - 1
+    scheduler.run()
+    assert [r.tokens for r in readers_[:3] + others] == expected
+    assert region.readers == 0 and scheduler.pool.used == 0

@@ -1,0 +1,94 @@
+"""The Triton shared-document decode kernel (`kvpot.kernels.shared`, cascade attention) against its PyTorch
+reference (`kvpot.kernels.shared_reference`), over the named shapes of tests/test_shared_document.py and, on CUDA,
+long ones. On CPU: `TRITON_INTERPRET=1` with Triton installed, as tests/test_decode_kernel.py runs. Entries the
+kernel must not read (a shared row's own first entries, anything past a length) are NaN."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import KERNEL_DEVICE, interpreter_runtime_loops, needs_kernels
+from test_shared_document import SHARED_SHAPES, shared_inputs
+
+from kvpot.kernels.shared_reference import decode_attention_shared_reference
+
+pytestmark = needs_kernels()
+interpreter_runtime_loops()
+
+LONG_SHAPES = [  # CUDA only: 64 readers of a llama3-8b-shaped 4,096-entry document, two documents, stragglers
+    ("llama3-8b-64-readers-4k", 32, 8, 128, 4352, [4096], [(0, 4096 + 40 + i) for i in range(64)], list(range(64))),
+    ("llama3-8b-two-docs-mixed", 32, 8, 128, 4352, [4096, 3000],
+     [(i % 3 - 1, 4100 + i if i % 3 else 300 + i) for i in range(48)], list(range(48))),
+]
+
+
+def run(shape, rope: bool, dtype=torch.float32, probs: bool = False):
+    from kvpot.kernels.shared import decode_attention_shared
+
+    shared, _, rope_args, (key_positions, doc_positions, _) = shared_inputs(shape, rope)
+    shared = tuple(t.to(KERNEL_DEVICE) for t in shared)
+    shared = tuple(t.to(dtype) if t.is_floating_point() else t for t in shared)
+    rope_args = {k: v.to(KERNEL_DEVICE) for k, v in rope_args.items()}
+    extra = dict(key_positions=key_positions.to(KERNEL_DEVICE), doc_key_positions=doc_positions.to(KERNEL_DEVICE)) \
+        if rope else {}
+    batch, kv, capacity = len(shape[7]), shape[2], shape[4]
+    kwargs = {}
+    if probs:
+        kwargs["probs"] = torch.zeros(batch, kv, capacity, device=KERNEL_DEVICE)
+    out = decode_attention_shared(*shared, 0.125, **rope_args, **extra, **kwargs)
+    expected = decode_attention_shared_reference(*shared, 0.125, **rope_args, **extra)
+    return out, expected
+
+
+@pytest.mark.parametrize("rope", [True, False], ids=["rope-on-load", "pre-rotated"])
+@pytest.mark.parametrize("shape", SHARED_SHAPES, ids=[s[0] for s in SHARED_SHAPES])
+def test_shared_document_kernel_matches_the_reference(shape, rope):
+    out, expected = run(shape, rope)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", LONG_SHAPES, ids=[s[0] for s in LONG_SHAPES])
+def test_shared_document_kernel_matches_the_reference_on_long_documents(shape, dtype):
+    out, expected = run(shape, rope=True, dtype=dtype)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+def test_shared_document_kernel_with_an_observation_gives_the_reference():
+    out, expected = run(SHARED_SHAPES[0], rope=True, probs=True)
+    torch.testing.assert_close(out, expected)
+
+
+# Triton's interpreter runs the whole step's kernels (~45 s a method on 2 cores): one method there
+@pytest.mark.parametrize("name", ["full", "infinipot"] if KERNEL_DEVICE == "cuda" else ["infinipot"])
+def test_shared_document_kernel_in_the_batched_step(name, monkeypatch):
+    """Through the scheduler (CUDA graphs on a GPU; the interpreter on CPU): readers sharing a document get the
+    copy-per-reader tokens with the Triton kernel in the step (a tiny Llama with head dim 32, which it supports)."""
+    import kvpot
+    from conftest import VOCAB, build
+    from kvpot.engine.offline import run_all
+    from kvpot.engine.scheduler import Request, Scheduler
+    from kvpot.kernels import shared
+
+    calls = []
+    kernel = shared.decode_attention_shared
+    monkeypatch.setattr(shared, "decode_attention_shared", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    model = build("llama3", hidden_size=128, head_dim=32).to(KERNEL_DEVICE)
+    method = {"full": kvpot.Full(chunk_size=64), "infinipot": kvpot.InfiniPot(pot_size=64, catalyst=None)}[name]
+    capacity = 192 if name == "full" else None
+    g = torch.Generator().manual_seed(11)
+    context = torch.randint(3, VOCAB, (100,), generator=g).to(KERNEL_DEVICE)
+    questions = [torch.randint(3, VOCAB, (k,), generator=g).tolist() for k in (3, 5, 2)]
+    state = kvpot.Engine(model, method=method, decode="eager").prefill_ids(context)
+    decode = "graph" if KERNEL_DEVICE == "cuda" else "static"
+    tokens = {}
+    for share in (False, True):
+        scheduler = Scheduler(kvpot.Engine(model, method=method), slots=3, capacity=capacity, decode=decode,
+                              share_documents=share)
+        requests = [Request(None, q, state=state, max_new_tokens=12, ignore_eos=True) for q in questions]
+        run_all(scheduler, requests)
+        tokens[share] = [r.tokens for r in requests]
+    assert tokens[True] == tokens[False] and calls  # the shared kernel ran, and changed no token
