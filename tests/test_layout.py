@@ -144,3 +144,34 @@ def test_the_top_level_holds_only_the_core():
     # defaults: values the library, the server and the benchmarks share, importable without torch
     assert top == ["__init__", "__main__", "attention", "cache", "compat", "defaults", "errors", "host_memory", "positions",
                    "reporting", "rope", "scoring"]
+
+
+# Objects whose private members belong to the engine package (issue 43: the server and offline jobs use the
+# scheduler's and engine's public face only: submit / cancel / step / outputs, generate...).
+ENGINE_OBJECTS = {"engine", "scheduler", "decoder", "pool", "sched"}
+
+
+def private_uses(tree: ast.AST) -> list[str]:
+    """`name._member` reads of an engine object's private member (not dunders) in a module's syntax tree."""
+    found = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                and isinstance(node.value, (ast.Name, ast.Attribute))):
+            owner = node.value.id if isinstance(node.value, ast.Name) else node.value.attr
+            if owner in ENGINE_OBJECTS:
+                found.append(f"{owner}.{node.attr}")
+    return found
+
+
+def test_private_use_is_found():
+    assert private_uses(ast.parse("scheduler._fail(r)\nself.engine._resumed(s)\nengine.generate()")) == \
+        ["scheduler._fail", "engine._resumed"]
+
+
+def test_nothing_outside_the_engine_package_touches_the_engines_private_members():
+    offenders = []
+    for path in sorted(ROOT.rglob("*.py")):
+        if path.relative_to(ROOT).parts[0] == "engine":
+            continue
+        offenders += [f"{path.relative_to(ROOT)}: {use}" for use in private_uses(ast.parse(path.read_text()))]
+    assert offenders == []

@@ -119,8 +119,18 @@ def test_replicas_options_are_checked_before_ray_starts(monkeypatch):
         app_builder({"model": "x", "replica_count": "2"})
     with pytest.raises(KvpotError, match="replicas must be an integer >= 1"):
         ClusterConfig(replicas=0)
+    with pytest.raises(KvpotError, match="fronts must be an integer >= 1"):
+        ClusterConfig(fronts=0)
+    assert app_builder_keys_include_fronts()
     with pytest.raises(KvpotError, match="not a"):
         app_builder({"replicas": "two"})
+
+
+def app_builder_keys_include_fronts() -> bool:
+    """`serve run ... fronts=2` reaches ClusterConfig as `kvpot serve --fronts 2` does."""
+    import dataclasses
+
+    return "fronts" in {f.name for f in dataclasses.fields(ClusterConfig)}
 
 
 # ---------------------------------------------------------------------------- through Ray Serve
