@@ -175,8 +175,9 @@ def shared_groups(rows: torch.Tensor, doc_rows: torch.Tensor, documents: int) ->
     rows = rows.to(torch.int64)
     doc_of_row = doc_rows.to(torch.int64)[rows]  # [B], -1: none
     sorted_docs, members = torch.sort(doc_of_row, stable=True)
+    # (the last start, of value `documents`, is B: every row's document is below it. No element is written from
+    # the host: a Python scalar stored into a CUDA tensor is a host-to-device copy, which a graph capture refuses)
     starts = torch.searchsorted(sorted_docs, torch.arange(documents + 1, device=rows.device, dtype=torch.int64))
-    starts[documents] = rows.numel()
     return members, starts
 
 
