@@ -1,0 +1,111 @@
+"""Where the batched step of N document readers spends its time (issue 48): one stored document, N readers
+decoding, each step timed on the device with its CUDA graph (as `kvpot bench throughput` runs it), then the same
+steps uncaptured under torch.profiler (CUDA time by operator and input shapes), with the document shared and
+copied per reader.
+
+    python benchmarks/shared-document-h100/step_probe.py --out DIR [--readers 64] [--length 128k]
+
+Writes DIR/step_probe.json: per mode (shared, copied) the graph step's p50/mean ms over `--steps` steps, the
+eager step's, and the profiler's top operators of `--profile-steps` eager steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+
+def _steps(scheduler, count: int, sync) -> list[float]:
+    times = []
+    for _ in range(count):
+        sync()
+        begun = time.perf_counter()
+        scheduler.step()
+        sync()
+        times.append((time.perf_counter() - begun) * 1000)
+    return times
+
+
+def _stats(times: list[float]) -> dict:
+    ordered = sorted(times)
+    return {"p50_ms": ordered[len(ordered) // 2], "mean_ms": sum(ordered) / len(ordered), "max_ms": ordered[-1],
+            "steps": len(ordered)}
+
+
+def probe(engine, state, args, share: bool, decode: str) -> dict:
+    import torch
+
+    from kvpot.engine.requests import Request
+    from kvpot.engine.scheduler import Scheduler
+
+    vocab = engine.model.config.vocab_size
+    scheduler = Scheduler(engine, slots=args.readers, prefill_tokens=2048, decode=decode, share_documents=share)
+    scheduler.capture()
+    gen = torch.Generator().manual_seed(1)
+    requests = [Request(None, torch.randint(3, vocab, (32,), generator=gen).tolist(), state=state,
+                        max_new_tokens=10_000, ignore_eos=True) for _ in range(args.readers)]
+    for request in requests:
+        scheduler.submit(request)
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    while any(r.status != "decoding" for r in requests):
+        scheduler.step()
+        failed = [r.error for r in requests if r.status == "failed"]
+        if failed:
+            raise SystemExit(f"a request failed: {failed[0]}")
+    _steps(scheduler, 8, sync)  # warm
+    out = {"decode": decode, **_stats(_steps(scheduler, args.steps, sync)), "report": dict(scheduler.report),
+           "pool_bytes": scheduler.pool.nbytes}
+    if args.profile_steps and torch.cuda.is_available():
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities, record_shapes=True) as profiler:
+            _steps(scheduler, args.profile_steps, sync)
+        out["profile"] = profiler.key_averages(group_by_input_shape=True).table(
+            sort_by="self_cuda_time_total", row_limit=45, max_name_column_width=60, max_shapes_column_width=90)
+        out["profile_total_cuda_ms"] = sum(e.self_device_time_total for e in profiler.key_averages()) / 1000
+    scheduler.abort()
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--shape", default="llama3-8b")
+    p.add_argument("--method", default="infinipot:pot_size=4096")
+    p.add_argument("--readers", type=int, default=64)
+    p.add_argument("--length", default="128k")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--profile-steps", type=int, default=3)
+    p.add_argument("--modes", default="shared:graph,copied:graph,shared:static")
+    args = p.parse_args(argv)
+    import torch
+
+    from kvpot.bench.backends import sdpa_backends
+    from kvpot.bench.common import IdTokenizer
+    from kvpot.engine import Engine
+    from kvpot.methods.spec import build_method
+    from kvpot.models import shapes
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # (cpu: a smoke run of this script)
+    model = shapes.build(args.shape, device, torch.bfloat16 if device == "cuda" else torch.float32, seed=0)
+    vocab = model.config.vocab_size
+    report = {"args": {k: str(v) for k, v in vars(args).items()}, "modes": {}}
+    with sdpa_backends("no-cudnn", device):
+        engine = Engine(model, IdTokenizer(vocab), method=build_method(args.method), chat_template=False)
+        document = torch.randint(3, vocab, (int(args.length.lower().replace('k', '')) * 1024 if args.length.lower().endswith('k') else int(args.length),), generator=torch.Generator().manual_seed(0))
+        state = engine.prefill_ids(document.tolist())
+        report["document_entries"] = [layer.n for layer in state.cache.layers][:1]
+        for mode in args.modes.split(","):
+            kind, decode = mode.split(":")
+            result = probe(engine, state, args, kind == "shared", decode)
+            report["modes"][mode] = result
+            print(mode, {k: v for k, v in result.items() if k not in ("profile", "report")}, flush=True)
+            if "profile" in result:
+                print(result["profile"], flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "step_probe.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
