@@ -22,7 +22,10 @@ LONG_SHAPES = [  # CUDA only: 64 readers of a llama3-8b-shaped 4,096-entry docum
 ]
 
 
-def run(shape, rope: bool, dtype=torch.float32, probs: bool = False):
+def run(shape, rope: bool, dtype=torch.float32, probs: bool = False, doc_rotated: bool = False):
+    """The kernel's output and the reference's; `doc_rotated`: the kernel reads the document's keys stored rotated
+    at their positions (as the pool's region keeps them), the reference rotates them on load."""
+    from kvpot.kernels.decode_reference import _rotate_at
     from kvpot.kernels.shared import decode_attention_shared
 
     shared, _, rope_args, (key_positions, doc_positions, _) = shared_inputs(shape, rope)
@@ -35,7 +38,12 @@ def run(shape, rope: bool, dtype=torch.float32, probs: bool = False):
     kwargs = {}
     if probs:
         kwargs["probs"] = torch.zeros(batch, kv, capacity, device=KERNEL_DEVICE)
-    out = decode_attention_shared(*shared, 0.125, **rope_args, **extra, **kwargs)
+    mine = list(shared)
+    if doc_rotated:
+        cos, sin = rope_args["cos"].float(), rope_args["sin"].float()
+        mine[5] = _rotate_at(shared[5].float(), cos, sin, extra["doc_key_positions"].long()).to(shared[5].dtype)
+        kwargs["doc_rotated"] = True
+    out = decode_attention_shared(*mine, 0.125, **rope_args, **extra, **kwargs)
     expected = decode_attention_shared_reference(*shared, 0.125, **rope_args, **extra)
     return out, expected
 
@@ -55,6 +63,19 @@ def test_shared_document_kernel_matches_the_reference_on_long_documents(shape, d
     out, expected = run(shape, rope=True, dtype=dtype)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("shape", SHARED_SHAPES[:3], ids=[s[0] for s in SHARED_SHAPES[:3]])
+def test_shared_document_kernel_reads_a_document_stored_rotated(shape):
+    out, expected = run(shape, rope=True, doc_rotated=True)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", LONG_SHAPES, ids=[s[0] for s in LONG_SHAPES])
+def test_shared_document_kernel_reads_a_long_document_stored_rotated(shape):
+    out, expected = run(shape, rope=True, dtype=torch.bfloat16, doc_rotated=True)
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
 def test_shared_document_kernel_with_an_observation_gives_the_reference():

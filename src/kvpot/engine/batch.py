@@ -144,6 +144,7 @@ class StepCache(Cache):
 
         storage, rope = layer.storage, self.rope
         doc_keys, doc_values, doc_positions, doc_lengths, of_slot = layer.documents
+        rotated = self.pool.documents.rotated  # the region's keys are stored rotated (kvpot.engine.documents)
         if kernels.available(query.device) and kernels.supports_head_dim(query.shape[-1]) and probs is None:
             from kvpot.kernels.shared import decode_attention_shared, shared_groups
 
@@ -161,7 +162,7 @@ class StepCache(Cache):
         cos, sin = rope.table(storage.capacity + 1, query)
         return kernel(query[:, :, 0], storage.keys, storage.values, self.rows, layer.lengths, *documents, scaling,
                       cos=cos, sin=sin, key_positions=storage.rope_positions, doc_key_positions=doc_positions,
-                      query_positions=storage.query_position, probs=probs)
+                      query_positions=storage.query_position, probs=probs, doc_rotated=rotated)
 
 
 def batch_kernel(device: torch.device, head_dim: int):

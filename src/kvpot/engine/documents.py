@@ -48,6 +48,11 @@ class DocumentRegion:
     def __init__(self, pool, rows: int):
         self.pool, self.rows = pool, rows
         like = pool.layers[0]
+        # Keys stored rotated at their positions: a document is loaded once and read at every step by every
+        # reader, so it is rotated once here rather than at each read (kvpot.kernels.shared: the document segment
+        # then loads no RoPE table). A policy that stores keys rotated already needs nothing; a RoPE without a
+        # fixed table (dynamic) is never batched with per-entry positions.
+        self.rotated = not pool.policy.stores_rotated and not pool.rope.dynamic
         shape = (rows, like.kv_heads, pool.capacity)
         self.keys = [torch.zeros(*shape, like.head_dim, dtype=like.dtype, device=pool.device) for _ in pool.layers]
         self.values = [torch.zeros_like(k) for k in self.keys]
@@ -93,12 +98,16 @@ class DocumentRegion:
             self._changed()
 
     def copy_out(self, slot: int, reason: str) -> None:
-        """Copy on write: the document's keys and values into the slot's own row, which then reads only itself."""
+        """Copy on write: the document's keys and values into the slot's own row, which then reads only itself.
+        The keys come from the stored state (as the slot keeps them: not rotated, where the region's are)."""
         document = self.reading[slot]
-        for layer, keys, values, n in zip(self.pool.layers, self.keys, self.values, document.lengths):
+        state = document.state()
+        if state is None:  # (its readers hold it: a reader without it is a bug, not a user's error)
+            raise RuntimeError("a shared document's state is gone while a reader reads it")
+        for layer, source, n in zip(self.pool.layers, state.cache.layers, document.lengths):
             if n:
-                layer.keys[slot, :, :n] = keys[document.row, :, :n]
-                layer.values[slot, :, :n] = values[document.row, :, :n]
+                layer.keys[slot, :, :n] = source.keys[0, :, :n].to(self.pool.device)
+                layer.values[slot, :, :n] = source.values[0, :, :n].to(self.pool.device)
         self.copied(reason)
         self.detach(slot)
 
@@ -120,7 +129,9 @@ class DocumentRegion:
         for i, source in enumerate(state.cache.layers):
             n = source.n
             if n:
-                self.keys[i][row, :, :n] = source.keys[0, :, :n].to(self.pool.device)
+                keys = source.keys[0, :, :n].to(self.pool.device)
+                positions = source.rope_positions[0, :, :n].to(self.pool.device)
+                self.keys[i][row, :, :n] = self._rotate(keys, positions, source.max_rope) if self.rotated else keys
                 self.values[i][row, :, :n] = source.values[0, :, :n].to(self.pool.device)
                 self.rope_positions[i][row, :, :n] = source.rope_positions[0, :, :n].to(self.pool.device)
             lengths.append(n)
@@ -128,6 +139,15 @@ class DocumentRegion:
         document = self.loaded[id(state)] = Document(row, weakref.ref(state), lengths)
         self.loads += 1
         return document
+
+    def _rotate(self, keys: torch.Tensor, positions: torch.Tensor, max_rope: int) -> torch.Tensor:
+        """keys [kv, n, d] rotated at `positions` [kv, n] in float32 with the table the decode kernels index, then
+        stored in the keys' dtype: what the kernels compute when they rotate a key on load."""
+        from kvpot.kernels.decode_reference import _rotate_at
+
+        # (the positions' maximum: read once per load, outside any captured step)
+        cos, sin = self.pool.rope.table(max(max_rope, int(positions.max())) + 1, keys)
+        return _rotate_at(keys.float(), cos.float(), sin.float(), positions.long()).to(keys.dtype)
 
     @property
     def readers(self) -> int:

@@ -43,7 +43,7 @@ def _segment_kernel(
     GSTART,  # [NG + 1] group g's rows are MEMBERS[GSTART[g] : GSTART[g + 1]]
     GSRC, GLO, GHI,  # [NG] the group's row of K/V and its entries [GLO, GHI)
     COS, SIN,  # [P, D] RoPE table (ROPE)
-    KPOS,  # [R, KV, N] RoPE position of each entry (ROPE)
+    KPOS,  # [R, KV, N] RoPE position of each entry (ROPE_K)
     QPOS,  # [S] or [S, KV] each slot's query position (ROPE)
     OUT,  # [SPLITS, B * H, D] float32 normalised partials
     LSE,  # [SPLITS, B * H] float32 log2-sum-exp of each partial's scores (-inf: it saw no key)
@@ -52,7 +52,9 @@ def _segment_kernel(
     stride_ks, stride_kh, stride_kn, stride_vs, stride_vh, stride_vn,
     stride_ps, stride_ph, stride_pn, stride_qs, stride_qk, stride_t,
     stride_os, stride_or, stride_ls,
-    ROPE: tl.constexpr, HALF: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    # ROPE: the queries are rotated here; ROPE_K: the keys too (not those of a document stored rotated)
+    ROPE: tl.constexpr, ROPE_K: tl.constexpr, HALF: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -83,6 +85,7 @@ def _segment_kernel(
         s1 = tl.load(SIN + qt, mask=row_ok[:, None], other=0.0).to(tl.float32)
         s2 = tl.load(SIN + qt + HALF, mask=row_ok[:, None], other=0.0).to(tl.float32)
         q1, q2 = q1 * c1 - q2 * s1, q2 * c2 + q1 * s2  # rotate_half: (-x2, x1)
+    if ROPE_K:
         KPOS += src * stride_ps + h * stride_ph
     qk = scale * 1.4426950408889634
     q1 = (q1 * qk).to(K.dtype.element_ty)
@@ -104,7 +107,7 @@ def _segment_kernel(
         k_ptr = K + j[:, None] * stride_kn + dh[None, :]
         k1 = tl.load(k_ptr, mask=live[:, None], other=0.0)
         k2 = tl.load(k_ptr + HALF, mask=live[:, None], other=0.0)
-        if ROPE:
+        if ROPE_K:
             pos = tl.load(KPOS + j * stride_pn, mask=live, other=0)
             kt = pos[:, None] * stride_t + dh[None, :]
             kc1 = tl.load(COS + kt, mask=live[:, None], other=0.0).to(tl.float32)
@@ -145,7 +148,7 @@ def _splits(programs: int, capacity: int, device: torch.device) -> int:
 
 
 def _launch(query, keys, values, rows, members, gstart, gsrc, glo, ghi, rope, out, lse, g, kv, tiles, block_m,
-            scaling):
+            scaling, rotated: bool = False):
     cos, sin, key_positions, query_positions = rope
     splits = out.shape[0]
     groups = gsrc.shape[0]
@@ -163,7 +166,8 @@ def _launch(query, keys, values, rows, members, gstart, gsrc, glo, ghi, rope, ou
         query.stride(0), query.stride(1), rows.stride(0),
         *keys.stride()[:3], *values.stride()[:3], *rope_strides,
         out.stride(0), out.stride(1), lse.stride(0),
-        ROPE=cos is not None, HALF=d // 2, IEEE=keys.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        ROPE=cos is not None, ROPE_K=cos is not None and not rotated, HALF=d // 2, IEEE=keys.dtype == torch.float32,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N,
         num_warps=4, num_stages=1 if d > 128 else 2,
     )
 
@@ -183,16 +187,18 @@ def shared_groups(rows: torch.Tensor, doc_rows: torch.Tensor, documents: int) ->
 
 def decode_attention_shared(query, keys, values, rows, lengths, doc_keys, doc_values, doc_rows, doc_lengths,
                             scaling: float, cos=None, sin=None, key_positions=None, doc_key_positions=None,
-                            query_positions=None, probs=None, groups=None) -> torch.Tensor:
+                            query_positions=None, probs=None, groups=None, doc_rotated: bool = False) -> torch.Tensor:
     """`decode_attention_shared_reference` on Triton (same arguments and result): the document segment read once
     per tile of its readers, each row's tail, merged by log-sum-exp. `groups`: `shared_groups(rows, doc_rows,
-    documents)` if made already (once per step). No host synchronisation."""
+    documents)` if made already (once per step). `doc_rotated`: the document's keys are stored rotated at their
+    positions (`kvpot.engine.documents`: loaded once, so rotated once), and only the queries are rotated here.
+    No host synchronisation."""
     if probs is not None:  # the observation is not written here: the reference (exact, capture-safe) writes it
         return decode_attention_shared_reference(query, keys, values, rows, lengths, doc_keys, doc_values, doc_rows,
                                                  doc_lengths, scaling, cos, sin, key_positions, doc_key_positions,
-                                                 query_positions, probs)
+                                                 query_positions, probs, doc_rotated)
     check_decode_batch_inputs(query, keys, values, rows, lengths, cos, sin, key_positions, query_positions, None)
-    check_shared_inputs(query, keys, doc_keys, doc_values, doc_rows, doc_lengths, doc_key_positions, cos)
+    check_shared_inputs(query, keys, doc_keys, doc_values, doc_rows, doc_lengths, doc_key_positions, cos, doc_rotated)
     if keys.stride(-1) != 1 or values.stride(-1) != 1 or doc_keys.stride(-1) != 1 or doc_values.stride(-1) != 1:
         raise KvpotError("shared decode attention reads rows in place: their last dimension must be contiguous")
     batch, heads, d = query.shape
@@ -219,7 +225,7 @@ def decode_attention_shared(query, keys, values, rows, lengths, doc_keys, doc_va
     _launch(query, doc_keys, doc_values, rows, members, gstart, torch.arange(docs, device=device),
             torch.zeros(docs, dtype=torch.int64, device=device), doc_lengths.to(torch.int64),
             (cos, sin, doc_key_positions, query_positions), part[:splits_doc], lse[:splits_doc], g, kv,
-            tiles_doc, block_doc, scaling)
+            tiles_doc, block_doc, scaling, rotated=doc_rotated)
     _launch(query, keys, values, rows, arange[:batch], arange, rows, n_doc, lengths.to(torch.int64)[rows],
             (cos, sin, key_positions, query_positions), part[splits_doc:], lse[splits_doc:], g, kv, tiles_tail,
             block_tail, scaling)

@@ -20,7 +20,8 @@ from kvpot.kernels.decode_reference import INTS, _rotate, _rotate_at, check_deco
 CHUNK_ELEMENTS = 1 << 21  # float32 elements of gathered keys per chunk of batch rows, per segment
 
 
-def check_shared_inputs(query, keys, doc_keys, doc_values, doc_rows, doc_lengths, doc_key_positions, cos) -> None:
+def check_shared_inputs(query, keys, doc_keys, doc_values, doc_rows, doc_lengths, doc_key_positions, cos,
+                        doc_rotated: bool = False) -> None:
     """The document region's shapes against the pool's (the slot side is `check_decode_batch_inputs`')."""
     slots, kv, capacity, d = keys.shape
     if doc_keys.dim() != 4 or tuple(doc_keys.shape[1:]) != (kv, capacity, d) or doc_values.shape != doc_keys.shape:
@@ -33,7 +34,8 @@ def check_shared_inputs(query, keys, doc_keys, doc_values, doc_rows, doc_lengths
     if tuple(doc_lengths.shape) != (docs,) or doc_lengths.dtype not in INTS:
         raise KvpotError(f"doc_lengths must be an int64 [{docs}] tensor; got {doc_lengths.dtype} "
                          f"{tuple(doc_lengths.shape)}")
-    if cos is not None and (doc_key_positions is None or tuple(doc_key_positions.shape) != (docs, kv, capacity)):
+    positions_ok = doc_key_positions is not None and tuple(doc_key_positions.shape) == (docs, kv, capacity)
+    if cos is not None and not doc_rotated and not positions_ok:
         raise KvpotError(f"with a RoPE table, doc_key_positions must be [{docs}, {kv}, {capacity}]")
 
 
@@ -54,16 +56,18 @@ def decode_attention_shared_reference(
     doc_key_positions: torch.Tensor | None = None,
     query_positions: torch.Tensor | None = None,
     probs: torch.Tensor | None = None,
+    doc_rotated: bool = False,
 ) -> torch.Tensor:
     """Attention [B, heads, d] (query.dtype) of each row's `query` [B, heads, d] over its document's entries
     `[0, n_doc)` in `doc_keys`/`doc_values` [D, kv_heads, capacity, d] (row `doc_rows[rows[b]]`, `n_doc` its
     `doc_lengths`) and its slot's entries `[n_doc, lengths[rows[b]])` in `keys`/`values` [S, kv_heads, capacity,
     d], merged by log-sum-exp, in float32. RoPE as `decode_attention_batch_reference`, the document's keys at
     `doc_key_positions` [D, kv_heads, capacity]. `probs` [B, kv_heads, capacity] receives each KV group's mean
-    probabilities at the entries' indices (document entries below `n_doc`), 0 past the length."""
+    probabilities at the entries' indices (document entries below `n_doc`), 0 past the length. `doc_rotated`: the
+    document's keys are stored rotated at their positions (only the queries are rotated here)."""
     check_decode_batch_inputs(query, keys, values, rows, lengths, cos, sin, key_positions, query_positions, probs,
                               kernel=False)
-    check_shared_inputs(query, keys, doc_keys, doc_values, doc_rows, doc_lengths, doc_key_positions, cos)
+    check_shared_inputs(query, keys, doc_keys, doc_values, doc_rows, doc_lengths, doc_key_positions, cos, doc_rotated)
     batch, heads, d = query.shape
     kv, capacity = keys.shape[1:3]
     step = max(1, CHUNK_ELEMENTS // (kv * capacity * d))
@@ -72,7 +76,7 @@ def decode_attention_shared_reference(
         part = slice(lo, lo + step)
         out[part] = _attend(query[part], keys, values, rows[part], lengths, doc_keys, doc_values, doc_rows,
                             doc_lengths, scaling, cos, sin, key_positions, doc_key_positions, query_positions,
-                            None if probs is None else probs[part])
+                            None if probs is None else probs[part], doc_rotated)
     return out
 
 
@@ -86,7 +90,7 @@ def _segment_scores(q, keys, at, live, positions, cos, sin):
 
 
 def _attend(query, keys, values, rows, lengths, doc_keys, doc_values, doc_rows, doc_lengths, scaling, cos, sin,
-            key_positions, doc_key_positions, query_positions, probs):
+            key_positions, doc_key_positions, query_positions, probs, doc_rotated=False):
     batch, heads, d = query.shape
     kv, capacity = keys.shape[1:3]
     device = keys.device
@@ -104,7 +108,7 @@ def _attend(query, keys, values, rows, lengths, doc_keys, doc_values, doc_rows, 
         at = query_positions[rows].long().reshape(batch, -1).expand(batch, kv)
         q = _rotate(q, cos[at][:, :, None], sin[at][:, :, None])
     q = q * scaling
-    a = _segment_scores(q, doc_keys, doc_at, in_doc, doc_key_positions, cos, sin)
+    a = _segment_scores(q, doc_keys, doc_at, in_doc, doc_key_positions, *((None, None) if doc_rotated else (cos, sin)))
     b = _segment_scores(q, keys, rows, in_tail, key_positions, cos, sin)
     lse_a, lse_b = torch.logsumexp(a, dim=-1), torch.logsumexp(b, dim=-1)  # [B, kv, g]; -inf: an empty segment
     o_a = _segment_output(a, lse_a, doc_values, doc_at, in_doc)
