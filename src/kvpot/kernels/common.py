@@ -1,4 +1,5 @@
-"""Pieces shared by kvpot's Triton kernels: the split-K merge and the device's multiprocessor count.
+"""Pieces shared by kvpot's Triton kernels: a block of keys loaded (and rotated on load), its scores, the
+split-K merge and the device's multiprocessor count.
 
 Split-K attention (FlashDecoding) has each program write a normalised partial output and the
 log2-sum-exp of its scores; `merge` combines the partials of each row. Scores are in log2 units
@@ -10,6 +11,35 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def load_keys(K, KPOS, COS, SIN, j, live, dh, stride_kn, stride_pn, stride_t, HALF: tl.constexpr,
+              ROPE: tl.constexpr):
+    """Keys `j` [BLOCK_N] of one KV head's row (`K`, `KPOS` offset to it) as two halves [BLOCK_N, HALF], rotated
+    on load at their RoPE positions when ROPE (in float32, then back to the keys' dtype), zero where not `live`."""
+    k_ptr = K + j[:, None] * stride_kn + dh[None, :]
+    k1 = tl.load(k_ptr, mask=live[:, None], other=0.0)
+    k2 = tl.load(k_ptr + HALF, mask=live[:, None], other=0.0)
+    if ROPE:
+        pos = tl.load(KPOS + j * stride_pn, mask=live, other=0)
+        kt = pos[:, None] * stride_t + dh[None, :]
+        kc1 = tl.load(COS + kt, mask=live[:, None], other=0.0).to(tl.float32)
+        kc2 = tl.load(COS + kt + HALF, mask=live[:, None], other=0.0).to(tl.float32)
+        ks1 = tl.load(SIN + kt, mask=live[:, None], other=0.0).to(tl.float32)
+        ks2 = tl.load(SIN + kt + HALF, mask=live[:, None], other=0.0).to(tl.float32)
+        a, c = k1.to(tl.float32), k2.to(tl.float32)
+        k1 = (a * kc1 - c * ks1).to(K.dtype.element_ty)  # rotate_half: (-x2, x1)
+        k2 = (c * kc2 + a * ks2).to(K.dtype.element_ty)
+    return k1, k2
+
+
+@triton.jit
+def half_scores(q1, q2, k1, k2, IEEE: tl.constexpr):
+    """Scores [BLOCK_M, BLOCK_N] of queries and keys held as two halves (float32 products exact under IEEE)."""
+    if IEEE:
+        return tl.dot(q1, tl.trans(k1), input_precision="ieee") + tl.dot(q2, tl.trans(k2), input_precision="ieee")
+    return tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))
 
 
 @triton.jit(do_not_specialize=["ROWS", "SPLITS"])  # ROWS: batch rows x heads, varies with the batch

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from kvpot.errors import KvpotError
-from kvpot.kernels.common import merge, multiprocessors, next_power_of_2
+from kvpot.kernels.common import half_scores, load_keys, merge, multiprocessors, next_power_of_2
 from kvpot.kernels.decode_reference import (
     check_decode_batch_inputs,
     check_decode_inputs,
@@ -121,23 +121,8 @@ def _decode_kernel(
     for start in range(lo, hi, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         live = j < hi
-        k_ptr = K + j[:, None] * stride_kn + dh[None, :]
-        k1 = tl.load(k_ptr, mask=live[:, None], other=0.0)  # [BLOCK_N, HALF]
-        k2 = tl.load(k_ptr + HALF, mask=live[:, None], other=0.0)
-        if ROPE:
-            pos = tl.load(KPOS + j * stride_pn, mask=live, other=0)
-            kt = pos[:, None] * stride_t + dh[None, :]
-            kc1 = tl.load(COS + kt, mask=live[:, None], other=0.0).to(tl.float32)
-            kc2 = tl.load(COS + kt + HALF, mask=live[:, None], other=0.0).to(tl.float32)
-            ks1 = tl.load(SIN + kt, mask=live[:, None], other=0.0).to(tl.float32)
-            ks2 = tl.load(SIN + kt + HALF, mask=live[:, None], other=0.0).to(tl.float32)
-            a, c = k1.to(tl.float32), k2.to(tl.float32)
-            k1 = (a * kc1 - c * ks1).to(K.dtype.element_ty)
-            k2 = (c * kc2 + a * ks2).to(K.dtype.element_ty)
-        if IEEE:
-            sc = tl.dot(q1, tl.trans(k1), input_precision="ieee") + tl.dot(q2, tl.trans(k2), input_precision="ieee")
-        else:
-            sc = tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))  # [BLOCK_M, BLOCK_N], log2 units
+        k1, k2 = load_keys(K, KPOS, COS, SIN, j, live, dh, stride_kn, stride_pn, stride_t, HALF, ROPE)
+        sc = half_scores(q1, q2, k1, k2, IEEE)  # [BLOCK_M, BLOCK_N], log2 units
         sc = tl.where(live[None, :], sc, float("-inf"))
         if PROBS:
             tl.store(LOGITS + out_row[:, None] * N + j[None, :], sc, mask=row_ok[:, None] & live[None, :])

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kvpot.errors import KvpotError
-from kvpot.kernels.common import merge, multiprocessors, next_power_of_2
+from kvpot.kernels.common import half_scores, load_keys, merge, multiprocessors, next_power_of_2
 from kvpot.kernels.decode_reference import check_decode_batch_inputs
 from kvpot.kernels.shared_reference import check_shared_inputs, decode_attention_shared_reference
 
@@ -104,23 +104,8 @@ def _segment_kernel(
     for begin in range(lo, hi, BLOCK_N):
         j = begin + tl.arange(0, BLOCK_N)
         live = j < hi
-        k_ptr = K + j[:, None] * stride_kn + dh[None, :]
-        k1 = tl.load(k_ptr, mask=live[:, None], other=0.0)
-        k2 = tl.load(k_ptr + HALF, mask=live[:, None], other=0.0)
-        if ROPE_K:
-            pos = tl.load(KPOS + j * stride_pn, mask=live, other=0)
-            kt = pos[:, None] * stride_t + dh[None, :]
-            kc1 = tl.load(COS + kt, mask=live[:, None], other=0.0).to(tl.float32)
-            kc2 = tl.load(COS + kt + HALF, mask=live[:, None], other=0.0).to(tl.float32)
-            ks1 = tl.load(SIN + kt, mask=live[:, None], other=0.0).to(tl.float32)
-            ks2 = tl.load(SIN + kt + HALF, mask=live[:, None], other=0.0).to(tl.float32)
-            a, c = k1.to(tl.float32), k2.to(tl.float32)
-            k1 = (a * kc1 - c * ks1).to(K.dtype.element_ty)
-            k2 = (c * kc2 + a * ks2).to(K.dtype.element_ty)
-        if IEEE:
-            sc = tl.dot(q1, tl.trans(k1), input_precision="ieee") + tl.dot(q2, tl.trans(k2), input_precision="ieee")
-        else:
-            sc = tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))  # log2 units
+        k1, k2 = load_keys(K, KPOS, COS, SIN, j, live, dh, stride_kn, stride_pn, stride_t, HALF, ROPE_K)
+        sc = half_scores(q1, q2, k1, k2, IEEE)  # log2 units
         sc = tl.where(live[None, :], sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, axis=1))
         alpha = tl.exp2(m_i - m_new)
