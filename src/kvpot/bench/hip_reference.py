@@ -118,6 +118,14 @@ def _bthd(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1).unsqueeze(0).contiguous()  # [h, t, d] -> [1, t, h, d]
 
 
+def hip_query(query: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The query as hip-attn takes it: multiplied by the softmax scale first. Its attention kernels apply none
+    (`attention_extend_bsa`: q * sqrt(d) / d^(1/4) against k / d^(1/4), a factor of 1), and every caller in the
+    package (paged_hip.py: `query * sm_scale`, `query_for_mask * sm_scale`) scales first; the scan's selection does
+    not change (a positive factor keeps every comparison)."""
+    return (query * scaling).to(query.dtype)
+
+
 def hip_stage_ranges(metadata, case: HipCase, chunks: tuple[int, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per stage, the ranges hip-attn kept, for query head 0 (the heads share one selection under its default
     HIP_HEAD_REDUCE=1): stage i < last from the next stage's cached input, the last from `indices`/`ks`."""
@@ -135,7 +143,7 @@ def hip_prefill(hip, case: HipCase, inputs: Inputs, early: bool, device: str, re
     n, q = inputs.keys.shape[1], inputs.query.shape[1]
     positions = torch.arange(n - q, n, device=inputs.keys.device)
     args = hip_args(hip, case, inputs, early, positions, False)
-    qh, kh, vh = _bthd(inputs.query), _bthd(inputs.keys), _bthd(inputs.values)
+    qh, kh, vh = _bthd(hip_query(inputs.query, inputs.scaling)), _bthd(inputs.keys), _bthd(inputs.values)
     (out, metadata), micros = _timed(lambda: hip.attention(qh, kh, vh, args), device, repeats)
     return Side(out[0].transpose(0, 1), hip_stage_ranges(metadata, case, case.chunks), micros)
 
@@ -255,6 +263,7 @@ class HipDecoder:
         cached, recomputed = self.cached(step)
         positions = torch.tensor([n - 1, n - 1], device=query.device)
         args = hip_args(self.hip, self.case, self.inputs, self.early, positions, True)
+        query = hip_query(query, self.inputs.scaling)
         out, metadata = self.hip.attention(_bthd(torch.cat([query, query], dim=1)), _bthd(self.inputs.keys[:, :n]),
                                            _bthd(self.inputs.values[:, :n]), args, cached)
         if recomputed:
