@@ -239,3 +239,101 @@ def test_scan_option_is_checked_and_reaches_every_plan():
     with pytest.raises(KvpotError, match="offloaded"):
         InfiniteHiP(scan="hip", offload=True)
     assert CASES["paper-hipscan"].kvpot_method().scan == "hip"
+
+
+# ---------------------------------------------------------------------------- decoding through hip-attn's paged cache
+
+
+class _FakeHip:
+    """hip-attn's entry points as the harness calls them, recording each attention call (no GPU, no hip-attn)."""
+
+    version, triton, replaced = "fake", "none", {}
+
+    def __init__(self, fail: str | None = None):
+        self.calls, self.fail = [], fail
+
+    @staticmethod
+    def scan_stage(**fields):
+        return fields
+
+    @staticmethod
+    def args(**fields):
+        return SimpleNamespace(**fields)
+
+    @staticmethod
+    def metadata(**fields):
+        return SimpleNamespace(**fields)
+
+    def attention(self, q, k, v, args, cached=None):
+        if self.fail:
+            raise AssertionError(self.fail)
+        self.calls.append(SimpleNamespace(q=q, k=k, v=v, args=args, cached=cached))
+        heads, blocks = q.shape[2], 1
+        indices = torch.full((heads, blocks, 4), 256, dtype=torch.int64)
+        ks = torch.ones(heads, blocks, dtype=torch.int32)
+        return torch.zeros_like(q), SimpleNamespace(indices=indices, ks=ks, ks_count=ks.unsqueeze(-1),
+                                                    ks_start_end=torch.zeros(heads, blocks, 2), stage_caches=[None])
+
+
+def test_paged_cache_reads_back_the_keys_as_hip_attns_kernels_address_them():
+    from kvpot.bench.hip_reference import paged_cache, read_paged
+
+    gen = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(2, 40, 8, generator=gen), torch.randn(2, 40, 8, generator=gen)
+    paged = paged_cache(keys, values, 29, 48)
+    assert paged["k_cache"].shape == (40, 1, 2, 8) and paged["v_cache"].shape == (40, 1, 2, 8)  # [slots, page, kv, d]
+    assert paged["k_cache"].data_ptr() == keys.data_ptr()  # a view: no copy
+    table, lens = paged["block_table"], paged["cache_seq_lens"]
+    assert table.dtype == torch.int32 and table.shape == (1, 48) and lens.tolist() == [29] and lens.dtype == torch.int32
+    assert table[0, :29].tolist() == list(range(29)) and not table[0, 29:].any()
+    assert torch.equal(read_paged(paged), keys[:, :29]) and torch.equal(read_paged(paged, "v_cache"), values[:, :29])
+    # uvm_gpu_cache.load_tokens: K_CACHE + block_table[t // PAGE] * s_page + (t % PAGE) * s_offset + h * s_head + i * s_hid
+    cache = paged["k_cache"]
+    s_page, s_offset, s_head, s_hid = cache.stride()
+    flat = torch.as_strided(cache, (cache.untyped_storage().nbytes() // cache.element_size(),), (1,), 0)
+    t, h, i = torch.meshgrid(torch.arange(29), torch.arange(2), torch.arange(8), indexing="ij")
+    page = table[0, t // cache.shape[1]].long()
+    address = cache.storage_offset() + page * s_page + (t % cache.shape[1]) * s_offset + h * s_head + i * s_hid
+    assert torch.equal(flat[address].permute(1, 0, 2), keys[:, :29])
+    # a slice of a larger buffer (kvpot's cache keeps spare room) reads the same
+    room = torch.randn(2, 64, 8, generator=gen)
+    assert torch.equal(read_paged(paged_cache(room[:, :40], room[:, :40], 40, 40)), room[:, :40])
+    with pytest.raises(KvpotError, match="paged view"):
+        paged_cache(keys, values, 41, 48)
+
+
+def test_hip_query_is_scaled_as_hip_attns_callers_scale_it():
+    from kvpot.bench.hip_reference import hip_query
+
+    query = torch.randn(4, 2, 16, dtype=torch.bfloat16)
+    got = hip_query(query, 0.25)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, query * 0.25)
+
+
+def test_hip_decoder_sends_one_query_row_and_a_paged_cache():
+    from kvpot.bench.hip_inputs import random_inputs
+    from kvpot.bench.hip_reference import HipDecoder, hip_query, read_paged
+
+    inputs = random_inputs("tiny", 2048, 64, "cpu", torch.float32, 0)
+    hip = _FakeHip()
+    decoder = HipDecoder(hip, CASES["paper"], inputs, False, True)
+    query = inputs.query[:, -1:]
+    out, recomputed = decoder(0, query, 2000)
+    call = hip.calls[-1]
+    assert recomputed and call.cached is None and out.shape == query.shape
+    assert call.k is None and call.v is None  # hip-attn's decoding kernel reads the paged cache only
+    assert torch.equal(call.q, hip_query(query, inputs.scaling).transpose(0, 1).unsqueeze(0))  # [1, 1, heads, d]
+    args = call.args
+    assert args.is_decode and args.using_extend and args.extend_context_length == 2048
+    assert args.q_mask.shape == (1, 2, query.shape[0], query.shape[2]) and torch.equal(args.q_mask[0, 0], call.q[0, 0])
+    assert torch.equal(args.q_mask[0, 1], call.q[0, 0]) and args.position_ids.tolist() == [[1999, 1999]]
+    assert args.cache_seq_lens.tolist() == [2000] and args.block_table.shape == (1, 2048)
+    paged = {name: getattr(args, name) for name in ("k_cache", "v_cache", "block_table", "cache_seq_lens")}
+    assert torch.equal(read_paged(paged), inputs.keys[:, :2000])
+    assert torch.equal(read_paged(paged, "v_cache"), inputs.values[:, :2000])
+    # a later step that reuses the mask passes the last indices back (no stage recomputed: step 1 of 32/16/8)
+    _, recomputed = decoder(1, inputs.query[:, -1:], 2001)
+    cached = hip.calls[-1].cached
+    assert not recomputed and cached.indices is decoder.last.indices and cached.stage_caches is None
+    assert hip.calls[-1].args.cache_seq_lens.tolist() == [2001] and hip.calls[-1].args.position_ids.tolist() == [[2000] * 2]
+
