@@ -337,3 +337,41 @@ def test_hip_decoder_sends_one_query_row_and_a_paged_cache():
     assert not recomputed and cached.indices is decoder.last.indices and cached.stage_caches is None
     assert hip.calls[-1].args.cache_seq_lens.tolist() == [2001] and hip.calls[-1].args.position_ids.tolist() == [[2000] * 2]
 
+
+def test_a_row_that_raises_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
+    import kvpot.bench.hip_reference as reference
+    from kvpot.bench.hip_run import HipReferenceConfig, run_hip_reference, summary
+
+    def prefill_row(hip, case, inputs, early, device, repeats):
+        if case.name == "paper":
+            raise AssertionError("decode should not accept k, only support the paged cache")
+        errors = {"max": 0.0, "mean": 0.0}
+        return {"phase": "prefill", "queries": inputs.query.shape[1], "blocks": 1, "kvpot_us": None, "hip_us": None,
+                "stages": [{"stage": 1, "chunk": 256, "recall": 1.0, "precision": 1.0}],
+                "errors": {"kvpot_vs_dense": errors, "hip_vs_dense": errors, "kvpot_vs_hip": errors}}
+
+    def decode_row(hip, case, inputs, early, device, steps, refresh):
+        hip.attention(None, None, None, None)  # the fake hip raises as hip-attn's decode did
+
+    monkeypatch.setattr(reference, "prefill_row", prefill_row)
+    monkeypatch.setattr(reference, "decode_row", decode_row)
+    config = HipReferenceConfig(out=tmp_path / "run", lengths=[512, 1024], cases=["paper", "paper-hipscan"],
+                                shape="tiny", queries=64, decode_steps=4, refresh=["on"], device="cpu",
+                                dtype="float32")
+    results = run_hip_reference(config, progress=False, hip=_FakeHip(fail="decode should not accept k"))
+    rows = results["rows"]
+    assert len(rows) == 2 * 2 * 2 and results["complete"] and results["errors"] == 6  # every row ran
+    ok = [row for row in rows if "error" not in row]
+    assert [(row["length"], row["case"], row["phase"]) for row in ok] == [(512, "paper-hipscan", "prefill"),
+                                                                         (1024, "paper-hipscan", "prefill")]
+    failed = rows[0]
+    assert failed["phase"] == "prefill" and failed["error"].startswith("AssertionError: decode should not accept k")
+    assert any("raise AssertionError" in line for line in failed["traceback"])
+    assert rows[1]["phase"] == "decode" and rows[1]["mask_refresh"] == "on" and "AssertionError" in rows[1]["error"]
+    import json
+
+    saved = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert saved["errors"] == 6 and len(saved["rows"]) == 8
+    text = (tmp_path / "run" / "summary.md").read_text()
+    assert text == summary(results) and text.count("**error**") == 6 and "6 of 8 rows raised" in text
+    assert "| 512 | paper-hipscan | late | prefill q=64 | s1 1.000/1.000 |" in text
