@@ -375,3 +375,23 @@ def test_a_row_that_raises_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch
     text = (tmp_path / "run" / "summary.md").read_text()
     assert text == summary(results) and text.count("**error**") == 6 and "6 of 8 rows raised" in text
     assert "| 512 | paper-hipscan | late | prefill q=64 | s1 1.000/1.000 |" in text
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HIP or torch.cuda.is_available(),
+                    reason="needs hip-attn's files and Triton on a CPU machine (on CUDA the GPU test runs the kernels)")
+def test_hip_attn_reads_the_paged_decoding_step_as_its_plain_extend_path_under_the_interpreter():
+    """benchmarks/hip-reference-h100/interpret.py: hip-attn's own kernels under Triton's interpreter (~75 s)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, str(root / "benchmarks/hip-reference-h100/interpret.py"), "2048",
+                          "--steps", "2"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    calls = json.loads(run.stdout)["calls"]
+    assert calls["extend-paged"]["max_vs_extend_plain"] == 0.0  # the paged view reads the same keys
+    assert calls["decode-paged-1-split"]["max_vs_extend_plain"] < 1e-5
+    assert all(call["same_selection"] for call in calls.values())

@@ -298,7 +298,13 @@ class HipDecoder:
         Python constant `True` as a query mask into code that calls `.to()` on it (Triton 3.6.0: "'bool' object
         has no attribute 'to'") and loads a [1, d] RoPE row under a [heads, d] mask (Triton 3.4.0). Two rows take
         its prefill scan kernel, whose max over a block's rows is the one query's. hip-attn then sizes its final
-        window with a query block of 2 (one key more than a single-row scan would)."""
+        window with a query block of 2 (one key more than a single-row scan would).
+
+        Checked on a CPU under Triton's interpreter (benchmarks/hip-reference-h100/interpret.py): the paged cache
+        reads the same keys as plain k/v, and with one split per section the decoding kernel's output is its
+        prefill kernel's on the same selection. With its default splits it weighs a sparse block once per split
+        that reads it (a split steps BLOCK_BK blocks past its own end where ceil(blocks / splits) is no multiple of
+        BLOCK_BK): hip-attn's decoding as it ships, measured as it is here."""
         cached, recomputed = self.cached(step)
         q = hip_query(query, self.inputs.scaling)
         positions = torch.full((2,), n - 1, device=query.device)
