@@ -239,3 +239,159 @@ def test_scan_option_is_checked_and_reaches_every_plan():
     with pytest.raises(KvpotError, match="offloaded"):
         InfiniteHiP(scan="hip", offload=True)
     assert CASES["paper-hipscan"].kvpot_method().scan == "hip"
+
+
+# ---------------------------------------------------------------------------- decoding through hip-attn's paged cache
+
+
+class _FakeHip:
+    """hip-attn's entry points as the harness calls them, recording each attention call (no GPU, no hip-attn)."""
+
+    version, triton, replaced = "fake", "none", {}
+
+    def __init__(self, fail: str | None = None):
+        self.calls, self.fail = [], fail
+
+    @staticmethod
+    def scan_stage(**fields):
+        return fields
+
+    @staticmethod
+    def args(**fields):
+        return SimpleNamespace(**fields)
+
+    @staticmethod
+    def metadata(**fields):
+        return SimpleNamespace(**fields)
+
+    def attention(self, q, k, v, args, cached=None):
+        if self.fail:
+            raise AssertionError(self.fail)
+        self.calls.append(SimpleNamespace(q=q, k=k, v=v, args=args, cached=cached))
+        heads, blocks = q.shape[2], 1
+        indices = torch.full((heads, blocks, 4), 256, dtype=torch.int64)
+        ks = torch.ones(heads, blocks, dtype=torch.int32)
+        return torch.zeros_like(q), SimpleNamespace(indices=indices, ks=ks, ks_count=ks.unsqueeze(-1),
+                                                    ks_start_end=torch.zeros(heads, blocks, 2), stage_caches=[None])
+
+
+def test_paged_cache_reads_back_the_keys_as_hip_attns_kernels_address_them():
+    from kvpot.bench.hip_reference import paged_cache, read_paged
+
+    gen = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(2, 40, 8, generator=gen), torch.randn(2, 40, 8, generator=gen)
+    paged = paged_cache(keys, values, 29, 48)
+    assert paged["k_cache"].shape == (40, 1, 2, 8) and paged["v_cache"].shape == (40, 1, 2, 8)  # [slots, page, kv, d]
+    assert paged["k_cache"].data_ptr() == keys.data_ptr()  # a view: no copy
+    table, lens = paged["block_table"], paged["cache_seq_lens"]
+    assert table.dtype == torch.int32 and table.shape == (1, 48) and lens.tolist() == [29] and lens.dtype == torch.int32
+    assert table[0, :29].tolist() == list(range(29)) and not table[0, 29:].any()
+    assert torch.equal(read_paged(paged), keys[:, :29]) and torch.equal(read_paged(paged, "v_cache"), values[:, :29])
+    # uvm_gpu_cache.load_tokens: K_CACHE + block_table[t // PAGE] * s_page + (t % PAGE) * s_offset + h * s_head + i * s_hid
+    cache = paged["k_cache"]
+    s_page, s_offset, s_head, s_hid = cache.stride()
+    flat = torch.as_strided(cache, (cache.untyped_storage().nbytes() // cache.element_size(),), (1,), 0)
+    t, h, i = torch.meshgrid(torch.arange(29), torch.arange(2), torch.arange(8), indexing="ij")
+    page = table[0, t // cache.shape[1]].long()
+    address = cache.storage_offset() + page * s_page + (t % cache.shape[1]) * s_offset + h * s_head + i * s_hid
+    assert torch.equal(flat[address].permute(1, 0, 2), keys[:, :29])
+    # a slice of a larger buffer (kvpot's cache keeps spare room) reads the same
+    room = torch.randn(2, 64, 8, generator=gen)
+    assert torch.equal(read_paged(paged_cache(room[:, :40], room[:, :40], 40, 40)), room[:, :40])
+    with pytest.raises(KvpotError, match="paged view"):
+        paged_cache(keys, values, 41, 48)
+
+
+def test_hip_query_is_scaled_as_hip_attns_callers_scale_it():
+    from kvpot.bench.hip_reference import hip_query
+
+    query = torch.randn(4, 2, 16, dtype=torch.bfloat16)
+    got = hip_query(query, 0.25)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, query * 0.25)
+
+
+def test_hip_decoder_sends_one_query_row_and_a_paged_cache():
+    from kvpot.bench.hip_inputs import random_inputs
+    from kvpot.bench.hip_reference import HipDecoder, hip_query, read_paged
+
+    inputs = random_inputs("tiny", 2048, 64, "cpu", torch.float32, 0)
+    hip = _FakeHip()
+    decoder = HipDecoder(hip, CASES["paper"], inputs, False, True)
+    query = inputs.query[:, -1:]
+    out, recomputed = decoder(0, query, 2000)
+    call = hip.calls[-1]
+    assert recomputed and call.cached is None and out.shape == query.shape
+    assert call.k is None and call.v is None  # hip-attn's decoding kernel reads the paged cache only
+    assert torch.equal(call.q, hip_query(query, inputs.scaling).transpose(0, 1).unsqueeze(0))  # [1, 1, heads, d]
+    args = call.args
+    assert args.is_decode and args.using_extend and args.extend_context_length == 2048
+    assert args.q_mask.shape == (1, 2, query.shape[0], query.shape[2]) and torch.equal(args.q_mask[0, 0], call.q[0, 0])
+    assert torch.equal(args.q_mask[0, 1], call.q[0, 0]) and args.position_ids.tolist() == [[1999, 1999]]
+    assert args.cache_seq_lens.tolist() == [2000] and args.block_table.shape == (1, 2048)
+    paged = {name: getattr(args, name) for name in ("k_cache", "v_cache", "block_table", "cache_seq_lens")}
+    assert torch.equal(read_paged(paged), inputs.keys[:, :2000])
+    assert torch.equal(read_paged(paged, "v_cache"), inputs.values[:, :2000])
+    # a later step that reuses the mask passes the last indices back (no stage recomputed: step 1 of 32/16/8)
+    _, recomputed = decoder(1, inputs.query[:, -1:], 2001)
+    cached = hip.calls[-1].cached
+    assert not recomputed and cached.indices is decoder.last.indices and cached.stage_caches is None
+    assert hip.calls[-1].args.cache_seq_lens.tolist() == [2001] and hip.calls[-1].args.position_ids.tolist() == [[2000] * 2]
+
+
+def test_a_row_that_raises_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
+    import kvpot.bench.hip_reference as reference
+    from kvpot.bench.hip_run import HipReferenceConfig, run_hip_reference, summary
+
+    def prefill_row(hip, case, inputs, early, device, repeats):
+        if case.name == "paper":
+            raise AssertionError("decode should not accept k, only support the paged cache")
+        errors = {"max": 0.0, "mean": 0.0}
+        return {"phase": "prefill", "queries": inputs.query.shape[1], "blocks": 1, "kvpot_us": None, "hip_us": None,
+                "stages": [{"stage": 1, "chunk": 256, "recall": 1.0, "precision": 1.0}],
+                "errors": {"kvpot_vs_dense": errors, "hip_vs_dense": errors, "kvpot_vs_hip": errors}}
+
+    def decode_row(hip, case, inputs, early, device, steps, refresh):
+        hip.attention(None, None, None, None)  # the fake hip raises as hip-attn's decode did
+
+    monkeypatch.setattr(reference, "prefill_row", prefill_row)
+    monkeypatch.setattr(reference, "decode_row", decode_row)
+    config = HipReferenceConfig(out=tmp_path / "run", lengths=[512, 1024], cases=["paper", "paper-hipscan"],
+                                shape="tiny", queries=64, decode_steps=4, refresh=["on"], device="cpu",
+                                dtype="float32")
+    results = run_hip_reference(config, progress=False, hip=_FakeHip(fail="decode should not accept k"))
+    rows = results["rows"]
+    assert len(rows) == 2 * 2 * 2 and results["complete"] and results["errors"] == 6  # every row ran
+    ok = [row for row in rows if "error" not in row]
+    assert [(row["length"], row["case"], row["phase"]) for row in ok] == [(512, "paper-hipscan", "prefill"),
+                                                                         (1024, "paper-hipscan", "prefill")]
+    failed = rows[0]
+    assert failed["phase"] == "prefill" and failed["error"].startswith("AssertionError: decode should not accept k")
+    assert any("raise AssertionError" in line for line in failed["traceback"])
+    assert rows[1]["phase"] == "decode" and rows[1]["mask_refresh"] == "on" and "AssertionError" in rows[1]["error"]
+    import json
+
+    saved = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert saved["errors"] == 6 and len(saved["rows"]) == 8
+    text = (tmp_path / "run" / "summary.md").read_text()
+    assert text == summary(results) and text.count("**error**") == 6 and "6 of 8 rows raised" in text
+    assert "| 512 | paper-hipscan | late | prefill q=64 | s1 1.000/1.000 |" in text
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HIP or torch.cuda.is_available(),
+                    reason="needs hip-attn's files and Triton on a CPU machine (on CUDA the GPU test runs the kernels)")
+def test_hip_attn_reads_the_paged_decoding_step_as_its_plain_extend_path_under_the_interpreter():
+    """benchmarks/hip-reference-h100/interpret.py: hip-attn's own kernels under Triton's interpreter (~75 s)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, str(root / "benchmarks/hip-reference-h100/interpret.py"), "2048",
+                          "--steps", "2"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    calls = json.loads(run.stdout)["calls"]
+    assert calls["extend-paged"]["max_vs_extend_plain"] == 0.0  # the paged view reads the same keys
+    assert calls["decode-paged-1-split"]["max_vs_extend_plain"] < 1e-5
+    assert all(call["same_selection"] for call in calls.values())

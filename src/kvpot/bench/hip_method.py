@@ -18,7 +18,7 @@ import torch
 
 from kvpot.bench.hip_inputs import Inputs
 from kvpot.bench.hip_mapping import get_case
-from kvpot.bench.hip_reference import HipDecoder, hip_args
+from kvpot.bench.hip_reference import HipDecoder, hip_args, hip_query
 from kvpot.errors import KvpotError
 from kvpot.methods.infinitehip import InfiniteHiP
 
@@ -54,7 +54,8 @@ class HipAttnRuntime:
                 return out.unsqueeze(0)
             positions = torch.arange(n - q, n, device=query.device)
             args = hip_args(self.hip, self.case, inputs, early, positions, False)
-            out, _ = self.hip.attention(*(x[0].transpose(0, 1).unsqueeze(0).contiguous() for x in (query, key, value)),
+            q = hip_query(query[0], scaling)
+            out, _ = self.hip.attention(*(x.transpose(0, 1).unsqueeze(0).contiguous() for x in (q, key[0], value[0])),
                                         args)
             return out[0].transpose(0, 1).unsqueeze(0)
 

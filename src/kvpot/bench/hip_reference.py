@@ -105,17 +105,53 @@ def kvpot_prefill(case: HipCase, inputs: Inputs, early: bool, device: str, repea
 # ---------------------------------------------------------------------------- hip-attn's side
 
 
-def hip_args(hip, case: HipCase, inputs: Inputs, early: bool, positions: torch.Tensor, decoding: bool):
+def hip_args(hip, case: HipCase, inputs: Inputs, early: bool, positions: torch.Tensor, decoding: bool, **extra):
+    """HiPAttentionArgs for this case; `extra`: more fields (the paged cache and masking query of a decoding step).
+    extend_context_length is the keys' count (the cache's capacity: hip-attn's MAX_TSRC when it reads a paged
+    cache, sglang's max_context_len)."""
     fields = case.hip_fields(early, decoding)
     stages = [hip.scan_stage(**stage) for stage in fields.pop("stages")]
     cos, sin = inputs.rope.table(int(positions.max()) + case.window + 2 * max(case.chunks) + 4096, inputs.keys)
     return hip.args(position_ids=positions.view(1, -1), stages=stages, rope_cos=cos, rope_sin=sin,
                     model_context_length=inputs.max_positions, extend_context_length=inputs.keys.shape[1],
-                    layer_id=0 if early else 31, **fields)
+                    layer_id=0 if early else 31, **fields, **extra)
 
 
 def _bthd(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1).unsqueeze(0).contiguous()  # [h, t, d] -> [1, t, h, d]
+
+
+def hip_query(query: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The query as hip-attn takes it: multiplied by the softmax scale first. Its attention kernels apply none
+    (`attention_extend_bsa`: q * sqrt(d) / d^(1/4) against k / d^(1/4), a factor of 1), and every caller in the
+    package (paged_hip.py: `query * sm_scale`, `query_for_mask * sm_scale`) scales first; the scan's selection does
+    not change (a positive factor keeps every comparison)."""
+    return (query * scaling).to(query.dtype)
+
+
+def paged_cache(keys: torch.Tensor, values: torch.Tensor, length: int, width: int) -> dict:
+    """keys/values [kv_heads, n, d] as hip-attn's paged KV cache (HiPAttentionArgs k_cache, v_cache, block_table,
+    cache_seq_lens), the layout its sglang integration passes (paged_hip.py `_forward_paged_hip`): page size 1,
+    k_cache / v_cache [slots, 1, kv_heads, d] (here a strided view of the n keys, no copy: hip-attn's kernels take
+    every stride), block_table [1, width] int32 mapping position t to its slot (t for t < length; 0 beyond, as a
+    fresh req_to_token row), cache_seq_lens [1] int32 = length (its kernels mask loads at t >= length). hip-attn
+    reads key t of KV head h at k_cache[block_table[0, t // page], t % page, h] (uvm_gpu_cache.load_tokens)."""
+    if keys.shape[1] < length or width < length:
+        raise KvpotError(f"hip-reference: a paged view of {length} keys needs that many (have {keys.shape[1]}, "
+                         f"table width {width}).")
+    columns = torch.arange(width, device=keys.device, dtype=torch.int32)
+    table = torch.where(columns < length, columns, torch.zeros_like(columns)).view(1, width)
+    return dict(k_cache=keys.transpose(0, 1).unsqueeze(1), v_cache=values.transpose(0, 1).unsqueeze(1),
+                block_table=table, cache_seq_lens=torch.tensor([length], device=keys.device, dtype=torch.int32))
+
+
+def read_paged(paged: dict, which: str = "k_cache") -> torch.Tensor:
+    """What hip-attn reads through a paged cache, as [kv_heads, length, d]: a plain gather through the block table
+    (for tests: it must equal keys[:, :length])."""
+    cache, table, length = paged[which], paged["block_table"][0], int(paged["cache_seq_lens"][0])
+    t = torch.arange(length, device=table.device)
+    page_size = cache.shape[1]
+    return cache[table[t // page_size].long(), t % page_size].transpose(0, 1)
 
 
 def hip_stage_ranges(metadata, case: HipCase, chunks: tuple[int, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -135,7 +171,7 @@ def hip_prefill(hip, case: HipCase, inputs: Inputs, early: bool, device: str, re
     n, q = inputs.keys.shape[1], inputs.query.shape[1]
     positions = torch.arange(n - q, n, device=inputs.keys.device)
     args = hip_args(hip, case, inputs, early, positions, False)
-    qh, kh, vh = _bthd(inputs.query), _bthd(inputs.keys), _bthd(inputs.values)
+    qh, kh, vh = _bthd(hip_query(inputs.query, inputs.scaling)), _bthd(inputs.keys), _bthd(inputs.values)
     (out, metadata), micros = _timed(lambda: hip.attention(qh, kh, vh, args), device, repeats)
     return Side(out[0].transpose(0, 1), hip_stage_ranges(metadata, case, case.chunks), micros)
 
@@ -247,20 +283,40 @@ class HipDecoder:
                                  stage_caches=list(self.stage_caches[:stage + 1]), **empty), True
 
     def __call__(self, step: int, query: torch.Tensor, n: int) -> tuple[torch.Tensor, bool]:
-        """One step. hip-attn 1.2.9's single-query scan (`decode_chunk_controllable_sampling_mask_cuda`) does not
-        compile with `using_extend=True` (its config's default) under Triton 3.4.0 or 3.6.0: it passes the Python
-        constant `True` as the query mask into code that calls `.to()` on it and loads a [1, d] RoPE row under a
-        [heads, d] mask. So the step is sent as two identical query rows at the same position: hip-attn's extend
-        path (the kernels its prefill runs), whose max over rows equals the one query's; row 0 is the output."""
+        """One step: query [heads, 1, d] at position n - 1 over the first n keys -> ([heads, 1, d], recomputed).
+
+        Sent as hip-attn's serving integration sends a decoding step (paged_hip.py `_forward_paged_hip`,
+        is_decode=True): k and v None, the keys and values in its paged cache (`paged_cache`: page size 1,
+        block_table over the cache's capacity, cache_seq_lens = n), the query scaled (`hip_query`). Its
+        block-sparse attention then runs its decoding kernel (`decode_block_sparse_attention`, chosen for fewer
+        than 32 query rows, which accepts only a paged cache) on the one query row.
+
+        The scan gets the same query twice, as a separate masking query (`HiPAttentionArgs.q_mask`, the hook
+        sglang's `query_for_mask` uses; position_ids follow it: [n - 1, n - 1]): hip-attn 1.2.9's single-row scan
+        kernel (`decode_chunk_controllable_sampling_mask_cuda`, taken when the masking query has one row) does not
+        compile with `using_extend=True` (its config's default), with plain or paged keys alike: it passes the
+        Python constant `True` as a query mask into code that calls `.to()` on it (Triton 3.6.0: "'bool' object
+        has no attribute 'to'") and loads a [1, d] RoPE row under a [heads, d] mask (Triton 3.4.0). Two rows take
+        its prefill scan kernel, whose max over a block's rows is the one query's. hip-attn then sizes its final
+        window with a query block of 2 (one key more than a single-row scan would).
+
+        Checked on a CPU under Triton's interpreter (benchmarks/hip-reference-h100/interpret.py): the paged cache
+        reads the same keys as plain k/v, and with one split per section the decoding kernel's output is its
+        prefill kernel's on the same selection. With its default splits it weighs a sparse block once per split
+        that reads it (a split steps BLOCK_BK blocks past its own end where ceil(blocks / splits) is no multiple of
+        BLOCK_BK): hip-attn's decoding as it ships, measured as it is here."""
         cached, recomputed = self.cached(step)
-        positions = torch.tensor([n - 1, n - 1], device=query.device)
-        args = hip_args(self.hip, self.case, self.inputs, self.early, positions, True)
-        out, metadata = self.hip.attention(_bthd(torch.cat([query, query], dim=1)), _bthd(self.inputs.keys[:, :n]),
-                                           _bthd(self.inputs.values[:, :n]), args, cached)
+        q = hip_query(query, self.inputs.scaling)
+        positions = torch.full((2,), n - 1, device=query.device)
+        capacity = self.inputs.keys.shape[1]
+        paged = paged_cache(self.inputs.keys, self.inputs.values, n, capacity)
+        args = hip_args(self.hip, self.case, self.inputs, self.early, positions, True,
+                        q_mask=_bthd(torch.cat([q, q], dim=1)), **paged)
+        out, metadata = self.hip.attention(_bthd(q), None, None, args, cached)
         if recomputed:
             self.last = metadata
             self.stage_caches = metadata.stage_caches
-        return out[0, :1].transpose(0, 1), recomputed
+        return out[0].transpose(0, 1), recomputed
 
 
 def _steps(case, inputs, early, refresh, hip, steps):

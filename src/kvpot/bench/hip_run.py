@@ -66,39 +66,76 @@ def _load_model(config: HipReferenceConfig):
     return model, tokenizer
 
 
-def run_hip_reference(config: HipReferenceConfig, progress: bool = True) -> dict:
+def run_hip_reference(config: HipReferenceConfig, progress: bool = True, hip=None) -> dict:
+    """Every (length, layer kind, case) row; `hip`: hip-attn's entry points (default: `load_hip()`). A row that
+    raises is recorded with its error (`"error"`) and the run goes on to the next one."""
     from kvpot.bench.common import checkpoint, machine
     from kvpot.bench.hip_reference import decode_row, prefill_row
     from kvpot.bench.hip_shim import load_hip
 
-    hip = load_hip()  # before any model: a missing piece costs nothing
+    hip = hip or load_hip()  # before any model: a missing piece costs nothing
     config.out.mkdir(exist_ok=True)
     results = {"complete": False, "machine": machine(config.device), "hip_attn": hip.version, "triton": hip.triton,
                "replaced_modules": hip.replaced, "mapping": MAPPING, "unmapped": UNMAPPED,
                "cases": {name: CASES[name].__dict__ for name in config.cases},
                "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in config.__dict__.items()}, "rows": []}
     loaded = _load_model(config)
+
+    def add(base: dict, measure) -> None:
+        results["rows"].append({**base, **_guarded(measure, config.device)})
+        _show(results["rows"][-1], progress)
+        checkpoint(results, config.out)
+
     for n in config.lengths:
         for kind in config.layers:
-            inputs = _inputs(config, n, kind == "early", loaded)
+            early = kind == "early"
+            try:
+                inputs = _inputs(config, n, early, loaded)
+            except Exception as err:  # noqa: BLE001 - recorded in each of its rows
+                for name in config.cases:
+                    add({"length": n, "case": name, "layer": kind, "source": config.source, "phase": "inputs"},
+                        lambda err=err: _raise(err))
+                continue
             for name in config.cases:
                 case = CASES[name]
                 base = {"length": n, "case": name, "layer": kind, "source": inputs.source}
                 if "prefill" in config.phases:
-                    results["rows"].append({**base, **prefill_row(hip, case, inputs, kind == "early", config.device,
-                                                                  config.repeats)})
-                    _show(results["rows"][-1], progress)
-                    checkpoint(results, config.out)
+                    add({**base, "phase": "prefill", "queries": config.queries},
+                        lambda: prefill_row(hip, case, inputs, early, config.device, config.repeats))
                 for refresh in config.refresh if "decode" in config.phases else ():
-                    results["rows"].append({**base, **decode_row(hip, case, inputs, kind == "early", config.device,
-                                                                 config.decode_steps, refresh == "on")})
-                    _show(results["rows"][-1], progress)
-                    checkpoint(results, config.out)
-            del inputs
+                    add({**base, "phase": "decode", "mask_refresh": refresh, "steps": config.decode_steps},
+                        lambda refresh=refresh: decode_row(hip, case, inputs, early, config.device,
+                                                           config.decode_steps, refresh == "on"))
+            inputs = None  # before the next length's
     results["complete"] = True
+    results["errors"] = sum("error" in row for row in results["rows"])
     checkpoint(results, config.out)
     (config.out / "summary.md").write_text(summary(results), encoding="utf-8")
     return results
+
+
+def _raise(err: Exception):
+    raise err
+
+
+def _guarded(measure, device: str) -> dict:
+    """measure()'s row, or {"error": ..., "traceback": ...} when it raises (the GPU's memory released after)."""
+    import traceback
+
+    try:
+        return measure()
+    except Exception as err:  # noqa: BLE001 - one row's failure is that row's result
+        row = {"error": f"{type(err).__name__}: {err}".strip(),
+               "traceback": traceback.format_exception(type(err), err, err.__traceback__)[-6:]}
+    if device.startswith("cuda"):
+        import torch
+
+        try:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        except Exception as err:  # noqa: BLE001 - a broken context fails every later row, each recorded
+            row["cuda_after"] = f"{type(err).__name__}: {err}"
+    return row
 
 
 def _fmt(value, digits: int = 3) -> str:
@@ -106,6 +143,12 @@ def _fmt(value, digits: int = 3) -> str:
 
 
 def _line(row: dict) -> str:
+    if "error" in row:
+        mode = {"prefill": f"prefill q={row.get('queries')}", "inputs": "inputs"}.get(
+            row["phase"], f"decode x{row.get('steps')} refresh {row.get('mask_refresh')}")
+        text = row["error"].splitlines()[0] if row["error"] else "error"
+        text = (text if len(text) <= 160 else text[:157] + "...").replace("|", "/")
+        return f"| {row['length']} | {row['case']} | {row['layer']} | {mode} | **error**: {text} | - | - | - | - | - |"
     e = row["errors"]
     if row["phase"] == "prefill":
         recall = " ".join(f"s{s['stage']} {_fmt(s['recall'])}/{_fmt(s['precision'])}" for s in row["stages"])
@@ -128,10 +171,15 @@ HEADER = ("| keys | case | layer | phase | recall/precision of hip-attn's keys |
 def summary(results: dict) -> str:
     replaced = "\n".join(f"- `{name}`: {why}" for name, why in results["replaced_modules"].items())
     rows = "\n".join(_line(row) for row in results["rows"])
+    failed = [row for row in results["rows"] if "error" in row]
+    errors = "" if not failed else (f"\n\n{len(failed)} of {len(results['rows'])} rows raised (the run went on):\n\n"
+                                    + "\n".join(f"- {row['length']} {row['case']} {row['layer']} {row['phase']}"
+                                                 f"{' refresh ' + row['mask_refresh'] if 'mask_refresh' in row else ''}: "
+                                                 f"`{row['error']}`" for row in failed))
     return (f"# kvpot InfiniteHiP beside hip-attn {results['hip_attn']} (triton {results['triton']})\n\n"
             f"{results['machine'].get('gpu') or results['machine']['device']}, commit "
-            f"{results['machine'].get('git_commit')}\n\n{HEADER}\n{rows}\n\nLoaded without (placeholders raise if "
-            f"called):\n\n{replaced}\n")
+            f"{results['machine'].get('git_commit')}\n\n{HEADER}\n{rows}{errors}\n\nLoaded without (placeholders "
+            f"raise if called):\n\n{replaced}\n")
 
 
 def _show(row: dict, progress: bool) -> None:

@@ -26,7 +26,8 @@ hip-attn's files:
    own wrapper is used unchanged. hip-attn's wrapper also refuses `TRITON_INTERPRET=1` ("interpret should
    avoided"), and `attention_extend_bsa` calls `torch.cuda.get_device_name()` at import (its autotune configs):
    on a CPU hip-attn cannot even be imported (tried with Triton 3.6.0 and CPU PyTorch: every placeholder above
-   held, the import stopped there), so this loader refuses both up front.
+   held, the import stopped there), so this loader refuses both up front. `load_hip_interpreted` runs it there
+   all the same, slowly, for checks at tiny shapes (it says what it changes in this process).
 
 `HipModules.replaced` records every substitution, and the harness writes it to its JSON.
 """
@@ -192,19 +193,79 @@ def load_hip(offload: bool = False) -> HipModules:
     """hip-attn's v1.2 attention, loaded as the module docstring says. Raises KvpotError naming what is missing."""
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise KvpotError("hip-reference: hip-attn refuses TRITON_INTERPRET=1 (its triton_jit raises 'interpret "
-                         "should avoided'); its kernels need a CUDA GPU.")
-    try:
-        import triton
-    except ImportError:
-        raise KvpotError("hip-reference needs Triton (it comes with CUDA builds of PyTorch); hip-attn's kernels "
-                         "are Triton kernels.") from None
+                         "should avoided'); its kernels need a CUDA GPU (load_hip_interpreted runs them on a CPU, "
+                         "slowly, for checks).")
+    triton = _triton()
     folder = _package_dir()
     import torch
 
     if not torch.cuda.is_available():  # tried on a CPU: the import reached torch.cuda.get_device_name() and failed
         raise KvpotError("hip-reference: hip-attn needs a CUDA GPU: it asks the GPU's name at import (the autotune "
                          "configs of attention_extend_bsa) and its kernels refuse Triton's interpreter.")
+    return _load(triton, folder, offload, {})
+
+
+def load_hip_interpreted() -> HipModules:
+    """hip-attn's attention under Triton's interpreter on a CPU (TRITON_INTERPRET=1, set before Triton is imported):
+    for checking what the harness sends at tiny shapes (benchmarks/hip-reference-h100/interpret.py), not for
+    measuring. hip-attn's own files run unchanged; what this process changes, recorded in `replaced`:
+
+    - without CUDA, `torch.cuda.get_device_name` (asked at import for autotune configs), `current_device` and
+      `set_device` (called around each scan stage) answer as for one device, `is_current_stream_capturing` False;
+    - Triton 3.6's interpreter takes `int()` of a one-element array (a scalar argument used as a `range` bound),
+      an error under NumPy 2: its tensors' `__index__` reads the element instead;
+    - compiled Triton runs `for i in range(CONSTEXPR)` with a tensor `i`, the interpreter with a Python int:
+      `hip_attn.v1_2.attention_decode_bsa`'s kernels (which call `i.to(...)`) get a `range` of interpreter
+      scalars."""
+    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise KvpotError("hip-reference: load_hip_interpreted needs TRITON_INTERPRET=1 in the environment before "
+                         "Triton is imported.")
+    triton = _triton()
+    folder = _package_dir()
+    import builtins
+
+    import numpy
+    import torch
+    import triton.runtime.interpreter as interpreter
+
     replaced: dict[str, str] = {}
+    if not torch.cuda.is_available():
+        torch.cuda.get_device_name = lambda *args, **kwargs: "cpu (Triton interpreter)"
+        torch.cuda.current_device = lambda: 0
+        torch.cuda.set_device = lambda *args, **kwargs: None
+        torch.cuda.is_current_stream_capturing = lambda: False
+        replaced["torch.cuda (device name, current_device, set_device, is_current_stream_capturing)"] = (
+            "no CUDA: answered as for one device, never capturing")
+    if not getattr(interpreter, "_kvpot_index_patch", False) and int(numpy.__version__.split(".")[0]) >= 2:
+        patch = interpreter._patch_lang_tensor
+
+        def patch_lang_tensor(tensor, scope):
+            patch(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+        interpreter._patch_lang_tensor = patch_lang_tensor
+        interpreter._kvpot_index_patch = True
+        replaced["triton.runtime.interpreter tensor.__index__"] = "int() of a one-element array fails on NumPy 2"
+    hip = _load(triton, folder, False, replaced, plain_jit=True)
+    decode = importlib.import_module("hip_attn.v1_2.attention_decode_bsa")
+
+    def scalar_range(*bounds):
+        for i in builtins.range(*(int(b) for b in bounds)):
+            yield interpreter._implicit_cvt(i)
+    decode.range = scalar_range
+    replaced["hip_attn.v1_2.attention_decode_bsa range"] = "the interpreter's loop variables as Triton scalars"
+    return hip
+
+
+def _triton():
+    try:
+        import triton
+    except ImportError:
+        raise KvpotError("hip-reference needs Triton (it comes with CUDA builds of PyTorch); hip-attn's kernels "
+                         "are Triton kernels.") from None
+    return triton
+
+
+def _load(triton, folder: Path, offload: bool, replaced: dict[str, str], plain_jit: bool = False) -> HipModules:
     if not isinstance(sys.modules.get("hip_attn"), types.ModuleType) or "hip_attn.v1_2" not in sys.modules:
         _bare_package("hip_attn", folder)
         _bare_package("hip_attn.v1_2", folder / "v1_2")
@@ -222,10 +283,11 @@ def load_hip(offload: bool = False) -> HipModules:
         for name, why in OFFLOAD_ONLY.items():
             sys.modules.setdefault(name, PlaceholderModule(name, why))
             replaced[name] = why
-    if triton.__version__ != PINNED_TRITON:
+    if triton.__version__ != PINNED_TRITON or plain_jit:
         sys.modules["hip_attn.v1_2.triton_jit"] = _plain_jit_module()
-        replaced["hip_attn.v1_2.triton_jit"] = (f"asserts triton == {PINNED_TRITON}, installed {triton.__version__}: "
-                                                "kernels compiled by the installed triton.jit / triton.autotune")
+        replaced["hip_attn.v1_2.triton_jit"] = (f"asserts triton == {PINNED_TRITON} (installed {triton.__version__}) "
+                                                "and refuses the interpreter: kernels run by the installed "
+                                                "triton.jit / triton.autotune")
     try:
         extend = importlib.import_module("hip_attn.v1_2.attention_extend")
         metadata = importlib.import_module("hip_attn.v1_2.attention_metadata")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 from kvpot.bench.backends import DEFAULT_SDPA, SDPA_CHOICES
@@ -162,12 +163,15 @@ def _hip_arguments(p) -> None:
         "un-rotated q/k/v (hip-attn applies RoPE itself). hip-attn is loaded from its files without its package "
         "__init__s, with placeholders for what its Triton path does not use and, under a Triton other than 3.4.0, "
         "the installed triton.jit (kvpot.bench.hip_shim says how). Configurations: paper (the paper's settings, "
-        "kvpot's defaults, on both sides), hip-args (HiPAttentionArgs' defaults), hip-config (HiPAttentionConfig's, "
-        "sglang's). The parameter mapping is in docs/methods.md. Example:\n"
+        "kvpot's defaults, on both sides), paper-hipscan (the same with kvpot's scan='hip'), hip-args "
+        "(HiPAttentionArgs' defaults), hip-config (HiPAttentionConfig's, sglang's). The parameter mapping is in "
+        "docs/methods.md. Example:\n"
         "  PYTHONPATH=/tmp/hip-site kvpot bench hip-reference --shape llama3-8b --lengths 16k,128k --hip-case paper "
         "--hip-case hip-config --device cuda --out runs/hip")
     h.add_argument("--hip-case", action="append", default=[], metavar="NAME",
-                   help="a configuration run on both sides: paper, hip-args, hip-config (repeatable; default paper)")
+                   help="a configuration run on both sides: paper, paper-hipscan, hip-args, hip-config (repeatable; "
+                        "default paper). A row that raises is recorded with its error and the run goes on (exit "
+                        "status 1 if any did)")
     h.add_argument("--source", default="random", choices=["random", "model"],
                    help="q/k/v: random at --shape, or one layer's captured from --model reading filler text")
     h.add_argument("--hip-layers", default="late", metavar="LIST",
@@ -328,8 +332,11 @@ def run(args) -> int:
     if args.mode == HIP_MODE:
         from kvpot.bench.hip_run import run_hip_reference
 
-        run_hip_reference(_hip_config(args))
-        return 0
+        results = run_hip_reference(_hip_config(args))
+        if results["errors"]:
+            print(f"hip-reference: {results['errors']} of {len(results['rows'])} rows raised (recorded in their rows)",
+                  file=sys.stderr)
+        return 1 if results["errors"] else 0
     config = config_from_args(args)
     from kvpot.bench import run_bench
 
