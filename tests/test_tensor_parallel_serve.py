@@ -171,7 +171,8 @@ def test_tensor_parallel_serve_follower_runs_rank_zero_turns():
     """A follower's worker runs no thread: `follow` runs the turns it receives (here: make the default pool,
     an idle turn, stop) with the engine its spec names, then returns."""
     from kvpot.serve.metrics import Metrics
-    from kvpot.serve.worker import Turn, Worker
+    from kvpot.serve.turns import Turn
+    from kvpot.serve.worker import Worker
 
     made = []
     engine = type("E", (), {"method": type("M", (), {"config": lambda self: {"method": "streaming"}})()})()

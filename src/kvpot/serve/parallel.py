@@ -3,10 +3,10 @@
 Every rank loads its shard of the model (transformers' TP plan, `kvpot.models.tensor_parallel`) and builds
 the same `Service`; rank 0 alone runs the HTTP server. Every forward holds collectives, so every rank must
 do the same engine work in the same order. The server's generation thread already does all of it in turns
-(`kvpot.serve.worker`), so rank 0 plans each turn (the commands that arrived: requests submitted, texts to
+(`kvpot.serve.turns`), so rank 0 plans each turn (the commands that arrived: requests submitted, texts to
 read, stored states promoted or deleted, pools made; the pools it steps; whether the oldest read advances
-or stops), sends it with one `broadcast_object_list` over a gloo group of its own (objects never go
-through NCCL), and every rank runs it. Inside a step the scheduler's own agreement
+or stops), sends it with one `broadcast_object_list` over a gloo group of its own (`kvpot.serve.turns`:
+objects never go through NCCL), and every rank runs it. Inside a step the scheduler's own agreement
 (`kvpot.engine.agreement`) checks that every rank holds the same new requests and applies rank 0's
 cancellations at the same boundary, and rank 0's sampled tokens are broadcast (`kvpot.models.parallel`).
 
@@ -27,45 +27,10 @@ from __future__ import annotations
 
 import logging
 import signal
-from datetime import timedelta
-from pathlib import Path
 
 from kvpot.errors import KvpotError
 
 log = logging.getLogger("kvpot.serve")
-
-
-class TurnExchange:
-    """Rank 0's turns to every rank: `broadcast_object_list` over a gloo group spanning the torchrun."""
-
-    def __init__(self, group, rank: int):
-        self.group, self.rank = group, rank
-
-    @classmethod
-    def of(cls, engine, timeout: float) -> TurnExchange:
-        """The exchange of `engine`'s tensor-parallel ranks (every rank must call this, in the same order)."""
-        import torch.distributed as dist
-
-        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
-        return cls(group, engine.parallel.rank)
-
-    def turn(self, sent: dict | None) -> dict:
-        """Rank 0's `sent` on every rank (the other ranks pass None); raises when a rank is gone."""
-        import torch.distributed as dist
-
-        box = [sent]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
-
-
-def rank_directory(directory: Path | None, parallel) -> Path | None:
-    """Where this rank keeps its stored states: `directory` alone, a subfolder of it per rank under tensor
-    parallelism (each rank's files hold its own KV heads, under the same names)."""
-    if directory is None or parallel is None:
-        return directory
-    path = Path(directory) / f"tp{parallel.size}-rank{parallel.rank}"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def serve_tensor_parallel(recipe, config, log_level: str) -> None:

@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 from kvpot.errors import Cancelled, KvpotError
 from kvpot.serve.config import ServeConfig
 from kvpot.serve.metrics import Metrics
-from kvpot.serve.parallel import TurnExchange, rank_directory
-from kvpot.serve.prompt import Prompt, TextStream
+from kvpot.serve.prompt import Collector, Prompt
 from kvpot.serve.protocol import ApiError
 from kvpot.serve.store import DamagedState, StateStore, state_key
 from kvpot.serve.tokens import TokenizerPool, longest_token_chars
+from kvpot.serve.turns import TurnExchange, rank_directory
 from kvpot.serve.worker import Pool, Ticket, Worker
 from kvpot.engine.state_io import model_fingerprint
 
@@ -352,7 +352,7 @@ class Service:
 
     async def _collect(self, job: Job, ticket: Ticket, engine, queue: asyncio.Queue):
         """The request's tokens as they come, turned into text (stop strings end it early)."""
-        stream = _Collector(self.decoding_tokenizer, job.stops, None, job.emit)
+        stream = Collector(self.decoding_tokenizer, job.stops, None, job.emit)
         tokens = []
         while True:
             token = await queue.get()
@@ -391,34 +391,6 @@ class Service:
             if "more than a slot holds" in str(err):
                 raise ApiError(413, str(err), code="context_too_long") from None
             raise ApiError(400, str(err)) from None
-
-
-class _Collector:
-    """A request's text: pieces from `TextStream`, each handed to `emit` as it is ready."""
-
-    def __init__(self, tokenizer, stops, lock, emit):
-        self.inner = TextStream(tokenizer, stops, lock)
-        self.emit, self.pieces = emit, []
-
-    @property
-    def stopped(self) -> bool:
-        return self.inner.stopped
-
-    @property
-    def text(self) -> str:
-        return "".join(self.pieces)
-
-    def push(self, token: int) -> None:
-        self._out(self.inner.push(token))
-
-    def finish(self) -> None:
-        self._out(self.inner.finish())
-
-    def _out(self, piece: str) -> None:
-        if piece:
-            self.pieces.append(piece)
-            if self.emit is not None:
-                self.emit(piece)
 
 
 class Outbox:
