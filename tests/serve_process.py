@@ -28,18 +28,20 @@ def _free_port() -> int:
 class Server:
     """`python -m kvpot serve ...` in a subprocess; `stop()` ends it (SIGTERM, then SIGKILL)."""
 
-    def __init__(self, state_dir: Path, *extra: str, key: str | None = KEY):
+    def __init__(self, state_dir: Path, *extra: str, key: str | None = KEY, launcher: list[str] | None = None,
+                 extra_env: dict | None = None):
+        """`launcher`: what runs `kvpot` (default `python -m kvpot`; torchrun for --tp); `extra_env`: added variables."""
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = state_dir.parent / f"server-{self.port}.log"
         self.key = key
         # one intra-op thread: on a shared 2-core machine two threads run a tiny model many times slower
         env = {k: v for k, v in os.environ.items() if k != "KVPOT_API_KEY"}
-        env.update({"OMP_NUM_THREADS": "1", **({"KVPOT_API_KEY": key} if key else {})})
+        env.update({"OMP_NUM_THREADS": "1", **({"KVPOT_API_KEY": key} if key else {})}, **(extra_env or {}))
         # InfiniPot with its default 2,048-entry pot: the reference model's window
         # KVPOT_SERVE_TEST_DEVICE=cuda runs the same tests on a GPU (batched steps as CUDA graphs)
         device = os.environ.get("KVPOT_SERVE_TEST_DEVICE", "cpu")
-        argv = [sys.executable, "-m", "kvpot", "serve", "--device", device, "--port", str(self.port),
+        argv = [*(launcher or [sys.executable, "-m", "kvpot"]), "serve", "--device", device, "--port", str(self.port),
                 "--method", "infinipot",
                 "--state-dir", str(state_dir), "--max-queue", "2", "--cache-min-tokens", "256",
                 "--max-context-tokens", "40000", "--max-body-bytes", "1MiB", "--log-level", "warning", *extra]

@@ -12,7 +12,7 @@ DEFAULT_METHOD = "infinipot:pot_size=4096"  # bounded, as `kvpot generate`'s def
 
 
 def register(subparsers) -> None:
-    from kvpot.cli.args import METHOD_METAVAR, add_decode_argument, add_model_arguments
+    from kvpot.cli.args import METHOD_METAVAR, add_decode_argument, add_model_arguments, add_tp_argument
     from kvpot.defaults import PREFILL_TOKENS
 
     p = subparsers.add_parser(
@@ -30,7 +30,9 @@ def register(subparsers) -> None:
             "  kvpot serve --method infinipot               # bundled reference model (2,048-token window), port 8000\n"
             "  kvpot serve --model meta-llama/Llama-3.1-8B-Instruct --method infinipot:pot_size=4096 \\\n"
             "      --state-dir ~/.cache/kvpot/states --api-key $KEY\n"
-            "  kvpot serve --model smollm2-135m --device cuda --replicas 2 --state-dir /shared/states   # 2 GPUs"
+            "  kvpot serve --model smollm2-135m --device cuda --replicas 2 --state-dir /shared/states   # 2 GPUs\n"
+            "  torchrun --nproc-per-node 2 -m kvpot serve --tp 2 --model meta-llama/Llama-3.1-8B-Instruct \\\n"
+            "      --method infinipot:pot_size=4096   # one server, every layer split over 2 GPUs (rank 0 serves HTTP)"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -102,6 +104,17 @@ def register(subparsers) -> None:
     p.add_argument("--cache-min-tokens", type=int, default=1024,
                    help="a conversation's context is stored for later questions from this many tokens on "
                         "(default 1024)")
+    t = p.add_argument_group(
+        "tensor parallelism (torchrun)",
+        "One server over the N processes of `torchrun --nproc-per-node N -m kvpot serve --tp N ...` (one GPU each; "
+        "gloo on a CPU): rank 0 serves HTTP at --host/--port and plans every step, the other ranks run the same "
+        "steps on their shard. Not with --replicas, --share-documents or --device-map. --state-dir gets a "
+        "subfolder per rank. On SIGTERM or Ctrl-C rank 0 drains (--shutdown-grace: keep it under torchrun's 30 s "
+        "before it kills the ranks), then every rank exits (docs/scaling.md, Tensor parallelism).")
+    add_tp_argument(t)
+    t.add_argument("--tp-timeout", type=float, default=600.0,
+                   help="seconds a rank waits for the others at a step boundary before the server gives up on a "
+                        "rank that died or hung (requests then fail with a 503 and the server exits; default 600)")
     r = p.add_argument_group(
         "replicas (Ray Serve; pip install 'kvpot[cluster]')",
         "N engines, one per GPU (or CPU replicas on a machine without one), behind Ray Serve's HTTP proxy at "
@@ -150,7 +163,7 @@ def run(args) -> int:
         kv_memory_fraction=args.kv_memory_fraction, method_slots=args.method_slots,
         prefill_tokens=args.prefill_tokens, slot_capacity=args.slot_capacity,
         feed_questions=args.feed_questions, feed_tokens=args.feed_tokens, share_documents=args.share_documents,
-        read_timeout=args.read_timeout,
+        read_timeout=args.read_timeout, tp_timeout=args.tp_timeout,
         shutdown_grace=args.shutdown_grace, allowed_hosts=tuple(args.allowed_hosts.split(",")),
     )
     from kvpot.serve.config import EngineRecipe
@@ -159,7 +172,9 @@ def run(args) -> int:
     build_method(config.method)  # a bad spec fails before the model loads
     recipe = EngineRecipe(model=config.model, method=config.method, device=config.device, dtype=config.dtype,
                           chat_template=config.chat_template, decode=args.decode, compile_step=args.compile_step,
-                          linear=args.linear)
+                          linear=args.linear, tp=args.tp)
+    if args.tp != 1:
+        _check_tensor_parallel(args)
     from kvpot.serve.server import setup_logging
 
     setup_logging(args.log_level)  # the model's loading and the pool's sizes are logged too
@@ -170,7 +185,29 @@ def run(args) -> int:
                                 affinity_slack=args.affinity_slack, fronts=args.fronts)
         run_cluster(recipe, config, cluster, args.log_level)
         return 0
+    if args.tp != 1:
+        from kvpot.serve.parallel import serve_tensor_parallel
+
+        serve_tensor_parallel(recipe, config, args.log_level)
+        return 0
     from kvpot.serve.server import run_server
 
     run_server(recipe.build(), config, args.log_level)
     return 0
+
+
+def _check_tensor_parallel(args) -> None:
+    """What cannot run under --tp, refused before any weight is read."""
+    from kvpot.errors import KvpotError
+    from kvpot.models.parallel import check_world
+
+    if args.replicas is not None:
+        raise KvpotError("--tp runs one server over the processes of a torchrun; --replicas runs engines through "
+                         "Ray Serve: give one of them (replicas of tensor-parallel servers are not built).")
+    if args.share_documents:
+        raise KvpotError("--share-documents does not run under tensor parallelism yet: drop it (each reader of a "
+                         "document then reads it from its own slot).")
+    if args.device_map is not None or args.max_memory is not None:
+        raise KvpotError("--tp splits every layer over the GPUs; --device-map/--max-memory split the layers: "
+                         "give one of them.")
+    check_world(args.tp)

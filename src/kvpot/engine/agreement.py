@@ -87,6 +87,9 @@ class StepAgreement:
 
     def __init__(self, parallel):
         self.parallel = parallel
+        # rank 0 sends what other ranks need to build its new requests; off where every rank submits each
+        # request itself (a tensor-parallel server: kvpot.serve.parallel), which the digests then check
+        self.payloads = True
         self.agreed = False  # `follow` agreed on the coming step already (to see rank 0's stop first)
         self.count = 0  # requests announced so far (their numbers, in order)
         self.numbers: dict[int, int] = {}  # id(request) -> its number, for the live ones
@@ -117,7 +120,7 @@ class StepAgreement:
 
     def _announce(self, request: Request) -> tuple[int, str, dict | None]:
         number = self._track(request)
-        return number, digest(request), payload(request)
+        return number, digest(request), payload(request) if self.payloads else None
 
     def _track(self, request: Request) -> int:
         number, self.count = self.count, self.count + 1
@@ -136,8 +139,9 @@ class StepAgreement:
                 self._track(own[index])
                 continue
             if sent is None:
-                raise KvpotError(f"rank 0's request {number} answers from a stored state, which only the rank "
-                                 "that holds its heads can read: every rank must submit it itself.")
+                raise KvpotError(f"rank {self.parallel.rank} lacks rank 0's request {number}: a request on a stored "
+                                 "state (each rank holds its own heads of it), or any request where rank 0 sends no "
+                                 "payloads, must be submitted on every rank itself.")
             request = Request(**sent)
             request.submitted = 0.0
             scheduler.waiting.append(request)

@@ -66,6 +66,8 @@ def create_app(engine, config) -> FastAPI:
     @app.get("/health")
     async def health():
         used, slots = service.worker.slots()
+        if service.worker.broken:  # the tensor-parallel ranks are gone: restart the server
+            return JSONResponse({"status": "broken", "error": service.worker.broken}, status_code=503)
         if service.draining:  # a load balancer stops sending here
             return JSONResponse({"status": "draining", "running": service.worker.running}, status_code=503)
         return {"status": "ok", "model": service.model_name, "queue_depth": service.worker.waiting,
@@ -109,7 +111,7 @@ def create_app(engine, config) -> FastAPI:
     @app.delete("/v1/documents/{document_id}")
     async def delete_document(document_id: str):
         entry = _document(service, document_id)
-        service.store.delete(entry.key)
+        await service.worker.command("delete", entry.key)  # on the generation thread: on every rank under --tp
         return {"id": entry.id, "object": "document", "deleted": True}
 
     # ---------------------------------------------------------------- completions

@@ -56,6 +56,7 @@ class ServeConfig:
     read_timeout: float = 30.0  # seconds for a request's headers, and then for its body (408 beyond)
     shutdown_grace: float = 30.0  # seconds requests in flight get to finish after SIGTERM
     allowed_hosts: tuple[str, ...] = ()  # without an API key: Host values served beside loopback ("*": any)
+    tp_timeout: float = 600.0  # tensor parallelism: seconds a rank waits for the others' turn before giving up
     state_dir_shared: bool = False  # other servers use state_dir too (replicas: kvpot.serve.cluster), not a flag
 
     def __post_init__(self):
@@ -68,12 +69,12 @@ class ServeConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise KvpotError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}.")
-        for name in ("read_timeout", "shutdown_grace"):
+        for name in ("read_timeout", "shutdown_grace", "tp_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise KvpotError(f"--{name.replace('_', '-')} must be a number of seconds >= 0, got {value!r}.")
-        if self.read_timeout == 0:
-            raise KvpotError("--read-timeout must be positive.")
+        if self.read_timeout == 0 or self.tp_timeout == 0:
+            raise KvpotError(f"--{'read' if self.read_timeout == 0 else 'tp'}-timeout must be positive.")
         self.allowed_hosts = tuple(h.strip().lower() for h in self.allowed_hosts if h.strip())
         if not 0 < self.kv_memory_fraction <= 1:
             raise KvpotError(f"--kv-memory-fraction must be in (0, 1], got {self.kv_memory_fraction!r}.")
@@ -111,9 +112,11 @@ class EngineRecipe:
     decode: str = "auto"
     compile_step: bool = False
     linear: str = "auto"
+    tp: int = 1  # tensor parallelism over the processes of one torchrun (kvpot.serve.parallel)
 
     def build(self):
-        """The engine (the model loaded on `device`); an error if its tokenizer is missing (a server needs one)."""
+        """The engine (the model loaded on `device`, or this rank's shard with `tp` > 1); an error if its
+        tokenizer is missing (a server needs one)."""
         from kvpot.engine import Engine
         from kvpot.methods.spec import build_method
         from kvpot.models.support import resolve_device, resolve_dtype, resolve_model
@@ -122,7 +125,7 @@ class EngineRecipe:
         engine = Engine.from_pretrained(resolve_model(self.model), method=build_method(self.method),
                                         device=resolve_device(self.device), dtype=resolve_dtype(self.dtype),
                                         chat_template=template, decode=self.decode, compile_step=self.compile_step,
-                                        linear=self.linear)
+                                        linear=self.linear, tp_size=self.tp)
         if engine.tokenizer is None:
             raise KvpotError(f"{resolve_model(self.model)} has no tokenizer; kvpot serve needs one.")
         return engine

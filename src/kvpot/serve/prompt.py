@@ -187,3 +187,31 @@ class TextStream:
         piece = upto[self.sent :]
         self.sent = max(self.sent, len(upto))
         return piece
+
+
+class Collector:
+    """A request's text: pieces from `TextStream`, each handed to `emit` as it is ready."""
+
+    def __init__(self, tokenizer, stops, lock, emit):
+        self.inner = TextStream(tokenizer, stops, lock)
+        self.emit, self.pieces = emit, []
+
+    @property
+    def stopped(self) -> bool:
+        return self.inner.stopped
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    def push(self, token: int) -> None:
+        self._out(self.inner.push(token))
+
+    def finish(self) -> None:
+        self._out(self.inner.finish())
+
+    def _out(self, piece: str) -> None:
+        if piece:
+            self.pieces.append(piece)
+            if self.emit is not None:
+                self.emit(piece)

@@ -18,8 +18,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 log = logging.getLogger("kvpot.serve")
 
 
-def run_server(engine, config, log_level: str = "info") -> None:
-    """Serve `engine` with `config` (`ServeConfig`) until SIGTERM or Ctrl-C; returns after the shutdown."""
+def run_server(engine, config, log_level: str = "info"):
+    """Serve `engine` with `config` (`ServeConfig`) until SIGTERM or Ctrl-C (or, under tensor parallelism,
+    until the other ranks are gone); returns the `Service` after the shutdown."""
     from kvpot.serve.app import create_app
 
     setup_logging(log_level)
@@ -31,6 +32,7 @@ def run_server(engine, config, log_level: str = "info") -> None:
     settings = uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level, access_log=False,
                               http=protocol, timeout_graceful_shutdown=5)
     _Server(settings, app.state.service, config.shutdown_grace).run()
+    return app.state.service
 
 
 def setup_logging(level: str) -> None:
@@ -57,7 +59,17 @@ class _Server(uvicorn.Server):
 
     async def serve(self, sockets=None) -> None:
         self.loop = asyncio.get_running_loop()
-        await super().serve(sockets)
+        watch = self.loop.create_task(self._watch_ranks())
+        try:
+            await super().serve(sockets)
+        finally:
+            watch.cancel()
+
+    async def _watch_ranks(self) -> None:
+        """Under tensor parallelism: stop serving once the other ranks are gone (no request can run)."""
+        while not self.service.worker.broken:
+            await asyncio.sleep(0.5)
+        self.should_exit = True
 
     def handle_exit(self, sig, frame) -> None:
         if self.loop is None or self.drain_task is not None or self.should_exit:

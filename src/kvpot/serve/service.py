@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import json
 import logging
 import threading
@@ -24,10 +25,11 @@ from dataclasses import dataclass, field
 from kvpot.errors import Cancelled, KvpotError
 from kvpot.serve.config import ServeConfig
 from kvpot.serve.metrics import Metrics
-from kvpot.serve.prompt import Prompt, TextStream
+from kvpot.serve.prompt import Collector, Prompt
 from kvpot.serve.protocol import ApiError
 from kvpot.serve.store import DamagedState, StateStore, state_key
 from kvpot.serve.tokens import TokenizerPool, longest_token_chars
+from kvpot.serve.turns import TurnExchange, rank_directory
 from kvpot.serve.worker import Pool, Ticket, Worker
 from kvpot.engine.state_io import model_fingerprint
 
@@ -84,7 +86,9 @@ class Service:
         self.model_name = config.served_model_name or _model_name(config.model)
         self.engines = {_config_key(engine.method.config()): engine}
         self.engines_lock = threading.Lock()
-        self.store = StateStore(config.state_memory, config.state_dir, config.state_disk, config.state_dir_shared)
+        self.parallel = engine.parallel  # tensor parallelism: every rank runs a Service (kvpot.serve.parallel)
+        self.store = StateStore(config.state_memory, rank_directory(config.state_dir, self.parallel),
+                                config.state_disk, config.state_dir_shared)
         self.metrics = Metrics()
         # fast tokenizers refuse concurrent use from two threads ("Already borrowed"): worker threads encode
         # with copies of their own, the event loop decodes with one nobody else uses (kvpot.serve.tokens)
@@ -92,14 +96,21 @@ class Service:
         self.tokenizers = TokenizerPool(tokenizer) if tokenizer is not None else None
         self.decoding_tokenizer = copy.deepcopy(tokenizer) if tokenizer is not None else None
         self.max_chars = config.max_context_tokens * (longest_token_chars(tokenizer) if tokenizer is not None else 1)
-        self.worker = Worker(config, self.metrics, self._make_scheduler)
+        # under tensor parallelism the gloo group for the turns is made here, on every rank alike
+        exchange = TurnExchange.of(engine, config.tp_timeout) if self.parallel is not None else None
+        self.worker = Worker(config, self.metrics, self._make_scheduler, self.engine_for, exchange)
+        self.worker.handlers.update(submit=self._submit_stored, keep_and_submit=self._keep_and_submit,
+                                    put_document=self._put_document, prefill=self._prefill,
+                                    promote=lambda key, local=None: self.store.promote(key),
+                                    delete=lambda key, local=None: self.store.delete(key),
+                                    persist=lambda local=None: self.store.persist())
         self.outboxes: dict = {}  # event loop -> its Outbox (one in a server; tests may run several)
         self.default_pool: Pool | None = None  # made by `start`
         self.inflight = 0  # HTTP requests being answered (the app's middleware counts them)
         self.draining = False  # shutting down: new requests get 503
         found = self.store.scan(model_fingerprint(engine.model))
         if found:
-            log.info("found %d stored states in %s", found, config.state_dir)
+            log.info("found %d stored states in %s", found, self.store.directory)
 
     async def start(self) -> None:
         """Make the default method's pool (its memory is taken before the first request)."""
@@ -120,6 +131,8 @@ class Service:
                               memory_fraction=self.config.kv_memory_fraction,
                               feed_questions=self.config.feed_questions, feed_tokens=self.config.feed_tokens,
                               share_documents=self.config.share_documents)
+        if self.parallel is not None:  # every rank submits each request itself (the same turn's command)
+            scheduler.agreement.payloads = False
         # every batch size's graph before the first user: measured on an H100 (records/serve-batch-h100),
         # the first step at 64 users otherwise took 2.6 s of compiling and capturing while they waited
         captured = scheduler.capture()
@@ -145,11 +158,11 @@ class Service:
     async def stop(self) -> None:
         """After the last request: states held only in memory are written to --state-dir, then the
         generation thread ends."""
-        if self.config.state_dir is not None:
+        if self.config.state_dir is not None and not self.worker.broken:
             try:
-                written = await self.worker.call(self.store.persist)
+                written = await self.worker.command("persist")
                 if written:
-                    log.info("wrote %d states held in memory to %s", written, self.config.state_dir)
+                    log.info("wrote %d states held in memory to %s", written, self.store.directory)
             except Exception:
                 log.exception("could not write the states held in memory")
         await asyncio.to_thread(self.worker.shutdown)
@@ -213,16 +226,19 @@ class Service:
         engine = self.engine_for(spec)
         key = self.key_for(engine, text_ids)
         spec_text = spec or self.default_spec
-        entry = await self.worker.call(lambda: self.store.promote(key))
+        entry = await self.worker.command("promote", key)
         if entry is not None:  # the same text with the same method was read already
             return {**entry.describe(), "reused": True}
-        state = await self._read(engine, text_ids, ticket)
-        self._check_slot(engine, state, spec_text)
+        _, entry = await self._read(spec_text, text_ids, ticket, ("put_document", (key, spec_text)))
+        return {**entry.describe(), "reused": False}
+
+    def _put_document(self, state, key: str, spec: str, local=None):
+        """(generation thread, when the document's read ends) Store it, if a slot could answer about it."""
+        self._check_slot(self.engine_for(spec), state, spec)
         try:
-            entry = await self.worker.call(lambda: self.store.put(key, state, "document", spec_text))
+            return self.store.put(key, state, "document", spec)
         except KvpotError as err:
             raise ApiError(413, str(err), code="state_too_large") from None
-        return {**entry.describe(), "reused": False}
 
     def _check_slot(self, engine, state, spec: str) -> None:
         """Refuse a document that no slot could answer a question about (a cache that grows past a slot)."""
@@ -237,27 +253,30 @@ class Service:
                                 "(--slot-capacity). Raise --slot-capacity or read it with a bounded method.",
                            code="document_too_large")
 
-    async def _read(self, engine, ids: list[int], ticket: Ticket):
-        """`ids` read into a state between the batch's steps, one forward per turn."""
-        steps = lambda: engine.prefill_steps(ids, should_stop=ticket.cancel.is_set,  # noqa: E731
-                                             max_chunk=self.config.prefill_tokens)
-        state = await self._engine_call(self.worker.read(steps, ticket))
+    async def _read(self, spec: str, ids: list[int], ticket: Ticket, then: tuple, then_local=None):
+        """`ids` read into a state between the batch's steps, one forward per turn; then `then` (a handler and
+        its arguments) runs with the state on the generation thread. Returns (state, then's result)."""
+        state, result = await self._engine_call(self.worker.read(("prefill", (spec, ids)), ticket, then, then_local))
         self.metrics.add(prefill_tokens=len(ids), prefill_seconds=state.stats.prefill_seconds)
-        return state
+        return state, result
+
+    def _prefill(self, spec: str, ids: list[int], should_stop):
+        """(generation thread) The generator that reads `ids` with `spec`'s engine, one forward per step."""
+        return self.engine_for(spec).prefill_steps(ids, should_stop=should_stop, max_chunk=self.config.prefill_tokens)
 
     # ---------------------------------------------------------------- answers
     async def answer(self, job: Job, ticket: Ticket) -> Outcome:
         """Run `job` in its pool (`ticket` admitted it there) and collect its text; `job.emit` streams it."""
         engine = self.engine_for(job.spec)
         queue: asyncio.Queue = asyncio.Queue()
-        post = self._poster(queue)
+        local = (ticket, self._poster(queue))  # stays on rank 0: `sent` goes to every rank
+        sent = dataclasses.replace(job, emit=None)
         # the stored state looked up and the request submitted in one turn of the generation thread
-        state = await self._engine_call(self.worker.call(lambda: self._submit_stored(job, engine, ticket, post)))
+        state = await self._engine_call(self.worker.command("submit", sent, local=local))
         cached, read = (state.stats.context_tokens if state is not None else 0), 0.0
         if state is None and job.key is not None:  # a long context not stored yet: read, keep, then submit
-            state = await self._read(engine, job.prompt.context_ids, ticket)
+            state, _ = await self._read(job.spec, job.prompt.context_ids, ticket, ("keep_and_submit", (sent,)), local)
             read = state.stats.prefill_seconds
-            await self._engine_call(self.worker.call(lambda: self._keep_and_submit(job, state, ticket, post)))
         request = ticket.request
         context_tokens = state.stats.context_tokens if state is not None else len(job.prompt.context_ids)
         try:
@@ -285,25 +304,32 @@ class Service:
         outbox = self._outbox()
         return lambda item: outbox.post(queue, item)
 
-    def _submit(self, job: Job, state, ticket: Ticket, post) -> None:
+    def _submit(self, job: Job, engine, state, local) -> None:
         """(generation thread) The engine request of `job` (from `state`, or reading its context in its
-        slot) submitted to the ticket's pool; its tokens and its end go to `post`."""
+        slot) submitted to its method's pool. On rank 0, `local` is (ticket, post): its tokens and its end go
+        to `post`; other ranks (None) run it without callbacks."""
         from kvpot.engine.requests import Request
 
-        metrics = self.metrics
+        ticket, post = local if local is not None else (None, None)
+        callbacks = {}
+        if post is not None:
+            metrics = self.metrics
+            callbacks = {"on_token": lambda _request, token: (metrics.tick(), post(token)),
+                         "on_finish": lambda finished: (metrics.finished(finished), post(_END))}
         request = Request(context_ids=job.prompt.context_ids if state is None else None,
                           question_ids=job.prompt.question_ids, state=state, max_new_tokens=job.max_tokens,
                           temperature=job.temperature, top_p=job.top_p, seed=job.seed, ignore_eos=job.ignore_eos,
-                          on_token=lambda _request, token: (metrics.tick(), post(token)),
-                          on_finish=lambda finished: (metrics.finished(finished), post(_END)))
-        ticket.request = request  # first: a `ticket.stop()` from now on reaches the request
-        if ticket.cancel.is_set():
-            request.cancel_requested = True
-        ticket.pool.scheduler.submit(request)
+                          **callbacks)
+        if ticket is not None:
+            ticket.request = request  # first: a `ticket.stop()` from now on reaches the request
+            if ticket.cancel.is_set():
+                request.cancel_requested = True
+        self.worker.pool_of(engine).scheduler.submit(request)
 
-    def _submit_stored(self, job: Job, engine, ticket: Ticket, post):
+    def _submit_stored(self, job: Job, local=None):
         """(generation thread) Submit `job` from its stored state, or with its context to read in its slot
         (no key); returns the state. A context to keep that is not stored yet: nothing is submitted."""
+        engine = self.engine_for(job.spec)
         state = None
         if job.key is not None:
             state = self.store.get(job.key, engine)
@@ -312,20 +338,21 @@ class Service:
                                     "again.", param="document_id", code="document_not_found")
             if state is None:
                 return None
-        self._submit(job, state, ticket, post)
+        self._submit(job, engine, state, local)
         return state
 
-    def _keep_and_submit(self, job: Job, state, ticket: Ticket, post) -> None:
-        """(generation thread) Store a context just read for the next question, and submit `job` from it."""
+    def _keep_and_submit(self, state, job: Job, local=None) -> None:
+        """(generation thread, when the context's read ends) Store it for the next question, and submit `job`
+        from it."""
         try:
             self.store.put(job.key, state, "context", job.spec)
         except KvpotError:
             pass  # a context too large to keep is simply read again next time
-        self._submit(job, state, ticket, post)
+        self._submit(job, self.engine_for(job.spec), state, local)
 
     async def _collect(self, job: Job, ticket: Ticket, engine, queue: asyncio.Queue):
         """The request's tokens as they come, turned into text (stop strings end it early)."""
-        stream = _Collector(self.decoding_tokenizer, job.stops, None, job.emit)
+        stream = Collector(self.decoding_tokenizer, job.stops, None, job.emit)
         tokens = []
         while True:
             token = await queue.get()
@@ -364,34 +391,6 @@ class Service:
             if "more than a slot holds" in str(err):
                 raise ApiError(413, str(err), code="context_too_long") from None
             raise ApiError(400, str(err)) from None
-
-
-class _Collector:
-    """A request's text: pieces from `TextStream`, each handed to `emit` as it is ready."""
-
-    def __init__(self, tokenizer, stops, lock, emit):
-        self.inner = TextStream(tokenizer, stops, lock)
-        self.emit, self.pieces = emit, []
-
-    @property
-    def stopped(self) -> bool:
-        return self.inner.stopped
-
-    @property
-    def text(self) -> str:
-        return "".join(self.pieces)
-
-    def push(self, token: int) -> None:
-        self._out(self.inner.push(token))
-
-    def finish(self) -> None:
-        self._out(self.inner.finish())
-
-    def _out(self, piece: str) -> None:
-        if piece:
-            self.pieces.append(piece)
-            if self.emit is not None:
-                self.emit(piece)
 
 
 class Outbox:

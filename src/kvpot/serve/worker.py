@@ -1,17 +1,11 @@
-"""The generation thread: every torch call of the server runs here, in one step-driven loop.
+"""The generation thread: every torch call of the server runs here, in one step-driven loop of turns
+(`kvpot.serve.turns`).
 
 The HTTP side only feeds and drains. It takes a place first (`admit`: one of a pool's slots or a
-place in its waiting queue, else 429 with Retry-After), then hands work over: `submit` queues a
-`Request` on its method's pool (`kvpot.engine.Scheduler`), `read` queues a long text to read into a
-state (an uploaded document, a conversation's context to keep), `call` runs a small job (a stored
-state loaded or saved). One turn of the loop:
-
-1. the small jobs and submissions, in arrival order;
-2. one step of every pool with work: one batched decode step for all its decoding requests, then
-   new requests' prompts read within the step's token budget (`--prefill-tokens`);
-3. one forward of the oldest text being read (documents are read between decode steps, so the
-   users already decoding keep streaming while a long document is read);
-4. if nothing is left, sleep until something arrives.
+place in its waiting queue, else 429 with Retry-After), then hands work over as named commands
+(`command`: a request submitted to its method's pool, a stored state promoted or deleted, ...);
+`read` queues a long text to read into a state (an uploaded document, a conversation's context to
+keep), one forward per turn.
 
 Pools: the server's method has one from the start, sized by `--max-slots` or the free GPU memory.
 A request naming a stored state read with another method gets that method's own pool of
@@ -27,12 +21,13 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from kvpot.errors import Cancelled, KvpotError
+from kvpot.errors import KvpotError
 from kvpot.serve.protocol import ApiError
+from kvpot.serve.turns import Command, Read, TurnLoop
 
 log = logging.getLogger("kvpot.serve")
 
@@ -92,21 +87,24 @@ class Ticket:
             self.worker._leave(self)
 
 
-@dataclass
-class _Read:
-    steps: Iterator[int]
-    future: Future
-    ticket: Ticket
+class Worker(TurnLoop):
+    """The generation thread (its loop: `TurnLoop`). `engine_for(spec)` gives the engine of a method spec
+    (the other ranks' pools and reads name their method so); `exchange` (`kvpot.serve.turns.TurnExchange`,
+    tensor parallelism) sends rank 0's turns to the other ranks, whose worker runs no thread but `follow`."""
 
-
-class Worker:
-    def __init__(self, config, metrics, make_pool: Callable[[object, str, int | None], object]):
+    def __init__(self, config, metrics, make_pool: Callable[[object, str, int | None], object],
+                 engine_for: Callable[[str], object] | None = None, exchange=None):
         self.config, self.metrics, self.make_pool = config, metrics, make_pool
+        self.engine_for, self.exchange = engine_for, exchange
+        self.follower = exchange is not None and exchange.rank != 0
+        self.broken: str | None = None  # the other ranks stopped answering: every request fails with this
+        self.handlers: dict[str, Callable] = {"call": lambda fn, local=None: fn(), "pool": self._pool_command,
+                                              "read": self._queue_read}
         self.pools: dict[str, Pool] = {}
         self.lock = threading.Lock()  # admission counts, shared with the HTTP side
         self.wake = threading.Event()
-        self.calls: deque[tuple[Callable, Future]] = deque()
-        self.reads: deque[_Read] = deque()
+        self.calls: deque[Command] = deque()
+        self.reads: deque[Read] = deque()
         self.reading = 0  # texts admitted to `reads` (queued or being read)
         self.rejected = 0
         self.cancelled = 0
@@ -117,26 +115,37 @@ class Worker:
         self.stopping = False
         self.outboxes: list = []  # kvpot.serve.service.Outbox: flushed after every turn
         self.thread = threading.Thread(target=self._loop, name="kvpot-generate", daemon=True)
-        self.thread.start()
+        if not self.follower:
+            self.thread.start()
 
     # ------------------------------------------------------------------ the HTTP side
-    async def call(self, fn: Callable):
-        """`fn()` on the generation thread between steps; the awaitable raises what it raises."""
+    async def command(self, name: str, *args, local=None):
+        """`handlers[name](*args, local=local)` on the generation thread between steps (on every rank under
+        tensor parallelism: `args` must pickle); the awaitable raises what it raises."""
         future: Future = Future()
+        if self.broken:
+            raise ApiError(503, self.broken, code="tensor_parallel_failed")
         if self.stopping:
             raise ApiError(503, "the server is shutting down.")
-        self.calls.append((fn, future))
+        self.calls.append(Command(name, args, local, future))
         self.wake.set()
         return await asyncio.wrap_future(future)
 
-    async def read(self, steps: Callable[[], Iterator[int]], ticket: Ticket):
-        """Run the generator `steps()` one forward per turn of the loop; returns its return value."""
+    async def call(self, fn: Callable):
+        """`fn()` on the generation thread between steps (one process only: a closure cannot be sent to
+        other ranks, so under tensor parallelism use a named `command`)."""
+        if self.exchange is not None:
+            raise KvpotError("Worker.call runs a closure on rank 0 alone; under tensor parallelism every rank must "
+                             "run the same work: register a handler and use Worker.command.")
+        return await self.command("call", fn)
+
+    async def read(self, start: tuple[str, tuple], ticket: Ticket, then: tuple[str, tuple] | None = None,
+                   then_local=None):
+        """Read a text one forward per turn: `handlers[start[0]](*start[1], should_stop=...)` makes the
+        generator, whose return value (a state) is handed, in the turn it ends, to `then` (a handler name and
+        its arguments, called with the state first, `then_local` as local). Returns (state, then's result)."""
         future: Future = Future()
-
-        def queue():
-            self.reads.append(_Read(steps(), future, ticket))
-
-        await self.call(queue)
+        await self.command("read", start, then, local=(ticket, future, then_local))
         return await asyncio.wrap_future(future)
 
     async def pool(self, engine, spec: str, default: bool = False) -> Pool:
@@ -144,13 +153,21 @@ class Worker:
         key = _key(engine)
         pool = self.pools.get(key)
         if pool is None:
-            pool = await self.call(lambda: self._make_pool(engine, spec, default))
+            pool = await self.command("pool", spec, default, local=engine)
+        return pool
+
+    def pool_of(self, engine) -> Pool:
+        """The pool of `engine`'s method, which must exist (a request admitted to it holds it)."""
+        pool = self.pools.get(_key(engine))
+        if pool is None:
+            raise KvpotError(f"no pool runs {engine.method.config()}.")
         return pool
 
     def admit(self, pool: Pool) -> Ticket:
         """A place among the pool's slots or in its queue (`--max-queue` beyond the slots), else 429."""
         with self.lock:
             self._check_draining()
+            self._check_broken()
             if pool.admitted >= pool.slots + self.config.max_queue:
                 self.rejected += 1
                 waiting = pool.admitted - pool.slots
@@ -166,6 +183,7 @@ class Worker:
         """A place among the texts waiting to be read (`--max-queue`, plus the one being read), else 429."""
         with self.lock:
             self._check_draining()
+            self._check_broken()
             if self.reading >= self.config.max_queue + 1:
                 self.rejected += 1
                 retry = self._retry(self.reading, 1)
@@ -183,6 +201,10 @@ class Worker:
         if self.draining:
             raise ApiError(503, "the server is shutting down; retry with another server or in a moment.",
                            code="shutting_down", headers={"Retry-After": "5"})
+
+    def _check_broken(self) -> None:
+        if self.broken:
+            raise ApiError(503, self.broken, code="tensor_parallel_failed")
 
     def _leave(self, ticket: Ticket) -> None:
         with self.lock:
@@ -242,72 +264,14 @@ class Worker:
     def shutdown(self) -> None:
         self.stopping = True
         self.wake.set()
-        self.thread.join(timeout=10)
+        if self.thread.is_alive():
+            self.thread.join(timeout=10)
 
-    # ------------------------------------------------------------------ the generation thread
-    def _loop(self) -> None:
-        trace = _Trace.open()
-        while not self.stopping:
-            begun, calls = time.perf_counter(), len(self.calls)
-            self._run_calls()
-            busy, called = False, time.perf_counter()
-            for pool in list(self.pools.values()):
-                if not pool.scheduler.idle:
-                    self._step(pool)
-                    busy = True
-            stepped = time.perf_counter()
-            reading = bool(self.reads)
-            if reading:
-                self._advance_read()
-                busy = True
-            for outbox in self.outboxes:
-                outbox.flush()
-            if trace is not None and (busy or calls):
-                trace.turn(begun, calls, called, stepped, reading, self.pools)
-            if not busy and not self.calls:
-                self.wake.wait(1.0)
-                self.wake.clear()
-        self._abandon()
+    def _pool_command(self, spec: str, default: bool, droppable: tuple = (), local=None) -> Pool:
+        engine = local if local is not None else self.engine_for(spec)
+        return self._make_pool(engine, spec, default, droppable)
 
-    def _run_calls(self) -> None:
-        while self.calls:
-            fn, future = self.calls.popleft()
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn())
-            except BaseException as err:  # noqa: BLE001 - handed to the awaiting request
-                future.set_exception(err)
-
-    def _step(self, pool: Pool) -> None:
-        scheduler = pool.scheduler
-        before = scheduler.report["batched_rows"] + scheduler.report["eager_rows"]
-        try:
-            scheduler.step()
-        except Exception as err:
-            log.exception("a batched step failed; its requests end with an error")
-            scheduler.abort(err)
-            return
-        rows = scheduler.report["batched_rows"] + scheduler.report["eager_rows"] - before
-        if rows:
-            self.metrics.batch(rows)
-
-    def _advance_read(self) -> None:
-        read = self.reads[0]
-        try:
-            if read.ticket.cancel.is_set():
-                raise Cancelled("the read was stopped.")
-            next(read.steps)
-            return
-        except StopIteration as done:
-            read.future.set_result(done.value)
-        except Cancelled:
-            read.future.set_exception(read.ticket.cancelled_error())
-        except Exception as err:  # noqa: BLE001 - handed to the awaiting request
-            read.future.set_exception(err)
-        self.reads.popleft()
-
-    def _make_pool(self, engine, spec: str, default: bool) -> Pool:
+    def _make_pool(self, engine, spec: str, default: bool, droppable: tuple = ()) -> Pool:
         key = _key(engine)
         if key in self.pools:
             return self.pools[key]
@@ -319,7 +283,7 @@ class Worker:
         except (KvpotError, torch.OutOfMemoryError) as err:
             if default:
                 raise
-            self._drop_idle_pools()
+            self._drop_idle_pools(droppable)
             try:
                 scheduler = self.make_pool(engine, spec, slots)
             except (KvpotError, torch.OutOfMemoryError):
@@ -333,54 +297,23 @@ class Worker:
                  scheduler.slot_bytes() / 2**20)
         return pool
 
-    def _drop_idle_pools(self) -> None:
+    def _droppable(self) -> tuple[str, ...]:
+        """Pools no admitted request holds (rank 0 knows admissions; the other ranks drop what it says)."""
+        with self.lock:
+            return tuple(key for key, pool in self.pools.items() if pool.admitted == 0)
+
+    def _drop_idle_pools(self, droppable: tuple) -> None:
         import torch
 
-        for key, pool in list(self.pools.items()):
-            if pool is not next(iter(self.pools.values())) and pool.admitted == 0 and pool.scheduler.idle:
+        first = next(iter(self.pools.values()), None)
+        for key in droppable:
+            pool = self.pools.get(key)
+            if pool is not None and pool is not first and pool.scheduler.idle:
                 del self.pools[key]
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-
-    def _abandon(self) -> None:
-        """The server stops: whatever still waits gets an error rather than hanging."""
-        for fn, future in self.calls:
-            future.cancel()
-        for read in self.reads:
-            if not read.future.done():
-                read.future.set_exception(ApiError(503, "the server is shutting down."))
-        for pool in self.pools.values():
-            pool.scheduler.abort()
-        for outbox in self.outboxes:
-            outbox.flush()
-
 
 def _key(engine) -> str:
     import json
 
     return json.dumps(engine.method.config(), sort_keys=True, default=str)
-
-
-class _Trace:
-    """One JSON line per busy turn of the generation thread (`KVPOT_SERVE_TRACE=FILE`): when it began,
-    the calls it ran and each phase's seconds, and each pool's counts; for finding where latency goes."""
-
-    def __init__(self, path: str):
-        self.file, self.zero = open(path, "a", buffering=1), time.perf_counter()  # noqa: SIM115 - lives with the thread
-
-    @classmethod
-    def open(cls) -> _Trace | None:
-        import os
-
-        path = os.environ.get("KVPOT_SERVE_TRACE")
-        return cls(path) if path else None
-
-    def turn(self, begun: float, calls: int, called: float, stepped: float, reading: bool, pools: dict) -> None:
-        import json
-
-        end = time.perf_counter()
-        pools = {pool.spec: {"decoding": pool.scheduler.decoding, "prefilling": pool.scheduler.prefilling,
-                             "waiting": len(pool.scheduler.waiting)} for pool in pools.values()}
-        self.file.write(json.dumps({"t": round(begun - self.zero, 4), "calls": calls, "calls_s": round(called - begun, 4),
-                                    "steps_s": round(stepped - called, 4), "read_s": round(end - stepped, 4) if reading
-                                    else 0.0, "pools": pools}) + "\n")
