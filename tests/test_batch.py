@@ -454,3 +454,45 @@ def test_a_given_pool_size_is_checked_against_free_gpu_memory_once_for_library_a
     assert pool.slot_count(on_gpu, 64, None, 256, 0.5, torch.float32) == 5  # half the free memory
     assert pool.slot_count(on_gpu, 64, None, 3, 0.5, torch.float32) == 3  # at most max_slots
     assert pool.slot_count(engine, 64, None, 256, 0.5, torch.float32) == 8  # a CPU: 8
+
+
+def test_a_place_is_given_back_however_a_request_ends(prompts, one_thread):
+    """The scheduler's admission (`Scheduler.admission`): submit takes a place unless one is handed in or the
+    request was admitted elsewhere; finished, cancelled (waiting or running), failed and aborted requests all
+    give theirs back."""
+    engine = kvpot.Engine(build("llama3"), method=kvpot.StreamingLLM(sinks=4, window=44, chunk_size=16))
+    scheduler = Scheduler(engine, slots=2, max_waiting=2, decode="static")
+    taken = lambda: scheduler.admission.view().taken  # noqa: E731
+
+    def new(new_tokens=4, **kw):
+        return Request(*prompts[3], max_new_tokens=new_tokens, ignore_eos=True, **kw)
+
+    def broken(request, token):
+        raise RuntimeError("the consumer went away")
+
+    finished, failed, cancelled = scheduler.submit(new()), scheduler.submit(new(on_token=broken)), scheduler.submit(new())
+    held = scheduler.admission.take()  # a server's place, taken before its request was built
+    running = scheduler.submit(new(50), place=held)
+    assert taken() == 4
+    with pytest.raises(QueueFull, match=r"all 2 slots are busy and 2 requests wait \(max_waiting 2\)"):
+        scheduler.submit(new())
+    scheduler.cancel(cancelled)  # still waiting
+    scheduler.step()
+    assert cancelled.status == "cancelled" and taken() == 3
+    while not (finished.done and failed.done):
+        scheduler.step()
+    assert (finished.status, failed.status) == ("finished", "failed") and taken() == 1
+    scheduler.cancel(running)  # holding a slot
+    scheduler.run()
+    held.release()  # its holder letting go too changes nothing
+    assert running.status == "cancelled" and taken() == 0
+    elsewhere = scheduler.submit(new(), admitted=True)  # another rank's admission: no place here
+    assert taken() == 0
+    mine = [scheduler.submit(new()), scheduler.submit(new())]
+    scheduler.step()
+    assert taken() == 2
+    scheduler.abort(RuntimeError("a step broke"))
+    assert all(r.status == "failed" for r in mine) and elsewhere.done and taken() == 0
+    scheduler.submit(new())
+    scheduler.abort()
+    assert taken() == 0 and scheduler.admission.has_room()

@@ -288,7 +288,10 @@ def test_a_method_without_memory_for_its_pool_gets_a_429_and_admission_counts_pl
 
     class FakeScheduler:
         def __init__(self, slots):
+            from kvpot.engine.admission import Admission
+
             self.pool = type("P", (), {"slots": slots, "free": list(range(slots))})()
+            self.admission = Admission(slots, 1)  # as the service builds it: max_waiting=--max-queue
             self.capacity, self.idle, self.waiting, self.active = 64, True, [], {}
 
         def slot_bytes(self):
@@ -382,3 +385,42 @@ def test_serve_help_states_every_default(capsys):
     for fragment in ("(default 1048576)", "default 8192", "(default 1024)", "default 30)", "--allowed-hosts",
                      "--shutdown-grace", "loopback"):
         assert fragment in text, fragment
+
+
+def test_the_servers_429_comes_from_its_pools_scheduler_admission(one_thread):
+    """`Worker.admit` takes its places from the pool's own `Scheduler.admission` (slots + --max-queue); a
+    submitted request keeps its place until it ends there, a ticket never submitted gives its place back."""
+    import asyncio
+
+    from kvpot.engine.requests import Request
+    from kvpot.serve.service import Service
+
+    engine = _engine(window=60)
+    config = ServeConfig(method="streaming:sinks=4,window=60,chunk_size=32", max_slots=2, max_queue=1)
+    service = Service(engine, config)
+    try:
+        asyncio.run(service.start())
+        pool, worker = service.default_pool, service.worker
+        admission = pool.scheduler.admission
+        assert (admission.slots, admission.max_waiting) == (2, 1)
+        tickets = [worker.admit(pool) for _ in range(3)]
+        assert admission.view().taken == 3 and (worker.running, worker.waiting) == (2, 1)
+        with pytest.raises(ApiError) as busy:
+            worker.admit(pool)
+        assert busy.value.status == 429 and int(busy.value.headers["Retry-After"]) >= 1
+        assert "2 slots taken, 1 requests waiting, --max-queue 1" in busy.value.message and worker.rejected == 1
+        request = Request(list(range(5, 60)), [7, 8], max_new_tokens=3, ignore_eos=True)
+        tickets[0].request = request
+        asyncio.run(worker.call(lambda: pool.scheduler.submit(request, place=tickets[0].place)))
+        assert admission.view().taken == 3  # the ticket's place went with it: not taken twice
+        tickets[1].release()  # never submitted (its client left): its place comes back at once
+        assert admission.view().taken <= 2
+        for _ in range(200):
+            if request.done:
+                break
+            asyncio.run(worker.call(lambda: None))  # a turn; the worker steps the pool meanwhile
+        assert request.status == "finished" and admission.view().taken == 1  # ended: its place is back
+        tickets[0].release()
+        assert admission.view().taken == 1 and pool.admitted == 1
+    finally:
+        service.worker.shutdown()

@@ -157,7 +157,10 @@ class _Exchange:
 
 class _Scheduler:
     def __init__(self):
+        from kvpot.engine.admission import Admission
+
         self.pool = type("P", (), {"slots": 2, "free": [0, 1]})()
+        self.admission = Admission(2, 64)
         self.capacity, self.idle, self.waiting, self.active = 64, True, [], {}
 
     def slot_bytes(self):

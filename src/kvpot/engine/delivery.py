@@ -43,3 +43,22 @@ class TokenOutbox:
             now = time.perf_counter()
             for slot, request, token in zip(slots, requests, tokens.tolist()):
                 yield slot, request, token, now
+
+
+def hand_over(scheduler, active, request, token: int, now: float, ended: list) -> None:
+    """One delivered token to its request (`Scheduler._deliver`): `on_token`, then an end at an
+    end-of-sequence or stop token or at `max_new_tokens` (which frees the slot at once)."""
+    request.tokens.append(token)
+    request.token_times.append(now)
+    if request.first_token_time is None:
+        request.first_token_time = now
+    if request.on_token is not None:
+        try:
+            request.on_token(request, token)
+        except Exception as err:  # noqa: BLE001 - a consumer's error ends its own request only
+            scheduler._fail(request, err, ended)
+            return
+    if token in active.eos:
+        scheduler._end(request, "finished", "stop", ended)
+    elif len(request.tokens) >= request.max_new_tokens:
+        scheduler._end(request, "finished", "length", ended)

@@ -48,8 +48,7 @@ def run_all(scheduler: Scheduler, requests: list[Request], progress: bool = Fals
     pending = deque(requests)
     with tqdm(total=len(requests), unit="req", desc="batch", disable=not progress, leave=False) as bar:
         while pending or not scheduler.idle:
-            while pending and (scheduler.max_waiting is None or len(scheduler.waiting) < scheduler.max_waiting
-                               or scheduler.pool.free):
+            while pending and scheduler.admission.has_room():  # the scheduler's own test: no QueueFull
                 scheduler.submit(pending.popleft())
             bar.update(len(scheduler.step()))
     failed = [r for r in requests if r.status == "failed"]

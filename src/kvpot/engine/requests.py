@@ -13,16 +13,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvpot.engine.admission import QueueFull  # noqa: F401 - its old home: callers import it from here
 from kvpot.engine.results import Result, State, Stats, _Run
 from kvpot.engine.sampling import _as_ids
 from kvpot.errors import KvpotError
 
 STATUSES = ("waiting", "prefilling", "decoding", "finished", "cancelled", "failed")
 _ids = itertools.count()  # request ids, unique in the process
-
-
-class QueueFull(KvpotError):
-    """Every slot is taken and the waiting queue is full: retry later."""
 
 
 @dataclass

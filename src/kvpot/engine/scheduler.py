@@ -16,10 +16,11 @@ from collections import deque
 
 import torch
 
+from kvpot.engine.admission import Admission, Place
 from kvpot.engine.agreement import StepAgreement
 from kvpot.engine.batch import BatchDecoder, batchable_request, batched_method, mirror_append, step_observations
 from kvpot.engine.decoding import resolve_mode
-from kvpot.engine.delivery import TokenOutbox
+from kvpot.engine.delivery import TokenOutbox, hand_over
 from kvpot.engine.documents import copy_before_step, load_state, share_region, unshare
 from kvpot.engine.evict import evict_steady
 from kvpot.engine.mixed import Chunk, mixable, mixed_forward
@@ -27,7 +28,7 @@ from kvpot.defaults import PREFILL_TOKENS, SLOT_MEMORY_FRACTION
 from kvpot.engine.plan import Candidate, check_options, plan_chunks
 from kvpot.engine.pool import SlotPool, slot_bytes, slot_capacity, slot_count
 from kvpot.engine.reading import PromptReader
-from kvpot.engine.requests import Active as _Active, QueueFull, Request, check_fits, seed_bits
+from kvpot.engine.requests import Active as _Active, QueueFull, Request, check_fits, seed_bits  # noqa: F401
 from kvpot.engine.results import _Run, close_stats
 from kvpot.engine.sampling import _as_ids, _eos_ids
 from kvpot.errors import KvpotError
@@ -75,6 +76,8 @@ class Scheduler:
         self.decoder = BatchDecoder(engine, self.pool, graphs=mode == "graph")
         self.mode = mode
         self.max_waiting, self.prefill_tokens = max_waiting, prefill_tokens
+        self.admission = Admission(slots, max_waiting)  # the one admission test (kvpot.engine.admission)
+        self.places: dict[int, Place] = {}  # request id -> its place, given back when it ends
         self.feed_questions, self.feed_tokens = feed_questions, feed_tokens
         self.waiting: deque[Request] = deque()
         self.active: dict[int, _Active] = {}  # slot -> its request
@@ -100,15 +103,19 @@ class Scheduler:
         return self.decoder.capture(step_observations(self.method)) if self.batched else 0
 
     # ------------------------------------------------------------------ feeding and draining
-    def submit(self, request: Request) -> Request:
-        """Queue `request`. Raises `QueueFull` when the slots and the queue are full, `KvpotError` when it
-        can never run here (too long for a slot, a state read with another method)."""
+    def submit(self, request: Request, place: Place | None = None, admitted: bool = False) -> Request:
+        """Queue `request`: it takes a place in `admission` (`QueueFull` when the slots and the queue are
+        full), unless the caller took one for it already (`place`, a server admitting before it builds the
+        request) or admitted it elsewhere (`admitted`: rank 0's under tensor parallelism). The place is
+        given back when the request ends. Raises `KvpotError` when it can never run here (too long for a
+        slot, a state read with another method); a `place` passed in then stays the caller's."""
         if request.status != "waiting" or request.submitted is not None:
             raise KvpotError("this request was submitted already; make a new Request.")
         check_fits(self.engine, self.capacity, request)
-        if self.max_waiting is not None and len(self.waiting) >= self.max_waiting and not self.pool.free:
-            raise QueueFull(f"all {self.pool.slots} slots are busy and {len(self.waiting)} requests wait "
-                            f"(max_waiting {self.max_waiting}); retry later.")
+        if place is None and not admitted:
+            place = self.admission.take()
+        if place is not None:
+            self.places[request.id] = place
         request.submitted = time.perf_counter()
         self.waiting.append(request)
         return request
@@ -408,23 +415,7 @@ class Scheduler:
         for slot, request, token, now in self.outbox.drain():
             active = self.active.get(slot)
             if active is not None and active.request is request and not request.done:
-                self._hand_over(active, request, token, now, ended)
-
-    def _hand_over(self, active: _Active, request: Request, token: int, now: float, ended: list[Request]) -> None:
-        request.tokens.append(token)
-        request.token_times.append(now)
-        if request.first_token_time is None:
-            request.first_token_time = now
-        if request.on_token is not None:
-            try:
-                request.on_token(request, token)
-            except Exception as err:  # noqa: BLE001 - a consumer's error ends its own request only
-                self._fail(request, err, ended)
-                return
-        if token in active.eos:
-            self._end(request, "finished", "stop", ended)
-        elif len(request.tokens) >= request.max_new_tokens:
-            self._end(request, "finished", "length", ended)
+                hand_over(self, active, request, token, now, ended)
 
     # ------------------------------------------------------------------ endings
     def _fail(self, request: Request, error: Exception, ended: list[Request]) -> None:
@@ -443,6 +434,9 @@ class Scheduler:
         if active is not None:
             self.decoder.sampling_slots.discard(request.slot)
             self.pool.release(request.slot)
+        place = self.places.pop(request.id, None)
+        if place is not None:  # every ending passes here: done, cancelled, failed, aborted
+            place.release()
         ended.append(request)
         if request.on_finish is not None:
             request.on_finish(request)

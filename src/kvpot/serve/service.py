@@ -122,11 +122,13 @@ class Service:
         if len(engine.devices) > 1:  # a model split over GPUs runs its layers in turn: one request at a time
             from kvpot.serve.solo import SoloScheduler
 
-            return SoloScheduler(engine)
+            return SoloScheduler(engine, max_waiting=self.config.max_queue)
         capacity = self.slot_capacity(engine)
         decode = engine.decode if engine.decode in ("graph", "static") else "auto"
         # a pool of a given size that does not fit is refused by the Scheduler (kvpot.engine.pool.slot_count)
-        scheduler = Scheduler(engine, slots=slots, capacity=capacity, prefill_tokens=self.config.prefill_tokens,
+        # max_waiting: the scheduler's admission is the server's (`Worker.admit` takes its places: 429 past them)
+        scheduler = Scheduler(engine, slots=slots, capacity=capacity, max_waiting=self.config.max_queue,
+                              prefill_tokens=self.config.prefill_tokens,
                               decode=decode, max_slots=self.config.max_slots or 256,
                               memory_fraction=self.config.kv_memory_fraction,
                               feed_questions=self.config.feed_questions, feed_tokens=self.config.feed_tokens,
@@ -324,7 +326,9 @@ class Service:
             ticket.request = request  # first: a `ticket.stop()` from now on reaches the request
             if ticket.cancel.is_set():
                 request.cancel_requested = True
-        self.worker.pool_of(engine).scheduler.submit(request)
+        # rank 0 admitted it (`Worker.admit`): its ticket's place goes with it, and no rank takes another
+        place = ticket.place if ticket is not None else None
+        self.worker.pool_of(engine).scheduler.submit(request, place=place, admitted=self.worker.follower)
 
     def _submit_stored(self, job: Job, local=None):
         """(generation thread) Submit `job` from its stored state, or with its context to read in its slot

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from kvpot.engine.admission import Admission
 from kvpot.errors import Cancelled, KvpotError
 
 
@@ -24,9 +25,11 @@ class _OneSlot:
 class SoloScheduler:
     """`kvpot.engine.Scheduler`'s surface (submit, step, idle, pool) over `Engine.generate_ids`."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, max_waiting: int | None = None):
         self.engine, self.method = engine, engine.method
         self.pool = _OneSlot()
+        self.admission = Admission(1, max_waiting)  # as `Scheduler.admission`: one slot
+        self.places: dict = {}  # request id -> its place, given back when it ends
         self.capacity = engine.method.max_entries() or 0
         self.waiting: deque = deque()
         self.active: dict = {}
@@ -47,9 +50,14 @@ class SoloScheduler:
     def prefilling(self) -> int:
         return 0
 
-    def submit(self, request):
+    def submit(self, request, place=None, admitted: bool = False):
+        """`Scheduler.submit`: a place taken here unless the caller holds one (`place`) or admitted it elsewhere."""
         if request.state is not None:
             self.engine.check_state(request.state)
+        if place is None and not admitted:
+            place = self.admission.take()
+        if place is not None:
+            self.places[request.id] = place
         request.submitted = time.perf_counter()
         self.waiting.append(request)
         return request
@@ -100,6 +108,9 @@ class SoloScheduler:
         request.status, request.finish_reason = status, reason
         request.finished_time = time.perf_counter()
         self.pool.free, self.active = [0], {}
+        place = self.places.pop(request.id, None)
+        if place is not None:
+            place.release()
         if request.on_finish is not None:
             request.on_finish(request)
         if ended is not None:

@@ -2,7 +2,8 @@
 (`kvpot.serve.turns`).
 
 The HTTP side only feeds and drains. It takes a place first (`admit`: one of a pool's slots or a
-place in its waiting queue, else 429 with Retry-After), then hands work over as named commands
+place in its waiting queue, taken from the pool's own scheduler's admission, `kvpot.engine.admission`,
+else 429 with Retry-After), then hands work over as named commands
 (`command`: a request submitted to its method's pool, a stored state promoted or deleted, ...);
 `read` queues a long text to read into a state (an uploaded document, a conversation's context to
 keep), one forward per turn.
@@ -25,6 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from kvpot.engine.admission import Admission, Place, QueueFull
 from kvpot.errors import KvpotError
 from kvpot.serve.protocol import ApiError
 from kvpot.serve.turns import Command, Read, TurnLoop
@@ -34,17 +36,21 @@ log = logging.getLogger("kvpot.serve")
 
 @dataclass
 class Pool:
-    """One method configuration's scheduler, and the requests admitted to it (waiting or running)."""
+    """One method configuration's scheduler; the requests admitted to it (waiting or running) hold places
+    of its admission (`Scheduler.admission`)."""
 
     key: str
     spec: str
     scheduler: object  # kvpot.engine.Scheduler
-    admitted: int = 0
     last_used: float = field(default_factory=time.monotonic)
 
     @property
     def slots(self) -> int:
         return self.scheduler.pool.slots
+
+    @property
+    def admitted(self) -> int:
+        return self.scheduler.admission.view().taken
 
     def describe(self) -> dict:
         s = self.scheduler
@@ -58,8 +64,8 @@ class Pool:
 class Ticket:
     """An admitted request's place, its cancel flag, and (once submitted) its engine request."""
 
-    def __init__(self, worker: Worker | None = None, pool: Pool | None = None):
-        self.worker, self.pool = worker, pool
+    def __init__(self, worker: Worker | None = None, pool: Pool | None = None, place: Place | None = None):
+        self.worker, self.pool, self.place = worker, pool, place
         self.cancel = threading.Event()
         self.request = None  # kvpot.engine.Request
         self.released = False
@@ -105,7 +111,8 @@ class Worker(TurnLoop):
         self.wake = threading.Event()
         self.calls: deque[Command] = deque()
         self.reads: deque[Read] = deque()
-        self.reading = 0  # texts admitted to `reads` (queued or being read)
+        # texts admitted to `reads` (queued or being read): one read at a time, `--max-queue` waiting
+        self.read_admission = Admission(1, config.max_queue)
         self.rejected = 0
         self.cancelled = 0
         self.recent = 2.0  # moving average of a request's seconds (for Retry-After while none has left lately)
@@ -164,36 +171,40 @@ class Worker(TurnLoop):
         return pool
 
     def admit(self, pool: Pool) -> Ticket:
-        """A place among the pool's slots or in its queue (`--max-queue` beyond the slots), else 429."""
+        """A place among the pool's slots or in its queue (`--max-queue` beyond the slots), else 429: the
+        place of its scheduler's admission, handed with the request to `submit` (not taken twice)."""
         with self.lock:
             self._check_draining()
             self._check_broken()
-            if pool.admitted >= pool.slots + self.config.max_queue:
+            try:
+                place = pool.scheduler.admission.take()
+            except QueueFull:
                 self.rejected += 1
-                waiting = pool.admitted - pool.slots
+                waiting = pool.scheduler.admission.view().waiting
                 retry = self._retry(waiting + 1, pool.slots)
                 raise ApiError(429, f"the server is busy ({pool.slots} slots taken, {waiting} requests waiting, "
                                     f"--max-queue {self.config.max_queue}); retry in about {retry} s.",
-                               headers={"Retry-After": str(retry)})
-            pool.admitted += 1
+                               headers={"Retry-After": str(retry)}) from None
             pool.last_used = time.monotonic()
-            return self._ticket(pool)
+            return self._ticket(pool, place)
 
     def admit_read(self) -> Ticket:
         """A place among the texts waiting to be read (`--max-queue`, plus the one being read), else 429."""
         with self.lock:
             self._check_draining()
             self._check_broken()
-            if self.reading >= self.config.max_queue + 1:
+            try:
+                place = self.read_admission.take()
+            except QueueFull:
                 self.rejected += 1
-                retry = self._retry(self.reading, 1)
-                raise ApiError(429, f"the server is busy ({self.reading} documents being read or waiting); retry "
-                                    f"in about {retry} s.", headers={"Retry-After": str(retry)})
-            self.reading += 1
-            return self._ticket(None)
+                reading = self.read_admission.view().taken
+                retry = self._retry(reading, 1)
+                raise ApiError(429, f"the server is busy ({reading} documents being read or waiting); retry "
+                                    f"in about {retry} s.", headers={"Retry-After": str(retry)}) from None
+            return self._ticket(None, place)
 
-    def _ticket(self, pool: Pool | None) -> Ticket:
-        ticket = Ticket(self, pool)
+    def _ticket(self, pool: Pool | None, place: Place) -> Ticket:
+        ticket = Ticket(self, pool, place)
         self.tickets.add(ticket)
         return ticket
 
@@ -210,10 +221,10 @@ class Worker(TurnLoop):
         with self.lock:
             self.tickets.discard(ticket)
             self.departures.append(time.monotonic())
-            if ticket.pool is None:
-                self.reading -= 1
-            else:
-                ticket.pool.admitted -= 1
+            # a request the scheduler queued gives its place back when it ends there; one never queued
+            # (its client left first, an error before `submit`) gives it back here
+            if ticket.request is None or ticket.request.submitted is None:
+                ticket.place.release()
             if ticket.cancel.is_set() and not ticket.stopped_by_text:
                 self.cancelled += 1
 
@@ -241,12 +252,14 @@ class Worker(TurnLoop):
     @property
     def waiting(self) -> int:
         with self.lock:
-            return sum(max(0, p.admitted - p.slots) for p in self.pools.values()) + max(0, self.reading - 1)
+            views = [p.scheduler.admission.view() for p in self.pools.values()] + [self.read_admission.view()]
+            return sum(view.waiting for view in views)
 
     @property
     def running(self) -> int:
         with self.lock:
-            return sum(min(p.admitted, p.slots) for p in self.pools.values()) + min(self.reading, 1)
+            views = [p.scheduler.admission.view() for p in self.pools.values()] + [self.read_admission.view()]
+            return sum(view.running for view in views)
 
     def shared(self) -> tuple[int, int, int]:
         """(shared documents loaded, their readers, copy-on-write events) over every pool (`--share-documents`)."""
