@@ -169,7 +169,7 @@ def _rule_inputs(n=4096, q=128, h=8, kv=2, d=32, seed=0):
     return query, keys, emb.cos(), emb.sin()
 
 
-def _kvpot_prune(query, keys, cos, sin, chunks, keep, sink, window, block, scan):
+def _kvpot_prune(query, keys, cos, sin, chunks, keep, sink, window, block, scan, style="relative"):
     import math
 
     from kvpot.methods.infinitehip.reference import LayerPlan, Stage, prune
@@ -178,7 +178,7 @@ def _kvpot_prune(query, keys, cos, sin, chunks, keep, sink, window, block, scan)
     h, q, d = query.shape
     kv, n = keys.shape[0], keys.shape[1]
     blocks = math.ceil(q / block)
-    plan = LayerPlan(tuple(Stage(c, k) for c, k in zip(chunks, keep)), sink, window, block, "relative", "streaming",
+    plan = LayerPlan(tuple(Stage(c, k) for c, k in zip(chunks, keep)), sink, window, block, style, "streaming",
                      True, scan)
     pos = n - q + torch.arange(blocks * block).view(blocks, block)
     w0 = (pos[:, 0] + 1 - window).clamp(min=sink)
@@ -198,6 +198,26 @@ def test_restated_hip_rule_is_kvpots_search_with_the_matching_switches(scan):
     chunks, keep = (64, 16, 4), (1024, 512, 128)
     mine = _kvpot_prune(query, keys, cos, sin, chunks, keep, 64, 256, 32, scan)
     rule = Rule(chunks, keep, 64, 256, 32, per_head=scan == "hip", path_max=scan == "hip")
+    restated = select(rule, query, keys, cos, sin)
+    for ours, theirs in zip(mine, restated):
+        assert torch.equal(range_mask(ours.starts[0], ours.ends[0], 4096), range_mask(*theirs, 4096))
+
+
+def test_hip_scan_in_a_first_layer_places_queries_as_hip_attns_streaming_scan():
+    """The first layers (kvpot's chunk-indexed positions, hip-attn's scan_extend_backend='streaming'): hip-attn puts
+    the queries at the stage's column count + window, one count for every block (kvpot's scan='paper' counts each
+    block's valid candidates); scan='hip' follows it, as the re-stated rule does (issue 46: recall 0.60 / 0.36 of
+    hip-attn's keys in layer 0 on the H200 before)."""
+    from kvpot.bench.hip_rule import Rule, select
+    from kvpot.methods.infinitehip.hipscan import hip_columns
+    from kvpot.methods.infinitehip.reference import LayerPlan, Stage
+
+    query, keys, cos, sin = _rule_inputs()
+    chunks, keep, sink, window, block = (64, 16, 4), (8192, 512, 128), 64, 256, 32  # the first stage keeps all
+    plan = LayerPlan(tuple(Stage(c, k) for c, k in zip(chunks, keep)), sink, window, block, "chunk", "streaming", True)
+    assert hip_columns(plan, 4096) == [59, 236, 128]  # ceil((4096 - 64 - 256) / 64), 59 * 4, 512 // 16 * 4
+    mine = _kvpot_prune(query, keys, cos, sin, chunks, keep, sink, window, block, "hip", "chunk")
+    rule = Rule(chunks, keep, sink, window, block, per_head=True, path_max=True, streaming=True)
     restated = select(rule, query, keys, cos, sin)
     for ours, theirs in zip(mine, restated):
         assert torch.equal(range_mask(ours.starts[0], ours.ends[0], 4096), range_mask(*theirs, 4096))

@@ -25,6 +25,10 @@ MAPPING: dict[str, str] = {
     "query_block": "stages[i].stage_block_size_q and block_sparse_block_size_q",
     "rope='dynamic'": "scan_extend_backend='streaming' (first layers) / 'relative' (others), sa_extend_backend="
                       "'streaming', using_extend=True, need_apply_rope=True with rope_cos/rope_sin",
+    "rope='dynamic', first layers, scan='hip'": "scan_extend_backend='streaming': a probe at its candidate's column in "
+                                                "the stage, the queries at hip-attn's column count of the stage "
+                                                "(hipscan.hip_columns: from its MAX_TSRC, the same for every block) + "
+                                                "sliding_window_size, capped at the query's position",
     "rope='relative'": "scan_extend_backend='relative' in every layer",
     "rope='absolute'": "using_extend=False on keys rotated at their true positions",
     "selection='shared'": "env HIP_HEAD_REDUCE=1 (hip-attn's default: scores max-reduced over query heads)",
@@ -47,6 +51,15 @@ UNMAPPED: dict[str, str] = {
                                         "(env HIP_DEBUG_LANDMARK_BASED_SCAN_STAGE, default on) in prefill; kvpot runs "
                                         "the paper's halving search (Algorithm 3), as hip-attn does with landmarks off "
                                         "and in decoding",
+    "rope='dynamic', first layers, scan='paper'": "no hip-attn setting: kvpot's reading puts a block's queries at "
+                                                  "its own valid candidates + window (hip-attn: the stage's column "
+                                                  "count + window, every block alike)",
+    "first-layer columns": "hip-attn's candidate region (chunks up to n - window for every block, kept while their "
+                           "left end is at most the block's first query - window) changes which chunk sits in which "
+                           "column, so a chunk kvpot cannot keep (it runs into the block's window) shifts the streaming "
+                           "positions of every later column; and decoding (one query block) skips its sort, so there "
+                           "the columns follow torch.topk(sorted=False)'s order, and MAX_TSRC is the paged cache's "
+                           "capacity where kvpot's eager step counts the keys so far",
     "model_context_length": "no kvpot parameter: hip-attn shifts streaming positions to fit it; kvpot halves its "
                             "defaulted sizes to fit the model's window instead",
 }

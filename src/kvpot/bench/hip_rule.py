@@ -19,8 +19,11 @@ Written from reading hip-attn's kernels (`hip_attn/v1_2/attention_extend.py`, `s
   to the chunk grid from the sinks). kvpot cuts each block's candidates at its window's start.
 
 With every switch off this is kvpot's selection (`kvpot.methods.infinitehip.reference.prune`, shared, relative
-style); tests/test_hip_reference.py checks that. Only the later layers' style (`relative`: probes at 0 and 1,
-queries at window + 1) is covered.
+style); tests/test_hip_reference.py checks that. Positions: the later layers' style (`relative`: probes at 0 and
+1, queries at window + 1), or with **streaming** the first layers' (hip-attn's `scan_extend_backend="streaming"`,
+kvpot's chunk-indexed positions): a probe sits at its candidate's column in the stage, and the queries at hip-attn's
+column count of the stage + window (capped at the query's own position), the same count for every block: the first
+stage's chunks from the sinks to n - window, then each stage's kept chunks split into the next's.
 """
 
 from __future__ import annotations
@@ -47,9 +50,10 @@ class Rule:
     path_max: bool = False
     strict: bool = False
     hip_region: bool = False
+    streaming: bool = False  # the first layers' positions (see the module docstring)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position: int) -> torch.Tensor:
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position) -> torch.Tensor:
     return x * cos[position] + rotate_half(x) * sin[position]
 
 
@@ -76,15 +80,30 @@ def select(rule: Rule, query: torch.Tensor, keys: torch.Tensor, cos: torch.Tenso
     limit = first - rule.window  # hip-attn: a chunk plays while its left end <= this
     w0 = (first + 1 - rule.window).clamp(min=rule.sink)  # kvpot: candidates end before the window
 
+    columns = [math.ceil(max(0, n - rule.sink - rule.window) / rule.chunks[0])]  # hip-attn's, per stage
+    for i in range(1, len(rule.chunks)):
+        prev = rule.chunks[i - 1]
+        columns.append(min(columns[-1], rule.keep[i - 1] // prev) * (prev // rule.chunks[i]))
+    if rule.streaming:
+        keys_f = keys.float()
+    stage_q = [qrot]  # the queries of the stage being scanned
+
     def head_scores(idx: torch.Tensor, side: int) -> torch.Tensor:
         """[h, B, C] scores (max over valid rows) of keys idx [S, B, C] (S = 1 or h)."""
         idx = idx.clamp(0, n - 1)
-        if idx.shape[0] == 1:
+        q_now = stage_q[0]
+        if rule.streaming:  # each probe at its candidate's column
+            column = torch.arange(idx.shape[-1], device=dev)
+            source = keys_f[:, idx[0]] if idx.shape[0] == 1 else keys_f[head_kv.view(-1, 1, 1), idx]
+            k = _rotate(source, cos.float(), sin.float(), column)
+        elif idx.shape[0] == 1:
             k = krot[side][:, idx[0]]  # [kv, B, C, d]
-            sc = torch.einsum("kgbrd,kbcd->kgbrc", qrot.view(kv, g, blocks, r, d), k).reshape(h, blocks, r, -1)
         else:
             k = krot[side][head_kv.view(-1, 1, 1), idx]  # [h, B, C, d]
-            sc = torch.einsum("hbrd,hbcd->hbrc", qrot, k)
+        if idx.shape[0] == 1:
+            sc = torch.einsum("kgbrd,kbcd->kgbrc", q_now.view(kv, g, blocks, r, d), k).reshape(h, blocks, r, -1)
+        else:
+            sc = torch.einsum("hbrd,hbcd->hbrc", q_now, k)
         return sc.masked_fill(~rows_ok.view(1, blocks, r, 1), float("-inf")).amax(2)
 
     def reduce(sc: torch.Tensor) -> torch.Tensor:  # per path: shared paths decide on the max over heads
@@ -111,6 +130,9 @@ def select(rule: Rule, query: torch.Tensor, keys: torch.Tensor, cos: torch.Tenso
                 ends = starts + chunk
             else:
                 ends = torch.minimum(starts + chunk, ends.unsqueeze(-1).expand(*ends.shape, m).flatten(-2))
+        if rule.streaming:  # queries at the stage's column count + window, at most their own positions
+            at = positions.clamp(max=columns[i] + rule.window)
+            stage_q[0] = _rotate(padded.float(), cos.float(), sin.float(), at)
         s = h if rule.per_head else 1
         left, right = starts.unsqueeze(0).expand(s, -1, -1), ends.unsqueeze(0).expand(s, -1, -1)
         best = torch.full(left.shape, -32000.0, device=dev)

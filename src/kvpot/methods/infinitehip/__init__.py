@@ -61,7 +61,9 @@ class InfiniteHiP(Method):
     Scan: `scan="paper"` runs the halving search as the paper states it (max over heads at every split,
     a chunk scored by its representative key); `scan="hip"` runs it as the authors' hip-attn 1.2.9 does
     (each query head on its own path, a chunk scored by the best probe its path met, heads max-reduced
-    afterwards), so selections can be compared with hip-attn's. The "hip" search has no Triton kernel:
+    afterwards; in the first `early_layers` layers with `rope="dynamic"` the queries sit at hip-attn's
+    column count of the stage + window, the same for every block, where "paper" counts each block's
+    valid candidates), so selections can be compared with hip-attn's. The "hip" search has no Triton kernel:
     it runs in PyTorch (the attention still uses the kernels) and cannot be offloaded.
 
     Prefill is chunked (`chunk_size` tokens per forward) and every query block prunes for itself.

@@ -7,6 +7,20 @@ import math
 import torch
 
 
+def hip_columns(plan, n: int) -> list[int]:
+    """hip-attn 1.2.9's candidate count of each stage over `n` keys (its MAX_TSRC: the keys passed, or a paged
+    cache's capacity): the first stage's chunks from the sinks to n - window, then each stage's kept chunks (its
+    `stage_k // chunk`, at most what it had) split into the next stage's. With `scan_extend_backend="streaming"`
+    a query block's queries sit at this count + window for the stage, whatever the block's own candidates."""
+    chunks = [s.chunk for s in plan.stages]
+    count = math.ceil(max(0, n - plan.sink - plan.window) / chunks[0])
+    out = [count]
+    for i in range(1, len(chunks)):
+        count = min(count, plan.stages[i - 1].keep // chunks[i - 1]) * (chunks[i - 1] // chunks[i])
+        out.append(count)
+    return out
+
+
 class HipSearch:
     """Mixed into `reference._Scorer` when `scan="hip"` (`reference.make_scorer`): the halving search as
     hip-attn 1.2.9's scan kernel runs it, for agreement with the authors' release (docs/methods.md,
@@ -17,8 +31,22 @@ class HipSearch:
       heads' scores meet only once the search is over (hip-attn's `HIP_HEAD_REDUCE`, a max over heads; per KV head
       with `shared=False`), where the paper takes the max over heads at every split, so all heads share one path;
     - a chunk scores the best probe its path met (the running max of each step's winning probe; -32000 for a
-      range too short to split, hip-attn's initial score), where the paper scores the representative key.
+      range too short to split, hip-attn's initial score), where the paper scores the representative key;
+    - in the first `early_layers` layers (chunk-indexed positions, hip-attn's `scan_extend_backend="streaming"`)
+      the queries sit at hip-attn's column count of the stage + window (`hip_columns`, the same for every query
+      block, capped at the query's own position), where the paper's reading counts each block's valid
+      candidates. Each probe sits at its candidate's column on both sides.
     """
+
+    def begin_stage(self, valid: torch.Tensor, stage=None) -> None:
+        if self.plan.prune_rope != "chunk" or stage is None:
+            super().begin_stage(valid, stage)
+            return
+        index = next(i for i, s in enumerate(self.plan.stages) if s is stage)
+        columns = hip_columns(self.plan, self.keys.shape[1])[index]
+        b, r = self.block_pos.shape
+        pos = self.block_pos.clamp(max=columns + self.plan.window).view(1, 1, b, r)
+        self.rotated = self.rotate(self.queries, pos)
 
     def _head_scores(self, idx: torch.Tensor, side: int) -> torch.Tensor:
         """Scores [h, B, C] of keys idx [h, B, C], each query head against its own keys: max over valid rows."""

@@ -162,8 +162,8 @@ class _Scorer:
         self.plan, self.block_pos, self.rotate = plan, block_pos, rotate
         self.rotated: torch.Tensor | None = None
 
-    def begin_stage(self, valid: torch.Tensor) -> None:
-        """Rotate the queries for a stage whose candidates are `valid` [s, B, C]."""
+    def begin_stage(self, valid: torch.Tensor, stage: Stage | None = None) -> None:
+        """Rotate the queries for a stage (`stage`, one of the plan's) whose candidates are `valid` [s, B, C]."""
         kv, g, b, r, d = self.queries.shape
         style = self.plan.prune_rope
         if style == "absolute":
@@ -236,7 +236,7 @@ def run_stage(scorer: _Scorer, starts: torch.Tensor, ends: torch.Tensor, stage: 
               keep: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Score every candidate range [s, B, C] by its representative; keep the best `keep` tokens' chunks."""
     valid = starts < ends
-    scorer.begin_stage(valid)
+    scorer.begin_stage(valid, stage)
     _, score = scorer.search(starts, ends, stage.chunk)  # each range's representative's score
     count = max(1, keep // stage.chunk)
     if score.shape[-1] <= count:
