@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -67,12 +68,20 @@ def test_every_python_script_imports(script, monkeypatch):
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, name, module)
+    environment = dict(os.environ)
     try:
         spec.loader.exec_module(module)
     except ModuleNotFoundError as error:
         if not _needs_missing_triton(error):
             raise
         return  # its kvpot imports are checked by name below
+    finally:
+        changed = sorted(k for k in set(environment) | set(os.environ) if environment.get(k) != os.environ.get(k))
+        os.environ.clear()
+        os.environ.update(environment)
+    # an import changes no environment variable: this test imports every script into the test session (one
+    # setting TRITON_INTERPRET at import made every later torch.compile test recompile per layer)
+    assert changed == [], f"importing {script} changed the environment: {changed}"
     assert module.__name__ != "__main__"
 
 
