@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvpot.kernels.common import merge, multiprocessors, next_power_of_2
+from kvpot.kernels.common import half_scores, merge, multiprocessors, next_power_of_2
 
 
 @triton.jit(do_not_specialize=["N", "PER"])
@@ -108,7 +108,7 @@ def _step_kernel(
         ks2 = tl.load(SIN + kt + HALF, mask=turn[:, None], other=0.0).to(tl.float32)
         r1 = (k1 * kc1 - k2 * ks1).to(K.dtype.element_ty)
         r2 = (k2 * kc2 + k1 * ks2).to(K.dtype.element_ty)
-        sc = _dot(tl.where(near, l1, f1), tl.where(near, l2, f2), r1, r2, IEEE)
+        sc = half_scores(tl.where(near, l1, f1), tl.where(near, l2, f2), r1, r2, IEEE)
         share = tl.sum(tl.where(row_ok[:, None], sc, 0.0), axis=0) / qk  # the group's q . k per window key
         s_ptr = SCORE + h * stride_sh + key
         tl.store(s_ptr, tl.load(s_ptr, mask=turn, other=0.0) + share, mask=turn)
@@ -154,14 +154,6 @@ def _load_keys(K, KG, SLOT, key, ok, h, dh, stride_kh, stride_kn, stride_gh, str
         x1 += tl.load(g_ptr, mask=on_gpu[:, None], other=0.0).to(tl.float32)
         x2 += tl.load(g_ptr + HALF, mask=on_gpu[:, None], other=0.0).to(tl.float32)
     return x1, x2
-
-
-@triton.jit
-def _dot(q1, q2, k1, k2, IEEE: tl.constexpr):
-    """q . k [BLOCK_M, BLOCK_N] with the head split in halves (q1/q2 [BLOCK_M, HALF], k1/k2 [BLOCK_N, HALF])."""
-    if IEEE:
-        return tl.dot(q1, tl.trans(k1), input_precision="ieee") + tl.dot(q2, tl.trans(k2), input_precision="ieee")
-    return tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))
 
 
 def decode_step(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, score: torch.Tensor, t: torch.Tensor,
