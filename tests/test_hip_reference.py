@@ -256,8 +256,6 @@ def test_scan_option_is_checked_and_reaches_every_plan():
     assert {plan.scan for plan in plans} == {"hip"}
     with pytest.raises(KvpotError, match="scan must be"):
         InfiniteHiP(scan="nope")
-    with pytest.raises(KvpotError, match="offloaded"):
-        InfiniteHiP(scan="hip", offload=True)
     assert CASES["paper-hipscan"].kvpot_method().scan == "hip"
 
 

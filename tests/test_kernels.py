@@ -8,6 +8,7 @@ errors are ‖out − ref‖ / ‖ref‖ against a float64 (attention) or float3
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -108,6 +109,64 @@ def test_stage_scan_matches_the_halving_search(shape, prune_rope, shared, schedu
     assert torch.equal(rep[valid], ref_rep[valid])
     assert torch.equal(score.isinf(), ref_score.isinf())
     torch.testing.assert_close(score[valid], ref_score[valid], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(("prune_rope", "turn"), [("relative", True), ("relative", False), ("chunk", False),
+                                                   ("absolute", False)],
+                         ids=["relative-queries-turned", "relative-keys-rotated", "chunk", "absolute"])
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("shape", SHAPES, ids=IDS)
+def test_hip_stage_scan_matches_hip_attns_search(shape, prune_rope, shared, turn):
+    """`scan="hip"`: each query head on its own path, a range scored by the best probe its path met
+    (`hipscan.HipSearch` in PyTorch is the reference), over ranges of every length, some empty."""
+    from kvpot.kernels.hip import hip_stage_scan
+    from kvpot.methods.infinitehip.reference import _HipScorer
+
+    _, n, q, kv, g, d, chunks, _ = shape
+    plan = make_plan(chunks, (10**9,) * len(chunks), prune_rope, shared, rows=min(32, q))
+    plan = dataclasses.replace(plan, scan="hip")
+    cos, sin = table(n + 200, d, torch.float32)
+    query, keys, _ = inputs(n, q, kv, g, d, torch.float32, seed=n + q + 7)
+    rows = plan.query_block
+    blocks = math.ceil(q / rows)
+    grouped = torch.nn.functional.pad(query, (0, 0, 0, blocks * rows - q)).view(kv, g, blocks, rows, d)
+    positions = (n - q + torch.arange(blocks * rows, device=DEVICE)).view(blocks, rows)
+    rows_valid = positions < n
+    s = 1 if shared else kv
+    chunk = chunks[0]
+    count = (n - plan.window) // chunk
+    starts = (torch.arange(count, device=DEVICE) * chunk).view(1, 1, -1).expand(s, blocks, -1).contiguous()
+    lengths = torch.randint(0, chunk + 1, starts.shape, generator=torch.Generator(device=DEVICE).manual_seed(2),
+                            device=DEVICE)
+    ends = torch.minimum(starts + lengths, torch.tensor(n, device=DEVICE))
+    scorer = _HipScorer(grouped, rows_valid, keys, plan, positions.clamp(max=n - 1), rotator(cos, sin))
+    scorer.begin_stage(starts < ends, plan.stages[0])
+    ref_rep, ref_score = scorer.search(starts, ends, chunk)
+    kvg = scorer.rotated.expand(kv, g, *scorer.rotated.shape[2:])
+    rep, score = hip_stage_scan(kvg, rows_valid, keys, starts, ends, chunk, prune_rope, cos, sin, turn=turn,
+                                block_c=16)
+    valid = starts < ends
+    assert torch.equal(rep[valid], ref_rep[valid])
+    assert torch.equal(score.isinf(), ref_score.isinf())
+    torch.testing.assert_close(score[valid], ref_score[valid], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("scan", ["paper", "hip"])
+@pytest.mark.parametrize("shape", SHAPES[:3], ids=IDS[:3])
+def test_kernel_path_equals_the_reference_path_for_each_scan(shape, scan):
+    """`sparse_attention` with a RoPE table against the PyTorch path for both searches (`scan="hip"` runs
+    `hip_stage_scan`), float32, chunk-indexed positions: the same selection and output."""
+    _, n, q, kv, g, d, chunks, keep = shape
+    plan = dataclasses.replace(make_plan(chunks, keep, "chunk", False, rows=min(32, q)), scan=scan)
+    cos, sin = table(n + plan.window + 2, d, torch.float32)
+    query, keys, values = inputs(n, q, kv, g, d, torch.float32, seed=13)
+    ref_masks, out_masks = MaskCache(), MaskCache()
+    ref = sparse_attention(query, keys, values, d ** -0.5, plan, keep[-1], rotator(cos, sin), ref_masks, None)
+    out = sparse_attention(query, keys, values, d ** -0.5, plan, keep[-1], rotator(cos, sin), out_masks, None,
+                           table=(cos, sin))
+    for a, b in zip(ref_masks.stages, out_masks.stages):
+        assert torch.equal(a.starts, b.starts) and torch.equal(a.ends, b.ends)
+    assert rel_error(out, ref) < 1e-5
 
 
 @pytest.mark.parametrize("schedule", ["fused", "stepwise", "stepwise-keys-rotated"])
@@ -355,8 +414,9 @@ def test_store_entry_writes_one_entry_at_the_device_slot(kv, dk, dv):
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("gpu_cache_tokens, refresh", [(160, (4, 2, 1)), (4096, (4, 4, 4))])
-def test_offloaded_and_resident_runs_produce_the_same_tokens(gpu_cache_tokens, refresh):
+@pytest.mark.parametrize("gpu_cache_tokens, refresh, scan", [(160, (4, 2, 1), "paper"), (4096, (4, 4, 4), "paper"),
+                                                              (160, (4, 2, 1), "hip")])
+def test_offloaded_and_resident_runs_produce_the_same_tokens(gpu_cache_tokens, refresh, scan):
     """offload=True (entries in pinned host memory on CUDA, read through an LRU GPU cache) computes the
     same attention as the resident run: same tokens, with a small cache that evicts and a large one."""
     import kvpot
@@ -366,7 +426,7 @@ def test_offloaded_and_resident_runs_produce_the_same_tokens(gpu_cache_tokens, r
     torch.manual_seed(3)
     ids = torch.randint(3, VOCAB, (400,))
     settings = dict(sink=8, window=16, chunks=(32, 8, 2), keep=(64, 32, 16), early_keep=32, query_block=8,
-                    chunk_size=50, refresh=refresh, kernels="triton")
+                    chunk_size=50, refresh=refresh, kernels="triton", scan=scan)
     resident = kvpot.Engine(model, method=kvpot.InfiniteHiP(**settings)).generate_ids(ids, max_new_tokens=12)
     engine = kvpot.Engine(model, method=kvpot.InfiniteHiP(**settings, offload=True, gpu_cache_tokens=gpu_cache_tokens))
     state = engine.prefill_ids(ids)

@@ -11,7 +11,7 @@ import sys
 from kvpot.bench.hip_method import register
 from kvpot.cli import main
 
-METHODS = ["infinitehip", "hipattn:case=paper", "infinipot:catalyst=question"]
+METHODS = ["infinitehip", "infinitehip:scan=hip", "hipattn:case=paper", "infinipot:catalyst=question"]
 
 
 def run(argv: list[str]) -> int:

@@ -339,6 +339,115 @@ def _stepwise_scan(q, keys, cos, sin, starts, ends, valid_rows, r, steps, style,
     return rep, score.masked_fill(starts >= ends, float("-inf"))
 
 
+@triton.jit(do_not_specialize=["N", "C", "C_PER"])
+def _hip_scan_kernel(
+    Q,  # [H, B, R, D] rotated queries, one row set per query head
+    K,  # [KV, N, D] un-rotated keys
+    COS, SIN,  # [P, D] RoPE table
+    STARTS, ENDS,  # [S, B, C] int64 candidate ranges [start, end); empty = padding
+    ROWS_VALID,  # [B, R] int8: 1 where the block's row is a real query
+    REP,  # [H, B, C] int64 out: where each head's path ended
+    BEST,  # [H, B, C] float32 out: the best probe each head's path met
+    N, B, C, R, C_PER, G, PER,  # G: query heads per KV head; PER: query heads per selection
+    stride_qh, stride_qb, stride_qm, stride_kh, stride_kn, stride_t,
+    STEPS: tl.constexpr, TURN: tl.constexpr, STYLE: tl.constexpr, HALF: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Every halving step of one query head's searches over a span of candidates, in one launch.
+
+    hip-attn's search needs no other head's scores to decide a split (each head walks its own path and
+    the heads meet once it is over), so the whole search runs here while the head's queries stay resident,
+    where the paper's shared search needs one launch per step (`_scan_step_kernel`)."""
+    pid = tl.program_id(0)
+    b = pid % B
+    hq = pid // B
+    h = hq // G  # the head's KV head
+    s = hq // PER  # the selection it searches for
+    dh = tl.arange(0, HALF)
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < R
+    row_ok = row_ok & (tl.load(ROWS_VALID + b * R + rows, mask=row_ok, other=0) != 0)
+    q_ptr = Q + hq * stride_qh + b * stride_qb + rows[:, None] * stride_qm + dh[None, :]
+    q1 = tl.load(q_ptr, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HALF]
+    q2 = tl.load(q_ptr + HALF, mask=row_ok[:, None], other=0.0)
+    if TURN:  # relative style: left probes at position 0, right ones at 1
+        ql1, ql2 = _turn(q1, q2, COS, SIN, 0, stride_t, HALF)
+        qr1, qr2 = _turn(q1, q2, COS, SIN, 1, stride_t, HALF)
+    base = (s * B + b) * C
+    out = (hq * B + b) * C
+    lo = tl.program_id(1) * C_PER
+    for c0 in range(lo, tl.minimum(lo + C_PER, C), BLOCK_C):
+        offs_c = c0 + tl.arange(0, BLOCK_C)
+        c_ok = offs_c < C
+        left = tl.load(STARTS + base + offs_c, mask=c_ok, other=0)
+        right = tl.load(ENDS + base + offs_c, mask=c_ok, other=0)
+        best = tl.full([BLOCK_C], -32000.0, tl.float32)  # hip-attn's initial score: a range too short to split
+        for _ in range(STEPS):
+            active = right - left > 1
+            center = (left + right) // 2
+            if TURN:
+                probe_l = _probe_turned(ql1, ql2, K, (left + center) // 2, c_ok, row_ok, h, N, stride_kh,
+                                        stride_kn, HALF, IEEE)
+                probe_r = _probe_turned(qr1, qr2, K, (center + right) // 2, c_ok, row_ok, h, N, stride_kh,
+                                        stride_kn, HALF, IEEE)
+            else:
+                probe_l = _probe(q1, q2, K, COS, SIN, (left + center) // 2, 0, offs_c, c_ok, row_ok, h, N,
+                                 stride_kh, stride_kn, stride_t, STYLE, HALF, IEEE)
+                probe_r = _probe(q1, q2, K, COS, SIN, (center + right) // 2, 1, offs_c, c_ok, row_ok, h, N,
+                                 stride_kh, stride_kn, stride_t, STYLE, HALF, IEEE)
+            go_left = probe_l >= probe_r
+            best = tl.where(active, tl.maximum(best, tl.where(go_left, probe_l, probe_r)), best)
+            right = tl.where(active & go_left, center, right)
+            left = tl.where(active & (probe_l < probe_r), center, left)
+        tl.store(REP + out + offs_c, left, mask=c_ok)
+        tl.store(BEST + out + offs_c, best, mask=c_ok)
+
+
+def hip_stage_scan(queries: torch.Tensor, rows_valid: torch.Tensor, keys: torch.Tensor, starts: torch.Tensor,
+                   ends: torch.Tensor, chunk: int, style: str, cos: torch.Tensor, sin: torch.Tensor,
+                   block_c: int | None = None, turn: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """hip-attn 1.2.9's search of a stage (`InfiniteHiP(scan="hip")`); the kernel form of
+    `kvpot.methods.infinitehip.hipscan.HipSearch.search`.
+
+    queries [kv, g, B, R, d] already rotated for the stage; rows_valid [B, R]; keys [kv, n, d] un-rotated;
+    starts/ends [s, B, C] long (s = 1 or kv). Each query head searches every range on its own path, scoring a
+    range by the best probe it met; a selection's score is the max over its heads. Returns rep [s, B, C] (the
+    path of each selection's first head) and score [s, B, C] float32 (-inf for empty ranges). `block_c`
+    (candidates per tile) and `turn` (default: relative style) override the choices, for tests and tuning.
+    """
+    kv, g, b, r, d = queries.shape
+    s, _, c = starts.shape
+    heads = kv * g
+    q = queries.reshape(heads, b, r, d)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if keys.stride(-1) != 1:
+        keys = keys.contiguous()
+    starts, ends = starts.contiguous(), ends.contiguous()
+    valid_rows = rows_valid.to(torch.int8).contiguous()
+    block_m = max(16, next_power_of_2(r))
+    steps = max(0, math.ceil(math.log2(chunk)))
+    ieee = q.dtype == torch.float32
+    turn = style == "relative" if turn is None else turn and style == "relative"
+    block_c = block_c or (64 if r >= 16 else 16)
+    programs = heads * b
+    tiles = triton.cdiv(c, block_c)
+    # split the candidates until the GPU has a few programs per multiprocessor (decoding: B = 1)
+    splits = max(1, min(tiles, triton.cdiv(4 * multiprocessors(q.device), programs)))
+    per = triton.cdiv(tiles, splits) * block_c
+    splits = triton.cdiv(c, per)
+    rep = torch.empty(heads, b, c, dtype=torch.long, device=q.device)
+    best = torch.empty(heads, b, c, dtype=torch.float32, device=q.device)
+    _hip_scan_kernel[(programs, splits)](
+        q, keys, cos, sin, starts, ends, valid_rows, rep, best, keys.shape[1], b, c, r, per, g, heads // s,
+        q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), cos.stride(0),
+        STEPS=steps, TURN=turn, STYLE=STYLES[style], HALF=d // 2, IEEE=ieee, BLOCK_M=block_m, BLOCK_C=block_c,
+        num_warps=4, num_stages=1 if ieee else 2,
+    )
+    score = best.view(s, heads // s, b, c).amax(1)
+    return rep.view(s, heads // s, b, c)[:, 0], score.masked_fill(starts >= ends, float("-inf"))
+
+
 # ---------------------------------------------------------------------------- attention
 
 

@@ -63,8 +63,8 @@ class InfiniteHiP(Method):
     (each query head on its own path, a chunk scored by the best probe its path met, heads max-reduced
     afterwards; in the first `early_layers` layers with `rope="dynamic"` the queries sit at hip-attn's
     column count of the stage + window, the same for every block, where "paper" counts each block's
-    valid candidates), so selections can be compared with hip-attn's. The "hip" search has no Triton kernel:
-    it runs in PyTorch (the attention still uses the kernels) and cannot be offloaded.
+    valid candidates), so selections can be compared with hip-attn's. Both searches have a Triton kernel
+    (`kvpot.kernels.hip.stage_scan`, `hip_stage_scan`) and a PyTorch form (`kernels="torch"`).
 
     Prefill is chunked (`chunk_size` tokens per forward) and every query block prunes for itself.
     Decoding reuses each layer's stage outputs: stage `i` is recomputed every `refresh[i]` steps
@@ -143,9 +143,6 @@ class InfiniteHiP(Method):
             raise KvpotError(f"infinitehip: selection must be 'shared' or 'head', not {self.selection!r}.")
         if self.scan not in ("paper", "hip"):
             raise KvpotError(f"infinitehip: scan must be 'paper' or 'hip', not {self.scan!r}.")
-        if self.scan == "hip" and self.offload:
-            raise KvpotError("infinitehip: scan='hip' runs its search in PyTorch on GPU-resident keys; it cannot "
-                             "read offloaded ones (use scan='paper' with offload=True).")
         if self.kernels not in ("auto", "triton", "torch"):
             raise KvpotError(f"infinitehip: kernels must be 'auto', 'triton' or 'torch', not {self.kernels!r}.")
         if isinstance(self.offload, str):  # from the CLI
