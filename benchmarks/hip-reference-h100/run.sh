@@ -4,9 +4,9 @@
 #
 #   OUT=$OUT bash benchmarks/hip-reference-h100/run.sh [PART...]       PART: test agree model accuracy speed
 #
-#   test      (<= 90 s)  tests/test_hip_reference.py (its GPU test: kvpot keeps >= 95% of hip-attn's blocks, with
-#                        kvpot's scan='hip'; hip-attn's decode through its paged cache)
-#   agree     (<= 150 s) kvpot bench hip-reference on random q/k/v, llama3-8b shape, 16K and 128K, the paper's
+#   test      (<= 210 s) tests/test_hip_reference.py (its GPU test: kvpot keeps >= 95% of hip-attn's blocks, with
+#                        kvpot's scan='hip'; hip-attn's decode through its paged cache), and the scan='hip' kernel's tests
+#   agree     (<= 240 s) kvpot bench hip-reference on random q/k/v, llama3-8b shape, 16K and 128K, the paper's
 #                        settings with kvpot's two searches (paper, paper-hipscan) and both hip-attn defaults
 #                        (hip-args, hip-config), later and first layers, prefill + decode with/without refresh
 #   model     (<= 100 s) paper, paper-hipscan and hip-config on SmolLM2-135M's own q/k/v (layer 0 = early,
@@ -29,8 +29,9 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 HF_HUB_DISABLE_PROGRESS_BARS=1
 export KVPOT_SMOLLM2_GGUF=${KVPOT_SMOLLM2_GGUF:-/tmp/smollm2.gguf} KVPOT_CACHE=${KVPOT_CACHE:-/tmp/kvpot-cache}
 python -m pip install -q --no-index --no-deps --target /tmp/hip-site .whl-hip/hip_attn-1.2.9-*.whl || exit 1
-if ! python -c "import gguf" 2>/dev/null && ls .whl/gguf-*.whl > /dev/null 2>&1; then
-  python -m pip install -q --no-index --no-deps --target /tmp/hip-site .whl/gguf-*.whl
+gguf_wheel=$(ls .whl/gguf-*.whl .whl-hip/gguf-*.whl 2>/dev/null | head -n 1)
+if ! python -c "import gguf" 2>/dev/null && [ -n "$gguf_wheel" ]; then
+  python -m pip install -q --no-index --no-deps --target /tmp/hip-site "$gguf_wheel"
 fi
 # HIP_PYTHONPATH: paths put first, e.g. /tmp/tri34 (Triton 3.4.0, the version hip-attn 1.2.9 pins)
 export PYTHONPATH=${HIP_PYTHONPATH:+$HIP_PYTHONPATH:}$PWD/src:/tmp/hip-site
@@ -43,8 +44,10 @@ bench=(python -m kvpot bench hip-reference --device cuda)  # an array: `timeout`
 for part in $parts; do
   start=$(date +%s)
   case $part in
-    test) timeout 90 python -m pytest -q -rs tests/test_hip_reference.py > "$OUT/test.log" 2>&1 ;;
-    agree) timeout 150 "${bench[@]}" --shape llama3-8b --lengths 16k,128k --hip-case paper --hip-case paper-hipscan \
+    test) timeout 90 python -m pytest -q -rs tests/test_hip_reference.py > "$OUT/test.log" 2>&1
+          timeout 120 python -m pytest -q -rs tests/test_kernels.py -k "hip_stage_scan or each_scan or offloaded" \
+            >> "$OUT/test.log" 2>&1 ;;
+    agree) timeout 240 "${bench[@]}" --shape llama3-8b --lengths 16k,128k --hip-case paper --hip-case paper-hipscan \
              --hip-case hip-args --hip-case hip-config --hip-layers late,early --queries 1024 --decode-steps 16 \
              --repeats 3 --out "$OUT/agree" > "$OUT/agree.log" 2>&1 ;;
     model) [ $smol = 1 ] && timeout 100 "${bench[@]}" --source model --model smollm2-135m --lengths 16k,64k \
