@@ -18,8 +18,10 @@ One step (the query at N - 1) is sent four ways; every output is compared with t
   ceil(blocks / splits) is not a multiple of BLOCK_BK, some blocks weigh 2 or 3 in its softmax (hip-attn's
   behaviour, on a GPU too: the split sizes are host arithmetic). It prints both.
 
-Then a few `HipDecoder` steps with the mask refresh, each checked for finite output. Exit status 1 if
-`extend-paged` or `decode-paged-1-split` differ from `extend-plain`, or the selections differ.
+Then a forward of five query rows (a short question) as the `hipattn` method sends it (`question_rows`: causal
+inside the chunk), and a few `HipDecoder` steps with the mask refresh, each checked for finite output. Exit status
+1 if `extend-paged` or `decode-paged-1-split` differ from `extend-plain`, the selections differ, or the question's
+earlier rows see its last key.
 """
 
 from __future__ import annotations
@@ -38,6 +40,25 @@ def small_case():
 
     return replace(CASES["paper"], name="paper-small", chunks=(64, 16, 4), keep=(1024, 512, 256), early_keep=256,
                    sink=64, window=256, refresh=(4, 2, 1))
+
+
+def question_rows(hip, case, inputs, rows: int = 5) -> dict:
+    """A forward of a few query rows (a short question) through `kvpot.bench.hip_method.HipAttnRuntime`, as the
+    `hipattn` method sends it (hip-attn's prefill kernel, `disable_flashdecode`): causal inside the chunk, so
+    changing the last key's value must change the last row's output only."""
+    from types import SimpleNamespace
+
+    from kvpot.bench.hip_method import HipAttnRuntime
+
+    runtime = HipAttnRuntime(hip, case, inputs.rope, inputs.max_positions, 0, 1)
+    layer = SimpleNamespace(layer_idx=0)  # no early layers: the case's later-layer settings
+    query, keys, values = (x.unsqueeze(0) for x in (inputs.query[:, -rows:], inputs.keys, inputs.values))
+    changed = values.clone()
+    changed[:, :, -1] += 10.0
+    out = runtime(layer, query, keys, values, inputs.scaling)
+    other = runtime(layer, query, keys, changed, inputs.scaling)
+    return {"rows": rows, "earlier_rows_moved": float((out - other)[:, :, :-1].abs().max()),
+            "last_row_moved": float((out - other)[:, :, -1].abs().max()), "finite": bool(out.isfinite().all())}
 
 
 def main(argv: list[str]) -> int:
@@ -87,6 +108,7 @@ def main(argv: list[str]) -> int:
                                  "same_selection": bool(torch.equal(metadata.indices, chosen.indices)
                                                         and torch.equal(metadata.ks, chosen.ks)),
                                  "max_vs_dense": float((out - dense).abs().max())}
+    report["question"] = question_rows(hip, case, inputs)
     decoder = ref.HipDecoder(hip, case, inputs, False, True)
     steps = []
     for s in range(args.steps):
@@ -98,6 +120,8 @@ def main(argv: list[str]) -> int:
     calls = report["calls"]
     ok = all(calls[name]["max_vs_extend_plain"] < 1e-5 for name in ("extend-paged", "decode-paged-1-split"))
     ok = ok and all(call["same_selection"] for call in calls.values()) and all(s["finite"] for s in steps)
+    question = report["question"]
+    ok = ok and question["earlier_rows_moved"] == 0.0 and question["last_row_moved"] > 0 and question["finite"]
     return 0 if ok else 1
 
 

@@ -12,15 +12,25 @@ hip-attn installed (benchmarks/hip-reference-h100/accuracy.py).
 
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import dataclass
 
 import torch
 
 from kvpot.bench.hip_inputs import Inputs
 from kvpot.bench.hip_mapping import get_case
-from kvpot.bench.hip_reference import HipDecoder, hip_args, hip_query
+from kvpot.bench.hip_reference import HipDecoder, _bthd, hip_args, hip_query
 from kvpot.errors import KvpotError
 from kvpot.methods.infinitehip import InfiniteHiP
+
+
+
+
+def hip_decode_rows() -> int:
+    """Below this many query rows hip-attn 1.2.9's block-sparse attention runs its decoding kernel unless told not
+    to (its `get_block_sparse_backend`, with its own environment switch)."""
+    return int(os.getenv("HIP_FLASHDECODE_THRESH", "32"))
 
 
 class HipAttnRuntime:
@@ -44,7 +54,8 @@ class HipAttnRuntime:
         index, n, q = layer.layer_idx, key.shape[2], query.shape[2]
         early = index < self.early_layers
         inputs = Inputs(query[0], key[0], value[0], self.rope, scaling, self.max_positions, "model")
-        with torch.cuda.device(query.device):
+        # (hip-attn's kernels launch on the current CUDA device; on a CPU they run under Triton's interpreter)
+        with torch.cuda.device(query.device) if query.device.type == "cuda" else contextlib.nullcontext():
             if self.decoding and q == 1:
                 if self.decoders[index] is None:
                     self.decoders[index] = HipDecoder(self.hip, self.case, inputs, early, True)
@@ -53,11 +64,25 @@ class HipAttnRuntime:
                 out, _ = decoder(self.step, query[0], n)
                 return out.unsqueeze(0)
             positions = torch.arange(n - q, n, device=query.device)
-            args = hip_args(self.hip, self.case, inputs, early, positions, False)
-            q = hip_query(query[0], scaling)
-            out, _ = self.hip.attention(*(x.transpose(0, 1).unsqueeze(0).contiguous() for x in (q, key[0], value[0])),
-                                        args)
+            scaled = hip_query(query[0], scaling)
+            if q >= hip_decode_rows() or os.environ.get("HIP_DISABLE_FLASHDECODE", "0") == "1":
+                args = hip_args(self.hip, self.case, inputs, early, positions, False)
+                out, _ = self.hip.attention(_bthd(scaled), _bthd(key[0]), _bthd(value[0]), args)
+            else:
+                out = self._few_rows(inputs, early, scaled, positions, n)
             return out[0].transpose(0, 1).unsqueeze(0)
+
+    def _few_rows(self, inputs: Inputs, early: bool, scaled: torch.Tensor, positions: torch.Tensor, n: int):
+        """A forward of fewer than `hip_decode_rows()` queries (a short question). hip-attn would run its decoding
+        kernel on them, which reads a paged cache only ("decode should not accept k") and, with its default splits,
+        weighs some sparse blocks more than once (`HipDecoder`, benchmarks/hip-reference-h100/interpret.py). The
+        chunk goes to its prefill kernel instead (`disable_flashdecode`, hip-attn's own switch), with the plain
+        keys the longer chunks get; a lone query is doubled as the masking query (`HipDecoder`: its single-row scan
+        kernel does not compile)."""
+        mask, at = (scaled, positions) if scaled.shape[1] > 1 else (torch.cat([scaled, scaled], 1), positions.repeat(2))
+        args = hip_args(self.hip, self.case, inputs, early, at, False, q_mask=_bthd(mask), disable_flashdecode=True)
+        out, _ = self.hip.attention(_bthd(scaled), _bthd(inputs.keys), _bthd(inputs.values), args)
+        return out
 
 
 @dataclass
