@@ -189,8 +189,16 @@ def installed_version(package_dir: Path) -> str:
         return "unknown"
 
 
+# hip-attn as loaded in this process (by offload flag): its package modules stand in `sys.modules` without an import
+# spec once loaded, so a second load would not find its files (each `hipattn` prompt's engine asks for it)
+_LOADED: dict[bool, HipModules] = {}
+
+
 def load_hip(offload: bool = False) -> HipModules:
-    """hip-attn's v1.2 attention, loaded as the module docstring says. Raises KvpotError naming what is missing."""
+    """hip-attn's v1.2 attention, loaded once per process as the module docstring says. Raises KvpotError naming
+    what is missing."""
+    if offload in _LOADED:
+        return _LOADED[offload]
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise KvpotError("hip-reference: hip-attn refuses TRITON_INTERPRET=1 (its triton_jit raises 'interpret "
                          "should avoided'); its kernels need a CUDA GPU (load_hip_interpreted runs them on a CPU, "
@@ -202,7 +210,9 @@ def load_hip(offload: bool = False) -> HipModules:
     if not torch.cuda.is_available():  # tried on a CPU: the import reached torch.cuda.get_device_name() and failed
         raise KvpotError("hip-reference: hip-attn needs a CUDA GPU: it asks the GPU's name at import (the autotune "
                          "configs of attention_extend_bsa) and its kernels refuse Triton's interpreter.")
-    return _load(triton, folder, offload, {})
+    if offload not in _LOADED:
+        _LOADED[offload] = _load(triton, folder, offload, {})
+    return _LOADED[offload]
 
 
 def load_hip_interpreted() -> HipModules:
