@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Issue 46 on one H100: kvpot's InfiniteHiP beside hip-attn 1.2.9 (the authors' Triton kernels), in ONE device call
-# of at most ~9 minutes (run tool, timeout_s 600, carry [".whl-hip", ".whl"]; the timeouts below add up to 520 s):
+# Issue 46 on one H100: kvpot's InfiniteHiP beside hip-attn 1.2.9 (the authors' Triton kernels), in device calls of at
+# most 10 minutes (run tool, timeout_s 600, carry [".whl-hip"]; the timeouts below add up to 770 s: split the parts
+# over two calls, e.g. `test speed` then `agree`, as records/hip-reference-h200/kernel-scan/ did):
 #
 #   OUT=$OUT bash benchmarks/hip-reference-h100/run.sh [PART...]       PART: test agree model accuracy speed
 #
