@@ -211,13 +211,32 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture
+# The machine's own intra-op thread count, before any test changes it (for `all_threads`).
+DEFAULT_THREADS = torch.get_num_threads()
+
+
+@pytest.fixture(autouse=True)
 def one_thread():
-    """One intra-op thread: on a shared 2-core machine, two threads can run a tiny model 100x slower."""
+    """One intra-op thread, for every test (autouse; tests that name it keep saying so): on a shared 2-core
+    machine, two threads can run a tiny model 100x slower. Measured here: with one core busy elsewhere,
+    test_citrus's 64x-budget bound took 9-21 s per case with two threads and 2-3 s with one; in a full run
+    during another process's load, tests that did not ask for one thread (test_capabilities, test_citrus,
+    test_bounds, test_d2o) took 20-90 s each instead of about 1 s. A test of a real, compute-bound model
+    asks for `all_threads` instead."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def all_threads(one_thread):
+    """Every intra-op thread the machine gives by default, for a real model's long, compute-bound forwards,
+    where two threads on idle cores pay: SmolLM2-135M reading 16K tokens took 52 s with two and 96 s with
+    one; the reference model's 30-sample accuracy bars 13-15 s with two and 20-23 s with one."""
+    torch.set_num_threads(DEFAULT_THREADS)
+    yield
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

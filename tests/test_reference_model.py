@@ -41,12 +41,12 @@ def accuracy(engine, task: str) -> float:
 
 
 @pytest.mark.slow
-def test_passkey_bar_inside_the_window(engine):
+def test_passkey_bar_inside_the_window(engine, all_threads):
     assert accuracy(engine, "passkey") >= 0.99  # 30/30
 
 
 @pytest.mark.slow
-def test_single_needle_niah_bar_inside_the_window(engine):
+def test_single_needle_niah_bar_inside_the_window(engine, all_threads):
     assert accuracy(engine, "niah") >= 0.95  # at least 29/30
 
 

@@ -76,7 +76,7 @@ def test_full_finds_the_pass_key_inside_the_window(smollm2, one_thread):
     assert score(sample, answer) == 1.0, (sample.answers, answer)
 
 
-def test_infinipot_finds_the_pass_key_at_twice_the_window_within_its_bound(smollm2):
+def test_infinipot_finds_the_pass_key_at_twice_the_window_within_its_bound(smollm2, all_threads):
     """16K tokens, twice SmolLM2's window, through a 2,048-entry pot (CaP with the question)."""
     model, tokenizer = smollm2
     sample = passkey(tokenizer, 2 * WINDOW)
