@@ -64,8 +64,20 @@ class HipSearch:
         scores = torch.einsum("hbrd,hbcd->hbrc", q, k.to(q.dtype)).float()
         return scores.masked_fill(~self.rows_valid.view(1, b, r, 1), float("-inf")).amax(2)
 
+    table: tuple[torch.Tensor, torch.Tensor] | None = None  # a RoPE table (cos, sin): search in the Triton kernel
+
+    def with_table(self, table: tuple[torch.Tensor, torch.Tensor] | None) -> HipSearch:
+        self.table = table
+        return self
+
     def search(self, starts: torch.Tensor, ends: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
         kv, g = self.queries.shape[0], self.queries.shape[1]
+        if self.table is not None:  # `kvpot.kernels.hip.hip_stage_scan`: this search, a head's path in one launch
+            from kvpot.kernels.hip import hip_stage_scan
+
+            rotated = self.rotated.expand(kv, g, *self.rotated.shape[2:])
+            return hip_stage_scan(rotated, self.rows_valid, self.keys, starts, ends, chunk, self.plan.prune_rope,
+                                  *self.table)
         s, b, c = starts.shape
         per = kv * g // s  # query heads per selection
         left = starts.repeat_interleave(per, 0) if s > 1 else starts.expand(kv * g, b, c)

@@ -215,27 +215,11 @@ class _HipScorer(HipSearch, _Scorer):
     """`scan="hip"`: hip-attn 1.2.9's search (`kvpot.methods.infinitehip.hipscan`) with this module's scoring."""
 
 
-class _HipKernelScorer(_HipScorer):
-    """`scan="hip"` with each stage's search in one Triton kernel (`kvpot.kernels.hip.hip_stage_scan`)."""
-
-    def __init__(self, *args, table: tuple[torch.Tensor, torch.Tensor]):
-        super().__init__(*args)
-        self.table = table
-
-    def search(self, starts: torch.Tensor, ends: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-        from kvpot.kernels.hip import hip_stage_scan
-
-        kv, g = self.queries.shape[:2]
-        rotated = self.rotated.expand(kv, g, *self.rotated.shape[2:])
-        return hip_stage_scan(rotated, self.rows_valid, self.keys, starts, ends, chunk, self.plan.prune_rope,
-                              *self.table)
-
-
 def make_scorer(args: tuple, plan: LayerPlan, table: tuple[torch.Tensor, torch.Tensor] | None) -> _Scorer:
     """The scorer of a plan: the paper's search or hip-attn's (`plan.scan`), in PyTorch, or in a Triton kernel
     when a RoPE `table` is given."""
     if plan.scan == "hip":
-        return _HipScorer(*args) if table is None else _HipKernelScorer(*args, table=table)
+        return _HipScorer(*args).with_table(table)
     return _Scorer(*args) if table is None else _KernelScorer(*args, table=table)
 
 
