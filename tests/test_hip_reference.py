@@ -4,6 +4,7 @@ The pieces that need no hip-attn run everywhere; the comparison itself runs wher
 importable (skipped otherwise) and needs CUDA (hip-attn refuses Triton's interpreter)."""
 
 import importlib.util
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -170,13 +171,12 @@ def _rule_inputs(n=4096, q=128, h=8, kv=2, d=32, seed=0):
 
 
 def _kvpot_prune(query, keys, cos, sin, chunks, keep, sink, window, block, scan, style="relative"):
-    import math
-
     from kvpot.methods.infinitehip.reference import LayerPlan, Stage, prune
     from kvpot.rope import rotate_half
 
     h, q, d = query.shape
     kv, n = keys.shape[0], keys.shape[1]
+    block = min(block, q)  # decoding: one row (as kvpot's attention)
     blocks = math.ceil(q / block)
     plan = LayerPlan(tuple(Stage(c, k) for c, k in zip(chunks, keep)), sink, window, block, style, "streaming",
                      True, scan)
@@ -190,17 +190,57 @@ def _kvpot_prune(query, keys, cos, sin, chunks, keep, sink, window, block, scan,
     return prune(grouped, pos < n, keys, plan, keep[-1], pos, w0, rotate)
 
 
+def _same_before_windows(mine, restated, n, q, block, window, sink):
+    """kvpot's ranges end at each block's window, hip-attn's may run into it: compare the keys before it."""
+    first = n - q + torch.arange(math.ceil(q / block)) * block
+    region = torch.arange(n) < (first + 1 - window).clamp(min=sink).view(-1, 1)
+    for ours, theirs in zip(mine, restated):
+        assert torch.equal(range_mask(ours.starts[0], ours.ends[0], n) & region, range_mask(*theirs, n) & region)
+
+
 @pytest.mark.parametrize("scan", ["paper", "hip"])
 def test_restated_hip_rule_is_kvpots_search_with_the_matching_switches(scan):
-    from kvpot.bench.hip_rule import Rule, select
+    """scan='paper' is the rule with every switch off; scan='hip' the rule with all of hip-attn's (its paths,
+    scores, tie rule and candidate region), before each block's window."""
+    from kvpot.bench.hip_rule import HIP, Rule, select
 
     query, keys, cos, sin = _rule_inputs()
     chunks, keep = (64, 16, 4), (1024, 512, 128)
     mine = _kvpot_prune(query, keys, cos, sin, chunks, keep, 64, 256, 32, scan)
-    rule = Rule(chunks, keep, 64, 256, 32, per_head=scan == "hip", path_max=scan == "hip")
-    restated = select(rule, query, keys, cos, sin)
-    for ours, theirs in zip(mine, restated):
-        assert torch.equal(range_mask(ours.starts[0], ours.ends[0], 4096), range_mask(*theirs, 4096))
+    rule = Rule(chunks, keep, 64, 256, 32, **(HIP if scan == "hip" else {}))
+    _same_before_windows(mine, select(rule, query, keys, cos, sin), 4096, 128, 32, 256, 64)
+
+
+@pytest.mark.parametrize("q", [1, 32])
+def test_hip_scan_with_one_query_block_follows_cudas_unsorted_top_k_in_a_first_layer(q):
+    """With one query block (decoding, a short chunk) hip-attn does not sort a stage's picks before the next
+    stage (`stage_prologue`: only when BDST > 1), and its first layers' probes sit at their places: kvpot's
+    scan='hip' passes them on in the order CUDA's torch.topk(sorted=False) leaves them (`topk_order`)."""
+    from kvpot.bench.hip_rule import HIP, Rule, select
+
+    query, keys, cos, sin = _rule_inputs(q=q, seed=3)
+    chunks, keep, sink, window = (64, 16, 4), (1024, 256, 128), 64, 256
+    mine = _kvpot_prune(query, keys, cos, sin, chunks, keep, sink, window, 32, "hip", "chunk")
+    ordered = select(Rule(chunks, keep, sink, window, 32, **HIP, streaming=True, topk_order=True),
+                     query, keys, cos, sin)
+    _same_before_windows(mine, ordered, 4096, q, 32, window, sink)
+    assert torch.equal(mine[1].starts[0], ordered[1][0])  # in the same order too
+    assert torch.all(mine[-1].starts[0].diff(dim=-1) > 0)  # the final selection in position order
+    placed = select(Rule(chunks, keep, sink, window, 32, **HIP, streaming=True), query, keys, cos, sin)
+    assert not torch.equal(range_mask(*placed[-1], 4096), range_mask(*ordered[-1], 4096))  # the order matters
+
+
+def test_unsorted_top_k_order_is_restated_independently():
+    from kvpot.bench.hip_rule import _unsorted_topk
+    from kvpot.methods.infinitehip.hipscan import topk_order
+
+    score = torch.tensor([[0.5, 2.0, -1.0, 2.0, 0.5, 0.5, 3.0, -32000.0]])
+    assert topk_order(score, 5).tolist() == [[1, 3, 6, 0, 4]]  # above the 5th best in place order, then its ties
+    assert _unsorted_topk(score, 5).tolist() == [[1, 3, 6, 0, 4]]
+    assert topk_order(score, 8).tolist() == [[0, 1, 2, 3, 4, 5, 6, 7]]  # the least (-32000) is last already
+    scores = torch.randn(6, 300, generator=torch.Generator().manual_seed(0)).round(decimals=1)  # many ties
+    for k in (1, 7, 150, 300):
+        assert torch.equal(topk_order(scores, k), _unsorted_topk(scores, k))
 
 
 def test_hip_scan_in_a_first_layer_places_queries_as_hip_attns_streaming_scan():
@@ -208,7 +248,7 @@ def test_hip_scan_in_a_first_layer_places_queries_as_hip_attns_streaming_scan():
     the queries at the stage's column count + window, one count for every block (kvpot's scan='paper' counts each
     block's valid candidates); scan='hip' follows it, as the re-stated rule does (issue 46: recall 0.60 / 0.36 of
     hip-attn's keys in layer 0 on the H200 before)."""
-    from kvpot.bench.hip_rule import Rule, select
+    from kvpot.bench.hip_rule import HIP, Rule, select
     from kvpot.methods.infinitehip.hipscan import hip_columns
     from kvpot.methods.infinitehip.reference import LayerPlan, Stage
 
@@ -217,10 +257,8 @@ def test_hip_scan_in_a_first_layer_places_queries_as_hip_attns_streaming_scan():
     plan = LayerPlan(tuple(Stage(c, k) for c, k in zip(chunks, keep)), sink, window, block, "chunk", "streaming", True)
     assert hip_columns(plan, 4096) == [59, 236, 128]  # ceil((4096 - 64 - 256) / 64), 59 * 4, 512 // 16 * 4
     mine = _kvpot_prune(query, keys, cos, sin, chunks, keep, sink, window, block, "hip", "chunk")
-    rule = Rule(chunks, keep, sink, window, block, per_head=True, path_max=True, streaming=True)
-    restated = select(rule, query, keys, cos, sin)
-    for ours, theirs in zip(mine, restated):
-        assert torch.equal(range_mask(ours.starts[0], ours.ends[0], 4096), range_mask(*theirs, 4096))
+    rule = Rule(chunks, keep, sink, window, block, **HIP, streaming=True)
+    _same_before_windows(mine, select(rule, query, keys, cos, sin), 4096, 128, block, window, sink)
 
 
 def test_hip_scan_explains_most_of_the_disagreement():

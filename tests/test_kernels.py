@@ -118,7 +118,8 @@ def test_stage_scan_matches_the_halving_search(shape, prune_rope, shared, schedu
 @pytest.mark.parametrize("shape", SHAPES, ids=IDS)
 def test_hip_stage_scan_matches_hip_attns_search(shape, prune_rope, shared, turn):
     """`scan="hip"`: each query head on its own path, a range scored by the best probe its path met
-    (`hipscan.HipSearch` in PyTorch is the reference), over ranges of every length, some empty."""
+    (`hipscan.HipSearch` in PyTorch is the reference), over ranges of every length, some empty, each searched
+    whole (`reach`) while its left end is before its end."""
     from kvpot.kernels.hip import hip_stage_scan
     from kvpot.methods.infinitehip.reference import _HipScorer
 
@@ -144,7 +145,7 @@ def test_hip_stage_scan_matches_hip_attns_search(shape, prune_rope, shared, turn
     ref_rep, ref_score = scorer.search(starts, ends, chunk)
     kvg = scorer.rotated.expand(kv, g, *scorer.rotated.shape[2:])
     rep, score = hip_stage_scan(kvg, rows_valid, keys, starts, ends, chunk, prune_rope, cos, sin, turn=turn,
-                                block_c=16)
+                                block_c=16, reach=scorer.reach(starts, chunk))
     valid = starts < ends
     assert torch.equal(rep[valid], ref_rep[valid])
     assert torch.equal(score.isinf(), ref_score.isinf())

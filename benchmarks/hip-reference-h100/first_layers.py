@@ -24,13 +24,9 @@ def main(argv: list[str]) -> int:
     hip, case, plain = load_hip(), CASES["paper-hipscan"], hipscan.HipSearch.begin_stage
 
     def float32_rotation(self, valid, stage=None):
-        if self.plan.prune_rope != "chunk" or stage is None:
-            return plain(self, valid, stage)
-        index = next(i for i, s in enumerate(self.plan.stages) if s is stage)
-        columns = hipscan.hip_columns(self.plan, self.keys.shape[1])[index]
-        b, r = self.block_pos.shape
-        pos = self.block_pos.clamp(max=columns + self.plan.window).view(1, 1, b, r)
-        self.rotated = self.rotate(self.queries.float(), pos).to(self.queries.dtype)
+        plain(self, valid, stage)
+        if self.plan.prune_rope == "chunk" and stage is not None:
+            self.rotated = self.rotate(self.queries.float(), self.stage_positions()).to(self.queries.dtype)
 
     rows = []
     for n in (16384, 131072):

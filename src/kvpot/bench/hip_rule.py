@@ -18,8 +18,13 @@ Written from reading hip-attn's kernels (`hip_attn/v1_2/attention_extend.py`, `s
   block's first query - window, even where the chunk runs into the window; a stage keeps whole chunks (realigned
   to the chunk grid from the sinks). kvpot cuts each block's candidates at its window's start.
 
+- **topk_order** (one query block: decoding, a short chunk): a stage passes its picks on in the order CUDA's
+  `torch.topk(sorted=False)` leaves them (`stage_prologue` sorts them only when BDST > 1); with **streaming**
+  positions that order moves the probes. The final selection is sorted.
+
 With every switch off this is kvpot's selection (`kvpot.methods.infinitehip.reference.prune`, shared, relative
-style); tests/test_hip_reference.py checks that. Positions: the later layers' style (`relative`: probes at 0 and
+style, `scan="paper"`); with `HIP` (and `streaming`, `topk_order` where they apply) it is `scan="hip"` before each
+block's window; tests/test_hip_reference.py checks both. Positions: the later layers' style (`relative`: probes at 0 and
 1, queries at window + 1), or with **streaming** the first layers' (hip-attn's `scan_extend_backend="streaming"`,
 kvpot's chunk-indexed positions): a probe sits at its candidate's column in the stage, and the queries at hip-attn's
 column count of the stage + window (capped at the query's own position), the same count for every block: the first
@@ -51,6 +56,7 @@ class Rule:
     strict: bool = False
     hip_region: bool = False
     streaming: bool = False  # the first layers' positions (see the module docstring)
+    topk_order: bool = False  # one query block: stages pass their picks on in CUDA's unsorted top-k order
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position) -> torch.Tensor:
@@ -161,7 +167,12 @@ def select(rule: Rule, query: torch.Tensor, keys: torch.Tensor, cos: torch.Tenso
         else:
             score = score.masked_fill(starts >= ends, float("-inf"))
         kept = max(1, rule.keep[i] // chunk)
-        if score.shape[-1] > kept:
+        if rule.topk_order:
+            order = _unsorted_topk(score, min(kept, score.shape[-1]))
+            if i == len(rule.chunks) - 1:  # hip-attn sorts the final selection
+                order = order.gather(-1, starts.gather(-1, order).argsort(dim=-1))
+            starts, ends = starts.gather(-1, order), ends.gather(-1, order)
+        elif score.shape[-1] > kept:
             order = score.sort(dim=-1, descending=True, stable=True).indices[:, :kept].sort(dim=-1).values
             starts, ends = starts.gather(-1, order), ends.gather(-1, order)
             if not rule.hip_region:
@@ -172,3 +183,15 @@ def select(rule: Rule, query: torch.Tensor, keys: torch.Tensor, cos: torch.Tenso
         out.append((starts, ends))
         parent = chunk
     return out
+
+
+def _unsorted_topk(score: torch.Tensor, k: int) -> torch.Tensor:
+    """torch.topk(score, k, sorted=False)'s indices as CUDA's kernel leaves them (its gather pass writes the
+    values above the k-th in index order, then values equal to it, in index order, until k are out)."""
+    c = score.shape[-1]
+    kth = score.topk(k, dim=-1).values[:, -1:]
+    above = score > kth
+    equal = score == kth
+    ties = equal & (equal.cumsum(-1) <= k - above.sum(-1, keepdim=True))
+    rank = torch.arange(c, device=score.device) + (~above) * c  # above first, then ties, each in index order
+    return rank.masked_fill(~(above | ties), 3 * c).sort(dim=-1).indices[:, :k]

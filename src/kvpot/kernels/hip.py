@@ -345,6 +345,7 @@ def _hip_scan_kernel(
     K,  # [KV, N, D] un-rotated keys
     COS, SIN,  # [P, D] RoPE table
     STARTS, ENDS,  # [S, B, C] int64 candidate ranges [start, end); empty = padding
+    REACH,  # [S, B, C] int64: where each range's search may go (past ENDS into the window: hip-attn's region)
     ROWS_VALID,  # [B, R] int8: 1 where the block's row is a real query
     REP,  # [H, B, C] int64 out: where each head's path ended
     BEST,  # [H, B, C] float32 out: the best probe each head's path met
@@ -380,10 +381,11 @@ def _hip_scan_kernel(
         offs_c = c0 + tl.arange(0, BLOCK_C)
         c_ok = offs_c < C
         left = tl.load(STARTS + base + offs_c, mask=c_ok, other=0)
-        right = tl.load(ENDS + base + offs_c, mask=c_ok, other=0)
-        best = tl.full([BLOCK_C], -32000.0, tl.float32)  # hip-attn's initial score: a range too short to split
+        stop = tl.load(ENDS + base + offs_c, mask=c_ok, other=0)  # in play while the left end is before it
+        right = tl.load(REACH + base + offs_c, mask=c_ok, other=0)
+        best = tl.full([BLOCK_C], -32000.0, tl.float32)  # hip-attn's initial score
         for _ in range(STEPS):
-            active = right - left > 1
+            active = (left < right) & (left < stop)
             center = (left + right) // 2
             if TURN:
                 probe_l = _probe_turned(ql1, ql2, K, (left + center) // 2, c_ok, row_ok, h, N, stride_kh,
@@ -395,23 +397,25 @@ def _hip_scan_kernel(
                                  stride_kh, stride_kn, stride_t, STYLE, HALF, IEEE)
                 probe_r = _probe(q1, q2, K, COS, SIN, (center + right) // 2, 1, offs_c, c_ok, row_ok, h, N,
                                  stride_kh, stride_kn, stride_t, STYLE, HALF, IEEE)
-            go_left = probe_l >= probe_r
+            go_left = probe_l > probe_r  # hip-attn goes right on a tie
             best = tl.where(active, tl.maximum(best, tl.where(go_left, probe_l, probe_r)), best)
             right = tl.where(active & go_left, center, right)
-            left = tl.where(active & (probe_l < probe_r), center, left)
+            left = tl.where(active & (probe_l <= probe_r), center, left)
         tl.store(REP + out + offs_c, left, mask=c_ok)
         tl.store(BEST + out + offs_c, best, mask=c_ok)
 
 
 def hip_stage_scan(queries: torch.Tensor, rows_valid: torch.Tensor, keys: torch.Tensor, starts: torch.Tensor,
                    ends: torch.Tensor, chunk: int, style: str, cos: torch.Tensor, sin: torch.Tensor,
-                   block_c: int | None = None, turn: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   block_c: int | None = None, turn: bool | None = None,
+                   reach: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """hip-attn 1.2.9's search of a stage (`InfiniteHiP(scan="hip")`); the kernel form of
     `kvpot.methods.infinitehip.hipscan.HipSearch.search`.
 
     queries [kv, g, B, R, d] already rotated for the stage; rows_valid [B, R]; keys [kv, n, d] un-rotated;
-    starts/ends [s, B, C] long (s = 1 or kv). Each query head searches every range on its own path, scoring a
-    range by the best probe it met; a selection's score is the max over its heads. Returns rep [s, B, C] (the
+    starts/ends [s, B, C] long (s = 1 or kv), `reach` (default: ends) where each range's search may go while its
+    left end is before its end. Each query head searches every range on its own path, scoring a range by the
+    best probe it met; a selection's score is the max over its heads. Returns rep [s, B, C] (the
     path of each selection's first head) and score [s, B, C] float32 (-inf for empty ranges). `block_c`
     (candidates per tile) and `turn` (default: relative style) override the choices, for tests and tuning.
     """
@@ -424,6 +428,7 @@ def hip_stage_scan(queries: torch.Tensor, rows_valid: torch.Tensor, keys: torch.
     if keys.stride(-1) != 1:
         keys = keys.contiguous()
     starts, ends = starts.contiguous(), ends.contiguous()
+    reach = ends if reach is None else reach.contiguous()
     valid_rows = rows_valid.to(torch.int8).contiguous()
     block_m = max(16, next_power_of_2(r))
     steps = max(0, math.ceil(math.log2(chunk)))
@@ -439,7 +444,7 @@ def hip_stage_scan(queries: torch.Tensor, rows_valid: torch.Tensor, keys: torch.
     rep = torch.empty(heads, b, c, dtype=torch.long, device=q.device)
     best = torch.empty(heads, b, c, dtype=torch.float32, device=q.device)
     _hip_scan_kernel[(programs, splits)](
-        q, keys, cos, sin, starts, ends, valid_rows, rep, best, keys.shape[1], b, c, r, per, g, heads // s,
+        q, keys, cos, sin, starts, ends, reach, valid_rows, rep, best, keys.shape[1], b, c, r, per, g, heads // s,
         q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), cos.stride(0),
         STEPS=steps, TURN=turn, STYLE=STYLES[style], HALF=d // 2, IEEE=ieee, BLOCK_M=block_m, BLOCK_C=block_c,
         num_warps=4, num_stages=1 if ieee else 2,

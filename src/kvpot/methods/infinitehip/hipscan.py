@@ -24,29 +24,46 @@ def hip_columns(plan, n: int) -> list[int]:
 class HipSearch:
     """Mixed into `reference._Scorer` when `scan="hip"` (`reference.make_scorer`): the halving search as
     hip-attn 1.2.9's scan kernel runs it, for agreement with the authors' release (docs/methods.md,
-    "InfiniteHiP beside hip-attn"). Two differences from Algorithm 3 as the paper states
-    it (and `_Scorer` runs it):
+    "InfiniteHiP beside hip-attn"). Where it departs from Algorithm 3 as the paper states it (and `_Scorer`
+    runs it):
 
     - each *query head* searches on its own path (its block's queries against its KV head's probes), and the
       heads' scores meet only once the search is over (hip-attn's `HIP_HEAD_REDUCE`, a max over heads; per KV head
       with `shared=False`), where the paper takes the max over heads at every split, so all heads share one path;
-    - a chunk scores the best probe its path met (the running max of each step's winning probe; -32000 for a
-      range too short to split, hip-attn's initial score), where the paper scores the representative key;
+    - a chunk scores the best probe its path met (the running max of each step's winning probe, from -32000,
+      hip-attn's initial score), where the paper scores the representative key; a tie goes right;
+    - a range is searched whole while its left end is before the block's window (`reach`), even where it runs
+      into the window;
     - in the first `early_layers` layers (chunk-indexed positions, hip-attn's `scan_extend_backend="streaming"`)
       the queries sit at hip-attn's column count of the stage + window (`hip_columns`, the same for every query
       block, capped at the query's own position), where the paper's reading counts each block's valid
-      candidates. Each probe sits at its candidate's column on both sides.
+      candidates. Each probe sits at its candidate's column on both sides, and with one query block the
+      columns follow the order the previous stage's top-k left them in (`topk_order`).
     """
 
     def begin_stage(self, valid: torch.Tensor, stage=None) -> None:
+        self.stage_index = next((i for i, s in enumerate(self.plan.stages) if s is stage), 0)
         if self.plan.prune_rope != "chunk" or stage is None:
             super().begin_stage(valid, stage)
             return
-        index = next(i for i, s in enumerate(self.plan.stages) if s is stage)
-        columns = hip_columns(self.plan, self.keys.shape[1])[index]
+        self.rotated = self.rotate(self.queries, self.stage_positions())
+
+    def stage_positions(self) -> torch.Tensor:
+        """[1, 1, B, R]: the queries' positions in a first layer's stage (hip-attn's column count + window, at
+        most their own)."""
+        columns = hip_columns(self.plan, self.keys.shape[1])[self.stage_index]
         b, r = self.block_pos.shape
-        pos = self.block_pos.clamp(max=columns + self.plan.window).view(1, 1, b, r)
-        self.rotated = self.rotate(self.queries, pos)
+        return self.block_pos.clamp(max=columns + self.plan.window).view(1, 1, b, r)
+
+    def reach(self, starts: torch.Tensor, chunk: int) -> torch.Tensor:
+        """Where hip-attn's search of each range may go: whole chunks (the first stage's cut at n - window, its
+        MAX_TSRC - sliding_window_size), where kvpot's ranges end at the block's window. A range stays in play
+        while its left end is before the window (hip-attn: `idx_tsrc_left <= pos_tdst_min`), so a range that
+        runs into the window is searched into it; the keys there are attended as the window's anyway."""
+        reach = starts + chunk
+        if self.stage_index == 0:
+            reach = reach.clamp(max=max(self.keys.shape[1] - self.plan.window, 0))
+        return reach
 
     def _head_scores(self, idx: torch.Tensor, side: int) -> torch.Tensor:
         """Scores [h, B, C] of keys idx [h, B, C], each query head against its own keys: max over valid rows."""
@@ -65,6 +82,16 @@ class HipSearch:
         return scores.masked_fill(~self.rows_valid.view(1, b, r, 1), float("-inf")).amax(2)
 
     table: tuple[torch.Tensor, torch.Tensor] | None = None  # a RoPE table (cos, sin): search in the Triton kernel
+    one_block = False  # the call has one query block (`reference.prune` sets it)
+
+    def kept(self, score: torch.Tensor, count: int, starts: torch.Tensor, last: bool) -> torch.Tensor | None:
+        """As the paper's search keeps (`_Scorer.kept`, place order), except with one query block: then a stage
+        before the last passes its best on in `topk_order`, and the last stage's are put in position order
+        (hip-attn sorts its final selection)."""
+        if not self.one_block:
+            return super().kept(score, count, starts, last)
+        order = topk_order(score, count)
+        return order.gather(-1, starts.gather(-1, order).sort(dim=-1).indices) if last else order
 
     def with_table(self, table: tuple[torch.Tensor, torch.Tensor] | None) -> HipSearch:
         self.table = table
@@ -77,20 +104,33 @@ class HipSearch:
 
             rotated = self.rotated.expand(kv, g, *self.rotated.shape[2:])
             return hip_stage_scan(rotated, self.rows_valid, self.keys, starts, ends, chunk, self.plan.prune_rope,
-                                  *self.table)
+                                  *self.table, reach=self.reach(starts, chunk))
         s, b, c = starts.shape
         per = kv * g // s  # query heads per selection
-        left = starts.repeat_interleave(per, 0) if s > 1 else starts.expand(kv * g, b, c)
-        right = ends.repeat_interleave(per, 0) if s > 1 else ends.expand(kv * g, b, c)
+        spread = (lambda x: x.repeat_interleave(per, 0)) if s > 1 else (lambda x: x.expand(kv * g, b, c))
+        left, right, stop = spread(starts), spread(self.reach(starts, chunk)), spread(ends)
         best = torch.full(left.shape, -32000.0, device=left.device)
         for _ in range(max(0, math.ceil(math.log2(chunk)))):
-            active = right - left > 1
+            active = (left < right) & (left < stop)
             center = (left + right) // 2
             score_l = self._head_scores((left + center) // 2, 0)
             score_r = self._head_scores((center + right) // 2, 1)
-            go_left = score_l >= score_r
+            go_left = score_l > score_r  # hip-attn goes right on a tie
             best = torch.where(active, torch.maximum(best, torch.where(go_left, score_l, score_r)), best)
             right = torch.where(active & go_left, center, right)
             left = torch.where(active & ~go_left, center, left)
         score = best.view(s, per, b, c).amax(1)
         return left.view(s, per, b, c)[:, 0], score.masked_fill(~(starts < ends), float("-inf"))
+
+
+def topk_order(score: torch.Tensor, count: int) -> torch.Tensor:
+    """The indices of the best `count` of score [..., C] in the order CUDA's `torch.topk(sorted=False)` gives
+    them: those above the count-th best in place order, then those equal to it, in place order (ties to the
+    earlier place). hip-attn 1.2.9 keeps that order from one stage to the next when a call has one query block
+    (decoding, a short chunk: `stage_prologue` sorts only when BDST > 1), and its first layers' probes sit at
+    their places (`scan_extend_backend="streaming"`), so the order moves their positions."""
+    count = min(count, score.shape[-1])
+    ranked = score.sort(dim=-1, descending=True, stable=True)
+    picked = ranked.indices[..., :count]
+    tied = score.gather(-1, picked) == ranked.values[..., count - 1:count]
+    return picked.gather(-1, (picked + tied * score.shape[-1]).sort(dim=-1).indices)

@@ -175,6 +175,14 @@ class _Scorer:
         # [kv, g, B, R, d] rotated at [s, 1, B, R] (s broadcasts over kv)
         self.rotated = self.rotate(self.queries, pos.unsqueeze(1))
 
+    def kept(self, score: torch.Tensor, count: int, starts: torch.Tensor, last: bool) -> torch.Tensor | None:
+        """The candidates a stage keeps (None: all, as they are): the best `count`, ties to the earlier one (a
+        stable sort), in place order: the same picks in the same places whatever empty ranges follow the list
+        (a fixed-shape step pads it)."""
+        if score.shape[-1] <= count:
+            return None
+        return score.sort(dim=-1, descending=True, stable=True).indices[..., :count].sort(dim=-1).values
+
     def search(self, starts: torch.Tensor, ends: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each range's representative [s, B, C] and its score (-inf for empty ranges)."""
         rep = halving_search(self, starts, ends, chunk)
@@ -238,12 +246,9 @@ def run_stage(scorer: _Scorer, starts: torch.Tensor, ends: torch.Tensor, stage: 
     valid = starts < ends
     scorer.begin_stage(valid, stage)
     _, score = scorer.search(starts, ends, stage.chunk)  # each range's representative's score
-    count = max(1, keep // stage.chunk)
-    if score.shape[-1] <= count:
+    order = scorer.kept(score, max(1, keep // stage.chunk), starts, stage is scorer.plan.stages[-1])
+    if order is None:
         return starts, ends
-    # the best `count`, ties to the earlier candidate (a stable sort), then in position order: the same
-    # picks in the same places whatever empty ranges follow the list (a fixed-shape step pads it)
-    order = score.sort(dim=-1, descending=True, stable=True).indices[..., :count].sort(dim=-1).values
     kept_starts, kept_ends = starts.gather(-1, order), ends.gather(-1, order)
     kept_valid = valid.gather(-1, order)
     return kept_starts, torch.where(kept_valid, kept_ends, kept_starts)  # padding picks stay empty
@@ -252,18 +257,20 @@ def run_stage(scorer: _Scorer, starts: torch.Tensor, ends: torch.Tensor, stage: 
 def prune(queries: torch.Tensor, rows_valid: torch.Tensor, keys: torch.Tensor, plan: LayerPlan, last_keep: int,
           block_pos: torch.Tensor, window_start: torch.Tensor, rotate: Rotate,
           cached: list[Selection | None] | None = None, due: list[bool] | None = None,
-          window_starts: tuple[int, ...] = (), table: tuple[torch.Tensor, torch.Tensor] | None = None
-          ) -> list[Selection]:
+          window_starts: tuple[int, ...] = (), table: tuple[torch.Tensor, torch.Tensor] | None = None,
+          one_block: bool | None = None) -> list[Selection]:
     """All stages for a group of query blocks; returns each stage's output.
 
     queries [kv, g, B, R, d] (un-rotated), rows_valid [B, R], keys [kv, n, d] (un-rotated),
     block_pos [B, R] positions of the queries, window_start [B] (and `window_starts`, the same on
     the host). With `cached` and `due` (decoding), a stage that is not due reuses its cached
-    output. With a RoPE `table` (cos, sin) the search runs in the Triton scan kernel.
+    output. With a RoPE `table` (cos, sin) the search runs in the Triton scan kernel. `one_block`: whether the
+    call has one query block in all (default: this group has one), which `scan="hip"` follows (`HipSearch.kept`).
     """
     kv = keys.shape[0]
     args = (queries, rows_valid, keys, plan, block_pos, rotate)
     scorer = make_scorer(args, plan, table)
+    scorer.one_block = window_start.numel() == 1 if one_block is None else one_block
     s = 1 if plan.shared else kv
     first = plan.stages[0].chunk
     if not window_starts:
@@ -362,8 +369,11 @@ def sparse_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     if n - plan.window <= plan.sink and masks is None:  # not even the last query has a middle region: dense
         # (offloaded: the context is only sinks + window here, small enough to bring over)
         return _dense(query, keys.to(query.device), values.to(query.device), scaling, offset, rotate)
-    if table is not None and _all_cached(masks, due):
-        return _cached_decode(query, keys, values, scaling, plan, masks, table, gpu_cache)
+    if table is not None and due is not None and not any(due):
+        from kvpot.methods.infinitehip.fixed import all_cached, cached_decode  # (fixed imports this module)
+
+        if all_cached(masks, due):
+            return cached_decode(query, keys, values, scaling, plan, masks, table, gpu_cache)
     rows = min(rows, q)  # decoding: one row, not a padded block
     blocks = math.ceil(q / rows)
     s = 1 if plan.shared else kv
@@ -391,7 +401,7 @@ def sparse_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
         grouped = block_q.view(kv, h // kv, nb, rows, d)  # [kv, g, B, R, d]
         cached = masks.stages if masks is not None and masks.stages else None
         outputs_by_stage = prune(grouped, rows_valid, keys, plan, last_keep, positions, window_start, rotate,
-                                 cached, due, window_starts, table)
+                                 cached, due, window_starts, table, blocks == 1)
         if masks is not None:
             masks.recomputed.append([i for i, out in enumerate(outputs_by_stage)
                                      if cached is None or out is not cached[i]])
@@ -412,27 +422,6 @@ def sparse_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
                                positions, rows_valid, rotate, width)  # [B, h, R, d]
         outputs.append(out.permute(1, 0, 2, 3).reshape(h, nb * rows, d)[:, : hi - lo])
     return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
-
-
-def _all_cached(masks: MaskCache | None, due: list[bool] | None) -> bool:
-    return bool(masks is not None and masks.stages and due is not None and not any(due)
-                and all(stage is not None for stage in masks.stages))
-
-
-def _cached_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, plan: LayerPlan,
-                   masks: MaskCache, table: tuple[torch.Tensor, torch.Tensor], gpu_cache=None) -> torch.Tensor:
-    """A decoding step that recomputes no stage, on the kernels: one attention launch (and its
-    merge) over the cached selection, with no index arithmetic on the device (the general path
-    spends ~12 small launches there)."""
-    from kvpot.kernels import hip
-
-    selection = masks.stages[-1]
-    masks.recomputed.append([])
-    n = keys.shape[1]
-    width = n - selection.window_starts[0]  # the window runs from where it started to the query (n - 1)
-    return hip.sparse_attention(query, keys, values, scaling, selection.starts, selection.ends, plan.stages[-1].chunk,
-                                selection.window_start, width, plan.sink, 1, plan.final_rope == "streaming", *table,
-                                memo=selection.memo, gpu_cache=gpu_cache)
 
 
 def _dense(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, offset: int,
