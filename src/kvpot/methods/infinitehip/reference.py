@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpot.errors import KvpotError
+from kvpot.methods.infinitehip.cached import all_cached, cached_decode
 from kvpot.methods.infinitehip.hipscan import HipSearch
 
 # Bound on the float elements of one scoring block ([kv, group, blocks, rows, chunks]) and of one
@@ -369,11 +370,8 @@ def sparse_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     if n - plan.window <= plan.sink and masks is None:  # not even the last query has a middle region: dense
         # (offloaded: the context is only sinks + window here, small enough to bring over)
         return _dense(query, keys.to(query.device), values.to(query.device), scaling, offset, rotate)
-    if table is not None and due is not None and not any(due):
-        from kvpot.methods.infinitehip.fixed import all_cached, cached_decode  # (fixed imports this module)
-
-        if all_cached(masks, due):
-            return cached_decode(query, keys, values, scaling, plan, masks, table, gpu_cache)
+    if table is not None and all_cached(masks, due):
+        return cached_decode(query, keys, values, scaling, plan, masks, table, gpu_cache)
     rows = min(rows, q)  # decoding: one row, not a padded block
     blocks = math.ceil(q / rows)
     s = 1 if plan.shared else kv
