@@ -238,6 +238,13 @@ def test_unsorted_top_k_order_is_restated_independently():
     assert topk_order(score, 5).tolist() == [[1, 3, 6, 0, 4]]  # above the 5th best in place order, then its ties
     assert _unsorted_topk(score, 5).tolist() == [[1, 3, 6, 0, 4]]
     assert topk_order(score, 8).tolist() == [[0, 1, 2, 3, 4, 5, 6, 7]]  # the least (-32000) is last already
+    assert topk_order(score, 7).tolist() == [[0, 1, 3, 4, 5, 6, 2]]  # all but the least: the 7th best (-1) last
+    # hip-attn's list one longer (an entry out of play past C) and all of it kept: its k-th is that entry, which
+    # ties with nothing here, so every pick stays in place
+    assert topk_order(score[:, :7], 8, live=8).tolist() == [[0, 1, 2, 3, 4, 5, 6]]
+    assert topk_order(score[:, :7], 7, live=8).tolist() == [[0, 1, 3, 4, 5, 6, 2]]  # k = 7 of its 8: -1 is k-th
+    padded = torch.cat([score, torch.full((1, 3), float("-inf"))], dim=-1)  # a fixed-shape step's padding
+    assert topk_order(padded, 7, live=torch.tensor([8])).tolist() == [[0, 1, 3, 4, 5, 6, 2]]
     scores = torch.randn(6, 300, generator=torch.Generator().manual_seed(0)).round(decimals=1)  # many ties
     for k in (1, 7, 150, 300):
         assert torch.equal(topk_order(scores, k), _unsorted_topk(scores, k))

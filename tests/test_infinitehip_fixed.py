@@ -8,6 +8,8 @@ The kernel cases run on CUDA, or on a CPU under `TRITON_INTERPRET=1`; the graph 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import KERNEL_DEVICE, VOCAB, build, interpreter_runtime_loops, needs_kernels, rope_table
@@ -27,9 +29,9 @@ def rotator(cos: torch.Tensor, sin: torch.Tensor):
     return rotate
 
 
-def make_plan(prune_rope: str, shared: bool, final_rope: str = "streaming") -> LayerPlan:
+def make_plan(prune_rope: str, shared: bool, final_rope: str = "streaming", scan: str = "paper") -> LayerPlan:
     return LayerPlan(stages=(Stage(64, 256), Stage(16, 64), Stage(4, 32)), sink=8, window=32, query_block=16,
-                     prune_rope=prune_rope, final_rope=final_rope, shared=shared)
+                     prune_rope=prune_rope, final_rope=final_rope, shared=shared, scan=scan)
 
 
 def run_steps(plan: LayerPlan, refresh: tuple[int, ...], device: str, kernels: bool, d: int = 32,
@@ -87,12 +89,37 @@ def test_fixed_steps_select_and_attend_as_the_eager_steps(prune_rope, shared, re
         assert masks.stages[-1].starts.shape[-1] >= 2  # the selection is sparse, not everything
 
 
+@pytest.mark.parametrize("prune_rope, shared, refresh", CASES[:3], ids=[f"{r}-{'shared' if s else 'head'}-{f}"
+                                                                        for r, s, f in CASES[:3]])
+@pytest.mark.parametrize("first_keep", [256, 4096], ids=["stage-1-drops", "stage-1-keeps-all"])
+def test_fixed_steps_search_as_hip_attn_as_the_eager_steps(prune_rope, shared, refresh, first_keep):
+    """`scan="hip"`: a fixed-shape step searches the live keys of its whole buffer (hip-attn's column counts, its
+    candidate region and, with one query, its unsorted top-k order, padding and all) as the eager step searches
+    the live keys."""
+    plan = dataclasses.replace(make_plan(prune_rope, shared, scan="hip"),
+                               stages=(Stage(64, first_keep), Stage(16, 64), Stage(4, 32)))
+    for step, eager, out, masks, fixed in run_steps(plan, refresh, "cpu", kernels=False, d=16):
+        assert_same_selection(masks, fixed)
+        torch.testing.assert_close(out, eager, atol=1e-5, rtol=1e-5)
+
+
 @needs_kernels()
 @pytest.mark.parametrize("prune_rope, shared, refresh", CASES[:3], ids=[f"{r}-{'shared' if s else 'head'}"
                                                                         for r, s, _ in CASES[:3]])
 def test_fixed_steps_on_the_kernels_match_the_eager_kernel_steps(prune_rope, shared, refresh):
     plan = make_plan(prune_rope, shared)
     for step, eager, out, masks, fixed in run_steps(plan, refresh, KERNEL_DEVICE, kernels=True, steps=5):
+        assert_same_selection(masks, fixed)
+        err = float((out.double() - eager.double()).norm() / eager.double().norm())
+        assert err < 1e-5, (step, err)
+
+
+@needs_kernels()
+def test_fixed_hip_scan_steps_on_the_kernels_match_the_eager_kernel_steps():
+    """`scan="hip"` in a first layer's style through `hip_stage_scan`: the fixed-shape steps over the whole buffer
+    (the live count on the device) select and attend as the eager kernel steps."""
+    plan = make_plan("chunk", True, scan="hip")
+    for step, eager, out, masks, fixed in run_steps(plan, (2, 1, 1), KERNEL_DEVICE, kernels=True, steps=4):
         assert_same_selection(masks, fixed)
         err = float((out.double() - eager.double()).norm() / eager.double().norm())
         assert err < 1e-5, (step, err)

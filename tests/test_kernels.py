@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from conftest import KERNEL_DEVICE, interpreter_runtime_loops, needs_kernels, skip_interpreted_bf16
@@ -75,6 +77,43 @@ SCHEDULES = {"fused": {"stepwise": False}, "stepwise": {"stepwise": True},
              "stepwise-keys-rotated": {"stepwise": True, "turn": False}}
 
 
+def scan_case(shape, prune_rope: str, shared: bool, scan: str, seed: int):
+    """One stage's search inputs over a named shape: the plan, the RoPE table, the query blocks and candidate
+    ranges of every length 0..chunk (some empty, some ending at the context's end), and the PyTorch scorer (the
+    paper's or hip-attn's search) with its queries rotated for the first stage."""
+    from kvpot.methods.infinitehip.reference import _HipScorer
+
+    _, n, q, kv, g, d, chunks, _ = shape
+    plan = dataclasses.replace(make_plan(chunks, (10**9,) * len(chunks), prune_rope, shared, rows=min(32, q)),
+                               scan=scan)
+    cos, sin = table(n + 200, d, torch.float32)
+    query, keys, _ = inputs(n, q, kv, g, d, torch.float32, seed=n + q + (7 if scan == "hip" else 0))
+    rows = plan.query_block
+    blocks = math.ceil(q / rows)
+    grouped = torch.nn.functional.pad(query, (0, 0, 0, blocks * rows - q)).view(kv, g, blocks, rows, d)
+    positions = (n - q + torch.arange(blocks * rows, device=DEVICE)).view(blocks, rows)
+    rows_valid = positions < n
+    chunk = chunks[0]
+    count = (n - plan.window) // chunk
+    s = 1 if shared else kv
+    starts = (torch.arange(count, device=DEVICE) * chunk).view(1, 1, -1).expand(s, blocks, -1).contiguous()
+    lengths = torch.randint(0, chunk + 1, starts.shape, generator=torch.Generator(device=DEVICE).manual_seed(seed),
+                            device=DEVICE)
+    ends = torch.minimum(starts + lengths, torch.tensor(n, device=DEVICE))
+    scorer = (_HipScorer if scan == "hip" else _Scorer)(grouped, rows_valid, keys, plan, positions.clamp(max=n - 1),
+                                                         rotator(cos, sin))
+    scorer.begin_stage(starts < ends, plan.stages[0])
+    return SimpleNamespace(plan=plan, cos=cos, sin=sin, keys=keys, rows_valid=rows_valid, starts=starts, ends=ends,
+                           chunk=chunk, scorer=scorer)
+
+
+def assert_same_search(rep, score, ref_rep, ref_score, case):
+    valid = case.starts < case.ends
+    assert torch.equal(rep[valid], ref_rep[valid])
+    assert torch.equal(score.isinf(), ref_score.isinf())
+    torch.testing.assert_close(score[valid], ref_score[valid], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("prune_rope", ["relative", "chunk", "absolute"])
 @pytest.mark.parametrize("shared", [True, False])
@@ -82,33 +121,11 @@ SCHEDULES = {"fused": {"stepwise": False}, "stepwise": {"stepwise": True},
 def test_stage_scan_matches_the_halving_search(shape, prune_rope, shared, schedule):
     from kvpot.kernels.hip import stage_scan
 
-    _, n, q, kv, g, d, chunks, _ = shape
-    plan = make_plan(chunks, (10**9,) * len(chunks), prune_rope, shared, rows=min(32, q))
-    cos, sin = table(n + 200, d, torch.float32)
-    rotate = rotator(cos, sin)
-    query, keys, _ = inputs(n, q, kv, g, d, torch.float32, seed=n + q)
-    rows = plan.query_block
-    blocks = math.ceil(q / rows)
-    grouped = torch.nn.functional.pad(query, (0, 0, 0, blocks * rows - q)).view(kv, g, blocks, rows, d)
-    positions = (n - q + torch.arange(blocks * rows, device=DEVICE)).view(blocks, rows)
-    rows_valid = positions < n
-    s = 1 if shared else kv
-    chunk = chunks[0]
-    # ranges of every length 0..chunk, some empty (padding), some ending at the context's end
-    count = (n - plan.window) // chunk
-    starts = (torch.arange(count, device=DEVICE) * chunk).view(1, 1, -1).expand(s, blocks, -1).contiguous()
-    lengths = torch.randint(0, chunk + 1, starts.shape, generator=torch.Generator(device=DEVICE).manual_seed(1),
-                            device=DEVICE)
-    ends = torch.minimum(starts + lengths, torch.tensor(n, device=DEVICE))
-    scorer = _Scorer(grouped, rows_valid, keys, plan, positions.clamp(max=n - 1), rotate)
-    scorer.begin_stage(starts < ends)
-    ref_rep, ref_score = scorer.search(starts, ends, chunk)
-    rep, score = stage_scan(scorer.rotated, rows_valid, keys, starts, ends, chunk, prune_rope, shared, cos, sin,
-                            **SCHEDULES[schedule])
-    valid = starts < ends
-    assert torch.equal(rep[valid], ref_rep[valid])
-    assert torch.equal(score.isinf(), ref_score.isinf())
-    torch.testing.assert_close(score[valid], ref_score[valid], rtol=1e-4, atol=1e-4)
+    case = scan_case(shape, prune_rope, shared, "paper", seed=1)
+    ref_rep, ref_score = case.scorer.search(case.starts, case.ends, case.chunk)
+    rep, score = stage_scan(case.scorer.rotated, case.rows_valid, case.keys, case.starts, case.ends, case.chunk,
+                            prune_rope, shared, case.cos, case.sin, **SCHEDULES[schedule])
+    assert_same_search(rep, score, ref_rep, ref_score, case)
 
 
 @pytest.mark.parametrize(("prune_rope", "turn"), [("relative", True), ("relative", False), ("chunk", False),
@@ -121,35 +138,15 @@ def test_hip_stage_scan_matches_hip_attns_search(shape, prune_rope, shared, turn
     (`hipscan.HipSearch` in PyTorch is the reference), over ranges of every length, some empty, each searched
     whole (`reach`) while its left end is before its end."""
     from kvpot.kernels.hip import hip_stage_scan
-    from kvpot.methods.infinitehip.reference import _HipScorer
 
-    _, n, q, kv, g, d, chunks, _ = shape
-    plan = make_plan(chunks, (10**9,) * len(chunks), prune_rope, shared, rows=min(32, q))
-    plan = dataclasses.replace(plan, scan="hip")
-    cos, sin = table(n + 200, d, torch.float32)
-    query, keys, _ = inputs(n, q, kv, g, d, torch.float32, seed=n + q + 7)
-    rows = plan.query_block
-    blocks = math.ceil(q / rows)
-    grouped = torch.nn.functional.pad(query, (0, 0, 0, blocks * rows - q)).view(kv, g, blocks, rows, d)
-    positions = (n - q + torch.arange(blocks * rows, device=DEVICE)).view(blocks, rows)
-    rows_valid = positions < n
-    s = 1 if shared else kv
-    chunk = chunks[0]
-    count = (n - plan.window) // chunk
-    starts = (torch.arange(count, device=DEVICE) * chunk).view(1, 1, -1).expand(s, blocks, -1).contiguous()
-    lengths = torch.randint(0, chunk + 1, starts.shape, generator=torch.Generator(device=DEVICE).manual_seed(2),
-                            device=DEVICE)
-    ends = torch.minimum(starts + lengths, torch.tensor(n, device=DEVICE))
-    scorer = _HipScorer(grouped, rows_valid, keys, plan, positions.clamp(max=n - 1), rotator(cos, sin))
-    scorer.begin_stage(starts < ends, plan.stages[0])
-    ref_rep, ref_score = scorer.search(starts, ends, chunk)
+    _, _, _, kv, g, _, _, _ = shape
+    case = scan_case(shape, prune_rope, shared, "hip", seed=2)
+    scorer = case.scorer
+    ref_rep, ref_score = scorer.search(case.starts, case.ends, case.chunk)
     kvg = scorer.rotated.expand(kv, g, *scorer.rotated.shape[2:])
-    rep, score = hip_stage_scan(kvg, rows_valid, keys, starts, ends, chunk, prune_rope, cos, sin, turn=turn,
-                                block_c=16, reach=scorer.reach(starts, chunk))
-    valid = starts < ends
-    assert torch.equal(rep[valid], ref_rep[valid])
-    assert torch.equal(score.isinf(), ref_score.isinf())
-    torch.testing.assert_close(score[valid], ref_score[valid], rtol=1e-4, atol=1e-4)
+    rep, score = hip_stage_scan(kvg, case.rows_valid, case.keys, case.starts, case.ends, case.chunk, prune_rope,
+                                case.cos, case.sin, turn=turn, block_c=16, reach=scorer.reach(case.starts, case.chunk))
+    assert_same_search(rep, score, ref_rep, ref_score, case)
 
 
 @pytest.mark.parametrize("scan", ["paper", "hip"])

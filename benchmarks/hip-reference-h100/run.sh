@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Issue 46 on one H100: kvpot's InfiniteHiP beside hip-attn 1.2.9 (the authors' Triton kernels), in device calls of at
-# most 10 minutes (run tool, timeout_s 600, carry [".whl-hip"]; the timeouts below add up to 770 s: split the parts
+# most 10 minutes (run tool, timeout_s 600, carry [".whl-hip"]; the timeouts below add up to 860 s: split the parts
 # over two calls, e.g. `test speed` then `agree`, as records/hip-reference-h200/kernel-scan/ did):
 #
 #   OUT=$OUT bash benchmarks/hip-reference-h100/run.sh [PART...]       PART: test agree model accuracy speed
 #
 #   test      (<= 210 s) tests/test_hip_reference.py (its GPU test: kvpot keeps >= 95% of hip-attn's blocks, with
 #                        kvpot's scan='hip'; hip-attn's decode through its paged cache), and the scan='hip' kernel's tests
-#   agree     (<= 240 s) kvpot bench hip-reference on random q/k/v, llama3-8b shape, 16K and 128K, the paper's
+#   agree     (<= 330 s) kvpot bench hip-reference on random q/k/v, llama3-8b shape, 16K and 128K, the paper's
 #                        settings with kvpot's two searches (paper, paper-hipscan) and both hip-attn defaults
 #                        (hip-args, hip-config), later and first layers, prefill + decode with/without refresh
 #   model     (<= 100 s) paper, paper-hipscan and hip-config on SmolLM2-135M's own q/k/v (layer 0 = early,
@@ -48,7 +48,7 @@ for part in $parts; do
     test) timeout 90 python -m pytest -q -rs tests/test_hip_reference.py > "$OUT/test.log" 2>&1
           timeout 120 python -m pytest -q -rs tests/test_kernels.py -k "hip_stage_scan or each_scan or offloaded" \
             >> "$OUT/test.log" 2>&1 ;;
-    agree) timeout 240 "${bench[@]}" --shape llama3-8b --lengths 16k,128k --hip-case paper --hip-case paper-hipscan \
+    agree) timeout 330 "${bench[@]}" --shape llama3-8b --lengths 16k,128k --hip-case paper --hip-case paper-hipscan \
              --hip-case hip-args --hip-case hip-config --hip-layers late,early --queries 1024 --decode-steps 16 \
              --repeats 3 --out "$OUT/agree" > "$OUT/agree.log" 2>&1 ;;
     model) [ $smol = 1 ] && timeout 100 "${bench[@]}" --source model --model smollm2-135m --lengths 16k,64k \

@@ -89,6 +89,27 @@ def _probe_turned(qa, qb, K, idx, c_ok, row_ok, h, N, stride_kh, stride_kn, HALF
 
 
 @triton.jit
+def _probe_pair(q1, q2, ql1, ql2, qr1, qr2, K, COS, SIN, left, right, offs_c, c_ok, row_ok, h, N, stride_kh,
+                stride_kn, stride_t, TURN: tl.constexpr, STYLE: tl.constexpr, HALF: tl.constexpr,
+                IEEE: tl.constexpr):
+    """One halving step's two probes of ranges [left, right): the middle keys of the left and right halves
+    (the left one at position 0, the right one at 1 in the relative style, where `TURN` uses the turned
+    queries ql/qr)."""
+    center = (left + right) // 2
+    if TURN:
+        probe_l = _probe_turned(ql1, ql2, K, (left + center) // 2, c_ok, row_ok, h, N, stride_kh, stride_kn,
+                                HALF, IEEE)
+        probe_r = _probe_turned(qr1, qr2, K, (center + right) // 2, c_ok, row_ok, h, N, stride_kh, stride_kn,
+                                HALF, IEEE)
+    else:
+        probe_l = _probe(q1, q2, K, COS, SIN, (left + center) // 2, 0, offs_c, c_ok, row_ok, h, N, stride_kh,
+                         stride_kn, stride_t, STYLE, HALF, IEEE)
+        probe_r = _probe(q1, q2, K, COS, SIN, (center + right) // 2, 1, offs_c, c_ok, row_ok, h, N, stride_kh,
+                         stride_kn, stride_t, STYLE, HALF, IEEE)
+    return probe_l, probe_r
+
+
+@triton.jit
 def _turn(q1, q2, COS, SIN, pos, stride_t, HALF: tl.constexpr):
     """Queries q' with q'.k = q.rot(k, pos) for every key k: rot(k) = (k1 c1 - k2 s1, k2 c2 + k1 s2), so
     q'1 = q1 c1 + q2 s2 and q'2 = q2 c2 - q1 s1 (the cos/sin row of `pos`, scaled variants included)."""
@@ -200,6 +221,7 @@ def _scan_step_kernel(
     q_ptr = Q + h * stride_qh + b * stride_qb + rows[:, None] * stride_qm + dh[None, :]
     q1 = tl.load(q_ptr, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HALF], resident for the whole span
     q2 = tl.load(q_ptr + HALF, mask=row_ok[:, None], other=0.0)
+    ql1, ql2, qr1, qr2 = q1, q2, q1, q2
     if TURN:  # left probes sit at position 0, right ones at 1: rotate two query copies, not every key
         ql1, ql2 = _turn(q1, q2, COS, SIN, 0, stride_t, HALF)
         qr1, qr2 = _turn(q1, q2, COS, SIN, 1, stride_t, HALF)
@@ -237,17 +259,8 @@ def _scan_step_kernel(
                                stride_t, STYLE, HALF, IEEE)
             tl.store(out, final, mask=c_ok)
         else:
-            center = (left + right) // 2
-            if TURN:
-                probe_l = _probe_turned(ql1, ql2, K, (left + center) // 2, c_ok, row_ok, h, N, stride_kh,
-                                        stride_kn, HALF, IEEE)
-                probe_r = _probe_turned(qr1, qr2, K, (center + right) // 2, c_ok, row_ok, h, N, stride_kh,
-                                        stride_kn, HALF, IEEE)
-            else:
-                probe_l = _probe(q1, q2, K, COS, SIN, (left + center) // 2, 0, offs_c, c_ok, row_ok, h, N,
-                                 stride_kh, stride_kn, stride_t, STYLE, HALF, IEEE)
-                probe_r = _probe(q1, q2, K, COS, SIN, (center + right) // 2, 1, offs_c, c_ok, row_ok, h, N,
-                                 stride_kh, stride_kn, stride_t, STYLE, HALF, IEEE)
+            probe_l, probe_r = _probe_pair(q1, q2, ql1, ql2, qr1, qr2, K, COS, SIN, left, right, offs_c, c_ok,
+                                           row_ok, h, N, stride_kh, stride_kn, stride_t, TURN, STYLE, HALF, IEEE)
             tl.store(out, probe_l, mask=c_ok)
             tl.store(out + 1, probe_r, mask=c_ok)
 
@@ -371,6 +384,7 @@ def _hip_scan_kernel(
     q_ptr = Q + hq * stride_qh + b * stride_qb + rows[:, None] * stride_qm + dh[None, :]
     q1 = tl.load(q_ptr, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HALF]
     q2 = tl.load(q_ptr + HALF, mask=row_ok[:, None], other=0.0)
+    ql1, ql2, qr1, qr2 = q1, q2, q1, q2
     if TURN:  # relative style: left probes at position 0, right ones at 1
         ql1, ql2 = _turn(q1, q2, COS, SIN, 0, stride_t, HALF)
         qr1, qr2 = _turn(q1, q2, COS, SIN, 1, stride_t, HALF)
@@ -387,16 +401,8 @@ def _hip_scan_kernel(
         for _ in range(STEPS):
             active = (left < right) & (left < stop)
             center = (left + right) // 2
-            if TURN:
-                probe_l = _probe_turned(ql1, ql2, K, (left + center) // 2, c_ok, row_ok, h, N, stride_kh,
-                                        stride_kn, HALF, IEEE)
-                probe_r = _probe_turned(qr1, qr2, K, (center + right) // 2, c_ok, row_ok, h, N, stride_kh,
-                                        stride_kn, HALF, IEEE)
-            else:
-                probe_l = _probe(q1, q2, K, COS, SIN, (left + center) // 2, 0, offs_c, c_ok, row_ok, h, N,
-                                 stride_kh, stride_kn, stride_t, STYLE, HALF, IEEE)
-                probe_r = _probe(q1, q2, K, COS, SIN, (center + right) // 2, 1, offs_c, c_ok, row_ok, h, N,
-                                 stride_kh, stride_kn, stride_t, STYLE, HALF, IEEE)
+            probe_l, probe_r = _probe_pair(q1, q2, ql1, ql2, qr1, qr2, K, COS, SIN, left, right, offs_c, c_ok,
+                                           row_ok, h, N, stride_kh, stride_kn, stride_t, TURN, STYLE, HALF, IEEE)
             go_left = probe_l > probe_r  # hip-attn goes right on a tie
             best = tl.where(active, tl.maximum(best, tl.where(go_left, probe_l, probe_r)), best)
             right = tl.where(active & go_left, center, right)

@@ -7,16 +7,22 @@ import math
 import torch
 
 
-def hip_columns(plan, n: int) -> list[int]:
+def hip_columns(plan, n):
     """hip-attn 1.2.9's candidate count of each stage over `n` keys (its MAX_TSRC: the keys passed, or a paged
     cache's capacity): the first stage's chunks from the sinks to n - window, then each stage's kept chunks (its
     `stage_k // chunk`, at most what it had) split into the next stage's. With `scan_extend_backend="streaming"`
-    a query block's queries sit at this count + window for the stage, whatever the block's own candidates."""
+    a query block's queries sit at this count + window for the stage, whatever the block's own candidates.
+    `n` an int (a list of ints back) or a long tensor on the device (a fixed-shape step: tensors back)."""
     chunks = [s.chunk for s in plan.stages]
-    count = math.ceil(max(0, n - plan.sink - plan.window) / chunks[0])
+    if isinstance(n, torch.Tensor):
+        count = ((n - plan.sink - plan.window).clamp(min=0) + chunks[0] - 1) // chunks[0]
+    else:
+        count = math.ceil(max(0, n - plan.sink - plan.window) / chunks[0])
     out = [count]
     for i in range(1, len(chunks)):
-        count = min(count, plan.stages[i - 1].keep // chunks[i - 1]) * (chunks[i - 1] // chunks[i])
+        kept = plan.stages[i - 1].keep // chunks[i - 1]
+        count = (count.clamp(max=kept) if isinstance(count, torch.Tensor) else min(count, kept)) \
+            * (chunks[i - 1] // chunks[i])
         out.append(count)
     return out
 
@@ -51,7 +57,7 @@ class HipSearch:
     def stage_positions(self) -> torch.Tensor:
         """[1, 1, B, R]: the queries' positions in a first layer's stage (hip-attn's column count + window, at
         most their own)."""
-        columns = hip_columns(self.plan, self.keys.shape[1])[self.stage_index]
+        columns = hip_columns(self.plan, self.live_keys())[self.stage_index]
         b, r = self.block_pos.shape
         return self.block_pos.clamp(max=columns + self.plan.window).view(1, 1, b, r)
 
@@ -62,8 +68,17 @@ class HipSearch:
         runs into the window is searched into it; the keys there are attended as the window's anyway."""
         reach = starts + chunk
         if self.stage_index == 0:
-            reach = reach.clamp(max=max(self.keys.shape[1] - self.plan.window, 0))
+            live = self.live_keys()
+            reach = reach.clamp(max=(live - self.plan.window).clamp(min=0) if isinstance(live, torch.Tensor)
+                                else max(live - self.plan.window, 0))
         return reach
+
+    live: torch.Tensor | None = None  # a fixed-shape step's live key count ([1] long), its keys a whole buffer
+
+    def live_keys(self):
+        """hip-attn's MAX_TSRC here: the keys searched (an int), or a fixed-shape step's live count (a tensor),
+        so that a captured step searches as the eager one over the live keys."""
+        return self.keys.shape[1] if self.live is None else self.live
 
     def _head_scores(self, idx: torch.Tensor, side: int) -> torch.Tensor:
         """Scores [h, B, C] of keys idx [h, B, C], each query head against its own keys: max over valid rows."""
@@ -81,7 +96,6 @@ class HipSearch:
         scores = torch.einsum("hbrd,hbcd->hbrc", q, k.to(q.dtype)).float()
         return scores.masked_fill(~self.rows_valid.view(1, b, r, 1), float("-inf")).amax(2)
 
-    table: tuple[torch.Tensor, torch.Tensor] | None = None  # a RoPE table (cos, sin): search in the Triton kernel
     one_block = False  # the call has one query block (`reference.prune` sets it)
 
     def kept(self, score: torch.Tensor, count: int, starts: torch.Tensor, last: bool) -> torch.Tensor | None:
@@ -90,12 +104,8 @@ class HipSearch:
         (hip-attn sorts its final selection)."""
         if not self.one_block:
             return super().kept(score, count, starts, last)
-        order = topk_order(score, count)
+        order = topk_order(score, count, hip_columns(self.plan, self.live_keys())[self.stage_index])
         return order.gather(-1, starts.gather(-1, order).sort(dim=-1).indices) if last else order
-
-    def with_table(self, table: tuple[torch.Tensor, torch.Tensor] | None) -> HipSearch:
-        self.table = table
-        return self
 
     def search(self, starts: torch.Tensor, ends: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
         kv, g = self.queries.shape[0], self.queries.shape[1]
@@ -123,14 +133,25 @@ class HipSearch:
         return left.view(s, per, b, c)[:, 0], score.masked_fill(~(starts < ends), float("-inf"))
 
 
-def topk_order(score: torch.Tensor, count: int) -> torch.Tensor:
+def topk_order(score: torch.Tensor, count: int, live=None) -> torch.Tensor:
     """The indices of the best `count` of score [..., C] in the order CUDA's `torch.topk(sorted=False)` gives
-    them: those above the count-th best in place order, then those equal to it, in place order (ties to the
+    them: those above the k-th best in place order, then those equal to it, in place order (ties to the
     earlier place). hip-attn 1.2.9 keeps that order from one stage to the next when a call has one query block
     (decoding, a short chunk: `stage_prologue` sorts only when BDST > 1), and its first layers' probes sit at
-    their places (`scan_extend_backend="streaming"`), so the order moves their positions."""
-    count = min(count, score.shape[-1])
+    their places (`scan_extend_backend="streaming"`), so the order moves their positions. `live` (an int or a
+    [1] long tensor, default C): the length of hip-attn's list, its k being min(count, live); past C its entries
+    are out of play (a fixed-shape step's padding, or hip-attn's candidates past a block's window), so a k-th
+    there ties with nothing and every pick stays in place. Picks below the k-th (padding) come last."""
+    c = score.shape[-1]
+    if live is None:
+        live = c
+    want = live.clamp(max=count) if isinstance(live, torch.Tensor) else torch.tensor(min(count, live))
+    count = min(count, c)
     ranked = score.sort(dim=-1, descending=True, stable=True)
     picked = ranked.indices[..., :count]
-    tied = score.gather(-1, picked) == ranked.values[..., count - 1:count]
-    return picked.gather(-1, (picked + tied * score.shape[-1]).sort(dim=-1).indices)
+    floor = torch.cat([ranked.values, ranked.values.new_full((*score.shape[:-1], 1), float("-inf"))], dim=-1)
+    at = (want.to(score.device) - 1).clamp(0, c).reshape(*([1] * score.dim())).expand(*score.shape[:-1], 1)
+    kth = floor.gather(-1, at)
+    value = score.gather(-1, picked)
+    group = (value == kth).long() + 2 * (value < kth).long()  # above, tied, below
+    return picked.gather(-1, (picked + group * c).sort(dim=-1).indices)

@@ -157,10 +157,11 @@ class _Scorer:
     """Scores keys against a group of query blocks in one pruning style."""
 
     def __init__(self, queries: torch.Tensor, rows_valid: torch.Tensor, keys: torch.Tensor, plan: LayerPlan,
-                 block_pos: torch.Tensor, rotate: Rotate):
-        # queries [kv, g, B, R, d] un-rotated; rows_valid [B, R]; block_pos [B, R] true positions
+                 block_pos: torch.Tensor, rotate: Rotate, table: tuple[torch.Tensor, torch.Tensor] | None = None):
+        # queries [kv, g, B, R, d] un-rotated; rows_valid [B, R]; block_pos [B, R] true positions; table: a RoPE
+        # table (cos, sin) when the search runs in a Triton kernel
         self.queries, self.rows_valid, self.keys = queries, rows_valid, keys
-        self.plan, self.block_pos, self.rotate = plan, block_pos, rotate
+        self.plan, self.block_pos, self.rotate, self.table = plan, block_pos, rotate, table
         self.rotated: torch.Tensor | None = None
 
     def begin_stage(self, valid: torch.Tensor, stage: Stage | None = None) -> None:
@@ -209,10 +210,6 @@ class _Scorer:
 class _KernelScorer(_Scorer):
     """The same scoring, with the halving search of a whole stage in one Triton kernel."""
 
-    def __init__(self, *args, table: tuple[torch.Tensor, torch.Tensor]):
-        super().__init__(*args)
-        self.table = table
-
     def search(self, starts: torch.Tensor, ends: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
         from kvpot.kernels.hip import stage_scan
 
@@ -227,9 +224,8 @@ class _HipScorer(HipSearch, _Scorer):
 def make_scorer(args: tuple, plan: LayerPlan, table: tuple[torch.Tensor, torch.Tensor] | None) -> _Scorer:
     """The scorer of a plan: the paper's search or hip-attn's (`plan.scan`), in PyTorch, or in a Triton kernel
     when a RoPE `table` is given."""
-    if plan.scan == "hip":
-        return _HipScorer(*args).with_table(table)
-    return _Scorer(*args) if table is None else _KernelScorer(*args, table=table)
+    kind = _HipScorer if plan.scan == "hip" else _Scorer if table is None else _KernelScorer
+    return kind(*args, table=table)
 
 
 def _split(sel_starts: torch.Tensor, sel_ends: torch.Tensor, parent: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
