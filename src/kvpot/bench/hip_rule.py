@@ -12,11 +12,11 @@ Written from reading hip-attn's kernels (`hip_attn/v1_2/attention_extend.py`, `s
 - **path_max**: scores a chunk by the best score its search met (the running max of each step's winning probe),
   where kvpot (and the paper: "the maximum attention score between the query block and that chunk's
   representative token") scores the representative key itself;
-- **strict**: moves right on a tie (`left > right` keeps the left half), kvpot keeps the left half on a tie;
+- **strict**: moves right on a tie (`left > right` keeps the left half), kvpot's `scan="paper"` keeps the left half on a tie;
 - **hip_region**: offers the first stage the same chunks for every block, `[sink + i * chunk, ...)` up to
   `n - window` (the last one cut there), and a chunk stays in play while its current left end is at most the
   block's first query - window, even where the chunk runs into the window; a stage keeps whole chunks (realigned
-  to the chunk grid from the sinks). kvpot cuts each block's candidates at its window's start.
+  to the chunk grid from the sinks). kvpot's `scan="paper"` cuts each block's candidates at its window's start.
 
 - **topk_order** (one query block: decoding, a short chunk): a stage passes its picks on in the order CUDA's
   `torch.topk(sorted=False)` leaves them (`stage_prologue` sorts them only when BDST > 1); with **streaming**
