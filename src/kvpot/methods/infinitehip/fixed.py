@@ -156,9 +156,7 @@ def _prune(grouped: torch.Tensor, keys: torch.Tensor, t: torch.Tensor, plan: Lay
         masks.window_start.copy_((t + 1 - plan.window).clamp(min=plan.sink))
     rows_valid = torch.ones(1, 1, dtype=torch.bool, device=t.device)
     args = (grouped, rows_valid, keys, plan, t.view(1, 1), rotate)
-    scorer = make_scorer(args, plan, table)
-    scorer.live = t + 1  # the keys are the whole buffer; `scan="hip"` searches the live ones as the eager step
-    scorer.one_block = True
+    scorer = make_scorer(args, plan, table, one_block=True, live=t + 1)  # keys: the whole buffer, t + 1 live
     s = masks.starts[0].shape[0]
     first = plan.stages[0].chunk
     starts = plan.sink + torch.arange(masks.candidates, device=t.device) * first

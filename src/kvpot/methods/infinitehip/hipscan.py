@@ -49,6 +49,7 @@ class HipSearch:
 
     def begin_stage(self, valid: torch.Tensor, stage=None) -> None:
         self.stage_index = next((i for i, s in enumerate(self.plan.stages) if s is stage), 0)
+        self.columns = hip_columns(self.plan, self.live_keys())[self.stage_index]  # hip-attn's list length
         if self.plan.prune_rope != "chunk" or stage is None:
             super().begin_stage(valid, stage)
             return
@@ -57,9 +58,8 @@ class HipSearch:
     def stage_positions(self) -> torch.Tensor:
         """[1, 1, B, R]: the queries' positions in a first layer's stage (hip-attn's column count + window, at
         most their own)."""
-        columns = hip_columns(self.plan, self.live_keys())[self.stage_index]
         b, r = self.block_pos.shape
-        return self.block_pos.clamp(max=columns + self.plan.window).view(1, 1, b, r)
+        return self.block_pos.clamp(max=self.columns + self.plan.window).view(1, 1, b, r)
 
     def reach(self, starts: torch.Tensor, chunk: int) -> torch.Tensor:
         """Where hip-attn's search of each range may go: whole chunks (the first stage's cut at n - window, its
@@ -72,8 +72,6 @@ class HipSearch:
             reach = reach.clamp(max=(live - self.plan.window).clamp(min=0) if isinstance(live, torch.Tensor)
                                 else max(live - self.plan.window, 0))
         return reach
-
-    live: torch.Tensor | None = None  # a fixed-shape step's live key count ([1] long), its keys a whole buffer
 
     def live_keys(self):
         """hip-attn's MAX_TSRC here: the keys searched (an int), or a fixed-shape step's live count (a tensor),
@@ -96,15 +94,13 @@ class HipSearch:
         scores = torch.einsum("hbrd,hbcd->hbrc", q, k.to(q.dtype)).float()
         return scores.masked_fill(~self.rows_valid.view(1, b, r, 1), float("-inf")).amax(2)
 
-    one_block = False  # the call has one query block (`reference.prune` sets it)
-
     def kept(self, score: torch.Tensor, count: int, starts: torch.Tensor, last: bool) -> torch.Tensor | None:
         """As the paper's search keeps (`_Scorer.kept`, place order), except with one query block: then a stage
         before the last passes its best on in `topk_order`, and the last stage's are put in position order
         (hip-attn sorts its final selection)."""
         if not self.one_block:
             return super().kept(score, count, starts, last)
-        order = topk_order(score, count, hip_columns(self.plan, self.live_keys())[self.stage_index])
+        order = topk_order(score, count, self.columns)
         return order.gather(-1, starts.gather(-1, order).sort(dim=-1).indices) if last else order
 
     def search(self, starts: torch.Tensor, ends: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -157,11 +157,14 @@ class _Scorer:
     """Scores keys against a group of query blocks in one pruning style."""
 
     def __init__(self, queries: torch.Tensor, rows_valid: torch.Tensor, keys: torch.Tensor, plan: LayerPlan,
-                 block_pos: torch.Tensor, rotate: Rotate, table: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 block_pos: torch.Tensor, rotate: Rotate, table: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 one_block: bool = False, live: torch.Tensor | None = None):
         # queries [kv, g, B, R, d] un-rotated; rows_valid [B, R]; block_pos [B, R] true positions; table: a RoPE
-        # table (cos, sin) when the search runs in a Triton kernel
+        # table (cos, sin) when the search runs in a Triton kernel; one_block (the call has one query block) and
+        # live (a fixed-shape step's live key count, [1] long, its keys a whole buffer): read by scan="hip"
         self.queries, self.rows_valid, self.keys = queries, rows_valid, keys
         self.plan, self.block_pos, self.rotate, self.table = plan, block_pos, rotate, table
+        self.one_block, self.live = one_block, live
         self.rotated: torch.Tensor | None = None
 
     def begin_stage(self, valid: torch.Tensor, stage: Stage | None = None) -> None:
@@ -221,11 +224,11 @@ class _HipScorer(HipSearch, _Scorer):
     """`scan="hip"`: hip-attn 1.2.9's search (`kvpot.methods.infinitehip.hipscan`) with this module's scoring."""
 
 
-def make_scorer(args: tuple, plan: LayerPlan, table: tuple[torch.Tensor, torch.Tensor] | None) -> _Scorer:
+def make_scorer(args: tuple, plan: LayerPlan, table: tuple[torch.Tensor, torch.Tensor] | None, **call) -> _Scorer:
     """The scorer of a plan: the paper's search or hip-attn's (`plan.scan`), in PyTorch, or in a Triton kernel
-    when a RoPE `table` is given."""
+    when a RoPE `table` is given; `call`: `one_block`, `live` (`_Scorer`)."""
     kind = _HipScorer if plan.scan == "hip" else _Scorer if table is None else _KernelScorer
-    return kind(*args, table=table)
+    return kind(*args, table=table, **call)
 
 
 def _split(sel_starts: torch.Tensor, sel_ends: torch.Tensor, parent: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -266,8 +269,7 @@ def prune(queries: torch.Tensor, rows_valid: torch.Tensor, keys: torch.Tensor, p
     """
     kv = keys.shape[0]
     args = (queries, rows_valid, keys, plan, block_pos, rotate)
-    scorer = make_scorer(args, plan, table)
-    scorer.one_block = window_start.numel() == 1 if one_block is None else one_block
+    scorer = make_scorer(args, plan, table, one_block=window_start.numel() == 1 if one_block is None else one_block)
     s = 1 if plan.shared else kv
     first = plan.stages[0].chunk
     if not window_starts:
