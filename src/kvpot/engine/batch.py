@@ -26,6 +26,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvpot.attention import AttentionRequest
 from kvpot.compat import cache_kwargs
+from kvpot.engine.graphs import StepGraphs
 from kvpot.engine.pool import SlotPool
 from kvpot.engine.sampling import pick_rows
 from kvpot.errors import KvpotError
@@ -224,12 +225,9 @@ class BatchDecoder:
         self.cache = StepCache(pool)
         self.buckets = buckets(pool.slots)
         self.graphs_on = graphs
-        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self.warm: set[tuple] = set()
-        self.graph_pool = None
+        self.graphs = StepGraphs()  # sampling draws from each row's seed and counter: no generator to register
         self.max_position = 0
-        self._tables: tuple = ()
-        self.captures = self.replays = self.steps = 0
+        self.steps = 0
         self.sampling_slots: set[int] = set()  # slots whose request samples (temperature > 0)
 
     # ------------------------------------------------------------------ per-slot state
@@ -289,7 +287,7 @@ class BatchDecoder:
         self.size_tables()
         key = (bucket, observe is not None, sampling)
         if self.graphs_on:
-            self._replay(key, observe)
+            self.graphs.run(key, functools.partial(self._run, bucket, observe, sampling))
         else:
             self._run(bucket, observe, sampling)
         self.steps += 1
@@ -308,8 +306,9 @@ class BatchDecoder:
             self.live[:bucket].zero_()
             for observe in observes:
                 for sampling in (False, True):
-                    while (bucket, observe is not None, sampling) not in self.graphs:  # warm, then capture
-                        self._replay((bucket, observe is not None, sampling), observe)
+                    key = (bucket, observe is not None, sampling)
+                    while key not in self.graphs:  # warm, then capture
+                        self.graphs.run(key, functools.partial(self._run, bucket, observe, sampling))
         self.next_position[self.pool.scratch] = 0
         return self.captures - before
 
@@ -320,13 +319,7 @@ class BatchDecoder:
         # rank policies rotate by entry index (below the capacity); absolute ones by stream position
         needed = max(self.pool.capacity, self.max_position if self.pool.policy.stores_rotated else 0)
         tables = self.engine.rope.table(needed + 1, like)
-        identity = () if tables is None else tuple(t.data_ptr() for t in tables)
-        if identity != self._tables:
-            self.graphs.clear()
-            self.warm.clear()
-            # the graphs' private memory pool goes with its last graph: capture into a new one
-            self.graph_pool = None
-            self._tables = identity
+        self.graphs.follow(() if tables is None else tuple(t.data_ptr() for t in tables))
 
     def _run(self, bucket: int, observe: AttentionRequest | None, sampling: bool) -> None:
         """The step's body, in fixed shapes (what a graph captures)."""
@@ -352,29 +345,13 @@ class BatchDecoder:
         self.next_position[rows] += 1
         cache.request = None
 
-    def _replay(self, key: tuple, observe: AttentionRequest | None) -> None:
-        bucket, _, sampling = key
-        if key not in self.warm:
-            # the first step of a shape runs uncaptured on a side stream (kernels compile, libraries make
-            # their handles), as capture requires
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self._run(bucket, observe, sampling)
-            torch.cuda.current_stream().wait_stream(stream)
-            self.warm.add(key)
-            return
-        if key not in self.graphs:
-            # capture records the step without running it; the host-side effect of a step is the scheduler's
-            graph = torch.cuda.CUDAGraph()
-            if self.graph_pool is None:
-                self.graph_pool = torch.cuda.graph_pool_handle()
-            with torch.cuda.graph(graph, pool=self.graph_pool):
-                self._run(bucket, observe, sampling)
-            self.graphs[key] = graph
-            self.captures += 1
-        self.graphs[key].replay()
-        self.replays += 1
+    @property
+    def captures(self) -> int:
+        return self.graphs.captures
+
+    @property
+    def replays(self) -> int:
+        return self.graphs.replays
 
 
 def step_observations(method: Method) -> list[AttentionRequest | None]:

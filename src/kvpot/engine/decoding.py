@@ -36,6 +36,7 @@ from torch.profiler import record_function
 
 from kvpot.compat import cache_kwargs
 from kvpot.errors import KvpotError
+from kvpot.engine.graphs import WARMED, StepGraphs
 from kvpot.engine.sampling import _pick, pick_token
 from kvpot.methods.base import Step
 from kvpot.methods.replace import restore_order
@@ -124,9 +125,7 @@ class Decoder:
         self.out = torch.zeros(max(max_new_tokens, 1), dtype=torch.long, device=device)
         self.index = torch.zeros(1, dtype=torch.long, device=device)  # next slot of `out`
         self.max_position = run.next_position + max_new_tokens + 1  # host bound for RoPE tables
-        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple]] = {}
-        self.warm: set[tuple] = set()
-        self.pool = None
+        self.graphs = StepGraphs(self.generator if temperature > 0 else None)
         if self.cache.rope.dynamic and not self.cache.policy.stores_rotated:
             # frequencies that change with the longest position seen have no table to rotate
             # keys from while loading them: every step runs the ordinary way
@@ -158,7 +157,7 @@ class Decoder:
         # buffers are on the host)
         like = torch.empty(0, layer0.head_dim, dtype=layer0.dtype, device=layer0.device)
         cache.rope.table(max(capacity, self.max_position) + 1, like)
-        self._addresses = self._buffer_addresses()
+        self.graphs.follow(self._buffer_addresses())
 
     def _buffer_addresses(self) -> tuple:
         return tuple(layer.keys.data_ptr() for layer in self.cache.layers)
@@ -293,39 +292,23 @@ class Decoder:
             layer.n, layer.n_new, layer.max_rope = n, n_new, max_rope
 
     def _replay(self, plan: str) -> None:
-        if self._buffer_addresses() != self._addresses:  # an eager step grew a buffer: graphs are stale
-            self.graphs.clear()
-            self.warm.clear()
-            self._addresses = self._buffer_addresses()
-        key = self._key(plan)
-        if key not in self.warm:
-            # first step of this kind: run it for real, uncaptured, on a side stream (kernels
-            # compile, libraries create their handles), as CUDA graphs require before capture
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self._static_step(plan)
-            torch.cuda.current_stream().wait_stream(stream)
-            self.warm.add(key)
+        self.graphs.follow(self._buffer_addresses())  # an eager step grew a buffer: the graphs are stale
+        done, effect = self.graphs.run(self._key(plan), lambda: self._static_step(plan), self._capture_counts)
+        if done == WARMED:
             self.report.static_steps += 1
             return
-        if key not in self.graphs:
-            before = self._host_state()
-            graph = torch.cuda.CUDAGraph()
-            if self.temperature > 0:
-                graph.register_generator_state(self.generator)
-            if self.pool is None:
-                self.pool = torch.cuda.graph_pool_handle()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self._static_step(plan)
-            effect = self._host_state()
-            self._set_host_state(before)  # capture recorded the step; it has not run yet
-            self.graphs[key] = (graph, effect)
-            self.report.captures += 1
-        graph, effect = self.graphs[key]
-        graph.replay()
         self.report.replays += 1
+        self.report.captures = self.graphs.captures
         self._apply_effect(plan, effect)
+
+    def _capture_counts(self, capture: Callable[[], None]) -> list[tuple[int, int, int]]:
+        """Capture, and keep the counts the step ends at (a steady step's effect); capture only recorded the
+        step, so the counts go back to what they were."""
+        before = self._host_state()
+        capture()
+        effect = self._host_state()
+        self._set_host_state(before)
+        return effect
 
     def _apply_effect(self, plan: str, effect) -> None:
         """The host mirror of what a replay did to the counts."""
