@@ -67,21 +67,19 @@ class StepLayer(CacheLayerMixin):
         lengths = self.lengths
         index = lengths[rows]  # [B]: the new entry's place in its slot
         keys = rope.unscale(key_states)
-        if step.policy.stores_rotated:  # absolute: rotated once, at the token's stream position
-            rope_new = step.stream_positions
-            keys = rope.rotate(keys, rope_new.view(-1, 1, 1).expand(-1, storage.kv_heads, 1), step.max_position)
-        else:  # rank policies number entries 0..n-1: the new entry's position is its index
-            rope_new = index
-        at = (rows[:, None], self.heads, index[:, None])  # [B, kv_heads] each
-        storage.keys[at] = keys[:, :, 0]
-        storage.values[at] = value_states[:, :, 0]
-        storage.positions[at] = step.stream_positions[:, None].expand(-1, storage.kv_heads)
-        storage.rope_positions[at] = rope_new[:, None].expand(-1, storage.kv_heads)
-        for score in storage.scores.values():
-            score[at] = self.zero
-        storage.query_position[rows] = rope_new
+        rotated = step.policy.stores_rotated  # absolute: rotated once, at the token's stream position; rank
+        if rotated:  # policies number entries 0..n-1, so the new entry's RoPE position is its index
+            keys = rope.rotate(keys, step.stream_positions.view(-1, 1, 1).expand(-1, storage.kv_heads, 1),
+                               step.max_position)
+        # keys, values, both positions, the query position and the count: one launch where Triton runs
+        append_kernel(keys.device)(storage.keys, storage.values, storage.positions, storage.rope_positions,
+                                   storage.query_position, lengths, rows, index, keys[:, :, 0], value_states[:, :, 0],
+                                   step.stream_positions, rotated)
+        if storage.scores:
+            at = (rows[:, None], self.heads, index[:, None])  # [B, kv_heads] each
+            for score in storage.scores.values():
+                score[at] = self.zero
         step.policy.decode_positions(storage.positions, storage.rope_positions, storage.query_position, rows, index)
-        lengths[rows] = index + 1
         self.appended = index
         return storage.keys, storage.values
 
@@ -164,6 +162,19 @@ class StepCache(Cache):
         return kernel(query[:, :, 0], storage.keys, storage.values, self.rows, layer.lengths, *documents, scaling,
                       cos=cos, sin=sin, key_positions=storage.rope_positions, doc_key_positions=doc_positions,
                       query_positions=storage.query_position, probs=probs, doc_rotated=rotated)
+
+
+def append_kernel(device: torch.device):
+    """The batched step's cache append: the Triton kernel where it runs, else its PyTorch reference."""
+    from kvpot import kernels
+
+    if kernels.available(device):
+        from kvpot.kernels.append import append_rows
+
+        return append_rows
+    from kvpot.kernels.append_reference import append_rows_reference
+
+    return append_rows_reference
 
 
 def batch_kernel(device: torch.device, head_dim: int):
