@@ -3,7 +3,7 @@ decoding, each step timed on the device with its CUDA graph (as `kvpot bench thr
 steps uncaptured under torch.profiler (CUDA time by operator and input shapes), with the document shared and
 copied per reader.
 
-    python benchmarks/shared-document-h100/step_probe.py --out DIR [--readers 64] [--length 128k]
+    python benchmarks/shared-document-h100/step_probe.py --out DIR [--readers 64] [--length 128k] [--modes ...]
 
 Writes DIR/step_probe.json: per mode (shared, copied) the graph step's p50/mean ms over `--steps` steps, the
 eager step's, and the profiler's top operators of `--profile-steps` eager steps.
@@ -77,13 +77,17 @@ def main(argv=None) -> None:
     p.add_argument("--length", default="128k")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--profile-steps", type=int, default=3)
-    p.add_argument("--modes", default="shared:graph,copied:graph,shared:static")
+    p.add_argument("--modes", default="shared:graph,copied:graph,shared:static",
+                   help="comma-separated KIND:DECODE[:APPEND]: KIND shared or copied, DECODE graph or static, APPEND "
+                        "reference to run the batched step's cache append in PyTorch (kvpot.kernels.append_reference) "
+                        "instead of its Triton kernel")
     args = p.parse_args(argv)
     import torch
 
     from kvpot.bench.backends import sdpa_backends
     from kvpot.bench.common import IdTokenizer
-    from kvpot.engine import Engine
+    from kvpot.engine import Engine, batch
+    from kvpot.kernels.append_reference import append_rows_reference
     from kvpot.methods.spec import build_method
     from kvpot.models import shapes
 
@@ -91,13 +95,15 @@ def main(argv=None) -> None:
     model = shapes.build(args.shape, device, torch.bfloat16 if device == "cuda" else torch.float32, seed=0)
     vocab = model.config.vocab_size
     report = {"args": {k: str(v) for k, v in vars(args).items()}, "modes": {}}
+    append_kernel = batch.append_kernel
     with sdpa_backends("no-cudnn", device):
         engine = Engine(model, IdTokenizer(vocab), method=build_method(args.method), chat_template=False)
         document = torch.randint(3, vocab, (int(args.length.lower().replace('k', '')) * 1024 if args.length.lower().endswith('k') else int(args.length),), generator=torch.Generator().manual_seed(0))
         state = engine.prefill_ids(document.tolist())
         report["document_entries"] = [layer.n for layer in state.cache.layers][:1]
         for mode in args.modes.split(","):
-            kind, decode = mode.split(":")
+            kind, decode, *append = mode.split(":")
+            batch.append_kernel = append_kernel if append != ["reference"] else (lambda device: append_rows_reference)
             result = probe(engine, state, args, kind == "shared", decode)
             report["modes"][mode] = result
             print(mode, {k: v for k, v in result.items() if k not in ("profile", "report")}, flush=True)
