@@ -4,8 +4,9 @@ position arrays, the query position and the count).
 
 One program per batch row writes every KV head of its token: the row's slot, entry and positions are read
 once, and the row's count is written by the program that read it. Rows naming one slot (padding rows on the
-scratch slot) write the same entry with the same values, as in the reference. No host synchronisation: safe
-to capture in a CUDA graph (issue 43: the batched step's small kernels).
+scratch slot) write the same entry, count and positions; which row's key and value land there is unspecified,
+as with the reference's scatter on CUDA (padding: nothing reads them). No host synchronisation: safe to capture
+in a CUDA graph (issue 43: the batched step's small kernels).
 """
 
 from __future__ import annotations

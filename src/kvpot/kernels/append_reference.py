@@ -4,8 +4,9 @@ and the path used where Triton cannot run (CPU).
 Each of B rows writes its new token's key and value at entry `index[b]` of its pool slot `rows[b]`, with the
 token's stream position and its RoPE position (the stream position where keys are stored rotated, the
 entry's index otherwise), sets the slot's query position, and counts the entry in `lengths`. Several rows
-may name one slot (padding rows on the scratch slot): they write the same index, so the result does not
-depend on their order. No host value decides an index or a shape: safe to capture in a CUDA graph.
+may name one slot (padding rows on the scratch slot): they write the same index, count and positions, and one
+of their keys and values (which one is unspecified on CUDA; nothing reads a padding row's entry). No host value
+decides an index or a shape: safe to capture in a CUDA graph.
 """
 
 from __future__ import annotations
