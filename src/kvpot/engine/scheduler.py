@@ -97,6 +97,7 @@ class Scheduler:
         """Bytes one slot takes (KV, positions, two score arrays, the observation row, its logits)."""
         return slot_bytes(self.engine, self.capacity, dtype)
 
+    @torch.no_grad()  # as `step`: a compiled step traced with grad on would need the kernels' backward
     def capture(self) -> int:
         """Capture the decoding step of every batch size now (CUDA graphs; nothing on a CPU), as a server
         does when it starts: otherwise the first step at each size compiles and captures while users wait."""
