@@ -496,3 +496,16 @@ def test_a_place_is_given_back_however_a_request_ends(prompts, one_thread):
     scheduler.submit(new())
     scheduler.abort()
     assert taken() == 0 and scheduler.admission.has_room()
+
+
+def test_capturing_ahead_runs_without_gradients_as_steps_do(model, one_thread):
+    """A server captures every batch size at its start, from its own code with gradients on; a compiled step
+    traced with them on needs a backward kvpot's kernels do not have (seen on an H100 with --compile-step), so
+    `capture` turns them off as `step` does."""
+    method, capacity = methods()["infinipot"]
+    scheduler = Scheduler(kvpot.Engine(model, method=method), slots=2, capacity=capacity)
+    seen = []
+    scheduler.decoder.capture = lambda observes: seen.append(torch.is_grad_enabled()) or 0
+    assert torch.is_grad_enabled()
+    scheduler.capture()
+    assert seen == [False] and torch.is_grad_enabled()
