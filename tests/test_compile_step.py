@@ -15,6 +15,8 @@ import torch
 
 import kvpot
 from conftest import VOCAB, build
+from kvpot.engine.batch import step_observations
+from kvpot.engine.graphs import REPLAYED, WARMED, StepGraphs
 from kvpot.engine.offline import run_all
 from kvpot.engine.scheduler import Request, Scheduler
 from kvpot.errors import KvpotError
@@ -164,6 +166,8 @@ def test_compiled_graph_batches_give_each_request_its_tokens_alone_on_cuda():
     alone = kvpot.Engine(model, method=method(), decode="eager")
     expected = [alone.generate_ids(c, q, max_new_tokens=24, ignore_eos=True).token_ids for c, q in prompts]
     scheduler = Scheduler(kvpot.Engine(model, method=method(), compile_step=True), slots=3, decode="graph")
+    # as a server starts: every batch size captured ahead, with gradients on (kvpot.gemv has no backward)
+    assert torch.is_grad_enabled() and scheduler.capture() > 0
     requests = [Request(c, q, max_new_tokens=24, ignore_eos=True) for c, q in prompts]
     run_all(scheduler, requests)
     assert [r.tokens for r in requests] == expected
@@ -184,3 +188,43 @@ def test_bench_decode_compiles_the_step_and_reports_the_warm_up(capsys, tmp_path
     assert all(r["warmup_seconds"] > 0 and r["decode"]["static_steps"] > 0 for r in rows)
     # at most one compilation per method (their steps read different things), none per layer: 4 layers a step
     assert 1 <= len(counting.graphs) <= len(rows) and counting.runs > 0 and counting.runs % 4 == 0
+
+
+class CaptureOnCpu(StepGraphs):
+    """`StepGraphs` on a CPU: a 'capture' runs the step for real and counts the compilations inside it (a
+    compilation inside a CUDA graph capture fails on a GPU: inductor copies host tensors while it tunes)."""
+
+    def __init__(self, counting: Counting):
+        super().__init__()
+        self.counting, self.compiled_in_capture = counting, 0
+
+    def run(self, key, body, around=None):
+        if key not in self.warm:
+            body()
+            self.warm.add(key)
+            return WARMED, None
+        if key not in self.graphs:
+            before = len(self.counting.graphs)
+            body()
+            self.compiled_in_capture += len(self.counting.graphs) - before
+            self.graphs[key] = (None, None)
+            self.captures += 1
+        self.replays += 1
+        return REPLAYED, None
+
+
+@pytest.mark.parametrize("name", ["h2o", "infinipot"])
+def test_capturing_ahead_never_compiles_inside_a_capture(name, counting, one_thread):
+    """A server captures every batch size before any request came (`Scheduler.capture`). The first warm-up
+    makes the method's score arrays (H2O's) and the observation buffers; a capture after it would trace a
+    different step and compile inside the capture (seen on an H100): the warm-up runs again instead."""
+    method = kvpot.H2O(heavy=24, recent=24, chunk_size=16) if name == "h2o" else kvpot.InfiniPot(pot_size=64,
+                                                                                                 catalyst=None)
+    scheduler = Scheduler(kvpot.Engine(deep("llama3", 2), method=method, compile_step=True), slots=3, decode="static")
+    graphs = scheduler.decoder.graphs = CaptureOnCpu(counting)
+    scheduler.decoder.graphs_on = True
+    captured = scheduler.capture()
+    keys = {(bucket, observe is not None, sampling) for bucket in scheduler.decoder.buckets
+            for observe in step_observations(method) for sampling in (False, True)}
+    assert captured == len(keys) and set(graphs.graphs) == keys
+    assert len(counting.graphs) > 0 and graphs.compiled_in_capture == 0

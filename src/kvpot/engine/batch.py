@@ -318,19 +318,23 @@ class BatchDecoder:
             for observe in observes:
                 for sampling in (False, True):
                     key = (bucket, observe is not None, sampling)
-                    while key not in self.graphs:  # warm, then capture
+                    while key not in self.graphs:  # warm, then capture (warm again if the warm-up made a buffer)
+                        self.size_tables()
                         self.graphs.run(key, functools.partial(self._run, bucket, observe, sampling))
         self.next_position[self.pool.scratch] = 0
         return self.captures - before
 
     def size_tables(self) -> None:
-        """RoPE tables big enough for every position this pool will see, before any capture reads them;
-        a table that had to grow makes the captured graphs stale."""
+        """RoPE tables big enough for every position this pool will see, before any capture reads them.
+        The captured graphs go stale when a table had to grow, or when a method made a score array or an
+        observation buffer since: a graph captured before it never writes it, and a compiled step (whose
+        trace branches on which arrays exist) would recompile inside the next capture."""
         like = self.pool.layers[0].keys
         # rank policies rotate by entry index (below the capacity); absolute ones by stream position
         needed = max(self.pool.capacity, self.max_position if self.pool.policy.stores_rotated else 0)
         tables = self.engine.rope.table(needed + 1, like)
-        self.graphs.follow(() if tables is None else tuple(t.data_ptr() for t in tables))
+        arrays = sum(len(layer.scores) + (layer.probs is not None) for layer in self.pool.layers)
+        self.graphs.follow((arrays,) + (() if tables is None else tuple(t.data_ptr() for t in tables)))
 
     def _run(self, bucket: int, observe: AttentionRequest | None, sampling: bool) -> None:
         """The step's body, in fixed shapes (what a graph captures)."""
