@@ -25,8 +25,9 @@ REPLAYED = "replayed"  # the step's graph replayed (its host-side effects are th
 class StepGraphs:
     """CUDA graphs of a runner's steps, in one private memory pool.
 
-    `follow(identity)` drops every graph when the buffers they read moved (a grown cache, a larger RoPE
-    table): a graph replays the addresses it was captured with. `generator` (a sampling step's) is
+    `follow(identity)` drops every graph when what they were captured against changed: the buffers they
+    read moved (a grown cache, a larger RoPE table; a graph replays the addresses it was captured with), or
+    a buffer they should write appeared (a method's score array). `generator` (a sampling step's) is
     registered with each graph, so a replay draws fresh numbers.
     """
 
@@ -48,7 +49,8 @@ class StepGraphs:
         self.pool = None
 
     def follow(self, identity: tuple) -> None:
-        """Drop the graphs if `identity` (the addresses of the buffers they read) changed since the last call."""
+        """Drop the graphs if `identity` (buffer addresses, array counts: what they were captured against)
+        changed since the last call."""
         if identity != self.identity:
             self.clear()
             self.identity = identity
