@@ -81,6 +81,9 @@ def main(argv=None) -> None:
                    help="comma-separated KIND:DECODE[:APPEND]: KIND shared or copied, DECODE graph or static, APPEND "
                         "reference to run the batched step's cache append in PyTorch (kvpot.kernels.append_reference) "
                         "instead of its Triton kernel")
+    p.add_argument("--launch-shape", default=None, metavar="BLOCK_N,WARPS,STAGES,SPLITS",
+                   help="run the batched decode attention at this launch shape instead of the library's "
+                        "(kvpot.kernels.decode.launch_shape and default_splits; engine-core-h100/decode_sweep.py)")
     args = p.parse_args(argv)
     import torch
 
@@ -91,6 +94,12 @@ def main(argv=None) -> None:
     from kvpot.methods.spec import build_method
     from kvpot.models import shapes
 
+    if args.launch_shape:
+        import kvpot.kernels.decode as decode_kernel
+
+        block_n, warps, stages, splits = (int(x) for x in args.launch_shape.split(","))
+        decode_kernel.launch_shape = lambda *a: (block_n, warps, stages)
+        decode_kernel.default_splits = lambda *a, **k: splits
     device = "cuda" if torch.cuda.is_available() else "cpu"  # (cpu: a smoke run of this script)
     model = shapes.build(args.shape, device, torch.bfloat16 if device == "cuda" else torch.float32, seed=0)
     vocab = model.config.vocab_size

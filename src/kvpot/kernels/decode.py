@@ -185,12 +185,19 @@ def _block_m(group: int) -> int:
     return min(64, max(16, next_power_of_2(group)))
 
 
-def _stages(d: int, keys: torch.Tensor, cos: torch.Tensor | None) -> int:
+def _stages(d: int, keys: torch.Tensor, cos: torch.Tensor | None, block_n: int = BLOCK_N) -> int:
     """Software-pipeline depth that fits each stage's K, V (and cos/sin) tiles in ~160 KB of shared memory."""
-    per_stage = 2 * BLOCK_N * d * keys.element_size()
+    per_stage = 2 * block_n * d * keys.element_size()
     if cos is not None:
-        per_stage += 2 * BLOCK_N * d * cos.element_size()
+        per_stage += 2 * block_n * d * cos.element_size()
     return max(1, min(3, (160 * 1024) // per_stage))
+
+
+def launch_shape(batch: int, kv: int, g: int, d: int, keys: torch.Tensor, cos: torch.Tensor | None
+                 ) -> tuple[int, int, int]:
+    """(entries per loop step, warps, pipeline stages) of `_decode_kernel` for a launch: one place, so a
+    tuning run (benchmarks/engine-core-h100/decode_sweep.py) can try others; the results never depend on it."""
+    return BLOCK_N, 4, _stages(d, keys, cos)
 
 
 def _rope_arguments(keys, lengths, cos, sin, key_positions, query_positions):
@@ -252,7 +259,8 @@ def decode_attention_batch(
         query = query.contiguous()
     block_m = _block_m(g)
     tiles = triton.cdiv(g, block_m)
-    blocks = triton.cdiv(capacity, BLOCK_N)
+    block_n, warps, stages = launch_shape(batch, kv, g, d, keys, cos)
+    blocks = triton.cdiv(capacity, block_n)
     splits = min(blocks, num_splits) if num_splits is not None else default_splits(kv, heads, capacity, device, batch)
     flat = out.view(batch * heads, d)  # the merge and the kernels index rows b * heads + head
     lse_final = torch.empty(batch * heads, dtype=torch.float32, device=device) if probs is not None else None
@@ -269,8 +277,8 @@ def decode_attention_batch(
         *keys.stride()[:3], *values.stride()[:3], *rope_strides,
         part.stride(0), part.stride(1), batch * heads,
         ROPE=cos is not None, PROBS=probs is not None, SPLIT=splits > 1, HALF=d // 2,
-        IEEE=keys.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-        num_warps=4, num_stages=_stages(d, keys, cos),
+        IEEE=keys.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=warps, num_stages=stages,
     )
     if splits > 1:
         merge(part, lse, flat, lse_final)
