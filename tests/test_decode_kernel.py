@@ -279,6 +279,39 @@ def test_decode_attention_batch_matches_the_reference(shape, dtype, rope, with_p
     check_batch(out, ref, probs, ref_probs, lengths, rows, dtype)
 
 
+@pytest.mark.parametrize("launch", [(32, 4, 3), (64, 4, 2), (128, 8, 1)], ids=["32x3", "64x2", "128x1"])
+@pytest.mark.parametrize("shape", [BATCH_SHAPES[1], BATCH_SHAPES[3]], ids=[BATCH_IDS[1], BATCH_IDS[3]])
+def test_every_launch_shape_gives_the_same_batch_attention(shape, launch, monkeypatch):
+    """The entries per loop step, warps and stages (`launch_shape`, tuned by speed alone) never change the
+    attention or the probabilities, with one split or several."""
+    import kvpot.kernels.decode as decode
+
+    _, heads, kv, d, capacity, lengths, rows = shape
+    query, keys, values, row_t, length_t, extra = make_batch_inputs(shape, torch.float32, seed=sum(launch))
+    ref_probs = torch.empty(len(rows), kv, capacity, device=DEVICE)
+    ref = decode_attention_batch_reference(query, keys, values, row_t, length_t, 0.3, probs=ref_probs, **extra)
+    monkeypatch.setattr(decode, "launch_shape", lambda *args: launch)
+    for splits in (1, 3):
+        probs = torch.full((len(rows), kv, capacity), float("nan"), device=DEVICE)
+        out = decode.decode_attention_batch(query, keys, values, row_t, length_t, 0.3, probs=probs,
+                                            num_splits=splits, **extra)
+        check_batch(out, ref, probs, ref_probs, lengths, rows, torch.float32)
+
+
+def test_rows_that_fill_the_device_stream_their_slots_in_short_steps():
+    """The launch shape the 64-reader sweep chose: 32-entry steps once the rows fill the device (one split),
+    64 below that, where each slot is split."""
+    from kvpot.kernels.common import multiprocessors
+    from kvpot.kernels.decode import BLOCK_N, default_splits, launch_shape
+
+    keys = torch.empty(1, 8, 64, 128, dtype=torch.bfloat16, device=DEVICE)
+    full = 2 * multiprocessors(keys.device) // 8  # rows of 8 KV heads (GQA 4: one tile each) that fill it
+    assert launch_shape(full, 8, 4, 128, keys, keys)[0] == 32
+    assert default_splits(8, 32, 4096, keys.device, full) == 1
+    assert launch_shape(full - 1, 8, 4, 128, keys, keys)[0] == BLOCK_N == 64
+    assert launch_shape(1, 8, 4, 128, keys, None) == (64, 4, 3)
+
+
 @pytest.mark.parametrize("num_splits", [1, 3, 10**6], ids=["one-split", "three-splits", "more-splits-than-blocks"])
 @pytest.mark.parametrize("shape", [BATCH_SHAPES[1], BATCH_SHAPES[3]], ids=[BATCH_IDS[1], BATCH_IDS[3]])
 def test_every_split_count_gives_the_same_batch_attention(shape, num_splits):
