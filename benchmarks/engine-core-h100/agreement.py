@@ -37,7 +37,15 @@ def run_eval(args, batch_size: int, out: Path) -> list[dict]:
         command += ["--method", method]
     print("$", " ".join(command), flush=True)
     subprocess.run(command, check=True)
-    return [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines() if line.strip()]
+    return read_rows(out)
+
+
+def read_rows(out: Path) -> list[dict]:
+    """The rows a `kvpot eval` run wrote to `out` (none if it wrote no results file yet)."""
+    path = out / "results.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def compare(alone: list[dict], batched: list[dict]) -> dict:
@@ -82,10 +90,16 @@ def main(argv=None) -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default=None)
+    p.add_argument("--compare-only", action="store_true",
+                   help="run no eval: compare the rows DIR/alone/ and DIR/batched/ hold (both runs' answers so far, "
+                        "e.g. after a time limit stopped them)")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    alone = run_eval(args, 1, args.out / "alone")
-    batched = run_eval(args, args.batch_size, args.out / "batched")
+    if args.compare_only:
+        alone, batched = (read_rows(args.out / name) for name in ("alone", "batched"))
+    else:
+        alone = run_eval(args, 1, args.out / "alone")
+        batched = run_eval(args, args.batch_size, args.out / "batched")
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "methods": compare(alone, batched)}
     (args.out / "agreement.json").write_text(json.dumps(result, indent=1))
     print(f"{'method':<12} {'identical':>10} {'share':>7}  95% interval")
