@@ -1,0 +1,177 @@
+"""Triton varlen attention over pool slots (issue 43): decoding rows and prompt chunks in one launch.
+
+`varlen_attention` computes what `kvpot.kernels.varlen_reference` defines: packed rows of different query
+lengths, row `r`'s `i`-th token over its slot's entries `[0, cached[r] + i]` (all that was cached before the
+forward, its own chunk causally). tests/test_varlen_kernel.py holds both to each other over named shapes.
+
+- One program per (row, tile of `BLOCK_Q` tokens, KV head): the `G` query heads of the group and the tile's
+  tokens are folded into the rows of one matrix tile (row `m` is token `m // G_PAD`, head `m % G_PAD`), so each
+  key and value is read once per tile, as in the decode kernel.
+- The grid is sized from `max_tokens` (a host bound on any row's tokens: a step's bucket), never from device
+  values: the rows' bounds, slots and cached counts are read on the device, and a tile past its row's tokens
+  exits at once. A step of fixed buckets can therefore be captured in a CUDA graph.
+- RoPE on load, as in the decode kernel: keys at their stored positions (`load_keys`), each query at its own
+  token's position. `cos=None`: both are already rotated.
+- Returns each token's log-sum-exp beside the output: the observation kernels (`kvpot.kernels.observe`)
+  normalise with it, and a segment's output can be merged with another's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kvpot.errors import KvpotError
+from kvpot.kernels.common import half_scores, load_keys, next_power_of_2
+from kvpot.kernels.varlen_reference import check_varlen_inputs, varlen_attention_reference
+
+__all__ = ["varlen_attention", "varlen_attention_reference"]
+
+BLOCK_N = 64  # entries per loop step
+LN2 = math.log(2.0)
+
+
+@triton.jit(do_not_specialize=["N", "TILES", "stride_ks", "stride_vs", "stride_ps"])
+def _varlen_kernel(
+    Q,  # [T, H, D] packed tokens' queries, un-rotated when ROPE (H = KV * G)
+    K, V,  # [S, KV, N, D] pool buffers; the last stride is 1
+    SLOTS, STARTS, CACHED,  # [R], [R + 1], [R] int: each row's slot, its tokens' bounds, its entries before them
+    COS, SIN,  # [P, D] RoPE table (ROPE)
+    KPOS,  # [S, KV, N] int RoPE position of each entry (ROPE)
+    QPOS,  # [T] int: each token's query position (ROPE)
+    OUT,  # [T, H, D] output dtype
+    LSE,  # [T, H] float32 natural log-sum-exp
+    N, TILES, scale,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_kn, stride_vs, stride_vh, stride_vn,
+    stride_ps, stride_ph, stride_pn, stride_t, stride_ot, stride_oh,
+    G: tl.constexpr, G_PAD: tl.constexpr, KV: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr,
+    IEEE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    h = tl.program_id(1)  # KV head
+    r = pid // TILES  # row
+    tile = pid % TILES
+    first = tl.load(STARTS + r).to(tl.int64)
+    count = (tl.load(STARTS + r + 1) - first).to(tl.int32)  # the row's tokens
+    if tile * BLOCK_Q < count:
+        slot = tl.load(SLOTS + r).to(tl.int64)
+        before = tl.load(CACHED + r).to(tl.int32)
+        m = tl.arange(0, BLOCK_Q * G_PAD)
+        token = tile * BLOCK_Q + m // G_PAD  # within the row
+        g = m % G_PAD
+        row_ok = (token < count) & (g < G)
+        head = h * G + g
+        dh = tl.arange(0, HALF)
+        dd = tl.arange(0, 2 * HALF)
+        at = first + token  # packed index
+        K += slot * stride_ks + h * stride_kh
+        V += slot * stride_vs + h * stride_vh
+
+        q_ptr = Q + at[:, None] * stride_qt + head[:, None] * stride_qh + dh[None, :]
+        q1 = tl.load(q_ptr, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        q2 = tl.load(q_ptr + HALF, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        if ROPE:
+            qt = tl.load(QPOS + at, mask=row_ok, other=0)[:, None] * stride_t + dh[None, :]
+            c1 = tl.load(COS + qt, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            c2 = tl.load(COS + qt + HALF, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            s1 = tl.load(SIN + qt, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            s2 = tl.load(SIN + qt + HALF, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            q1, q2 = q1 * c1 - q2 * s1, q2 * c2 + q1 * s2  # rotate_half: (-x2, x1)
+            KPOS += slot * stride_ps + h * stride_ph
+        qk = scale * 1.4426950408889634
+        q1 = (q1 * qk).to(K.dtype.element_ty)
+        q2 = (q2 * qk).to(K.dtype.element_ty)
+
+        sees = before + token  # the last entry each folded row sees
+        hi = tl.minimum(before + tl.minimum(count, (tile + 1) * BLOCK_Q), N)  # entries the tile reads at most
+        m_i = tl.full([BLOCK_Q * G_PAD], -1.0e30, tl.float32)
+        l_i = tl.zeros([BLOCK_Q * G_PAD], tl.float32)
+        acc = tl.zeros([BLOCK_Q * G_PAD, 2 * HALF], tl.float32)
+        for start in range(0, hi, BLOCK_N):
+            j = start + tl.arange(0, BLOCK_N)
+            live = j < hi
+            k1, k2 = load_keys(K, KPOS, COS, SIN, j, live, dh, stride_kn, stride_pn, stride_t, HALF, ROPE)
+            sc = half_scores(q1, q2, k1, k2, IEEE)  # log2 units
+            sc = tl.where(live[None, :] & (j[None, :] <= sees[:, None]), sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(sc - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(V + j[:, None] * stride_vn + dd[None, :], mask=live[:, None], other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(V.dtype.element_ty), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(V.dtype.element_ty), v)
+            m_i = m_new
+
+        safe = tl.where(l_i > 0, l_i, 1.0)
+        o_ptr = OUT + at[:, None] * stride_ot + head[:, None] * stride_oh + dd[None, :]
+        tl.store(o_ptr, (acc / safe[:, None]).to(OUT.dtype.element_ty), mask=row_ok[:, None])
+        lse = tl.where(l_i > 0, (m_i + tl.log2(safe)) * 0.6931471805599453, float("-inf"))
+        tl.store(LSE + at * (KV * G) + head, lse, mask=row_ok)  # [T, H] contiguous
+
+
+def _block_q(g_pad: int, dtype: torch.dtype) -> int:
+    # about 64 folded rows a tile (at least the 16 a matrix unit takes), fewer for float32's wider tiles
+    rows = 32 if dtype == torch.float32 else 64
+    return max(1, max(16, rows) // g_pad)
+
+
+def varlen_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    slots: torch.Tensor,
+    starts: torch.Tensor,
+    cached: torch.Tensor,
+    scaling: float,
+    max_tokens: int,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+    key_positions: torch.Tensor | None = None,
+    query_positions: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of packed rows over their pool slots, as `varlen_attention_reference` defines it: query
+    [T, heads, d] -> (out [T, heads, d] in query.dtype, lse [T, heads] float32, natural log).
+
+    `slots` [R], `starts` [R + 1] and `cached` [R] live on the device and are never read on the host;
+    `max_tokens` bounds any row's tokens (the caller's bucket): a row's tokens past it, and tokens no row
+    covers, are left unwritten. No host synchronisation and no allocation sized
+    from device values: safe to capture in a CUDA graph."""
+    check_varlen_inputs(query, keys, values, slots, starts, cached, cos, sin, key_positions, query_positions)
+    if keys.stride(-1) != 1 or values.stride(-1) != 1:
+        raise KvpotError("varlen attention reads keys/values rows in place: their last dimension must be contiguous")
+    if max_tokens < 1:
+        raise KvpotError(f"max_tokens must be at least 1, got {max_tokens}")
+    tokens, heads, d = query.shape
+    kv = keys.shape[1]
+    g = heads // kv
+    out = torch.empty_like(query)
+    lse = torch.empty(tokens, heads, dtype=torch.float32, device=query.device)
+    rows = slots.shape[0]
+    if rows == 0 or tokens == 0:
+        return out, lse
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    g_pad = next_power_of_2(g)
+    block_q = _block_q(g_pad, keys.dtype)
+    tiles = triton.cdiv(max_tokens, block_q)
+    rope = cos is not None
+    if rope:
+        if cos.stride(1) != 1 or sin.stride() != cos.stride():
+            raise KvpotError("varlen attention wants cos/sin tables with contiguous rows and equal strides")
+        tables = (cos, sin, key_positions, query_positions)
+        rope_strides = (*key_positions.stride(), cos.stride(0))
+    else:
+        tables, rope_strides = (keys, keys, slots, slots), (0, 0, 0, 0)
+    _varlen_kernel[(rows * tiles, kv)](
+        query, keys, values, slots, starts, cached, *tables, out, lse, keys.shape[2], tiles, scaling,
+        query.stride(0), query.stride(1), *keys.stride()[:3], *values.stride()[:3], *rope_strides,
+        out.stride(0), out.stride(1),
+        G=g, G_PAD=g_pad, KV=kv, ROPE=rope, HALF=d // 2, IEEE=keys.dtype == torch.float32, BLOCK_Q=block_q,
+        BLOCK_N=BLOCK_N, num_warps=4, num_stages=1 if keys.dtype == torch.float32 else 2,
+    )
+    return out, lse

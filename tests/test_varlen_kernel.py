@@ -1,0 +1,120 @@
+"""The varlen attention over pool slots (`kvpot.kernels.varlen`, issue 43's mixed step) against its PyTorch
+reference (`kvpot.kernels.varlen_reference`), over named shapes: decoding rows alone, prompt chunks alone, both
+in one launch, chunks on empty slots, GQA groups of 1 to 8, RoPE on load or keys stored rotated.
+
+Runs on CUDA; on a CPU machine with Triton installed, `TRITON_INTERPRET=1` runs it in Triton's interpreter
+(float32 there: the interpreter mishandles bf16 matrix products).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import KERNEL_DEVICE, interpreter_runtime_loops, needs_kernels, rope_table
+
+from kvpot.errors import KvpotError
+from kvpot.kernels.varlen_reference import varlen_attention_reference
+
+DEVICE = KERNEL_DEVICE
+pytestmark = needs_kernels()
+interpreter_runtime_loops()
+
+# (name, query heads, kv heads, head dim, capacity, rows as (slot, entries cached before, tokens), rope)
+SHAPES = [
+    ("decode-rows", 8, 2, 64, 96, [(0, 50, 1), (2, 95, 1), (1, 0, 1)], True),
+    ("one-chunk", 8, 2, 64, 160, [(0, 37, 70)], True),
+    ("decode-and-chunks", 8, 2, 64, 200, [(3, 120, 1), (0, 64, 1), (1, 0, 33), (2, 80, 100)], True),
+    ("chunk-on-empty-slot-gqa1", 4, 4, 32, 64, [(0, 0, 64)], True),
+    ("gqa8-rotated-keys", 16, 2, 128, 130, [(1, 3, 17), (0, 100, 1)], False),
+    ("gqa-not-power-of-two", 6, 2, 64, 90, [(0, 10, 21), (1, 60, 1)], True),
+    ("empty-row", 8, 2, 64, 64, [(0, 10, 5), (1, 20, 0), (2, 3, 9)], True),
+]
+if DEVICE == "cuda":  # the 8B shape's mixed step: 32 decoding rows and two 1,024-token chunks
+    SHAPES.append(("llama3-8b-mixed", 32, 8, 128, 5200,
+                   [(s, 4000 - 37 * s, 1) for s in range(32)] + [(32, 2048, 1024), (33, 0, 1024)], True))
+IDS = [s[0] for s in SHAPES]
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+def inputs(shape, dtype, seed=0):
+    _, heads, kv, d, capacity, rows, rope = shape
+    gen = torch.Generator().manual_seed(seed)
+    slots = max(r[0] for r in rows) + 2  # one slot no row reads, poisoned
+    keys = torch.randn(slots, kv, capacity, d, generator=gen).to(dtype)
+    values = torch.randn(slots, kv, capacity, d, generator=gen).to(dtype)
+    for slot, before, count in rows:  # entries past what a row reads are poisoned: a masked load only
+        keys[slot, :, before + count:] = float("nan")
+        values[slot, :, before + count:] = float("nan")
+    keys[-1], values[-1] = float("nan"), float("nan")
+    counts = [count for _, _, count in rows]
+    starts = torch.tensor([0] + counts).cumsum(0)
+    tokens = int(starts[-1])
+    query = torch.randn(tokens, heads, d, generator=gen).to(dtype)
+    table = 2 * capacity + 8
+    key_positions = torch.randint(0, table - 8, (slots, kv, capacity), generator=gen)
+    query_positions = torch.randint(0, table, (tokens,), generator=gen)
+    extra = {}
+    if rope:
+        cos, sin = rope_table(table, d, dtype, device="cpu")
+        extra = dict(cos=cos, sin=sin, key_positions=key_positions, query_positions=query_positions)
+    args = dict(query=query, keys=keys, values=values, slots=torch.tensor([r[0] for r in rows]), starts=starts,
+                cached=torch.tensor([r[1] for r in rows]), scaling=d ** -0.5, **extra)
+    return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in args.items()}, max(counts)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).split(".")[-1])
+@pytest.mark.parametrize("shape", SHAPES, ids=IDS)
+def test_varlen_attention_matches_the_reference(shape, dtype):
+    from kvpot.kernels.varlen import varlen_attention
+
+    args, longest = inputs(shape, dtype)
+    ref, ref_lse = varlen_attention_reference(**args)
+    out, lse = varlen_attention(**args, max_tokens=max(longest, 1))
+    covered = ref_lse[:, 0] > float("-inf")  # every token of a row
+    assert covered.all() and not ref.isnan().any()
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+    torch.testing.assert_close(lse, ref_lse, **tol)
+
+
+def test_a_decoding_row_equals_the_decode_kernels_reference():
+    """A row of one token is a decoding step: the same output as the batched decode attention's reference."""
+    from kvpot.kernels.decode_reference import decode_attention_batch_reference
+    from kvpot.kernels.varlen import varlen_attention
+
+    args, _ = inputs(SHAPES[0], torch.float32, seed=3)
+    out, _ = varlen_attention(**args, max_tokens=1)
+    lengths = torch.zeros(args["keys"].shape[0], dtype=torch.long, device=DEVICE)
+    lengths[args["slots"]] = args["cached"] + 1
+    query_positions = torch.zeros(args["keys"].shape[0], dtype=torch.long, device=DEVICE)
+    query_positions[args["slots"]] = args["query_positions"]
+    ref = decode_attention_batch_reference(args["query"], args["keys"], args["values"], args["slots"], lengths,
+                                           args["scaling"], cos=args["cos"], sin=args["sin"],
+                                           key_positions=args["key_positions"], query_positions=query_positions)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_tokens_past_the_bucket_are_not_written():
+    """`max_tokens` sizes the grid (a captured step's bucket): a row's tokens beyond it are left as they were,
+    the ones within it are right."""
+    from kvpot.kernels.varlen import varlen_attention
+
+    args, _ = inputs(SHAPES[1], torch.float32, seed=5)  # one chunk of 70 tokens
+    ref, _ = varlen_attention_reference(**args)
+    out, _ = varlen_attention(**args, max_tokens=32)
+    torch.testing.assert_close(out[:32], ref[:32], atol=2e-5, rtol=1e-4)
+    assert not torch.allclose(out[32:], ref[32:])  # left as `torch.empty` made them
+
+
+def test_bad_inputs_are_refused_in_one_sentence():
+    from kvpot.kernels.varlen import varlen_attention
+
+    args, _ = inputs(SHAPES[0], torch.float32)
+    with pytest.raises(KvpotError, match="starts"):
+        varlen_attention(**{**args, "starts": args["starts"][:-1]}, max_tokens=1)
+    with pytest.raises(KvpotError, match="max_tokens"):
+        varlen_attention(**args, max_tokens=0)
+    with pytest.raises(KvpotError, match="query_positions"):
+        varlen_attention(**{**args, "query_positions": None}, max_tokens=1)
+    with pytest.raises(KvpotError, match="capacity"):
+        varlen_attention_reference(**{**args, "cached": args["cached"] + 1000})
