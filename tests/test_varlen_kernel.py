@@ -52,11 +52,10 @@ def inputs(shape, dtype, seed=0):
     query = torch.randn(tokens, heads, d, generator=gen).to(dtype)
     table = 2 * capacity + 8
     key_positions = torch.randint(0, table - 8, (slots, kv, capacity), generator=gen)
-    query_positions = torch.randint(0, table, (tokens,), generator=gen)
     extra = {}
     if rope:
         cos, sin = rope_table(table, d, dtype, device="cpu")
-        extra = dict(cos=cos, sin=sin, key_positions=key_positions, query_positions=query_positions)
+        extra = dict(cos=cos, sin=sin, key_positions=key_positions)
     args = dict(query=query, keys=keys, values=values, slots=torch.tensor([r[0] for r in rows]), starts=starts,
                 cached=torch.tensor([r[1] for r in rows]), scaling=d ** -0.5, **extra)
     return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in args.items()}, max(counts)
@@ -86,8 +85,8 @@ def test_a_decoding_row_equals_the_decode_kernels_reference():
     out, _ = varlen_attention(**args, max_tokens=1)
     lengths = torch.zeros(args["keys"].shape[0], dtype=torch.long, device=DEVICE)
     lengths[args["slots"]] = args["cached"] + 1
-    query_positions = torch.zeros(args["keys"].shape[0], dtype=torch.long, device=DEVICE)
-    query_positions[args["slots"]] = args["query_positions"]
+    query_positions = torch.zeros(args["keys"].shape[0], args["keys"].shape[1], dtype=torch.long, device=DEVICE)
+    query_positions[args["slots"]] = args["key_positions"][args["slots"], :, args["cached"]]  # its own entry's
     ref = decode_attention_batch_reference(args["query"], args["keys"], args["values"], args["slots"], lengths,
                                            args["scaling"], cos=args["cos"], sin=args["sin"],
                                            key_positions=args["key_positions"], query_positions=query_positions)
@@ -114,7 +113,7 @@ def test_bad_inputs_are_refused_in_one_sentence():
         varlen_attention(**{**args, "starts": args["starts"][:-1]}, max_tokens=1)
     with pytest.raises(KvpotError, match="max_tokens"):
         varlen_attention(**args, max_tokens=0)
-    with pytest.raises(KvpotError, match="query_positions"):
-        varlen_attention(**{**args, "query_positions": None}, max_tokens=1)
+    with pytest.raises(KvpotError, match="key_positions"):
+        varlen_attention(**{**args, "key_positions": None}, max_tokens=1)
     with pytest.raises(KvpotError, match="capacity"):
         varlen_attention_reference(**{**args, "cached": args["cached"] + 1000})

@@ -7,9 +7,11 @@ read once for all of them, and only attention is done per part (docs/design.md, 
 
 - the B decoding rows append their token to their pool slots and attend over them with the batched
   decode kernel, exactly as `BatchDecoder`'s step does (`StepCache`);
-- each prompt chunk goes through its own slot's `PotCache`, as `Engine._forward` would read it: the
-  same positions, the same chunk attention and the observations its method asked for; then the
-  method's compression runs on that run alone (`Engine._after_forward`).
+- each prompt chunk goes through its own slot's `PotCache` (its layers are views of the slot's row,
+  `SlotPool.cache`), as `Engine._forward` would read it: the same positions and the observations its
+  method asked for; then the method's compression runs on that run alone (`Engine._after_forward`).
+  The chunks' attention is one varlen launch a layer over their slots (`kvpot.kernels.varlen`) unless a
+  chunk observes its attention, which takes `sequence_attention` as alone (`MixedCache._varlen`).
 
 The chunks are the method's own (`kvpot.engine.reading.PromptReader`): a method whose result depends
 on where its forwards end (`Method.chunk_dependent`) reads the same forwards it reads alone. A chunk
@@ -27,6 +29,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvpot.attention import AttentionRequest, sequence_attention
 from kvpot.compat import cache_kwargs
+from kvpot.engine.pool import SlotLayer
 from kvpot.engine.results import _Run
 from kvpot.engine.sampling import _as_ids
 from kvpot.methods.base import Method, Step
@@ -95,22 +98,74 @@ class MixedCache(Cache):
             self.spans.append((start, start + size))
             start += size
         super().__init__(layers=[MixedLayer(self, i) for i in range(len(step.layers))])
+        self.varlen = self._varlen()
 
     @property
     def is_compileable(self) -> bool:  # transformers' API
         return False
 
     def attend(self, layer: MixedLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """query [1, heads, T, d] un-rotated -> [1, T, heads, d]: the rows by the batched kernel, each chunk
-        over its own cache."""
+        """query [1, heads, T, d] un-rotated -> [1, T, heads, d]: the rows by the batched kernel, the chunks
+        over their slots by the varlen kernel where `_varlen` allows, else each over its own cache."""
         outputs = []
         if self.batch:
             rows = self.step.attend(layer.step_layer, _rows(query[:, :, : self.batch]), scaling)  # [B, 1, heads, d]
             outputs.append(rows.reshape(1, self.batch, *rows.shape[2:]))
-        for (start, stop), cache, (key, value) in zip(self.spans, self.caches, layer.parts):
-            part = cache.layers[layer.index]
-            outputs.append(sequence_attention(cache, part, query[:, :, start:stop], key, value, scaling))
+        if self.varlen:
+            outputs.append(self._attend_varlen(layer, query[:, :, self.batch :], scaling))
+        else:
+            for (start, stop), cache, (key, value) in zip(self.spans, self.caches, layer.parts):
+                part = cache.layers[layer.index]
+                outputs.append(sequence_attention(cache, part, query[:, :, start:stop], key, value, scaling))
         return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
+
+    def _varlen(self) -> bool:
+        """Whether the chunks can be attended in one varlen launch over their pool slots: each chunk's keys
+        are in its slot's row (the run's cache is the slot's, `SlotPool.cache`), stored rotated or with their RoPE
+        positions (then rotated on load from a fixed table: not `dynamic` RoPE), and no chunk observes its attention (a tail
+        probe, an observation request: those take `sequence_attention`'s `observe`)."""
+        rope, policy = self.step.rope, self.step.policy
+        if not self.caches or policy.raw_keys or (rope.dynamic and not policy.stores_rotated):
+            return False
+        return all(cache.request is None and not cache.static and cache.attention is None
+                   and all(isinstance(layer, SlotLayer) for layer in cache.layers) for cache in self.caches)
+
+    def _attend_varlen(self, layer: MixedLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """query [1, heads, T, d] of the chunks, un-rotated -> [1, T, heads, d] (`kvpot.kernels.varlen`)."""
+        parts = [cache.layers[layer.index] for cache in self.caches]
+        storage, device = layer.step_layer.storage, query.device
+        slots, starts, cached = [], [0], []
+        for part, (start, stop) in zip(parts, self.spans):
+            slots.append(part.row)
+            starts.append(stop - self.batch)
+            cached.append(part.n - (stop - start))  # the chunk's own entries were appended last (`update`)
+        bounds = torch.tensor([slots, cached], dtype=torch.long).to(device, non_blocking=True)
+        rope = self.step.rope
+        if self.step.policy.stores_rotated:  # keys stored rotated: each chunk's queries turn at its own positions
+            query = torch.cat([part.rotate_queries(query[:, :, start - self.batch : stop - self.batch])
+                               for part, (start, stop) in zip(parts, self.spans)], dim=2)
+            tables = (None, None, None)
+        else:  # rotated on load, keys and queries, from the entries' RoPE positions
+            query = rope.unscale(query)
+            tables = (*rope.table(max(part.max_rope for part in parts) + 1, query), storage.rope_positions)
+        out, _ = varlen_kernel(device, query.shape[-1])(
+            query[0].transpose(0, 1), storage.keys, storage.values, bounds[0],
+            torch.tensor(starts).to(device, non_blocking=True), bounds[1], scaling,
+            max(stop - start for start, stop in self.spans), *tables)
+        return out.unsqueeze(0)
+
+
+def varlen_kernel(device: torch.device, head_dim: int):
+    """The varlen Triton kernel where it runs, else its PyTorch reference (one signature but `max_tokens`)."""
+    from kvpot import kernels
+
+    if kernels.available(device) and kernels.supports_head_dim(head_dim):
+        from kvpot.kernels.varlen import varlen_attention
+
+        return varlen_attention
+    from kvpot.kernels.varlen_reference import varlen_attention_reference
+
+    return lambda *args: varlen_attention_reference(*args[:7], *args[8:])  # the reference needs no bucket
 
 
 def _rows(states: torch.Tensor) -> torch.Tensor:

@@ -10,8 +10,9 @@ forward, its own chunk causally). tests/test_varlen_kernel.py holds both to each
 - The grid is sized from `max_tokens` (a host bound on any row's tokens: a step's bucket), never from device
   values: the rows' bounds, slots and cached counts are read on the device, and a tile past its row's tokens
   exits at once. A step of fixed buckets can therefore be captured in a CUDA graph.
-- RoPE on load, as in the decode kernel: keys at their stored positions (`load_keys`), each query at its own
-  token's position. `cos=None`: both are already rotated.
+- RoPE on load, as in the decode kernel: keys at their stored positions (`load_keys`), each token's query at
+  its own entry's (appended before attention, as `PotLayer.rotate_queries` reads it: per KV head, so policies
+  that number each head's entries apart are followed). `cos=None`: both are already rotated.
 - Returns each token's log-sum-exp beside the output: the observation kernels (`kvpot.kernels.observe`)
   normalise with it, and a segment's output can be merged with another's.
 """
@@ -40,8 +41,7 @@ def _varlen_kernel(
     K, V,  # [S, KV, N, D] pool buffers; the last stride is 1
     SLOTS, STARTS, CACHED,  # [R], [R + 1], [R] int: each row's slot, its tokens' bounds, its entries before them
     COS, SIN,  # [P, D] RoPE table (ROPE)
-    KPOS,  # [S, KV, N] int RoPE position of each entry (ROPE)
-    QPOS,  # [T] int: each token's query position (ROPE)
+    KPOS,  # [S, KV, N] int RoPE position of each entry (ROPE); a token's query takes its own entry's
     OUT,  # [T, H, D] output dtype
     LSE,  # [T, H] float32 natural log-sum-exp
     N, TILES, scale,
@@ -74,13 +74,13 @@ def _varlen_kernel(
         q1 = tl.load(q_ptr, mask=row_ok[:, None], other=0.0).to(tl.float32)
         q2 = tl.load(q_ptr + HALF, mask=row_ok[:, None], other=0.0).to(tl.float32)
         if ROPE:
-            qt = tl.load(QPOS + at, mask=row_ok, other=0)[:, None] * stride_t + dh[None, :]
+            KPOS += slot * stride_ps + h * stride_ph
+            qt = tl.load(KPOS + (before + token) * stride_pn, mask=row_ok, other=0)[:, None] * stride_t + dh[None, :]
             c1 = tl.load(COS + qt, mask=row_ok[:, None], other=0.0).to(tl.float32)
             c2 = tl.load(COS + qt + HALF, mask=row_ok[:, None], other=0.0).to(tl.float32)
             s1 = tl.load(SIN + qt, mask=row_ok[:, None], other=0.0).to(tl.float32)
             s2 = tl.load(SIN + qt + HALF, mask=row_ok[:, None], other=0.0).to(tl.float32)
             q1, q2 = q1 * c1 - q2 * s1, q2 * c2 + q1 * s2  # rotate_half: (-x2, x1)
-            KPOS += slot * stride_ps + h * stride_ph
         qk = scale * 1.4426950408889634
         q1 = (q1 * qk).to(K.dtype.element_ty)
         q2 = (q2 * qk).to(K.dtype.element_ty)
@@ -132,7 +132,6 @@ def varlen_attention(
     cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None,
     key_positions: torch.Tensor | None = None,
-    query_positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of packed rows over their pool slots, as `varlen_attention_reference` defines it: query
     [T, heads, d] -> (out [T, heads, d] in query.dtype, lse [T, heads] float32, natural log).
@@ -141,7 +140,7 @@ def varlen_attention(
     `max_tokens` bounds any row's tokens (the caller's bucket): a row's tokens past it, and tokens no row
     covers, are left unwritten. No host synchronisation and no allocation sized
     from device values: safe to capture in a CUDA graph."""
-    check_varlen_inputs(query, keys, values, slots, starts, cached, cos, sin, key_positions, query_positions)
+    check_varlen_inputs(query, keys, values, slots, starts, cached, cos, sin, key_positions)
     if keys.stride(-1) != 1 or values.stride(-1) != 1:
         raise KvpotError("varlen attention reads keys/values rows in place: their last dimension must be contiguous")
     if max_tokens < 1:
@@ -163,10 +162,10 @@ def varlen_attention(
     if rope:
         if cos.stride(1) != 1 or sin.stride() != cos.stride():
             raise KvpotError("varlen attention wants cos/sin tables with contiguous rows and equal strides")
-        tables = (cos, sin, key_positions, query_positions)
+        tables = (cos, sin, key_positions)
         rope_strides = (*key_positions.stride(), cos.stride(0))
     else:
-        tables, rope_strides = (keys, keys, slots, slots), (0, 0, 0, 0)
+        tables, rope_strides = (keys, keys, slots), (0, 0, 0, 0)
     _varlen_kernel[(rows * tiles, kv)](
         query, keys, values, slots, starts, cached, *tables, out, lse, keys.shape[2], tiles, scaling,
         query.stride(0), query.stride(1), *keys.stride()[:3], *values.stride()[:3], *rope_strides,

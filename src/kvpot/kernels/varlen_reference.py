@@ -7,8 +7,9 @@ prompt chunks of many. Row `r` holds the packed tokens `[starts[r], starts[r + 1
 own tokens (appended before attention). Its `i`-th token attends to the slot's entries `[0, cached[r] + i]`:
 everything cached before, and its own chunk causally. A decoding row is the case of one token.
 
-Keys are stored un-rotated with a RoPE position per entry (`shift`/`reset` policies), rotated here by gathering
-the table's rows, and each token's query at its own position; or already rotated (`absolute`, `cos=None`).
+Keys are stored un-rotated with a RoPE position per entry and KV head (`shift`/`reset` policies), rotated here by
+gathering the table's rows, and each token's query at its own entry's position (per KV head, as
+`PotLayer.rotate_queries`); or already rotated (`absolute`, `cos=None`).
 """
 
 from __future__ import annotations
@@ -21,8 +22,7 @@ from kvpot.kernels.decode_reference import _rotate_at
 INTS = (torch.int32, torch.int64)
 
 
-def check_varlen_inputs(query, keys, values, slots, starts, cached, cos, sin, key_positions, query_positions
-                        ) -> None:
+def check_varlen_inputs(query, keys, values, slots, starts, cached, cos, sin, key_positions) -> None:
     """Shapes and dtypes shared by the kernel and the reference (shapes only: no device reads)."""
     if query.dim() != 3 or keys.dim() != 4 or values.shape != keys.shape:
         raise KvpotError(f"varlen attention needs query [tokens, heads, d] and keys/values [slots, kv_heads, "
@@ -36,15 +36,13 @@ def check_varlen_inputs(query, keys, values, slots, starts, cached, cos, sin, ke
                          f"{tuple(slots.shape)}, {tuple(starts.shape)}, {tuple(cached.shape)}")
     if any(t.dtype not in INTS for t in (slots, starts, cached)):
         raise KvpotError("slots, starts and cached must be integer tensors")
-    if (cos is None) != (sin is None) or (cos is not None and (key_positions is None or query_positions is None)):
-        raise KvpotError("varlen attention with a RoPE table needs cos, sin, key_positions and query_positions")
+    if (cos is None) != (sin is None) or (cos is not None and key_positions is None):
+        raise KvpotError("varlen attention with a RoPE table needs cos, sin and key_positions")
     if cos is not None:
         if cos.dim() != 2 or cos.shape[1] != d or sin.shape != cos.shape:
             raise KvpotError(f"RoPE tables must be [positions, {d}]; got {tuple(cos.shape)}, {tuple(sin.shape)}")
         if tuple(key_positions.shape) != tuple(keys.shape[:3]):
             raise KvpotError(f"key_positions must be {list(keys.shape[:3])}; got {tuple(key_positions.shape)}")
-        if tuple(query_positions.shape) != (query.shape[0],):
-            raise KvpotError(f"query_positions must be [{query.shape[0]}]; got {tuple(query_positions.shape)}")
 
 
 def varlen_attention_reference(
@@ -58,12 +56,11 @@ def varlen_attention_reference(
     cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None,
     key_positions: torch.Tensor | None = None,
-    query_positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of packed rows over their pool slots: query [T, heads, d] (un-rotated when cos is given) ->
     (out [T, heads, d] in query.dtype, lse [T, heads] float32, natural log). Tokens no row covers get zeros and
     lse -inf. Reads the row bounds on the host (a reference: not for capture)."""
-    check_varlen_inputs(query, keys, values, slots, starts, cached, cos, sin, key_positions, query_positions)
+    check_varlen_inputs(query, keys, values, slots, starts, cached, cos, sin, key_positions)
     tokens, heads, d = query.shape
     g = heads // keys.shape[1]
     out = torch.zeros(tokens, heads, d, dtype=query.dtype, device=query.device)
@@ -81,7 +78,8 @@ def varlen_attention_reference(
         qs = query[first:last].transpose(0, 1)  # [heads, q, d]
         if cos is not None:
             k = _rotate_at(k.float(), cos.float(), sin.float(), key_positions[slot, :, :n]).to(keys.dtype)
-            qs = _rotate_at(qs.float(), cos.float(), sin.float(), query_positions[first:last][None])
+            at = key_positions[slot, :, before[r] : n].repeat_interleave(g, dim=0)  # [heads, q]: their own entries'
+            qs = _rotate_at(qs.float(), cos.float(), sin.float(), at)
         k = k.float().repeat_interleave(g, dim=0)
         v = v.float().repeat_interleave(g, dim=0)
         scores = (qs.float() * scaling) @ k.transpose(-1, -2)  # [heads, q, n]
