@@ -42,6 +42,23 @@ def half_scores(q1, q2, k1, k2, IEEE: tl.constexpr):
     return tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))
 
 
+@triton.jit
+def online_softmax_step(sc, m_i, l_i, acc, V, j, live, dd, stride_vn, IEEE: tl.constexpr):
+    """One block of keys into a running softmax-weighted sum (FlashAttention's update): scores `sc`
+    [BLOCK_M, BLOCK_N] in log2 units (-inf where masked), the block's values read from `V` at entries `j`
+    (`live` ones), the running max `m_i`, sum `l_i` and unnormalised output `acc`; returns the three updated."""
+    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(sc - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(V + j[:, None] * stride_vn + dd[None, :], mask=live[:, None], other=0.0)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(V.dtype.element_ty), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(V.dtype.element_ty), v)
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=["ROWS", "SPLITS"])  # ROWS: batch rows x heads, varies with the batch
 def _merge_kernel(
     PART,  # [SPLITS, ROWS, D] float32 normalised partial outputs

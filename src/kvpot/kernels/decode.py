@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from kvpot.errors import KvpotError
-from kvpot.kernels.common import half_scores, load_keys, merge, multiprocessors, next_power_of_2
+from kvpot.kernels.common import half_scores, load_keys, online_softmax_step, merge, multiprocessors, next_power_of_2
 from kvpot.kernels.decode_reference import (
     check_decode_batch_inputs,
     check_decode_inputs,
@@ -126,16 +126,7 @@ def _decode_kernel(
         sc = tl.where(live[None, :], sc, float("-inf"))
         if PROBS:
             tl.store(LOGITS + out_row[:, None] * N + j[None, :], sc, mask=row_ok[:, None] & live[None, :])
-        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(sc - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(V + j[:, None] * stride_vn + dd[None, :], mask=live[:, None], other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(V.dtype.element_ty), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(V.dtype.element_ty), v)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(sc, m_i, l_i, acc, V, j, live, dd, stride_vn, IEEE)
 
     # a slot with no live entry (l_i == 0) writes zeros and log-sum-exp -inf
     safe = tl.where(l_i > 0, l_i, 1.0)
