@@ -10,8 +10,8 @@ read once for all of them, and only attention is done per part (docs/design.md, 
 - each prompt chunk goes through its own slot's `PotCache` (its layers are views of the slot's row,
   `SlotPool.cache`), as `Engine._forward` would read it: the same positions and the observations its
   method asked for; then the method's compression runs on that run alone (`Engine._after_forward`).
-  The chunks' attention is one varlen launch a layer over their slots (`kvpot.kernels.varlen`) unless a
-  chunk observes its attention, which takes `sequence_attention` as alone (`MixedCache._varlen`).
+  The chunks' attention is one varlen launch a layer over their slots (`kvpot.kernels.varlen`,
+  `MixedCache._varlen`); a chunk that observes its attention gets it from `observe`, as alone.
 
 The chunks are the method's own (`kvpot.engine.reading.PromptReader`): a method whose result depends
 on where its forwards end (`Method.chunk_dependent`) reads the same forwards it reads alone. A chunk
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvpot.attention import AttentionRequest, sequence_attention
+from kvpot.attention import AttentionRequest, observe, sequence_attention
 from kvpot.compat import cache_kwargs
 from kvpot.engine.pool import SlotLayer
 from kvpot.engine.results import _Run
@@ -121,13 +121,14 @@ class MixedCache(Cache):
 
     def _varlen(self) -> bool:
         """Whether the chunks can be attended in one varlen launch over their pool slots: each chunk's keys
-        are in its slot's row (the run's cache is the slot's, `SlotPool.cache`), stored rotated or with their RoPE
-        positions (then rotated on load from a fixed table: not `dynamic` RoPE), and no chunk observes its attention (a tail
-        probe, an observation request: those take `sequence_attention`'s `observe`)."""
+        are in its slot's row (the run's cache is the slot's, `SlotPool.cache`: not CItruS' instruction cache),
+        stored rotated or with their RoPE positions (then rotated on load from a fixed table: not `dynamic`
+        RoPE). A chunk that observes its attention (a tail probe, an observation request) gets it from
+        `observe` with the kernel's log-sum-exp, as `sequence_attention` does alone."""
         rope, policy = self.step.rope, self.step.policy
         if not self.caches or policy.raw_keys or (rope.dynamic and not policy.stores_rotated):
             return False
-        return all(cache.request is None and not cache.static and cache.attention is None
+        return all(not cache.static and cache.attention is None
                    and all(isinstance(layer, SlotLayer) for layer in cache.layers) for cache in self.caches)
 
     def _attend_varlen(self, layer: MixedLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -140,7 +141,7 @@ class MixedCache(Cache):
             starts.append(stop - self.batch)
             cached.append(part.n - (stop - start))  # the chunk's own entries were appended last (`update`)
         bounds = torch.tensor([slots, cached], dtype=torch.long).to(device, non_blocking=True)
-        rope = self.step.rope
+        rope, unrotated = self.step.rope, query
         if self.step.policy.stores_rotated:  # keys stored rotated: each chunk's queries turn at its own positions
             query = torch.cat([part.rotate_queries(query[:, :, start - self.batch : stop - self.batch])
                                for part, (start, stop) in zip(parts, self.spans)], dim=2)
@@ -148,10 +149,16 @@ class MixedCache(Cache):
         else:  # rotated on load, keys and queries, from the entries' RoPE positions
             query = rope.unscale(query)
             tables = (*rope.table(max(part.max_rope for part in parts) + 1, query), storage.rope_positions)
-        out, _ = varlen_kernel(device, query.shape[-1])(
+        out, lse = varlen_kernel(device, query.shape[-1])(
             query[0].transpose(0, 1), storage.keys, storage.values, bounds[0],
             torch.tensor(starts).to(device, non_blocking=True), bounds[1], scaling,
             max(stop - start for start, stop in self.spans), *tables)
+        for part, cache, (start, stop) in zip(parts, self.caches, self.spans):
+            if cache.request is not None:  # as `sequence_attention`: rotated queries over every rotated key
+                rows = slice(start - self.batch, stop - self.batch)
+                turned = query[:, :, rows] if tables[0] is None else part.rotate_queries(unrotated[:, :, rows])
+                part.observation = observe(turned, part.attention_keys(), cache.request, scaling,
+                                           lse[rows].transpose(0, 1)[None])
         return out.unsqueeze(0)
 
 
