@@ -99,6 +99,8 @@ class MixedCache(Cache):
             start += size
         super().__init__(layers=[MixedLayer(self, i) for i in range(len(step.layers))])
         self.varlen = self._varlen()
+        self.bounds: dict[tuple, torch.Tensor] = {}  # the varlen launch's slots, starts and cached counts
+        self.longest = max((stop - start for start, stop in self.spans), default=0)
 
     @property
     def is_compileable(self) -> bool:  # transformers' API
@@ -135,12 +137,12 @@ class MixedCache(Cache):
         """query [1, heads, T, d] of the chunks, un-rotated -> [1, T, heads, d] (`kvpot.kernels.varlen`)."""
         parts = [cache.layers[layer.index] for cache in self.caches]
         storage, device = layer.step_layer.storage, query.device
-        slots, starts, cached = [], [0], []
-        for part, (start, stop) in zip(parts, self.spans):
-            slots.append(part.row)
-            starts.append(stop - self.batch)
-            cached.append(part.n - (stop - start))  # the chunk's own entries were appended last (`update`)
-        bounds = torch.tensor([slots, cached], dtype=torch.long).to(device, non_blocking=True)
+        # the chunk's own entries were appended last (`update`); layers with the same counts share one copy
+        cached = tuple(part.n - (stop - start) for part, (start, stop) in zip(parts, self.spans))
+        if cached not in self.bounds:
+            slots, starts = [part.row for part in parts], [0] + [stop - self.batch for _, stop in self.spans]
+            self.bounds[cached] = torch.tensor([*slots, *starts, *cached]).to(device, non_blocking=True)
+        bounds, rows = self.bounds[cached], len(parts)
         rope, unrotated = self.step.rope, query
         if self.step.policy.stores_rotated:  # keys stored rotated: each chunk's queries turn at its own positions
             query = torch.cat([part.rotate_queries(query[:, :, start - self.batch : stop - self.batch])
@@ -150,9 +152,8 @@ class MixedCache(Cache):
             query = rope.unscale(query)
             tables = (*rope.table(max(part.max_rope for part in parts) + 1, query), storage.rope_positions)
         out, lse = varlen_kernel(device, query.shape[-1])(
-            query[0].transpose(0, 1), storage.keys, storage.values, bounds[0],
-            torch.tensor(starts).to(device, non_blocking=True), bounds[1], scaling,
-            max(stop - start for start, stop in self.spans), *tables)
+            query[0].transpose(0, 1), storage.keys, storage.values, bounds[:rows], bounds[rows : 2 * rows + 1],
+            bounds[2 * rows + 1 :], scaling, self.longest, *tables)
         for part, cache, (start, stop) in zip(parts, self.caches, self.spans):
             if cache.request is not None:  # as `sequence_attention`: rotated queries over every rotated key
                 rows = slice(start - self.batch, stop - self.batch)
