@@ -154,12 +154,15 @@ class MixedCache(Cache):
         out, lse = varlen_kernel(device, query.shape[-1])(
             query[0].transpose(0, 1), storage.keys, storage.values, bounds[:rows], bounds[rows : 2 * rows + 1],
             bounds[2 * rows + 1 :], scaling, self.longest, *tables)
+        # the log-sum-exp goes to `observe` where the chunk's attention alone gives it one (`attend_with_lse`:
+        # half precision on CUDA); elsewhere `observe` normalises itself, as alone, so the two stay equal
+        with_lse = query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
         for part, cache, (start, stop) in zip(parts, self.caches, self.spans):
             if cache.request is not None:  # as `sequence_attention`: rotated queries over every rotated key
                 rows = slice(start - self.batch, stop - self.batch)
                 turned = query[:, :, rows] if tables[0] is None else part.rotate_queries(unrotated[:, :, rows])
                 part.observation = observe(turned, part.attention_keys(), cache.request, scaling,
-                                           lse[rows].transpose(0, 1)[None])
+                                           lse[rows].transpose(0, 1)[None] if with_lse else None)
         return out.unsqueeze(0)
 
 
