@@ -117,3 +117,30 @@ def test_bad_inputs_are_refused_in_one_sentence():
         varlen_attention(**{**args, "key_positions": None}, max_tokens=1)
     with pytest.raises(KvpotError, match="capacity"):
         varlen_attention_reference(**{**args, "cached": args["cached"] + 1000})
+
+
+@pytest.mark.parametrize("name", ["streaming", "h2o"])
+def test_mixed_steps_on_the_kernel_give_each_request_its_tokens_alone(name):
+    """The kernel inside the engine (a head dim it takes, 32): a mixed step's chunks attended by it, H2O's
+    observing ones included, give the greedy tokens each request gets alone (float32)."""
+    import kvpot
+    from conftest import VOCAB, build_llama
+    from kvpot.engine import mixed
+    from kvpot.engine.offline import run_all
+    from kvpot.engine.scheduler import Request, Scheduler
+    from kvpot.kernels.varlen import varlen_attention
+
+    method = {"streaming": kvpot.StreamingLLM(sinks=4, window=44, chunk_size=16),
+              "h2o": kvpot.H2O(heavy=24, recent=24, chunk_size=16)}[name]
+    model = build_llama(head_dim=32, hidden_size=128, num_attention_heads=4, num_key_value_heads=2).to(DEVICE)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [(torch.randint(3, VOCAB, (n,), generator=gen).tolist(), torch.randint(3, VOCAB, (5,), generator=gen)
+                .tolist()) for n in (160, 90, 200, 33)]
+    engine = kvpot.Engine(model, method=method, decode="eager")
+    alone = [engine.generate_ids(c, q, max_new_tokens=12, ignore_eos=True).token_ids for c, q in prompts]
+    scheduler = Scheduler(kvpot.Engine(model, method=method), slots=3, decode="static", mix=True)
+    requests = [Request(c, q, max_new_tokens=12, ignore_eos=True) for c, q in prompts]
+    assert mixed.varlen_kernel(torch.device(DEVICE), 32) is varlen_attention
+    run_all(scheduler, requests)
+    assert scheduler.report["mixed_forwards"] > 0
+    assert [r.tokens for r in requests] == alone
