@@ -27,12 +27,17 @@ def main(argv=None) -> None:
     p.add_argument("--length", type=int, default=16384)
     p.add_argument("--prefill-tokens", type=int, default=2048)
     p.add_argument("--print-profiles", action="store_true", help="print each mode's profiler table")
+    p.add_argument("--modes", default="apart,mix,apart,mix",
+                   help="comma-separated, each run in turn (a mode's second run is the one kept: the first warms): "
+                        "apart (prompt chunks in forwards of their own), mix (in the decoding rows' forward, "
+                        "attended by the varlen kernel), mix-sdpa (mixed, each chunk attended alone as before the "
+                        "varlen kernel: `sequence_attention`)")
     args = p.parse_args(argv)
     import torch
 
     from kvpot.bench.backends import sdpa_backends
     from kvpot.bench.common import IdTokenizer
-    from kvpot.engine import Engine
+    from kvpot.engine import Engine, mixed
     from kvpot.engine.scheduler import Request, Scheduler
     from kvpot.methods.spec import build_method
     from kvpot.models import shapes
@@ -43,10 +48,12 @@ def main(argv=None) -> None:
     gen = torch.Generator().manual_seed(0)
     report = {"args": vars(args) | {"out": str(args.out)}, "modes": {}}
     with sdpa_backends("no-cudnn", device):
-        for mode in ("apart", "mix", "apart", "mix"):  # twice each: the first pass warms both
+        varlen = mixed.MixedCache._varlen
+        for mode in args.modes.split(","):
+            mixed.MixedCache._varlen = varlen if mode != "mix-sdpa" else (lambda self: False)
             engine = Engine(model, IdTokenizer(vocab), method=build_method(args.method), chat_template=False)
             scheduler = Scheduler(engine, slots=args.decoding + args.reading, prefill_tokens=args.prefill_tokens,
-                                  mix=mode == "mix")
+                                  mix=mode.startswith("mix"))
             scheduler.capture()
             decoders = [Request(torch.randint(3, vocab, (256,), generator=gen).tolist(), [5, 6], max_new_tokens=4096,
                                 ignore_eos=True) for _ in range(args.decoding)]
