@@ -88,6 +88,12 @@ class PotLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         if self.cache.static:
             return self._static_update(key_states, value_states)
+        self.append(key_states, value_states)
+        return self.attention_keys(), self.values[:, :, : self.n]
+
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """`update`'s append alone, for an attention that reads the buffers itself (a mixed step's varlen
+        kernel, `kvpot.engine.mixed`): the whole cache's keys are not rotated for it."""
         cache, q = self.cache, key_states.shape[-2]
         original = cache.positions_on(key_states.device)
         if original is None or original.shape[-1] != q:
@@ -109,7 +115,6 @@ class PotLayer(CacheLayerMixin):
         self.n, self.n_new = end, q
         self.max_rope = max(self.max_rope, max_rope)
         cache.note_entries(end)
-        return self.attention_keys(), self.values[:, :, :end]
 
     def _static_update(self, key_states: torch.Tensor, value_states: torch.Tensor):
         """Append one token at the device-side slot `length` (no host value decides an index or a

@@ -71,8 +71,13 @@ class MixedLayer(CacheLayerMixin):
         b = self.mixed.batch
         if b:
             self.step_layer.update(_rows(key_states[:, :, :b]), _rows(value_states[:, :, :b]))
-        self.parts = [cache.layers[self.index].update(key_states[:, :, start:stop], value_states[:, :, start:stop])
-                      for (start, stop), cache in zip(self.mixed.spans, self.mixed.caches)]
+        spans = zip(self.mixed.spans, self.mixed.caches)
+        if self.mixed.varlen:  # the varlen kernel reads the slots: nothing to rotate and hand back
+            for (start, stop), cache in spans:
+                cache.layers[self.index].append(key_states[:, :, start:stop], value_states[:, :, start:stop])
+        else:
+            self.parts = [cache.layers[self.index].update(key_states[:, :, start:stop], value_states[:, :, start:stop])
+                          for (start, stop), cache in spans]
         return key_states, value_states
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -142,7 +147,7 @@ class MixedCache(Cache):
         if cached not in self.bounds:
             slots, starts = [part.row for part in parts], [0] + [stop - self.batch for _, stop in self.spans]
             self.bounds[cached] = torch.tensor([*slots, *starts, *cached]).to(device, non_blocking=True)
-        bounds, rows = self.bounds[cached], len(parts)
+        bounds, count = self.bounds[cached], len(parts)
         rope, unrotated = self.step.rope, query
         if self.step.policy.stores_rotated:  # keys stored rotated: each chunk's queries turn at its own positions
             query = torch.cat([part.rotate_queries(query[:, :, start - self.batch : stop - self.batch])
@@ -152,10 +157,10 @@ class MixedCache(Cache):
             query = rope.unscale(query)
             tables = (*rope.table(max(part.max_rope for part in parts) + 1, query), storage.rope_positions)
         out, lse = varlen_kernel(device, query.shape[-1])(
-            query[0].transpose(0, 1), storage.keys, storage.values, bounds[:rows], bounds[rows : 2 * rows + 1],
-            bounds[2 * rows + 1 :], scaling, self.longest, *tables)
-        # the log-sum-exp goes to `observe` where the chunk's attention alone gives it one (`attend_with_lse`:
-        # half precision on CUDA); elsewhere `observe` normalises itself, as alone, so the two stay equal
+            query[0].transpose(0, 1), storage.keys, storage.values, bounds[:count], bounds[count : 2 * count + 1],
+            bounds[2 * count + 1 :], scaling, self.longest, *tables)
+        # the log-sum-exp goes to `observe` where the chunk's attention alone usually gives it one
+        # (`attend_with_lse`: half precision on CUDA); elsewhere `observe` normalises itself, as alone
         with_lse = query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
         for part, cache, (start, stop) in zip(parts, self.caches, self.spans):
             if cache.request is not None:  # as `sequence_attention`: rotated queries over every rotated key
