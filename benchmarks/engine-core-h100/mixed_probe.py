@@ -84,13 +84,15 @@ def main(argv=None) -> None:
                 scheduler.step()
                 if device == "cuda":
                     torch.cuda.synchronize()
-                if profiler is not None and len(times) == 7:
+                # the step's time before the profiler's own work: its exit and table took seconds, which were
+                # once counted in the eighth step (the 8-10 s maxima of probe3/ and probe4/)
+                times.append((time.perf_counter() - begun) * 1000)
+                forwards.append(scheduler.report.get("forwards", 0))
+                if profiler is not None and len(times) == 8:
                     profiler.__exit__(None, None, None)
                     profile = profiler.key_averages(group_by_input_shape=True).table(
                         sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=60,
                         max_shapes_column_width=90)
-                times.append((time.perf_counter() - begun) * 1000)
-                forwards.append(scheduler.report.get("forwards", 0))
             scheduler.abort()
             by_step = [[round(t, 2), f] for t, f in zip(times, forwards)]  # each step's ms, forwards so far
             times.sort()
