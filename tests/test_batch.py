@@ -187,6 +187,8 @@ def test_prompts_read_inside_the_decoding_forward_give_the_tokens_alone(model, p
         assert [r.tokens for r in requests] == [e.token_ids for e in expected]
         runs[mix] = (scheduler.report["mixed_forwards"], scheduler.report["forwards"])
     assert runs[False][0] == 0
+    default = Scheduler(kvpot.Engine(model, method=method), slots=1, capacity=capacity, decode="static")
+    assert default.mix is False  # mix="auto": apart on a CPU (no varlen kernel)
     if name == "infinitehip":  # its own attention: never mixed
         assert runs[True] == runs[False]
     else:

@@ -305,15 +305,18 @@ def test_serve_open_loop_with_mixes(capsys, tmp_path):
 
 
 def test_mixed_row_reads_prompt_chunks_in_the_decoding_forward(capsys, tmp_path):
-    """`--mixed` adds the batch with prompt chunks in the decoding rows' forward beside the default batch
-    (prompts in forwards of their own): the same tokens, fewer forwards in all."""
+    """`--mixed` and `--prompts-apart` add the batch with prompt chunks in the decoding rows' forward and in
+    forwards of their own beside the default batch (`--mix auto`: apart on a CPU): the same tokens, fewer
+    forwards in all when mixed; each row records its `mix`."""
     out = tmp_path / "out"
     code, _, err = run(capsys, "bench", "throughput", "--shape", "tiny", "--device", "cpu", "--out", str(out),
                        "--method", "streaming:window=60", "--users", "4", "--lengths", "128", "--new-tokens", "6",
-                       "--question-tokens", "4", "--prefill-tokens", "32", "--mixed", "--sequential-users", "1")
+                       "--question-tokens", "4", "--prefill-tokens", "32", "--mixed", "--prompts-apart",
+                       "--sequential-users", "1")
     assert code == 0, err
     rows = {row["method"]: row for row in json.loads((out / "results.json").read_text())["rows"]}
-    mixed, apart = rows["streaming [batch, mixed]"], rows["streaming [batch]"]
-    assert mixed["output_tokens"] == apart["output_tokens"] == 24
+    mixed, apart = rows["streaming [batch, mixed]"], rows["streaming [batch, prompts apart]"]
+    assert (mixed["mix"], apart["mix"], rows["streaming [batch]"]["mix"]) == (True, False, False)
+    assert mixed["output_tokens"] == apart["output_tokens"] == rows["streaming [batch]"]["output_tokens"] == 24
     assert mixed["scheduler"]["mixed_forwards"] > 0 and apart["scheduler"]["mixed_forwards"] == 0
     assert mixed["scheduler"]["forwards"] < apart["scheduler"]["forwards"]

@@ -45,3 +45,27 @@ def test_scheduler_options_are_refused_in_one_sentence(options, fragment):
     with pytest.raises(KvpotError, match=fragment):
         check_options(*options)
     check_options(64, None, "auto", "graph")
+
+
+def test_mixing_is_on_where_the_varlen_kernel_runs_unless_told(monkeypatch):
+    """`Scheduler(mix="auto")`, the default (`kvpot.defaults.MIX`): prompt chunks join the decoding rows' forward on
+    a CUDA device whose kernels run at a head dim they take; "on"/"off" and bools as given; anything else refused."""
+    import torch
+
+    from kvpot import kernels
+    from kvpot.defaults import MIX
+    from kvpot.engine.mixed import resolve_mix
+
+    assert MIX == "auto"
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_mix("auto", cpu, 64) is False
+    assert (resolve_mix("on", cpu, 64), resolve_mix("off", cuda, 64)) == (True, False)
+    assert (resolve_mix(True, cpu, 48), resolve_mix(False, cuda, 64)) == (True, False)
+    monkeypatch.setattr(kernels, "available", lambda device: True)
+    assert resolve_mix("auto", cuda, 64) is True
+    assert resolve_mix("auto", cuda, 48) is False  # a head dim the kernels refuse: each chunk attended alone
+    assert resolve_mix("auto", cpu, 64) is False  # Triton's interpreter on a CPU: the mixed step's reference path
+    monkeypatch.setattr(kernels, "available", lambda device: False)
+    assert resolve_mix("auto", cuda, 64) is False
+    with pytest.raises(KvpotError, match="mix must be one of"):
+        resolve_mix("sometimes", cpu, 64)

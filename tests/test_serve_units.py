@@ -220,6 +220,8 @@ def test_config_validation_and_sizes(tmp_path):
         ServeConfig(kv_memory_fraction=1.5)
     with pytest.raises(KvpotError, match="--feed-questions must be auto, always or never"):
         ServeConfig(feed_questions="sometimes")
+    with pytest.raises(KvpotError, match="--mix must be auto, on or off"):
+        ServeConfig(mix=True)
     config = ServeConfig(state_dir=tmp_path / "new" / "dir")
     assert config.state_dir.is_dir() and config.host == "127.0.0.1"
 
@@ -244,15 +246,16 @@ def test_serve_command_refuses_bad_flags_in_one_line(argv, fragment, capsys):
 
 
 def test_the_pool_feeds_questions_as_configured(one_thread):
-    """`--feed-questions` and `--feed-tokens` reach the server's scheduler."""
+    """`--feed-questions`, `--feed-tokens` and `--mix` reach the server's scheduler."""
     from kvpot.serve.service import Service
 
     engine = _engine(window=60)
-    config = ServeConfig(method="streaming:sinks=4,window=60,chunk_size=32", feed_questions="never", feed_tokens=8)
+    config = ServeConfig(method="streaming:sinks=4,window=60,chunk_size=32", feed_questions="never", feed_tokens=8,
+                         mix="on")
     service = Service(engine, config)
     try:
         scheduler = service._make_scheduler(engine, config.method, 2)
-        assert (scheduler.feed_questions, scheduler.feed_tokens) == ("never", 8)
+        assert (scheduler.feed_questions, scheduler.feed_tokens, scheduler.mix) == ("never", 8, True)
     finally:
         service.worker.shutdown()
 

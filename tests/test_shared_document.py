@@ -18,6 +18,7 @@ import kvpot
 from kvpot.engine.documents import DocumentRegion, copy_reason
 from kvpot.engine.offline import run_all
 from kvpot.engine.scheduler import Request, Scheduler
+import kvpot.engine.scheduler as scheduler_module
 from kvpot.errors import KvpotError
 from kvpot.kernels.decode_reference import decode_attention_batch_reference
 from kvpot.kernels.shared_reference import decode_attention_shared_reference
@@ -239,12 +240,19 @@ def test_shared_document_copy_reasons_follow_the_step_plan(model, context):
     assert copy_reason(extend, extend.pool.cache(0), "append") == "positions"  # renumbers entries while decoding
 
 
-def test_shared_document_refusals(model):
+def test_shared_document_refusals(model, monkeypatch):
     engine = kvpot.Engine(model, method=kvpot.Full(chunk_size=64))
     with pytest.raises(KvpotError, match="documents"):
         Scheduler(engine, slots=2, capacity=64, decode="static", share_documents=True, documents=0)
     with pytest.raises(KvpotError, match="mix"):
         Scheduler(engine, slots=2, capacity=64, decode="static", share_documents=True, mix=True)
+    with monkeypatch.context() as patch:  # where mix="auto" would mix (a CUDA GPU), shared documents stay apart
+        patch.setattr(scheduler_module, "resolve_mix", lambda mix, *_: mix in ("auto", "on", True))
+        with pytest.raises(KvpotError, match="mix"):
+            Scheduler(engine, slots=2, capacity=64, decode="static", share_documents=True, mix="on")
+        shared = Scheduler(engine, slots=2, capacity=64, decode="static", share_documents=True)
+        assert shared.mix is False and shared.pool.documents is not None
+        assert Scheduler(engine, slots=2, capacity=64, decode="static").mix is True
     plain = Scheduler(engine, slots=2, capacity=64, decode="static")
     assert plain.pool.documents is None and "copy_on_write" not in plain.report  # the default path: untouched
 

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvpot.bench.backends import DEFAULT_SDPA, SDPA_CHOICES
-from kvpot.defaults import PREFILL_TOKENS
+from kvpot.defaults import MIX, PREFILL_TOKENS
 from kvpot.errors import KvpotError
 
 
@@ -104,7 +104,9 @@ class BenchConfig:
     prefill_tokens: int = PREFILL_TOKENS  # prompt tokens the scheduler reads per step
     sequential_users: int | None = None  # users the one-at-a-time row serves (None: all)
     hf_timeout: float = 200.0  # seconds before transformers' continuous batching is stopped
-    mixed: bool = False  # a row of the batch that reads prompt chunks in the decoding rows' forward (mix=True)
+    mix: str = MIX  # the [batch] rows' Scheduler(mix=...): auto, on, off
+    mixed: bool = False  # a row of the batch that reads prompt chunks in the decoding rows' forward (mix on)
+    prompts_apart: bool = False  # a row of the batch that reads them in forwards of their own (mix off)
     share_documents: bool = False  # with --document, a row whose readers share the document (share_documents=True)
     # open-loop load (kvpot.bench.load): Poisson arrivals, per-request mixes, SLOs
     arrival_rate: float | None = None  # requests per second; None (`inf`): all at once

@@ -250,7 +250,7 @@ def _serve_config(config: ServeBenchConfig, run, longest: int) -> tuple[object, 
     wanted = dict(max_queue=max(defaults.max_queue, config.users), cache_min_tokens=1 << 40,
                   max_context_tokens=max(defaults.max_context_tokens, longest),
                   max_tokens_limit=max(defaults.max_tokens_limit, config.new_tokens),
-                  max_slots=config.slots, prefill_tokens=config.prefill_tokens,
+                  max_slots=config.slots, prefill_tokens=config.prefill_tokens, mix=config.mix,
                   slot_capacity=longest + config.new_tokens if growing else None)
     options, missing = serve_options(**wanted)
     serve_config = ServeConfig(model=config.model, method=_spec(run), served_model_name=config.model or config.shape,

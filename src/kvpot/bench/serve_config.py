@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvpot.defaults import PREFILL_TOKENS
+from kvpot.defaults import MIX, PREFILL_TOKENS
 from kvpot.errors import KvpotError
 
 MODE = "serve"
@@ -32,6 +32,7 @@ class ServeBenchConfig:
     decode: str = "auto"
     slots: int | None = None  # the server's (and the engine row's) sequences at once
     prefill_tokens: int = PREFILL_TOKENS
+    mix: str = MIX  # the launched server's and the engine row's Scheduler(mix=...)
     threads: int | None = None
     seed: int = 0
     # the workload
@@ -121,7 +122,7 @@ class ServeBenchConfig:
             budget=self.budget, settings=dict(self.settings), device=device, dtype=self.dtype, seed=self.seed,
             decode=self.decode, threads=self.threads, users=self.users, new_tokens=self.new_tokens,
             question_tokens=self.question_tokens, document=self.document, slots=self.slots,
-            prefill_tokens=self.prefill_tokens, arrival_rate=self.arrival_rate, length_mix=self.length_mix,
+            prefill_tokens=self.prefill_tokens, mix=self.mix, arrival_rate=self.arrival_rate, length_mix=self.length_mix,
             new_tokens_mix=self.new_tokens_mix, slo_ttft=self.slo_ttft, slo_itl=self.slo_itl)
         config.model_devices = devices
         return config

@@ -11,6 +11,9 @@ latency is measured from the request's own arrival; `--slo-ttft` / `--slo-itl` a
 Rows per method and length:
 - `METHOD [batch]`: kvpot's scheduler (`kvpot.engine.scheduler`), `--slots` sequences at once
   (default: every user, within free memory), `--prefill-tokens` prompt tokens read per step;
+- `METHOD [batch, mixed]` (`--mixed`) and `METHOD [batch, prompts apart]` (`--prompts-apart`): the same
+  scheduler with prompt chunks read in the decoding rows' forward, or in forwards of their own, whatever
+  `--mix` gives `METHOD [batch]` (each row records its `mix`);
 - `METHOD [batch, shared document]` (`--document --share-documents`): the same scheduler with its readers sharing
   the stored document's entries (`Scheduler(share_documents=True)`, `kvpot.engine.documents`); its `scheduler`
   record counts the shared documents, their readers and the copy-on-write events;
@@ -44,8 +47,8 @@ WARMUP_PROMPT = 256  # warm-up prompts: long enough for one chunk of every metho
 def bench_throughput(config: BenchConfig, model, runs, results, progress) -> None:
     from tqdm.auto import tqdm
 
-    kinds = ("batch",) + (("mixed",) if config.mixed else ()) + (("shared",) if config.share_documents else ()) + \
-        ("sequential",)
+    kinds = ("batch",) + (("mixed",) if config.mixed else ()) + (("apart",) if config.prompts_apart else ()) + \
+        (("shared",) if config.share_documents else ()) + ("sequential",)
     entries = [(run, kind) for run in runs for kind in kinds] + \
               [("hf", "hf") for name in config.baselines if name == "hf"]
     with tqdm(total=len(entries) * len(config.lengths), unit="run", desc="bench throughput",
@@ -54,6 +57,7 @@ def bench_throughput(config: BenchConfig, model, runs, results, progress) -> Non
             for entry, kind in entries:
                 label = entry if isinstance(entry, str) else entry.label
                 name = {"batch": f"{label} [batch]", "mixed": f"{label} [batch, mixed]",
+                        "apart": f"{label} [batch, prompts apart]",
                         "shared": f"{label} [batch, shared document]",
                         "sequential": f"{label} [one at a time]", "hf": "hf [generate_batch]"}[kind]
                 bar.set_postfix_str(f"{name} @ {length} tokens")
@@ -106,7 +110,8 @@ def _kvpot_row(config: BenchConfig, model, run, prompts: dict, kind: str, tokeni
         extra["document_prefill_seconds"] = time.perf_counter() - begun
     if kind == "sequential":
         return {**extra, **_sequential(config, engine, prompts, state)}
-    return {**extra, **_batched(config, engine, prompts, state, mix=kind == "mixed", share=kind == "shared")}
+    mix = {"mixed": "on", "apart": "off"}.get(kind, config.mix)
+    return {**extra, **_batched(config, engine, prompts, state, mix=mix, share=kind == "shared")}
 
 
 def _requests(config: BenchConfig, prompts: dict, state, users: int | None = None):
@@ -133,7 +138,7 @@ def _prompt_tokens(prompts: dict, index: int) -> int:
     return own + prompts["questions"][index].numel()
 
 
-def _batched(config: BenchConfig, engine, prompts: dict, state, mix: bool = False, share: bool = False) -> dict:
+def _batched(config: BenchConfig, engine, prompts: dict, state, mix: str = "auto", share: bool = False) -> dict:
     from kvpot.engine.offline import run_all
     from kvpot.engine.requests import Request
     from kvpot.engine.scheduler import Scheduler
@@ -165,7 +170,8 @@ def _batched(config: BenchConfig, engine, prompts: dict, state, mix: bool = Fals
     return {**_rates(config, records, wall), "peak_memory_bytes": peak_memory(config.devices),
             "memory_before_bytes": before, "slots": scheduler.pool.slots, "capacity": scheduler.capacity,
             "slot_bytes": scheduler.slot_bytes(), "pool_bytes": scheduler.pool.nbytes,
-            "prefill_tokens_per_step": scheduler.prefill_tokens, "scheduler": dict(scheduler.report),
+            "prefill_tokens_per_step": scheduler.prefill_tokens, "mix": scheduler.mix,
+            "scheduler": dict(scheduler.report),
             "graphs": {"captures": scheduler.decoder.captures, "captured_in_warmup": captured,
                        "replays": scheduler.decoder.replays},
             "max_kv_entries": max(r.stats.max_kv_entries for r in requests)}

@@ -12,7 +12,7 @@ from kvpot.bench.config import DEFAULT_LENGTHS, MODES, BenchConfig
 from kvpot.bench.load import parse_rate
 from kvpot.bench.serve_config import MODE as SERVE_MODE, ServeBenchConfig
 from kvpot.cli.args import METHOD_METAVAR, add_device_arguments, add_tp_argument, parse_length, parse_lengths
-from kvpot.defaults import PREFILL_TOKENS
+from kvpot.defaults import MIX, PREFILL_TOKENS
 from kvpot.errors import KvpotError
 
 HIP_MODE = "hip-reference"
@@ -140,9 +140,14 @@ def register(sub) -> None:
                    help=f"prompt tokens the scheduler reads per step between decoding steps (default {PREFILL_TOKENS})")
     t.add_argument("--sequential-users", type=int, default=None,
                    help="users the one-at-a-time row serves (default: all; fewer keeps long runs short)")
+    t.add_argument("--mix", choices=["auto", "on", "off"], default=MIX,
+                   help="METHOD [batch] (and serve's server): read prompt chunks in the decoding rows' forward (on), "
+                        "in forwards of their own between decoding steps (off), or auto: on a CUDA GPU, where the "
+                        f"varlen kernel attends them (default {MIX}); recorded as each row's `mix`")
     t.add_argument("--mixed", action="store_true",
-                   help="add a row of the batch that reads prompt chunks in the decoding rows' forward (Scheduler "
-                        "mix=True: fewer forwards, the same tokens) beside METHOD [batch], which reads them apart")
+                   help="add a row METHOD [batch, mixed] with --mix on, to compare (the same tokens, fewer forwards)")
+    t.add_argument("--prompts-apart", action="store_true",
+                   help="add a row METHOD [batch, prompts apart] with --mix off, to compare")
     t.add_argument("--share-documents", action="store_true",
                    help="with --document, add a row whose readers share the stored document's entries (Scheduler "
                         "share_documents=True: one copy, cascade attention) beside METHOD [batch], a copy per reader")
@@ -270,7 +275,7 @@ def serve_config_from_args(args) -> ServeBenchConfig:
         out=args.out, url=args.url, api_key=args.api_key, served_model=args.served_model, ignore_eos=args.ignore_eos,
         shape=args.shape, model=args.model, methods=list(args.method), budget=args.budget,
         settings=parse_assignments(args.set), device=args.device, dtype=args.dtype, decode=args.decode,
-        slots=args.slots, prefill_tokens=args.prefill_tokens, threads=args.threads, seed=args.seed,
+        slots=args.slots, prefill_tokens=args.prefill_tokens, mix=args.mix, threads=args.threads, seed=args.seed,
         lengths=_lengths(args), users=args.users, new_tokens=args.new_tokens,
         question_tokens=args.question_tokens, document=args.document,
         upload_during=None if args.upload_during is None else parse_length(args.upload_during), timeout=args.timeout,
@@ -298,7 +303,7 @@ def config_from_args(args) -> BenchConfig:
         kvpress_path=args.kvpress_path or os.environ.get("KVPOT_KVPRESS_PATH") or None,
         users=args.users, new_tokens=args.new_tokens, document=args.document, slots=args.slots,
         prefill_tokens=args.prefill_tokens, sequential_users=args.sequential_users, hf_timeout=args.hf_timeout,
-        mixed=args.mixed, share_documents=args.share_documents, tp=args.tp,
+        mix=args.mix, mixed=args.mixed, prompts_apart=args.prompts_apart, share_documents=args.share_documents, tp=args.tp,
         sdpa=args.sdpa, **_load_options(args),
     )
 

@@ -13,7 +13,7 @@ DEFAULT_METHOD = "infinipot:pot_size=4096"  # bounded, as `kvpot generate`'s def
 
 def register(subparsers) -> None:
     from kvpot.cli.args import METHOD_METAVAR, add_decode_argument, add_model_arguments, add_tp_argument
-    from kvpot.defaults import PREFILL_TOKENS
+    from kvpot.defaults import MIX, PREFILL_TOKENS
 
     p = subparsers.add_parser(
         "serve",
@@ -68,6 +68,11 @@ def register(subparsers) -> None:
     b.add_argument("--prefill-tokens", type=int, default=PREFILL_TOKENS,
                    help="prompt tokens read per step between decode steps: lower keeps streams smoother while a "
                         f"long prompt or document is read, higher reads it sooner (default {PREFILL_TOKENS})")
+    b.add_argument("--mix", choices=["auto", "on", "off"], default=MIX,
+                   help="read prompt chunks in the same forward as the users decoding (one budgeted forward a "
+                        "step, --prefill-tokens of prompt beside one token a user) instead of a forward of their "
+                        f"own that every user waits for; auto: on a CUDA GPU, where its varlen kernel runs "
+                        f"(default {MIX})")
     b.add_argument("--feed-questions", choices=["auto", "always", "never"], default="auto",
                    help="a question about a stored document is read one token per decoding step beside the users "
                         "already decoding (auto: while others run or wait; alone, one forward answers sooner), "
@@ -161,7 +166,7 @@ def run(args) -> int:
         state_disk=None if args.state_disk is None else parse_bytes(args.state_disk, "--state-disk"),
         cache_min_tokens=args.cache_min_tokens, max_slots=args.max_slots,
         kv_memory_fraction=args.kv_memory_fraction, method_slots=args.method_slots,
-        prefill_tokens=args.prefill_tokens, slot_capacity=args.slot_capacity,
+        prefill_tokens=args.prefill_tokens, mix=args.mix, slot_capacity=args.slot_capacity,
         feed_questions=args.feed_questions, feed_tokens=args.feed_tokens, share_documents=args.share_documents,
         read_timeout=args.read_timeout, tp_timeout=args.tp_timeout,
         shutdown_grace=args.shutdown_grace, allowed_hosts=tuple(args.allowed_hosts.split(",")),

@@ -32,6 +32,7 @@ from kvpot.compat import cache_kwargs
 from kvpot.engine.pool import SlotLayer
 from kvpot.engine.results import _Run
 from kvpot.engine.sampling import _as_ids
+from kvpot.errors import KvpotError
 from kvpot.methods.base import Method, Step
 
 
@@ -42,6 +43,25 @@ class Chunk:
     run: _Run
     ids: torch.Tensor
     step: Step
+
+
+MIXES = ("auto", "on", "off")
+
+
+def resolve_mix(mix: bool | str, device: torch.device, head_dim: int) -> bool:
+    """`Scheduler(mix=...)`: True/"on", False/"off", or "auto": on where the varlen Triton kernel attends the
+    chunks (a CUDA device with Triton, a head dim the kernels take). Without it each chunk is attended alone
+    (`sequence_attention`), and the mixed step measured slower than prompts read apart (an H200,
+    records/engine-core-h100/); with it, faster (an H100, records/engine-core-h100/varlen/)."""
+    if isinstance(mix, bool):
+        return mix
+    if mix not in MIXES:
+        raise KvpotError(f"mix must be one of {MIXES} (or a bool), got {mix!r}.")
+    if mix != "auto":
+        return mix == "on"
+    from kvpot import kernels
+
+    return device.type == "cuda" and kernels.available(device) and kernels.supports_head_dim(head_dim)
 
 
 def mixable(method: Method, run: _Run) -> bool:

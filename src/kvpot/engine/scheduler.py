@@ -23,8 +23,8 @@ from kvpot.engine.decoding import resolve_mode
 from kvpot.engine.delivery import TokenOutbox, hand_over
 from kvpot.engine.documents import copy_before_step, load_state, share_region, unshare
 from kvpot.engine.evict import evict_steady
-from kvpot.engine.mixed import Chunk, mixable, mixed_forward
-from kvpot.defaults import PREFILL_TOKENS, SLOT_MEMORY_FRACTION
+from kvpot.engine.mixed import Chunk, mixable, mixed_forward, resolve_mix
+from kvpot.defaults import MIX, PREFILL_TOKENS, SLOT_MEMORY_FRACTION
 from kvpot.engine.plan import Candidate, check_options, plan_chunks
 from kvpot.engine.pool import SlotPool, slot_bytes, slot_capacity, slot_count
 from kvpot.engine.reading import PromptReader
@@ -51,8 +51,8 @@ class Scheduler:
         answers sooner); "always", or "never" (one forward of its own, as `Engine.generate` reads it). Only
         for methods whose cache does not depend on how the question is cut (`Method.feeds_question`).
     mix: read prompt chunks in the decoding rows' forward (`kvpot.engine.mixed`): the same tokens, fewer
-        forwards. Off by default: measured on an H200 (records/engine-core-h100/), the mixed step is slower
-        than a decoding step and a prompt forward apart (129 against 138 output tok/s, ITL p99 306 against 144 ms).
+        forwards. "auto" (`kvpot.defaults.MIX`): where the varlen kernel attends the chunks (a CUDA GPU), "on"
+        or "off" (or a bool); `kvpot.engine.mixed.resolve_mix` says why.
     share_documents: readers of a stored `State` read its keys and values from one copy (`kvpot.engine.documents`,
         `documents` at once; questions fed even alone), copied on write (`Method.copies_document`). Off by default.
     """
@@ -60,7 +60,7 @@ class Scheduler:
     def __init__(self, engine, slots: int | None = None, capacity: int | None = None, question_room: int = 512,
                  max_waiting: int | None = None, prefill_tokens: int = PREFILL_TOKENS, decode: str = "auto",
                  max_slots: int = 256, memory_fraction: float = SLOT_MEMORY_FRACTION, feed_questions: str = "auto",
-                 feed_tokens: int = 64, mix: bool = False, share_documents: bool = False, documents: int = 4):
+                 feed_tokens: int = 64, mix: bool | str = MIX, share_documents: bool = False, documents: int = 4):
         if len(engine.devices) > 1:
             raise KvpotError("batched decoding runs a model on one device; a model split over several GPUs "
                              "(device_map) decodes one sequence at a time with Engine.generate.")
@@ -84,7 +84,11 @@ class Scheduler:
         self.eos = frozenset(_eos_ids(engine.model))
         rope_dynamic = engine.rope.dynamic and not self.pool.policy.stores_rotated
         self.batched = batched_method(self.method) and not rope_dynamic and self.pool.policy.kernel_decoding
-        self.mix = bool(mix) and self.batched  # prompt chunks in the decoding rows' forward (kvpot.engine.mixed)
+        # prompt chunks in the decoding rows' forward (kvpot.engine.mixed). "auto" leaves shared documents apart,
+        # which do not mix yet (kvpot.engine.documents.share_region refuses mix=True/"on" with them), and tensor
+        # parallelism, where the mixed step has not been tested
+        mix = False if mix == "auto" and (share_documents or engine.parallel is not None) else mix
+        self.mix = resolve_mix(mix, engine.device, self.pool.layers[0].head_dim) and self.batched
         self.steady_ok = batchable_request(self.method.decode_request("steady"))
         self.append_ok = batchable_request(self.method.decode_request("append"))
         self.outbox = TokenOutbox()  # the tokens of a step, delivered at the start of the next

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvpot.defaults import PREFILL_TOKENS
+from kvpot.defaults import MIX, PREFILL_TOKENS
 from kvpot.errors import KvpotError
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
@@ -41,6 +41,7 @@ class ServeConfig:
     kv_memory_fraction: float = 0.7  # of the GPU memory free after loading, for the method's slots (max_slots None)
     method_slots: int = 4  # slots of the pool made for another method (a document read with it)
     prefill_tokens: int = PREFILL_TOKENS  # prompt tokens read per step beside the decoding rows (chunked prefill)
+    mix: str = MIX  # prompt chunks in the decoding rows' forward: auto (a CUDA GPU), on, off (Scheduler)
     slot_capacity: int | None = None  # KV entries per slot for methods whose cache grows with the input
     feed_questions: str = "auto"  # a stored document's questions fed through the decoding steps (Scheduler)
     feed_tokens: int = 64  # the longest question fed so
@@ -75,6 +76,8 @@ class ServeConfig:
                 raise KvpotError(f"--{name.replace('_', '-')} must be a number of seconds >= 0, got {value!r}.")
         if self.read_timeout == 0 or self.tp_timeout == 0:
             raise KvpotError(f"--{'read' if self.read_timeout == 0 else 'tp'}-timeout must be positive.")
+        if self.mix not in ("auto", "on", "off"):
+            raise KvpotError(f"--mix must be auto, on or off, got {self.mix!r}.")
         self.allowed_hosts = tuple(h.strip().lower() for h in self.allowed_hosts if h.strip())
         if not 0 < self.kv_memory_fraction <= 1:
             raise KvpotError(f"--kv-memory-fraction must be in (0, 1], got {self.kv_memory_fraction!r}.")

@@ -128,7 +128,7 @@ class Service:
         # a pool of a given size that does not fit is refused by the Scheduler (kvpot.engine.pool.slot_count)
         # max_waiting: the scheduler's admission is the server's (`Worker.admit` takes its places: 429 past them)
         scheduler = Scheduler(engine, slots=slots, capacity=capacity, max_waiting=self.config.max_queue,
-                              prefill_tokens=self.config.prefill_tokens,
+                              prefill_tokens=self.config.prefill_tokens, mix=self.config.mix,
                               decode=decode, max_slots=self.config.max_slots or 256,
                               memory_fraction=self.config.kv_memory_fraction,
                               feed_questions=self.config.feed_questions, feed_tokens=self.config.feed_tokens,
