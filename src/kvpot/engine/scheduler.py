@@ -48,9 +48,8 @@ class Scheduler:
     decode: "auto" (CUDA graphs on a GPU, fixed-shape steps uncaptured on a CPU), "graph" or "static".
     feed_questions: "auto" feeds a question of at most `feed_tokens` tokens asked of a stored state through
         the batched decoding steps, one token per step, when other requests run or wait (alone, one forward
-        answers sooner) and steps do not mix (a mixed step reads it whole beside the decoding rows); "always",
-        or "never" (one forward of its own, as `Engine.generate` reads it). Only for methods whose cache does
-        not depend on how the question is cut (`Method.feeds_question`).
+        answers sooner); "always", or "never" (one forward of its own, as `Engine.generate` reads it). Only
+        for methods whose cache does not depend on how the question is cut (`Method.feeds_question`).
     mix: read prompt chunks in the decoding rows' forward (`kvpot.engine.mixed`): the same tokens, fewer
         forwards. "auto" (`kvpot.defaults.MIX`): where the varlen kernel attends the chunks (a CUDA GPU), "on"
         or "off" (or a bool); `kvpot.engine.mixed.resolve_mix` says why.
@@ -224,10 +223,6 @@ class Scheduler:
     def _feeds(self, run: _Run, question: torch.Tensor) -> bool:
         """Whether this question is fed through the decoding steps (see `feed_questions`)."""
         if self.feed_questions == "never" or not self.method.feeds_question or not self.batched:
-            return False
-        if self.mix and self.feed_questions == "auto" and mixable(self.method, run):
-            # whole in a mixed forward: one step's share of a forward, where feeding takes a step a token
-            # (64 readers' questions of 32 tokens: one or two steps instead of 32)
             return False
         fits = 0 < question.numel() <= self.feed_tokens and run.logits is not None and run.cache.attention is None
         alone = self.pool.documents is None  # sharing documents, a forward of its own would copy the document
