@@ -165,6 +165,14 @@ def test_questions_fed_through_the_decoding_steps_give_the_tokens_alone(model, p
         fed = sum(len(q) for q in questions if len(q) <= 32)  # the 40-token question is read in a forward
         assert scheduler.report["fed_tokens"] == (0 if feed == "never" else fed), feed
         assert scheduler.pool.used == 0 and scheduler.idle
+    # not fed, and mixing: each question is read whole in a mixed forward beside the decoding rows
+    scheduler = Scheduler(kvpot.Engine(model, method=method), slots=3, capacity=capacity, decode="static",
+                          feed_questions="never", mix=True)
+    requests = [Request(None, q, state=state, max_new_tokens=NEW, ignore_eos=True) for q in questions]
+    run_all(scheduler, requests)
+    assert [r.tokens for r in requests] == [e.token_ids for e in expected]
+    assert [r.stats.compressions for r in requests] == [e.stats.compressions for e in expected]
+    assert scheduler.report["fed_tokens"] == 0 and scheduler.report["mixed_forwards"] > 0
     if name == "infinipot":
         assert any(e.stats.compressions for e in expected)  # a question did fill the pot
 
