@@ -317,6 +317,10 @@ def test_mixed_row_reads_prompt_chunks_in_the_decoding_forward(capsys, tmp_path)
     rows = {row["method"]: row for row in json.loads((out / "results.json").read_text())["rows"]}
     mixed, apart = rows["streaming [batch, mixed]"], rows["streaming [batch, prompts apart]"]
     assert (mixed["mix"], apart["mix"], rows["streaming [batch]"]["mix"]) == (True, False, False)
+    # each batch row's step trace (kvpot.engine.trace): what its steps ran, the gaps its users saw
+    assert "mixed" in mixed["steps"]["kinds"] and "mixed+apart" not in mixed["steps"]["kinds"]
+    assert "apart" in apart["steps"]["kinds"] and not any("mixed" in kind for kind in apart["steps"]["kinds"])
+    assert apart["steps"]["steps"] == apart["scheduler"]["steps"] - 1 and apart["steps"]["slowest"]
     assert mixed["output_tokens"] == apart["output_tokens"] == rows["streaming [batch]"]["output_tokens"] == 24
     assert mixed["scheduler"]["mixed_forwards"] > 0 and apart["scheduler"]["mixed_forwards"] == 0
     assert mixed["scheduler"]["forwards"] < apart["scheduler"]["forwards"]

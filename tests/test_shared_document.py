@@ -247,7 +247,11 @@ def test_shared_document_refusals(model, monkeypatch):
     with pytest.raises(KvpotError, match="mix"):
         Scheduler(engine, slots=2, capacity=64, decode="static", share_documents=True, mix=True)
     with monkeypatch.context() as patch:  # where mix="auto" would mix (a CUDA GPU), shared documents stay apart
-        patch.setattr(scheduler_module, "resolve_mix", lambda mix, *_: mix in ("auto", "on", True))
+        real = scheduler_module.resolve_mix
+        patch.setattr(kvpot.kernels, "available", lambda device: True)
+        patch.setattr(kvpot.kernels, "supports_head_dim", lambda head_dim: True)  # the tiny model's 16
+        patch.setattr(scheduler_module, "resolve_mix", lambda mix, _, *args, **kw: real(mix, torch.device("cuda"),
+                                                                                          *args, **kw))
         with pytest.raises(KvpotError, match="mix"):
             Scheduler(engine, slots=2, capacity=64, decode="static", share_documents=True, mix="on")
         shared = Scheduler(engine, slots=2, capacity=64, decode="static", share_documents=True)

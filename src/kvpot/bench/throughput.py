@@ -24,6 +24,9 @@ Rows per method and length:
   full prompts, each added at its arrival while the manager runs, stopped after `--hf-timeout` seconds
   and recorded as unfinished if it runs out.
 
+Each batch row also keeps `steps` (`kvpot.engine.trace`): per kind of step (decoding alone, mixed, prompt
+forwards apart) the gap its users saw, p50 / p99 / max, and the slowest steps with what they ran.
+
 Each row: output tokens per second over the workload's wall time, time to first token, inter-token
 latency (gaps between a request's delivered tokens) and end-to-end latency p50/p95/p99, all from each
 request's arrival (all at once: the workload's start; queueing counts), prompt tokens/s, the share of
@@ -142,6 +145,7 @@ def _batched(config: BenchConfig, engine, prompts: dict, state, mix: str = "auto
     from kvpot.engine.offline import run_all
     from kvpot.engine.requests import Request
     from kvpot.engine.scheduler import Scheduler
+    from kvpot.engine.trace import StepTrace
 
     plan = _plan(config, prompts)
     capacity = None
@@ -159,6 +163,7 @@ def _batched(config: BenchConfig, engine, prompts: dict, state, mix: str = "auto
     scheduler.capture()  # every batch size, as the server does at its start
     scheduler.report = dict.fromkeys(scheduler.report, 0)  # the timed workload's counts alone
     captured = scheduler.decoder.captures
+    scheduler.trace = StepTrace()  # each timed step's work and the gap its users saw (`steps` below)
     requests = _requests(config, prompts, state)
     before = reset_peak(config.devices)
     synchronize(config.devices)
@@ -170,7 +175,7 @@ def _batched(config: BenchConfig, engine, prompts: dict, state, mix: str = "auto
     return {**_rates(config, records, wall), "peak_memory_bytes": peak_memory(config.devices),
             "memory_before_bytes": before, "slots": scheduler.pool.slots, "capacity": scheduler.capacity,
             "slot_bytes": scheduler.slot_bytes(), "pool_bytes": scheduler.pool.nbytes,
-            "prefill_tokens_per_step": scheduler.prefill_tokens, "mix": scheduler.mix,
+            "prefill_tokens_per_step": scheduler.prefill_tokens, "mix": scheduler.mix, "steps": scheduler.trace.summary(),
             "scheduler": dict(scheduler.report),
             "graphs": {"captures": scheduler.decoder.captures, "captured_in_warmup": captured,
                        "replays": scheduler.decoder.replays},

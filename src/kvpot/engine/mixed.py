@@ -48,17 +48,22 @@ class Chunk:
 MIXES = ("auto", "on", "off")
 
 
-def resolve_mix(mix: bool | str, device: torch.device, head_dim: int) -> bool:
+def resolve_mix(mix: bool | str, device: torch.device, head_dim: int, sharing: bool = False,
+                parallel: bool = False) -> bool:
     """`Scheduler(mix=...)`: True/"on", False/"off", or "auto": on where the varlen Triton kernel attends the
     chunks (a CUDA device with Triton, a head dim the kernels take). Without it each chunk is attended alone
     (`sequence_attention`), and the mixed step measured slower than prompts read apart (an H200,
-    records/engine-core-h100/); with it, faster (an H100, records/engine-core-h100/varlen/)."""
+    records/engine-core-h100/); with it, faster (an H100, records/engine-core-h100/varlen/). "auto" stays off
+    for shared documents (`sharing`: they do not mix yet, `kvpot.engine.documents.share_region` refuses "on")
+    and under tensor parallelism (`parallel`: the mixed step is untested there)."""
     if isinstance(mix, bool):
         return mix
     if mix not in MIXES:
         raise KvpotError(f"mix must be one of {MIXES} (or a bool), got {mix!r}.")
     if mix != "auto":
         return mix == "on"
+    if sharing or parallel:
+        return False
     from kvpot import kernels
 
     return device.type == "cuda" and kernels.available(device) and kernels.supports_head_dim(head_dim)

@@ -31,6 +31,7 @@ from kvpot.engine.reading import PromptReader
 from kvpot.engine.requests import Active as _Active, QueueFull, Request, check_fits, seed_bits  # noqa: F401
 from kvpot.engine.results import _Run, close_stats
 from kvpot.engine.sampling import _as_ids, _eos_ids
+from kvpot.engine.trace import NoTrace, StepTrace
 from kvpot.errors import KvpotError
 from kvpot.positions import make_policy
 
@@ -50,9 +51,8 @@ class Scheduler:
         the batched decoding steps, one token per step, when other requests run or wait (alone, one forward
         answers sooner); "always", or "never" (one forward of its own, as `Engine.generate` reads it). Only
         for methods whose cache does not depend on how the question is cut (`Method.feeds_question`).
-    mix: read prompt chunks in the decoding rows' forward (`kvpot.engine.mixed`): the same tokens, fewer
-        forwards. "auto" (`kvpot.defaults.MIX`): where the varlen kernel attends the chunks (a CUDA GPU), "on"
-        or "off" (or a bool); `kvpot.engine.mixed.resolve_mix` says why.
+    mix: read prompt chunks in the decoding rows' forward (`kvpot.engine.mixed`): the same tokens, fewer forwards.
+        "auto" (`kvpot.defaults.MIX`, `kvpot.engine.mixed.resolve_mix`): on a CUDA GPU; "on", "off" or a bool.
     share_documents: readers of a stored `State` read its keys and values from one copy (`kvpot.engine.documents`,
         `documents` at once; questions fed even alone), copied on write (`Method.copies_document`). Off by default.
     """
@@ -84,11 +84,8 @@ class Scheduler:
         self.eos = frozenset(_eos_ids(engine.model))
         rope_dynamic = engine.rope.dynamic and not self.pool.policy.stores_rotated
         self.batched = batched_method(self.method) and not rope_dynamic and self.pool.policy.kernel_decoding
-        # prompt chunks in the decoding rows' forward (kvpot.engine.mixed). "auto" leaves shared documents apart,
-        # which do not mix yet (kvpot.engine.documents.share_region refuses mix=True/"on" with them), and tensor
-        # parallelism, where the mixed step has not been tested
-        mix = False if mix == "auto" and (share_documents or engine.parallel is not None) else mix
-        self.mix = resolve_mix(mix, engine.device, self.pool.layers[0].head_dim) and self.batched
+        self.mix = self.batched and resolve_mix(mix, engine.device, self.pool.layers[0].head_dim, sharing=share_documents,
+                                                parallel=engine.parallel is not None)  # prompt chunks in the step's forward
         self.steady_ok = batchable_request(self.method.decode_request("steady"))
         self.append_ok = batchable_request(self.method.decode_request("append"))
         self.outbox = TokenOutbox()  # the tokens of a step, delivered at the start of the next
@@ -96,6 +93,7 @@ class Scheduler:
                        "fed_tokens": 0, "mixed_forwards": 0, "forwards": 0, "decode_seconds": 0.0, "prefill_seconds": 0.0,
                        "deliver_seconds": 0.0}
         self.pool.documents = share_region(self, share_documents, documents)  # None unless sharing
+        self.trace: StepTrace | NoTrace = NoTrace()  # a StepTrace keeps each step's work and gap (engine/trace.py)
 
     def slot_bytes(self, dtype: torch.dtype | None = None) -> int:
         """Bytes one slot takes (KV, positions, two score arrays, the observation row, its logits)."""
@@ -109,11 +107,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------ feeding and draining
     def submit(self, request: Request, place: Place | None = None, admitted: bool = False) -> Request:
-        """Queue `request`: it takes a place in `admission` (`QueueFull` when the slots and the queue are
-        full), unless the caller took one for it already (`place`, a server admitting before it builds the
-        request) or admitted it elsewhere (`admitted`: rank 0's under tensor parallelism). The place is
-        given back when the request ends. Raises `KvpotError` when it can never run here (too long for a
-        slot, a state read with another method); a `place` passed in then stays the caller's."""
+        """Queue `request`: it takes a place in `admission` (`QueueFull` when the slots and the queue are full),
+        unless the caller took one for it already (`place`, a server admitting before it builds the request) or
+        admitted it elsewhere (`admitted`: rank 0's under tensor parallelism). The place is given back when the
+        request ends. Raises `KvpotError` when it can never run here (too long for a slot, a state read with
+        another method); a `place` passed in then stays the caller's."""
         if request.status != "waiting" or request.submitted is not None:
             raise KvpotError("this request was submitted already; make a new Request.")
         check_fits(self.engine, self.capacity, request)
@@ -163,6 +161,7 @@ class Scheduler:
         begun = time.perf_counter()
         self._deliver(ended)  # the previous step's tokens: the device ran ahead while the host came back here
         delivered = time.perf_counter()
+        self.trace.begin(self.report, delivered)
         self._drop_cancelled(ended)
         self._admit(ended)
         batch, stepped = self._decode_alone(ended)
@@ -170,12 +169,12 @@ class Scheduler:
         self._stage(self._decode(batch, stepped, chunks, ended))
         decoded = time.perf_counter()
         self._stage(self._prefill(ended, budget))
-        report = self.report
-        report["steps"] += 1
+        self.trace.end(self.report, chunks)
         # host wall time per phase: launches and Python, and (deliver) the wait for the device
-        report["deliver_seconds"] += delivered - begun
-        report["decode_seconds"] += decoded - delivered
-        report["prefill_seconds"] += time.perf_counter() - decoded
+        self.report["steps"] += 1
+        self.report["deliver_seconds"] += delivered - begun
+        self.report["decode_seconds"] += decoded - delivered
+        self.report["prefill_seconds"] += time.perf_counter() - decoded
         return ended
 
     def _drop_cancelled(self, ended: list[Request]) -> None:
@@ -249,17 +248,20 @@ class Scheduler:
             plan.budget_left
 
     def _prefill(self, ended: list[Request], budget: int) -> list[int]:
-        """Read chunks of prefilling requests in forwards of their own, oldest first, within what is left of
-        the step's token budget; returns the slots whose prompt was read (their first token is picked)."""
+        """Read chunks of prefilling requests in forwards of their own, oldest first, within what is left of the
+        step's token budget; returns the slots whose prompt was read (their first token is picked). After a mixed
+        forward, a chunk that could mix waits for the next one: a forward of its own beside it would double the
+        step (an eager forward, ~70-80 ms on an 8B shape however short; engine/trace.py finds such steps)."""
         done, read = [], budget < self.prefill_tokens  # prompt tokens were read in this step's forward already
+        mixed = read
         for slot, active in sorted(self.active.items(), key=lambda item: item[1].started):
             if active.request.status != "prefilling" or active.feeding is not None:
                 continue
             try:
-                # a forward costs at least the weights' read: a sliver of budget left is not worth one.
-                # Forwards are capped at the whole budget, not at what is left of it: a cap that followed
-                # the remainder would cut a method's chunks out of step with its own cycle (InfiniPot's
-                # pot) and double its forwards for good; a step's first forward may so run past it, no other.
+                # a forward costs at least the weights' read: a sliver of budget left is not worth one. Forwards
+                # are capped at the whole budget, not at what is left of it: a cap that followed the remainder would
+                # cut a method's chunks out of step with its own cycle (InfiniPot's pot) and double its forwards
+                # for good; a step's first forward may so run past it, no other.
                 while budget >= max(1, self.prefill_tokens // 4):
                     active.run.max_chunk = self.prefill_tokens
                     chunk = active.reader.peek()
@@ -267,15 +269,15 @@ class Scheduler:
                         self._start_decoding(active)
                         done.append(slot)
                         break
-                    if read and chunk[0].numel() > budget:  # one forward past the budget only if none came
-                        break
+                    if read and chunk[0].numel() > budget or mixed and mixable(self.method, active.run):
+                        break  # one forward past the budget only if none came; a mixable chunk mixes next step
                     self.engine._forward(active.run, *chunk)
                     read = True
                     size = active.reader.advance()
                     self.report["forwards"] += 1
-                    # a short forward (a question after a stored document) costs about what a longer one
-                    # does (host-bound: ~80 ms on an 8B shape for 32 tokens): charged an eighth of the budget
-                    # at least, so the users decoding do not wait for dozens of them in one step
+                    # a short forward (a question after a stored document) costs about what a longer one does
+                    # (host-bound: ~80 ms on an 8B shape for 32 tokens): charged an eighth of the budget at least,
+                    # so the users decoding do not wait for dozens of them in one step
                     budget -= max(size, self.prefill_tokens // 8)
                     self.report["prefill_forwards"] += 1
             except Exception as err:  # noqa: BLE001 - a forward or a first pick of one request fails it alone
@@ -399,8 +401,8 @@ class Scheduler:
             self.report["fed_tokens"] += len(fed)
 
     def _fed(self, active: _Active) -> bool:
-        """After a step: False while the row's question is still being fed; at its last token the request
-        starts decoding (its first token is picked from that step's logits) and True."""
+        """After a step: False while the row's question is still being fed; at its last token the request starts
+        decoding (its first token is picked from that step's logits) and True."""
         if active.feeding is None:
             return True
         active.fed += 1
@@ -411,8 +413,7 @@ class Scheduler:
         return True
 
     def _stage(self, slots: list[int]) -> None:
-        self.outbox.stage(slots, [self.active[slot].request for slot in slots], self.decoder.last_token,
-                          self.pool.device)
+        self.outbox.stage(slots, [self.active[s].request for s in slots], self.decoder.last_token, self.pool.device)
 
     def _deliver(self, ended: list[Request]) -> None:
         """Hand the staged tokens to their requests: `on_token`, then an end at an end-of-sequence or

@@ -1,0 +1,82 @@
+"""The batched step's trace (`kvpot.engine.trace`): every step recorded with its own counts, kinds named by what
+the step ran, gaps charged to the step between two deliveries, and the summary's counts adding up."""
+
+from __future__ import annotations
+
+import pytest
+from test_batch import methods, prompts  # noqa: F401 - the fixture
+
+import kvpot
+from conftest import build
+from kvpot.engine.offline import run_all
+from kvpot.engine.scheduler import Request, Scheduler
+from kvpot.engine.trace import NoTrace, StepTrace, kind_of
+
+
+def _record(**counts) -> dict:
+    return {"batched_rows": 0, "eager_rows": 0, "fed_tokens": 0, "mixed_forwards": 0, "prefill_forwards": 0,
+            "forwards": 0, "apart_forwards": 0, **counts}
+
+
+def test_a_step_kind_names_what_it_ran():
+    assert kind_of(_record(batched_rows=3)) == "decode"
+    assert kind_of(_record(batched_rows=3, mixed_forwards=1)) == "mixed"
+    assert kind_of(_record(prefill_forwards=2, apart_forwards=2)) == "apart"
+    assert kind_of(_record(batched_rows=3, mixed_forwards=1, prefill_forwards=2)) == "mixed"  # chunks read, mixed
+    assert kind_of(_record(batched_rows=1, mixed_forwards=1, apart_forwards=1, eager_rows=1)) == "mixed+apart+eager"
+    assert kind_of(_record(eager_rows=1)) == "eager"
+    assert kind_of(_record()) == "idle"
+
+
+def test_each_gap_is_charged_to_the_step_between_two_deliveries():
+    trace, report = StepTrace(), _record()
+    for delivered, (rows, mixed) in zip((0.0, 0.010, 0.130, 0.140), ((2, 0), (2, 1), (2, 0), (2, 0))):
+        trace.begin(report, delivered)
+        report["batched_rows"] += rows
+        report["mixed_forwards"] += mixed
+        report["forwards"] += 1
+        trace.end(report, [])
+    summary = trace.summary(slowest=1)
+    assert summary["steps"] == 3  # the last step's gap is not known yet
+    assert summary["kinds"]["mixed"] == {"steps": 1, "gap_p50_ms": 120.0, "gap_p99_ms": 120.0, "gap_max_ms": 120.0}
+    assert summary["kinds"]["decode"]["steps"] == 2 and summary["kinds"]["decode"]["gap_max_ms"] == 10.0
+    assert summary["slowest"] == [{"step": 1, **_record(batched_rows=2, mixed_forwards=1, forwards=1),
+                                   "mixed_tokens": 0, "kind": "mixed", "gap_ms": 120.0}]
+
+
+def test_a_scheduler_traces_every_step_with_its_own_counts(prompts, one_thread):  # noqa: F811
+    """Off by default; set, it records every step, and the steps' counts add up to the scheduler's."""
+    method, capacity = methods()["streaming"]
+    scheduler = Scheduler(kvpot.Engine(build("llama3"), method=method), slots=3, capacity=capacity, decode="static",
+                          mix=True, prefill_tokens=64)
+    assert isinstance(scheduler.trace, NoTrace)
+    scheduler.trace = StepTrace()
+    requests = [Request(c, q, max_new_tokens=6, ignore_eos=True) for c, q in prompts]
+    run_all(scheduler, requests)
+    steps = scheduler.trace.steps
+    assert len(steps) == scheduler.report["steps"]
+    for name in ("batched_rows", "mixed_forwards", "prefill_forwards", "forwards", "eager_rows"):
+        assert sum(step[name] for step in steps) == scheduler.report[name], name
+    assert sum(step["apart_forwards"] + step["eager_rows"] + bool(step["mixed_forwards"] or step["batched_rows"])
+               for step in steps) == scheduler.report["forwards"]
+    mixed = [step for step in steps if step["mixed_forwards"]]
+    assert mixed and all(0 < step["mixed_tokens"] <= 64 for step in mixed)
+    assert all(step["mixed_tokens"] == 0 for step in steps if not step["mixed_forwards"])
+    summary = scheduler.trace.summary()
+    assert sum(kind["steps"] for kind in summary["kinds"].values()) == summary["steps"] == len(steps) - 1
+    assert "mixed" in summary["kinds"] and len(summary["slowest"]) == 10
+
+
+@pytest.mark.parametrize("mix", ["on", "off"])
+def test_a_traced_run_gives_the_tokens_of_an_untraced_one(prompts, mix, one_thread):  # noqa: F811
+    method, capacity = methods()["infinipot"]
+    tokens = []
+    for traced in (False, True):
+        scheduler = Scheduler(kvpot.Engine(build("llama3"), method=method), slots=3, capacity=capacity,
+                              decode="static", mix=mix, prefill_tokens=64)
+        if traced:
+            scheduler.trace = StepTrace()
+        requests = [Request(c, q, max_new_tokens=6, ignore_eos=True) for c, q in prompts]
+        run_all(scheduler, requests)
+        tokens.append([r.tokens for r in requests])
+    assert tokens[0] == tokens[1]
