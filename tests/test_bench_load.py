@@ -321,6 +321,8 @@ def test_mixed_row_reads_prompt_chunks_in_the_decoding_forward(capsys, tmp_path)
     assert "mixed" in mixed["steps"]["kinds"] and "mixed+apart" not in mixed["steps"]["kinds"]
     assert "apart" in apart["steps"]["kinds"] and not any("mixed" in kind for kind in apart["steps"]["kinds"])
     assert apart["steps"]["steps"] == apart["scheduler"]["steps"] - 1 and apart["steps"]["slowest"]
+    summary = (out / "summary.md").read_text()
+    assert "## Steps" in summary and "| streaming [batch, mixed] | 128 | mixed |" in summary
     assert mixed["output_tokens"] == apart["output_tokens"] == rows["streaming [batch]"]["output_tokens"] == 24
     assert mixed["scheduler"]["mixed_forwards"] > 0 and apart["scheduler"]["mixed_forwards"] == 0
     assert mixed["scheduler"]["forwards"] < apart["scheduler"]["forwards"]

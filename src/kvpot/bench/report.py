@@ -174,11 +174,31 @@ def summary_markdown(results: dict) -> str:
     breakdown = breakdown_markdown(results)
     if breakdown:
         parts += ["", breakdown]
+    steps = steps_markdown(results)
+    if steps:
+        parts += ["", steps]
     if results["methods"]:
         parts += ["", "## Methods", ""]
         parts += [f"- `{label}`: `{method_params(d['config']) or 'no parameters'}` (bound: {d['max_entries']})"
                   for label, d in results["methods"].items()]
     return "\n".join(parts) + "\n"
+
+
+def steps_markdown(results: dict) -> str:
+    """The batch rows' step traces (`kvpot.engine.trace`): per kind of step, how many and the gap the users saw."""
+    from kvpot.reporting import markdown_table
+
+    rows = [[row["method"], length_cell(row), kind, f"{s['steps']:,}", f"{s['gap_p50_ms']:.1f}", f"{s['gap_p99_ms']:.1f}",
+             f"{s['gap_max_ms']:.1f}"]
+            for row in results["rows"] if row.get("steps") for kind, s in row["steps"]["kinds"].items()]
+    if not rows:
+        return ""
+    return "\n".join(["## Steps", "", "What each batched step ran (`decode`: decoding rows alone; `mixed`: prompt "
+                      "chunks in their forward; `apart`: prompt forwards of their own; `+eager`: rows stepped "
+                      "alone) and the gap its users saw until the next tokens (`steps` in results.json keeps the "
+                      "slowest steps).", "",
+                      markdown_table(["method", "length", "step", "steps", "gap p50 ms", "gap p99 ms", "gap max ms"],
+                                     rows)])
 
 
 def _sdpa_line(m: dict) -> list[str]:
