@@ -177,6 +177,26 @@ def test_questions_fed_through_the_decoding_steps_give_the_tokens_alone(model, p
         assert any(e.stats.compressions for e in expected)  # a question did fill the pot
 
 
+@pytest.mark.parametrize("name", ["full", "infinipot", "sirllm"])
+def test_fed_questions_beside_mixed_prompts_give_the_tokens_alone(model, prompts, name, one_thread):
+    """What `mix="auto"` runs on a GPU when a server has readers of a stored document and fresh prompts at once:
+    questions fed one token a step among the decoding rows while other prompts' chunks join the same forward."""
+    method, capacity = methods()[name]
+    engine = kvpot.Engine(model, method=method, decode="eager")
+    state = engine.prefill_ids(prompts[4][0])
+    questions = [torch.randint(3, VOCAB, (k,)).tolist() for k in (3, 40, 7, 1, 25)]
+    expected = [engine.generate_ids(c, q, max_new_tokens=NEW, ignore_eos=True).token_ids for c, q in prompts[1:3]]
+    expected += [engine.generate_ids(question_ids=q, state=state, max_new_tokens=NEW, ignore_eos=True).token_ids
+                 for q in questions]
+    scheduler = Scheduler(kvpot.Engine(model, method=method), slots=4, capacity=capacity, decode="static",
+                          feed_tokens=32, mix=True, prefill_tokens=48)
+    requests = [Request(c, q, max_new_tokens=NEW, ignore_eos=True) for c, q in prompts[1:3]]
+    requests += [Request(None, q, state=state, max_new_tokens=NEW, ignore_eos=True) for q in questions]
+    run_all(scheduler, requests)
+    assert [r.tokens for r in requests] == expected
+    assert scheduler.report["fed_tokens"] > 0 and scheduler.report["mixed_forwards"] > 0
+
+
 @pytest.mark.parametrize("name", ["streaming", "infinipot", "infinipot-question", "citrus-shared", "d2o", "snapkv",
                                   "infinitehip"])
 def test_prompts_read_inside_the_decoding_forward_give_the_tokens_alone(model, prompts, name, one_thread):
