@@ -68,10 +68,12 @@ def test_launched_server_and_engine_on_the_same_tokens(capsys, tmp_path):
 
     out = tmp_path / "out"
     results, stdout, _ = bench_serve(capsys, out, "--shape", "tiny", "--device", "cpu", "--method",
-                                     "infinipot:pot_size=128", "--lengths", "96", "--document", "--upload-during", "200")
+                                     "infinipot:pot_size=128", "--lengths", "96", "--document", "--upload-during", "200",
+                                     "--mix", "on")
     rows = rows_by_method(results)
     assert set(rows) == {"infinipot [http]", "infinipot [engine]"}
     http, engine = rows["infinipot [http]"], rows["infinipot [engine]"]
+    assert http["server_options"]["mix"] == "on" and engine["mix"] is True  # --mix reaches the server and the engine
     eos_off = accepts("ignore_eos")
     assert http["ignore_eos"] == eos_off
     check_tokens(http, 3, 6, eos_off)
