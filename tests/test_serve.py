@@ -237,9 +237,10 @@ QUESTIONS = [f"{PASSKEY} Note {i}: the {'grass' if i % 2 else 'sky'} is {i}.{QUE
 
 @pytest.fixture(scope="module")
 def busy(state_dir):
-    """4 slots and 16 places in the queue: 16 users are all answered, 4 decoding at a time."""
+    """4 slots and 16 places in the queue: 16 users are all answered, 4 decoding at a time, their prompts' chunks
+    read in the decoding rows' forward (`--mix on`: what a GPU runs by default)."""
     running = Server(state_dir.parent / "busy-states", "--max-slots", "4", "--max-queue", "16",
-                     "--prefill-tokens", "64")
+                     "--prefill-tokens", "64", "--mix", "on")
     yield running
     running.stop()
 
@@ -285,7 +286,8 @@ def _histogram_count(server, name: str, le: str | None = None) -> float:
 
 def test_sixteen_streaming_clients_get_what_each_gets_alone(busy):
     client = busy.client()
-    before = {name: busy.metric(name) for name in ("generated_tokens_total", "rejected_total")}
+    before = {name: busy.metric(name) for name in ("generated_tokens_total", "rejected_total", "mixed_forwards_total",
+                                                   "forwards_total")}
     steps_before, single_before = _histogram_count(busy, "batch_size"), _histogram_count(busy, "batch_size", "1")
     itl_before = _histogram_count(busy, "inter_token_latency_seconds")
     together = _together(_stream, [(client, q, 12) for q in QUESTIONS])
@@ -298,12 +300,15 @@ def test_sixteen_streaming_clients_get_what_each_gets_alone(busy):
     generated = sum(tokens for _, tokens, _ in together)
     assert busy.metric("generated_tokens_total") - before["generated_tokens_total"] == 2 * generated
     assert busy.metric("rejected_total") == before["rejected_total"]
+    mixed = busy.metric("mixed_forwards_total") - before["mixed_forwards_total"]
+    assert 0 < mixed < busy.metric("forwards_total") - before["forwards_total"]  # prompts read beside the rows
     assert single < steps  # steps that decoded more than one request: they were batched
     # one gap per token after a request's first; `alone` ran after, so count both passes
     assert _histogram_count(busy, "inter_token_latency_seconds") - itl_before == 2 * (generated - len(QUESTIONS))
     health = busy.http("GET", "/health").json()
     assert health["slots"] == 4 and health["slots_used"] == 0 and health["running"] == 0
     assert health["pools"][0]["slot_bytes"] > 0 and health["pools"][0]["method"] == "infinipot"
+    assert health["pools"][0]["mix"] is True
 
 
 def test_clients_that_go_away_mid_stream_free_their_slots(busy):

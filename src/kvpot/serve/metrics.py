@@ -87,6 +87,7 @@ class Metrics:
         totals = store.totals()
         used, slots = worker.slots()
         documents, readers, copies = worker.shared()
+        forwards, mixed = worker.forwards()
         waiting, running = worker.waiting, worker.running
         with self.lock:
             now = time.monotonic()
@@ -108,6 +109,10 @@ class Metrics:
                 *_metric("shared_document_readers", "gauge", "Requests reading a shared document now.", readers),
                 *_metric("copy_on_write_total", "counter", "Readers of a shared document that took their own copy.",
                          copies),
+                *_metric("forwards_total", "counter", "Model forwards of the batched steps: decoding, prompt chunks "
+                         "read beside the decoding rows, prompt forwards of their own.", forwards),
+                *_metric("mixed_forwards_total", "counter", "Forwards that read prompt chunks beside the decoding rows "
+                         "(--mix).", mixed),
                 *_metric("rejected_total", "counter",
                          "Requests refused with 429 (slots and queue full, or no memory for a pool).", worker.rejected),
                 *_metric("cancelled_total", "counter", "Requests stopped because the client went away.",

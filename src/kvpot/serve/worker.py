@@ -56,7 +56,7 @@ class Pool:
         s = self.scheduler
         return {"method": self.spec, "slots": self.slots, "slots_used": self.slots - len(s.pool.free),
                 "capacity": s.capacity, "slot_bytes": s.slot_bytes(), "decoding": s.decoding,
-                "prefilling": s.prefilling, "waiting": len(s.waiting),
+                "prefilling": s.prefilling, "waiting": len(s.waiting), "mix": getattr(s, "mix", False),
                 **({"shared": s.pool.documents.metrics()} if getattr(getattr(s, "pool", None), "documents", None)
                    is not None else {})}
 
@@ -267,6 +267,12 @@ class Worker(TurnLoop):
                    if getattr(getattr(p.scheduler, "pool", None), "documents", None) is not None]
         return (sum(r.documents for r in regions), sum(r.readers for r in regions),
                 sum(sum(r.copies.values()) for r in regions))
+
+    def forwards(self) -> tuple[int, int]:
+        """(model forwards of the batched steps, those that read prompt chunks beside the decoding rows) over every
+        pool (`--mix`); a model split over GPUs (`SoloScheduler`) counts none."""
+        reports = [getattr(p.scheduler, "report", {}) for p in list(self.pools.values())]
+        return sum(r.get("forwards", 0) for r in reports), sum(r.get("mixed_forwards", 0) for r in reports)
 
     def slots(self) -> tuple[int, int]:
         """(used, total) over every pool."""
