@@ -342,13 +342,18 @@ def test_eval_batch_size_gives_the_one_at_a_time_answers(capsys, tiny_dir, tmp_p
     alone, together = tmp_path / "alone", tmp_path / "together"
     assert run(capsys, *EVAL_ARGS, "--model", str(tiny_dir), "--out", str(alone))[0] == 0
     assert run(capsys, *EVAL_ARGS, "--model", str(tiny_dir), "--out", str(together), "--batch-size", "4")[0] == 0
+    mixed = tmp_path / "mixed"  # prompt chunks in the decoding rows' forward, as a GPU runs them by default
+    assert run(capsys, *EVAL_ARGS, "--model", str(tiny_dir), "--out", str(mixed), "--batch-size", "4",
+               "--mix", "on")[0] == 0
     key = lambda r: (r["method"], r["length"], r["depth"], r["sample"])  # noqa: E731
     one = {key(r): r for r in read_rows(alone / "results.jsonl")}
-    many = {key(r): r for r in read_rows(together / "results.jsonl")}
-    assert one.keys() == many.keys()
-    for cell, row in one.items():
-        assert many[cell]["prediction"] == row["prediction"] and many[cell]["score"] == row["score"]
-        assert many[cell]["stats"]["max_kv_entries"] == row["stats"]["max_kv_entries"]
+    for out in (together, mixed):
+        many = {key(r): r for r in read_rows(out / "results.jsonl")}
+        assert one.keys() == many.keys()
+        for cell, row in one.items():
+            assert many[cell]["prediction"] == row["prediction"] and many[cell]["score"] == row["score"]
+            assert many[cell]["stats"]["max_kv_entries"] == row["stats"]["max_kv_entries"]
     assert json.loads((together / "config.json").read_text())["config"]["batch_size"] == 4
+    assert json.loads((mixed / "config.json").read_text())["config"]["mix"] == "on"
     code, _, err = run(capsys, "eval", "passkey", "--method", "full", "--out", str(tmp_path / "x"), "--batch-size", "0")
     assert code == 2 and "--batch-size" in err

@@ -80,3 +80,16 @@ def test_a_traced_run_gives_the_tokens_of_an_untraced_one(prompts, mix, one_thre
         run_all(scheduler, requests)
         tokens.append([r.tokens for r in requests])
     assert tokens[0] == tokens[1]
+
+
+def test_an_idle_wait_is_never_among_the_slowest_steps():
+    """Under open-loop load an idle step's gap is the wait for the next arrival: counted as `idle`, never slowest."""
+    trace, report = StepTrace(), _record()
+    for delivered, rows in zip((0.0, 0.010, 5.010, 5.020), (2, 0, 2, 2)):
+        trace.begin(report, delivered)
+        report["batched_rows"] += rows
+        report["forwards"] += bool(rows)
+        trace.end(report, [])
+    summary = trace.summary(slowest=1)
+    assert summary["kinds"]["idle"]["gap_max_ms"] == 5000.0
+    assert [step["kind"] for step in summary["slowest"]] == ["decode"]

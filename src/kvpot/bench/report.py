@@ -190,7 +190,8 @@ def steps_markdown(results: dict) -> str:
 
     rows = [[row["method"], length_cell(row), kind, f"{s['steps']:,}", f"{s['gap_p50_ms']:.1f}", f"{s['gap_p99_ms']:.1f}",
              f"{s['gap_max_ms']:.1f}"]
-            for row in results["rows"] if row.get("steps") for kind, s in row["steps"]["kinds"].items()]
+            for row in results["rows"] if isinstance(row.get("steps"), dict)  # decode rows: a step count
+            for kind, s in row["steps"]["kinds"].items()]
     if not rows:
         return ""
     return "\n".join(["## Steps", "", "What each batched step ran (`decode`: decoding rows alone; `mixed`: prompt "

@@ -7,6 +7,7 @@ from collections import deque
 
 import torch
 
+from kvpot.defaults import MIX
 from kvpot.engine.requests import Request
 from kvpot.engine.sampling import _as_ids
 from kvpot.engine.scheduler import Scheduler
@@ -14,7 +15,7 @@ from kvpot.errors import KvpotError
 
 
 def generate_texts(engine, contexts, questions, max_new_tokens: int, states, progress: bool, batch_size: int | None,
-                   share_documents: bool = False, **sampling):
+                   share_documents: bool = False, mix: bool | str = MIX, **sampling):
     """`Engine.generate_batch`: encode each prompt, run them `batch_size` at a time, results in order."""
     if (contexts is None) == (states is None):
         raise KvpotError("give either contexts or states (one list), not both.")
@@ -33,7 +34,7 @@ def generate_texts(engine, contexts, questions, max_new_tokens: int, states, pro
             _, question_ids = engine.encode(None, question)
             requests.append(Request(None, question_ids, state=prompt, max_new_tokens=max_new_tokens, **sampling))
     generate_many(engine, requests, batch_size or min(len(requests), 64) or 1, progress=progress,
-                  share_documents=share_documents)
+                  share_documents=share_documents, mix=mix)
     failed = [r for r in requests if r.status == "failed"]
     if failed:
         raise KvpotError(f"{len(failed)} of {len(requests)} prompts failed; the first: {failed[0].error}")
@@ -58,10 +59,11 @@ def run_all(scheduler: Scheduler, requests: list[Request], progress: bool = Fals
 
 
 def generate_many(engine, requests: list[Request], batch_size: int, progress: bool = False,
-                  decode: str = "auto", share_documents: bool = False) -> list[Request]:
+                  decode: str = "auto", share_documents: bool = False, mix: bool | str = MIX) -> list[Request]:
     """Run `requests` through schedulers of `batch_size` slots, `batch_size` requests at a time (offline
     jobs: evaluation, lm-eval). A method whose cache grows with the input gets slots as large as the
-    longest request of each group needs. Requests that fail are left failed (their `error` says why)."""
+    longest request of each group needs. Requests that fail are left failed (their `error` says why).
+    `mix`: `Scheduler(mix=...)`, where prompt chunks are read (default "auto": with the decoding rows on a GPU)."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise KvpotError(f"batch_size must be a positive integer, got {batch_size!r}.")
     from tqdm.auto import tqdm
@@ -73,7 +75,7 @@ def generate_many(engine, requests: list[Request], batch_size: int, progress: bo
             if engine.method.max_entries() is None:
                 capacity = max(_needed(engine, request) for request in group)
             scheduler = Scheduler(engine, slots=len(group), capacity=capacity, decode=decode,
-                                  share_documents=share_documents)
+                                  share_documents=share_documents, mix=mix)
             for request in group:
                 try:
                     scheduler.submit(request)

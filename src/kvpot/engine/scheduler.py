@@ -84,8 +84,8 @@ class Scheduler:
         self.eos = frozenset(_eos_ids(engine.model))
         rope_dynamic = engine.rope.dynamic and not self.pool.policy.stores_rotated
         self.batched = batched_method(self.method) and not rope_dynamic and self.pool.policy.kernel_decoding
-        self.mix = self.batched and resolve_mix(mix, engine.device, self.pool.layers[0].head_dim, sharing=share_documents,
-                                                parallel=engine.parallel is not None)  # prompt chunks in the step's forward
+        self.mix = resolve_mix(mix, engine.device, self.pool.layers[0].head_dim, sharing=share_documents,
+                               parallel=engine.parallel is not None) and self.batched  # chunks in the step's forward
         self.steady_ok = batchable_request(self.method.decode_request("steady"))
         self.append_ok = batchable_request(self.method.decode_request("append"))
         self.outbox = TokenOutbox()  # the tokens of a step, delivered at the start of the next
@@ -258,18 +258,19 @@ class Scheduler:
             if active.request.status != "prefilling" or active.feeding is not None:
                 continue
             try:
-                # a forward costs at least the weights' read: a sliver of budget left is not worth one. Forwards
-                # are capped at the whole budget, not at what is left of it: a cap that followed the remainder would
-                # cut a method's chunks out of step with its own cycle (InfiniPot's pot) and double its forwards
-                # for good; a step's first forward may so run past it, no other.
-                while budget >= max(1, self.prefill_tokens // 4):
+                # a forward costs at least the weights' read: a sliver of budget left is not worth one (a prompt read
+                # to its end starts decoding whatever is left). Forwards are capped at the whole budget, not at what
+                # is left of it: a cap that followed the remainder would cut a method's chunks out of step with its
+                # own cycle (InfiniPot's pot) and double its forwards for good; a step's first may so run past it.
+                while True:
                     active.run.max_chunk = self.prefill_tokens
                     chunk = active.reader.peek()
                     if chunk is None:
                         self._start_decoding(active)
                         done.append(slot)
                         break
-                    if read and chunk[0].numel() > budget or mixed and mixable(self.method, active.run):
+                    if budget < max(1, self.prefill_tokens // 4) or read and chunk[0].numel() > budget or \
+                            mixed and mixable(self.method, active.run):
                         break  # one forward past the budget only if none came; a mixable chunk mixes next step
                     self.engine._forward(active.run, *chunk)
                     read = True

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvpot.defaults import MIX
 from kvpot.engine.results import Result, State
 from kvpot.engine.sampling import _TextStreamer
 from kvpot.errors import KvpotError
@@ -96,6 +97,7 @@ class TextApi:
         progress: bool = False,
         batch_size: int | None = None,
         share_documents: bool = False,
+        mix: bool | str = MIX,
         **sampling,
     ) -> list[Result]:
         """Answer many prompts at once: each `contexts[i]` with `questions[i]` (or each prefilled
@@ -104,11 +106,12 @@ class TextApi:
         what `generate` gives the same prompt alone (greedy). `sampling`: temperature, top_p, seed,
         ignore_eos, as `generate`; a seeded request samples the same tokens whatever shares its batch.
         `share_documents`: requests asking the same `State` read its entries from one copy
-        (`Scheduler(share_documents=True)`), the same tokens."""
+        (`Scheduler(share_documents=True)`), the same tokens. `mix`: where prompt chunks are read
+        (`Scheduler(mix=...)`: "auto", with the decoding rows on a GPU; "on"; "off"), the same tokens."""
         from kvpot.engine.offline import generate_texts
 
         return generate_texts(self, contexts, questions, max_new_tokens, states, progress, batch_size,
-                              share_documents=share_documents, **sampling)
+                              share_documents=share_documents, mix=mix, **sampling)
 
     def uses_chat_template(self) -> bool:
         """Whether prompts go through the tokenizer's chat template (`chat_template`: auto, True or False)."""

@@ -57,8 +57,8 @@ class StepTrace:
         self._open = None
 
     def summary(self, slowest: int = 10) -> dict:
-        """Per kind of step (`kind_of`): count and gap p50 / p99 / max in ms; the `slowest` steps with what they
-        ran. A step's gap is the time from its start (the previous tokens delivered) to the next delivery; the
+        """Per kind of step (`kind_of`): count and gap p50 / p99 / max in ms; the `slowest` busy steps with what
+        they ran. A step's gap is the time from its start (the previous tokens delivered) to the next delivery; the
         last step has none."""
         steps = []
         for record, following in zip(self.steps, self.steps[1:]):
@@ -70,7 +70,9 @@ class StepTrace:
             gaps = sorted(step["gap_ms"] for step in steps if step["kind"] == kind)
             kinds[kind] = {"steps": len(gaps), "gap_p50_ms": _quantile(gaps, 0.5), "gap_p99_ms": _quantile(gaps, 0.99),
                            "gap_max_ms": gaps[-1]}
-        order = sorted(range(len(steps)), key=lambda i: -steps[i]["gap_ms"])[:slowest]
+        # an idle step's gap is the wait for the next arrival (open-loop load), not work: never among the slowest
+        busy = [i for i, step in enumerate(steps) if step["kind"] != "idle"]
+        order = sorted(busy, key=lambda i: -steps[i]["gap_ms"])[:slowest]
         return {"steps": len(steps), "kinds": kinds, "slowest": [{"step": i, **steps[i]} for i in sorted(order)]}
 
 

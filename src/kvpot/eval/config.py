@@ -133,6 +133,7 @@ class EvalConfig:
     max_memory: str | None = None  # with device_map: "0=70GiB,1=70GiB"
     gguf: str | None = None  # a GGUF file (`--gguf`), alone or inside `model`
     batch_size: int = 1  # samples decoded together per method (kvpot.engine.scheduler); 1: one at a time
+    mix: str = "auto"  # with --batch-size: Scheduler(mix=...), prompt chunks with the decoding rows (auto: on a GPU)
     templates: list[int] | None = None  # prompt wordings of passkey/niah/vt/ruler (None: all); resolved to a list
     key_formats: list[str] | None = None  # passkey's key / niah's value formats to spread over (None: the task's)
     chat: str | None = None  # tasks and ruler: both/plain/chat (None: both); kvpot.eval.prompting
@@ -182,6 +183,8 @@ class EvalConfig:
             raise KvpotError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}.")
         if self.window < 1:
             raise KvpotError(f"--window must be at least 1 token, got {self.window}.")
+        if self.mix not in ("auto", "on", "off"):
+            raise KvpotError(f"--mix must be auto, on or off, got {self.mix!r}.")
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise KvpotError(f"--batch-size must be a positive integer, got {self.batch_size!r}.")
         if self.batch_size > 1 and (self.task == PERPLEXITY or self.device_map is not None):

@@ -17,7 +17,7 @@ from pathlib import Path
 from kvpot.errors import KvpotError
 
 #: options that change how a run goes, not which rows it writes (batching gives the same greedy answers)
-EXECUTION_ONLY = ("out", "time_limit", "resume", "batch_size", "kvpress_path")
+EXECUTION_ONLY = ("out", "time_limit", "resume", "batch_size", "mix", "kvpress_path")
 
 TASK_KEY = ("length", "depth", "template", "chat", "sample", "seed")
 SUITE_KEY = ("subtask", "id", "group", "sample", "template", "chat")  # a suite row's length is its token count

@@ -58,7 +58,7 @@ def _run_task_eval(config: EvalConfig, progress: bool, show: bool, deadline, sto
         resume.remove_stale(config.out, presses)
     case_file = _case_file(config, tokenizer) if presses else None
     rows, resumed, stopped = list(done.rows), len(done.rows), None
-    answer = _Answerer(model, tokenizer, config.batch_size)
+    answer = _Answerer(model, tokenizer, config.batch_size, config.mix)
     with open(config.out / "results.jsonl", "a" if done.rows else "w", encoding="utf-8") as results:
         left = count * len(runs) - sum(done.count(run.label) for run in runs)
         try:
@@ -203,8 +203,8 @@ def _row(run, case, token_ids, stats, method, tokenizer) -> dict:
 class _Answerer:
     """(token ids, stats, method) of each case of a group for one run; engines made once per method built."""
 
-    def __init__(self, model, tokenizer, batch_size: int):
-        self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+    def __init__(self, model, tokenizer, batch_size: int, mix: str = "auto"):
+        self.model, self.tokenizer, self.batch_size, self.mix = model, tokenizer, batch_size, mix
         self.engines: dict[int, object] = {}
 
     def engine(self, method):
@@ -221,7 +221,7 @@ class _Answerer:
         out: list = [None] * len(group)
         for method in {id(m): m for m in methods}.values():  # cases of one budget decode together
             where = [i for i, m in enumerate(methods) if m is method]
-            answered = _answer(self.engine(method), [group[i] for i in where], self.batch_size)
+            answered = _answer(self.engine(method), [group[i] for i in where], self.batch_size, self.mix)
             for i, (token_ids, stats) in zip(where, answered):
                 out[i] = (token_ids, stats, method)
         return out
@@ -238,7 +238,7 @@ def _groups(cases, size: int, allows=lambda: True):
         yield group
 
 
-def _answer(engine, group, batch_size: int) -> list[tuple[list[int], object]]:
+def _answer(engine, group, batch_size: int, mix: str = "auto") -> list[tuple[list[int], object]]:
     """(token ids, stats) of each case: one at a time, or decoded together (`--batch-size`)."""
     if batch_size == 1:
         return [(r.token_ids, r.stats) for r in (engine.generate_ids(case.context_ids, case.question_ids,
@@ -249,7 +249,7 @@ def _answer(engine, group, batch_size: int) -> list[tuple[list[int], object]]:
     from kvpot.errors import KvpotError
 
     requests = [Request(case.context_ids, case.question_ids, max_new_tokens=case.max_new_tokens) for case in group]
-    generate_many(engine, requests, batch_size)
+    generate_many(engine, requests, batch_size, mix=mix)
     failed = [r for r in requests if r.status == "failed"]
     if failed:
         raise KvpotError(f"a sample failed in a batch: {failed[0].error}")

@@ -78,6 +78,9 @@ class ServeConfig:
             raise KvpotError(f"--{'read' if self.read_timeout == 0 else 'tp'}-timeout must be positive.")
         if self.mix not in ("auto", "on", "off"):
             raise KvpotError(f"--mix must be auto, on or off, got {self.mix!r}.")
+        if self.mix == "on" and self.share_documents:
+            raise KvpotError("--mix on and --share-documents do not run together yet (a shared document's readers "
+                             "do not mix): drop one; --mix auto leaves shared documents apart.")
         self.allowed_hosts = tuple(h.strip().lower() for h in self.allowed_hosts if h.strip())
         if not 0 < self.kv_memory_fraction <= 1:
             raise KvpotError(f"--kv-memory-fraction must be in (0, 1], got {self.kv_memory_fraction!r}.")

@@ -107,6 +107,7 @@ class Worker(TurnLoop):
         self.handlers: dict[str, Callable] = {"call": lambda fn, local=None: fn(), "pool": self._pool_command,
                                               "read": self._queue_read}
         self.pools: dict[str, Pool] = {}
+        self.dropped = [0, 0, 0]  # the forwards, mixed forwards and copies on write of pools dropped: counters stay up
         self.lock = threading.Lock()  # admission counts, shared with the HTTP side
         self.wake = threading.Event()
         self.calls: deque[Command] = deque()
@@ -266,13 +267,14 @@ class Worker(TurnLoop):
         regions = [p.scheduler.pool.documents for p in list(self.pools.values())
                    if getattr(getattr(p.scheduler, "pool", None), "documents", None) is not None]
         return (sum(r.documents for r in regions), sum(r.readers for r in regions),
-                sum(sum(r.copies.values()) for r in regions))
+                self.dropped[2] + sum(sum(r.copies.values()) for r in regions))
 
     def forwards(self) -> tuple[int, int]:
         """(model forwards of the batched steps, those that read prompt chunks beside the decoding rows) over every
         pool (`--mix`); a model split over GPUs (`SoloScheduler`) counts none."""
         reports = [getattr(p.scheduler, "report", {}) for p in list(self.pools.values())]
-        return sum(r.get("forwards", 0) for r in reports), sum(r.get("mixed_forwards", 0) for r in reports)
+        return (self.dropped[0] + sum(r.get("forwards", 0) for r in reports),
+                self.dropped[1] + sum(r.get("mixed_forwards", 0) for r in reports))
 
     def slots(self) -> tuple[int, int]:
         """(used, total) over every pool."""
@@ -328,6 +330,10 @@ class Worker(TurnLoop):
         for key in droppable:
             pool = self.pools.get(key)
             if pool is not None and pool is not first and pool.scheduler.idle:
+                report, region = getattr(pool.scheduler, "report", {}), getattr(pool.scheduler.pool, "documents", None)
+                self.dropped[0] += report.get("forwards", 0)
+                self.dropped[1] += report.get("mixed_forwards", 0)
+                self.dropped[2] += sum(region.copies.values()) if region is not None else 0
                 del self.pools[key]
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
