@@ -31,7 +31,8 @@ def main(argv=None) -> None:
                    help="comma-separated, each run in turn (a mode's second run is the one kept: the first warms): "
                         "apart (prompt chunks in forwards of their own), mix (in the decoding rows' forward, "
                         "attended by the varlen kernel), mix-sdpa (mixed, each chunk attended alone as before the "
-                        "varlen kernel: `sequence_attention`)")
+                        "varlen kernel: `sequence_attention`), mix-apart (mixed, and after a mixed forward the "
+                        "chunks that could mix read in forwards of their own, the rule before `Scheduler.mix_waits`)")
     args = p.parse_args(argv)
     import torch
 
@@ -39,6 +40,7 @@ def main(argv=None) -> None:
     from kvpot.bench.common import IdTokenizer
     from kvpot.engine import Engine, mixed
     from kvpot.engine.scheduler import Request, Scheduler
+    from kvpot.engine.trace import StepTrace
     from kvpot.methods.spec import build_method
     from kvpot.models import shapes
 
@@ -51,6 +53,7 @@ def main(argv=None) -> None:
         varlen = mixed.MixedCache._varlen
         for mode in args.modes.split(","):
             mixed.MixedCache._varlen = varlen if mode != "mix-sdpa" else (lambda self: False)
+            Scheduler.mix_waits = mode != "mix-apart"
             engine = Engine(model, IdTokenizer(vocab), method=build_method(args.method), chat_template=False)
             scheduler = Scheduler(engine, slots=args.decoding + args.reading, prefill_tokens=args.prefill_tokens,
                                   mix=mode.startswith("mix"))
@@ -69,6 +72,7 @@ def main(argv=None) -> None:
             for request in readers:
                 scheduler.submit(request)
             scheduler.report = dict.fromkeys(scheduler.report, 0)
+            scheduler.trace = StepTrace()  # what each step ran (kvpot.engine.trace)
             times, forwards, profile = [], [], None
             # CPU activity too, with shapes: the table then names each operator and its input shapes, which
             # says whose work a kernel is (the model's norms and MLP, kvpot's attention, the method's scoring)
@@ -99,7 +103,7 @@ def main(argv=None) -> None:
             report["modes"][mode] = {
                 "steps": len(times), "step_ms_p50": times[len(times) // 2], "step_ms_max": times[-1],
                 "step_ms_mean": sum(times) / len(times), "report": dict(scheduler.report), "profile": profile,
-                "by_step": by_step}
+                "by_step": by_step, "trace": scheduler.trace.summary()}
             print(mode, {k: v for k, v in report["modes"][mode].items() if k not in ("profile", "by_step")}, flush=True)
             if profile and args.print_profiles:
                 print(mode, profile, flush=True)

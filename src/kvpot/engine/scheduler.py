@@ -39,8 +39,7 @@ from kvpot.positions import make_policy
 class Scheduler:
     """Continuous batching of `engine`'s method over a pool of `slots` KV caches.
 
-    slots: sequences decoding at once; None sizes the pool from free GPU memory (`memory_fraction` of
-        what is free, at most `max_slots`), or 8 on a CPU.
+    slots: sequences decoding at once; None: what `memory_fraction` of free GPU memory holds (<= `max_slots`), 8 on a CPU.
     capacity: KV entries per slot (per layer and KV head); default the method's bound (bounded methods),
         required for methods whose cache grows with the input (Full, SnapKV, D2O, InfiniteHiP).
     question_room: question tokens a slot leaves room for where the method's bound counts them (CItruS).
@@ -56,6 +55,8 @@ class Scheduler:
     share_documents: readers of a stored `State` read its keys and values from one copy (`kvpot.engine.documents`,
         `documents` at once; questions fed even alone), copied on write (`Method.copies_document`). Off by default.
     """
+
+    mix_waits = True  # after a mixed forward, a chunk that could mix waits for the next one (`_prefill`)
 
     def __init__(self, engine, slots: int | None = None, capacity: int | None = None, question_room: int = 512,
                  max_waiting: int | None = None, prefill_tokens: int = PREFILL_TOKENS, decode: str = "auto",
@@ -244,8 +245,7 @@ class Scheduler:
             candidates.append(Candidate(slot, chunk[0].numel() if chunk is not None else 0, fits))
             peeked[slot] = (active, chunk)
         plan = plan_chunks(candidates, self.prefill_tokens, batch)
-        return [(slot, peeked[slot][0], Chunk(peeked[slot][0].run, *peeked[slot][1])) for slot in plan.slots], \
-            plan.budget_left
+        return [(s, peeked[s][0], Chunk(peeked[s][0].run, *peeked[s][1])) for s in plan.slots], plan.budget_left
 
     def _prefill(self, ended: list[Request], budget: int) -> list[int]:
         """Read chunks of prefilling requests in forwards of their own, oldest first, within what is left of the
@@ -253,7 +253,7 @@ class Scheduler:
         forward, a chunk that could mix waits for the next one: a forward of its own beside it would double the
         step (an eager forward, ~70-80 ms on an 8B shape however short; engine/trace.py finds such steps)."""
         done, read = [], budget < self.prefill_tokens  # prompt tokens were read in this step's forward already
-        mixed = read
+        mixed = read and self.mix_waits  # (False: the former rule, for an A/B: `mixed_probe.py --modes mix-apart`)
         for slot, active in sorted(self.active.items(), key=lambda item: item[1].started):
             if active.request.status != "prefilling" or active.feeding is not None:
                 continue
