@@ -8,6 +8,7 @@ near-tie between two tokens can go either way and the texts part from there. Thi
 
     python benchmarks/engine-core-h100/agreement.py --out DIR [--model smollm2-135m] [--dtype bfloat16]
         [--method infinipot --method streaming ...] [--lengths 4k,8k] [--samples 8] [--batch-size 8]
+        [--batch-invariant]
 
 Writes DIR/agreement.json (per method: identical answers of samples, the 95% Wilson interval, each differing
 sample's two texts) and prints a table; the two runs stay in DIR/alone/ and DIR/batched/.
@@ -33,6 +34,8 @@ def run_eval(args, batch_size: int, out: Path) -> list[dict]:
         command += ["--device", args.device]
     if args.budget:
         command += ["--budget", str(args.budget)]
+    if args.batch_invariant:  # both runs: alone's steps take the same fixed-tile kernels as the batch's
+        command += ["--batch-invariant"]
     for method in args.method or METHODS:
         command += ["--method", method]
     print("$", " ".join(command), flush=True)
@@ -90,6 +93,8 @@ def main(argv=None) -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default=None)
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="both runs with `kvpot eval --batch-invariant` (Engine(batch_invariant=True))")
     p.add_argument("--compare-only", action="store_true",
                    help="run no eval: compare the rows DIR/alone/ and DIR/batched/ hold (both runs' answers so far, "
                         "e.g. after a time limit stopped them)")

@@ -153,7 +153,8 @@ def static_attention(cache, layer, query: torch.Tensor, scaling: float) -> torch
         cos, sin = rope.table(layer.capacity + 1, query)
         args = dict(cos=cos, sin=sin, key_positions=layer.rope_positions[0], query_position=layer.query_position[0])
     kernel = decode_kernel(query.device, query.shape[-1])
-    out = kernel(turned[0, :, 0], layer.keys[0], layer.values[0], layer.length[0], scaling, probs=probs, **args)
+    out = kernel(turned[0, :, 0], layer.keys[0], layer.values[0], layer.length[0], scaling, probs=probs,
+                 split_entries=cache.split_entries, **args)
     if probs is not None:
         layer.observation = probs[None, :, : layer.n]  # host count: the live entries when captured
     return out.view(1, 1, *out.shape)

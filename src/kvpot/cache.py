@@ -323,6 +323,7 @@ class PotCache(Cache):
         # function as attention(layer, query, keys, values, scaling) -> [b, heads, q, d].
         self.attention = None
         self.static = False  # fixed-shape decoding steps (`kvpot.engine.decoding`); see PotLayer._static_update
+        self.split_entries = None  # the decode kernel's fixed split size (`Engine(batch_invariant=True)`)
         self.unordered = False  # entries out of stream order in their places (`kvpot.methods.replace`)
         # tensor parallelism (`kvpot.models.parallel.TensorParallel`): this rank holds its own KV heads only; a method
         # whose selection spans heads gathers every rank's scores through it (`kvpot.models.parallel.all_heads`)

@@ -23,3 +23,8 @@ SLOT_MEMORY_FRACTION = 0.85
 # A pool of a size the caller gave must fit in this share of the free GPU memory (`kvpot.engine.pool.slot_count`,
 # the one check for the library and the server), else the pool is refused before it is allocated.
 GIVEN_SLOTS_MEMORY_FRACTION = 0.9
+
+# Entries in each split of the decode attention under batch-invariant decoding (`Engine(batch_invariant=True)`):
+# a fixed size, so a row's sums never depend on the batch or on its slot's capacity (kvpot.kernels.decode). A
+# multiple of the kernel's 64-entry loop step; 512 keeps a 4,096-entry pot in 8 splits a KV head.
+SPLIT_ENTRIES = 512

@@ -187,11 +187,12 @@ def model_kv_bytes(model) -> int:
     return kv_bytes_per_token(model.config, next(model.parameters()).element_size())
 
 
-def engine_for(model, run, vocab, decode: str = "auto", compile_step: bool = False, linear: str = "auto"):
+def engine_for(model, run, vocab, decode: str = "auto", compile_step: bool = False, linear: str = "auto",
+               batch_invariant: bool = False):
     from kvpot.engine import Engine
 
     return Engine(model, IdTokenizer(vocab), method=run.method, chat_template=False, decode=decode,
-                  compile_step=compile_step, linear=linear)
+                  compile_step=compile_step, linear=linear, batch_invariant=batch_invariant)
 
 
 def floor_forward(model, ids, chunk: int) -> None:

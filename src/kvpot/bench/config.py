@@ -53,6 +53,9 @@ def check_load(config) -> None:
         config.new_tokens = mix_bounds(config.new_tokens_mix, "--new-tokens-mix")[1]
     if getattr(config, "share_documents", False) and not config.document:
         raise KvpotError("--share-documents shares one stored document among its readers: give --document.")
+    if getattr(config, "batch_invariant", False) and (config.mix == "on" or config.mixed or config.share_documents):
+        raise KvpotError("--batch-invariant reads prompts as one request alone does: it does not run with --mix on, "
+                         "--mixed or --share-documents.")
     if config.length_mix:
         if config.document:
             raise KvpotError("--length-mix draws a context length per user; with --document every user reads one "
@@ -92,6 +95,7 @@ class BenchConfig:
     decode: str = "auto"  # the engine's decoding path (kvpot.engine.decoding)
     compile_step: bool = False  # torch.compile the fixed-shape step's decoder (Engine(compile_step=True))
     linear: str = "auto"  # single-token linear layers (Engine(linear=...), kvpot.engine.linear)
+    batch_invariant: bool = False  # decode and throughput: Engine(batch_invariant=True), what it costs
     baselines: list[str] = field(default_factory=list)  # "hf", "kvpress" (kvpot.bench.baselines)
     # folder holding transformers 5.2 + kvpress (benchmarks/kvpress-env/make_wheels.sh): the kvpress
     # baseline rows run in a second Python process with it first on PYTHONPATH; None: no kvpress rows

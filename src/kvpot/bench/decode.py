@@ -30,7 +30,7 @@ def bench_decode(config: BenchConfig, model, runs, results, progress) -> None:
     kv_bytes = model_kv_bytes(model)
     question = random_tokens(vocab, config.question_tokens, config.seed + 1, config.device)
     engines = {run.label: engine_for(model, run, vocab, decode=config.decode, compile_step=config.compile_step,
-                                     linear=config.linear) for run in runs}
+                                     linear=config.linear, batch_invariant=config.batch_invariant) for run in runs}
     count = config.warmup_steps + config.decode_steps + 1  # +1: n tokens give n - 1 timed steps
     warm = min(WARMUP_TOKENS, config.lengths[0])
     warmup_seconds = {}  # per method: with --compile-step, mostly the step's compilation

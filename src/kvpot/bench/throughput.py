@@ -104,7 +104,7 @@ def _kvpot_row(config: BenchConfig, model, run, prompts: dict, kind: str, tokeni
     engine = Engine(model, tokenizer or IdTokenizer(model.config.vocab_size), method=run.method, chat_template=False,
                     # bench serve's config (also passed here) has no compile_step: its server compiles nothing
                     decode=config.decode, compile_step=getattr(config, "compile_step", False),
-                    linear=getattr(config, "linear", "auto"))
+                    linear=getattr(config, "linear", "auto"), batch_invariant=getattr(config, "batch_invariant", False))
     extra, state = {}, None
     if prompts["document"] is not None:
         synchronize(config.devices)
@@ -176,6 +176,7 @@ def _batched(config: BenchConfig, engine, prompts: dict, state, mix: str = "auto
             "memory_before_bytes": before, "slots": scheduler.pool.slots, "capacity": scheduler.capacity,
             "slot_bytes": scheduler.slot_bytes(), "pool_bytes": scheduler.pool.nbytes,
             "prefill_tokens_per_step": scheduler.prefill_tokens, "mix": scheduler.mix, "steps": scheduler.trace.summary(),
+            "batch_invariant": engine.batch_invariant,
             "scheduler": dict(scheduler.report),
             "graphs": {"captures": scheduler.decoder.captures, "captured_in_warmup": captured,
                        "replays": scheduler.decoder.replays},

@@ -85,6 +85,14 @@ def add_decode_argument(parser: argparse.ArgumentParser) -> None:
              "kernel on a GPU (read at the memory's speed; sums in another order than cuBLAS) and through torch "
              "elsewhere; gemv / torch force one (gemv needs CUDA and Triton)",
     )
+    parser.add_argument(
+        "--batch-invariant", action="store_true",
+        help="batch-invariant decoding: each request's tokens do not depend on what decodes beside it. Decoding "
+             "steps' linear layers run on fixed tiles (kvpot's Triton kernel on a GPU), the decode attention in "
+             "splits of a fixed size, and batched prompts are read as one request alone reads them (not mixed, "
+             "questions not fed). Slower: for evaluations and tests that compare batched with alone "
+             "(docs/design.md, Batch-invariant decoding)",
+    )
 
 
 def add_gguf_argument(parser: argparse.ArgumentParser) -> None:

@@ -121,6 +121,9 @@ def register(sub) -> None:
                    help="decode and throughput: kvpot's single-token linear layers (Engine(linear=...)): auto "
                         "(default) kvpot's Triton matrix-vector kernel on a GPU, torch elsewhere; gemv / torch "
                         "force one")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="decode and throughput: batch-invariant decoding (Engine(batch_invariant=True): fixed-tile "
+                        "products, fixed attention splits, prompts read as alone), to measure what it costs")
     p.add_argument("--sdpa", choices=SDPA_CHOICES, default=DEFAULT_SDPA,
                    help="prefill, decode, attention, throughput: SDPA's backends on CUDA for every row of the run "
                         "(the hf and kvpress baselines, and kvpot's rows where they call SDPA). no-cudnn (default): "
@@ -298,7 +301,7 @@ def config_from_args(args) -> BenchConfig:
         question_tokens=args.question_tokens, floor=args.floor, floor_chunk=args.floor_chunk, block=args.block,
         min_time=args.min_time, threads=args.threads, seed=args.seed, profile=args.profile,
         breakdown=args.breakdown, decode=args.decode,
-        compile_step=args.compile_step, linear=args.linear,
+        compile_step=args.compile_step, linear=args.linear, batch_invariant=args.batch_invariant,
         baselines=[b.strip() for item in args.baseline for b in item.split(",") if b.strip()],
         kvpress_path=args.kvpress_path or os.environ.get("KVPOT_KVPRESS_PATH") or None,
         users=args.users, new_tokens=args.new_tokens, document=args.document, slots=args.slots,

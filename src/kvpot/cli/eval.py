@@ -113,6 +113,10 @@ def register(sub) -> None:
     p.add_argument("--mix", choices=["auto", "on", "off"], default="auto",
                    help="with --batch-size: read prompt chunks in the decoding rows' forward (on), in forwards of "
                         "their own (off), or auto: on a CUDA GPU (default auto; the same greedy answers in float32)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="batch-invariant decoding (Engine(batch_invariant=True)): each sample's numbers do not depend "
+                        "on the samples decoded beside it, so --batch-size N answers as --batch-size 1 in bf16 too "
+                        "(fixed-tile products and attention splits, prompts read as alone; slower)")
     p.add_argument("--window", type=int, default=4096,
                    help="perplexity: report mean NLL per window of this many tokens (default 4096)")
     p.add_argument("--prompt-tokens", type=int, default=None,
@@ -170,6 +174,7 @@ def config_from_args(args) -> EvalConfig:
         max_new_tokens=args.max_new_tokens, window=args.window, prompt_tokens=args.prompt_tokens,
         model=args.model, device=args.device, dtype=args.dtype, device_map=args.device_map,
         max_memory=args.max_memory, gguf=args.gguf, batch_size=args.batch_size, mix=args.mix,
+        batch_invariant=args.batch_invariant,
         templates=parse_templates(args.templates), key_formats=parse_key_formats(args.key_formats), chat=args.chat,
         compression_ratios=None if args.compression_ratios is None else parse_ratios(args.compression_ratios),
         baselines=[b.strip() for item in args.baseline for b in item.split(",") if b.strip()], presses=args.press,

@@ -106,6 +106,7 @@ def run(args) -> int:
         resolve_model(args.model, args.gguf), method=method, device=device, dtype=resolve_dtype(args.dtype),
         chat_template=template, device_map=device_map, max_memory=max_memory, gguf_file=args.gguf,
         decode=args.decode, compile_step=args.compile_step, linear=args.linear, tp_size=args.tp,
+        batch_invariant=args.batch_invariant,
     )
     from kvpot.models.parallel import is_rank_zero
 

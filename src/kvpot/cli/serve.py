@@ -177,7 +177,10 @@ def run(args) -> int:
     build_method(config.method)  # a bad spec fails before the model loads
     recipe = EngineRecipe(model=config.model, method=config.method, device=config.device, dtype=config.dtype,
                           chat_template=config.chat_template, decode=args.decode, compile_step=args.compile_step,
-                          linear=args.linear, tp=args.tp)
+                          linear=args.linear, tp=args.tp, batch_invariant=args.batch_invariant)
+    if args.batch_invariant and (config.mix == "on" or config.feed_questions == "always" or config.share_documents):
+        raise KvpotError("--batch-invariant reads prompts and questions as one request alone does: it does not run "
+                         "with --mix on, --feed-questions always or --share-documents.")
     if args.tp != 1:
         _check_tensor_parallel(args)
     from kvpot.serve.server import setup_logging

@@ -105,6 +105,7 @@ class StepCache(Cache):
         self.max_position = 0  # host bound of every stream position (sizes RoPE tables without a sync)
         self.request: AttentionRequest | None = None
         self.groups: tuple | None = None  # shared documents' readers grouped for this step (`_attend_shared`)
+        self.split_entries: int | None = None  # the decode kernel's fixed split size (`Engine(batch_invariant=True)`)
         super().__init__(layers=[StepLayer(self, i) for i in range(pool.num_layers)])
 
     @property
@@ -129,11 +130,13 @@ class StepCache(Cache):
         if self.policy.stores_rotated:
             turned = rope.rotate(query, self.stream_positions.view(-1, 1, 1).expand(-1, storage.kv_heads, 1),
                                  self.max_position)
-            out = kernel(turned[:, :, 0], storage.keys, storage.values, self.rows, lengths, scaling, probs=probs)
+            out = kernel(turned[:, :, 0], storage.keys, storage.values, self.rows, lengths, scaling, probs=probs,
+                         split_entries=self.split_entries)
         else:
             cos, sin = rope.table(storage.capacity + 1, query)
             out = kernel(query[:, :, 0], storage.keys, storage.values, self.rows, lengths, scaling, cos=cos, sin=sin,
-                         key_positions=storage.rope_positions, query_positions=storage.query_position, probs=probs)
+                         key_positions=storage.rope_positions, query_positions=storage.query_position, probs=probs,
+                         split_entries=self.split_entries)
         return out.view(b, 1, heads, d)
 
     def _attend_shared(self, layer: StepLayer, query: torch.Tensor, scaling: float, probs) -> torch.Tensor:
@@ -234,6 +237,7 @@ class BatchDecoder:
         self.live = torch.zeros(pool.slots, dtype=torch.float32, device=device)  # 1: the row's append is the whole step
         self.zeros = torch.zeros(pool.slots, 1, dtype=torch.long, device=device)  # position_ids: RoPE is kvpot's
         self.cache = StepCache(pool)
+        self.cache.split_entries = engine.split_entries
         self.buckets = buckets(pool.slots)
         self.graphs_on = graphs
         self.graphs = StepGraphs()  # sampling draws from each row's seed and counter: no generator to register

@@ -104,6 +104,7 @@ class Decoder:
                  eos: set[int], mode: str, readback: int = 8, time_steps: bool = False):
         self.engine, self.run, self.method = engine, run, engine.method
         self.cache = run.cache
+        self.cache.split_entries = engine.split_entries
         self.mode = mode
         self.max_new_tokens = max_new_tokens
         self.temperature, self.top_p = temperature, top_p

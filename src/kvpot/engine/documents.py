@@ -187,6 +187,9 @@ def share_region(scheduler, share: bool, rows: int) -> DocumentRegion | None:
         raise KvpotError("share_documents does not run with mix=True ('on') yet: give one or the other, or mix='auto'.")
     if scheduler.engine.parallel is not None:
         raise KvpotError("share_documents does not run under tensor parallelism yet.")
+    if scheduler.engine.batch_invariant:
+        raise KvpotError("share_documents under batch-invariant decoding: a shared document's readers attend through "
+                         "the cascade kernel, whose sums follow the batch; drop one of the two.")
     region = DocumentRegion(scheduler.pool, rows)
     region.owner = scheduler
     for i, layer in enumerate(scheduler.decoder.cache.layers):  # each step layer reads its own views

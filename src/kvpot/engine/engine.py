@@ -22,7 +22,7 @@ from kvpot.attention import AttentionRequest, register
 from kvpot.cache import PotCache
 from kvpot.compat import cache_kwargs
 from kvpot.engine.decoding import MODES, Decoder, decode_eager, resolve_mode
-from kvpot.engine.linear import resolve_linear, single_row_scope
+from kvpot.engine.linear import decoding_numerics, single_row_scope
 from kvpot.engine.regions import CompiledStep
 from kvpot.engine.score import Scoring
 from kvpot.engine.text import TextApi
@@ -60,6 +60,7 @@ class Engine(TextApi, Scoring):
         decode: str = "auto",
         compile_step: bool = False,
         linear: str = "auto",
+        batch_invariant: bool = False,
     ):
         architecture_of(model.config)
         if chat_template not in (True, False, "auto"):
@@ -83,25 +84,19 @@ class Engine(TextApi, Scoring):
         self._device, self.output_device = input_device(model), output_device(model)
         self.devices = model_devices(model)
         self.parallel = TensorParallel.of(model)  # sharded by transformers' TP plan (kvpot.models.parallel)
-        # single-token steps' linear layers: kvpot's matrix-vector kernel on a GPU (kvpot.engine.linear)
-        self.linear = resolve_linear(linear, self._device, self.parallel is not None)
-        self._linear_devices = ("cuda",)
+        # decoding's numerics (kvpot.engine.linear): single-token steps' products on kvpot's matrix-vector kernel on a
+        # GPU; batch-invariant, each request's numbers the same at any batch (docs/design.md, *Batch-invariant decoding*)
+        self.linear, self._linear_devices, self.split_entries = decoding_numerics(
+            linear, self._device, self.parallel is not None, batch_invariant)
+        self.batch_invariant = batch_invariant
 
     @classmethod
     def from_pretrained(
         cls,
-        name_or_path=None,
-        method: Method | None = None,
-        device: str | None = None,
-        dtype: torch.dtype | None = None,
-        chat_template: bool | str = "auto",
-        decode: str = "auto",
-        compile_step: bool = False,
-        linear: str = "auto",
-        device_map: str | dict | None = None,
-        max_memory: dict | None = None,
-        gguf_file: str | None = None,
-        tp_size: int | None = None,
+        name_or_path=None, method: Method | None = None, device: str | None = None, dtype: torch.dtype | None = None,
+        chat_template: bool | str = "auto", decode: str = "auto", compile_step: bool = False, linear: str = "auto",
+        batch_invariant: bool = False, device_map: str | dict | None = None, max_memory: dict | None = None,
+        gguf_file: str | None = None, tp_size: int | None = None,
     ) -> Engine:
         """Load a model on `device` (default "cpu"), or split over several by `device_map` ("auto", or a dict
         module -> device) within `max_memory` ({0: "70GiB", ...}); each layer's cache lives on its device.
@@ -112,7 +107,7 @@ class Engine(TextApi, Scoring):
         model, tokenizer = load_pretrained(name_or_path, device=device, dtype=dtype, device_map=device_map,
                                            max_memory=max_memory, gguf_file=gguf_file, tp_size=tp_size)
         return cls(model, tokenizer, method=method, chat_template=chat_template, decode=decode,
-                   compile_step=compile_step, linear=linear)
+                   compile_step=compile_step, linear=linear, batch_invariant=batch_invariant)
 
     def step_decoder(self):
         """The decoder that fixed-shape decoding steps run: with `compile_step`, its decoder layer

@@ -11,6 +11,10 @@ kernels) nor breaks its graph there.
 
 The engine applies the mode to every single-token forward, eager and captured alike, so a decoding
 loop's paths agree with each other; prefill (many rows) never meets it.
+
+`Engine(batch_invariant=True)` resolves to "invariant": every row of a decoding step (one sequence's one
+row, or a batched step's rows) goes through `kvpot.kernels.invariant`, whose tiles are fixed, so a row's
+products come out the same at any batch size.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from kvpot.defaults import SPLIT_ENTRIES
 from kvpot.errors import KvpotError
 
 LINEARS = ("auto", "gemv", "torch")
@@ -49,9 +54,32 @@ def _(x, weight, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
+@torch.library.custom_op("kvpot::invariant_linear", mutates_args=())
+def invariant_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear` with fixed tiles (`kvpot.kernels.invariant`): each row's result independent of the others."""
+    from kvpot import kernels
+
+    if kernels.available(x.device):
+        from kvpot.kernels.invariant import invariant_linear
+
+        if not x.is_cuda:  # Triton's interpreter (the tests on a CPU)
+            return invariant_linear(x, weight, bias)
+        with torch.cuda.device(x.device):
+            return invariant_linear(x, weight, bias)
+    out = x @ weight.t()
+    return out if bias is None else out + bias
+
+
+@invariant_op.register_fake
+def _(x, weight, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
 class SingleRowLinear(TorchFunctionMode):
     """Sends `F.linear` calls of one row on `devices` to `kvpot::gemv`. (It keeps no count: the compiled
     step traces this method, and a changing attribute would be a guard that fails at every step.)"""
+
+    every_row = False  # EveryRowLinear: every row count, to `kvpot::invariant_linear`
 
     def __init__(self, devices: tuple[str, ...] = ("cuda",)):
         super().__init__()
@@ -63,25 +91,44 @@ class SingleRowLinear(TorchFunctionMode):
             x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             if self._takes(x, weight, bias):
-                return gemv_op(x, weight, bias)
+                return (invariant_op if self.every_row else gemv_op)(x, weight, bias)
         return func(*args, **kwargs)
 
     def _takes(self, x, weight, bias) -> bool:
         if x.device.type not in self.devices or weight.device != x.device:
             return False
-        if x.numel() != x.shape[-1] or weight.dim() != 2 or weight.stride(-1) != 1 or weight.dtype != x.dtype:
+        one_row = x.numel() == x.shape[-1]
+        if not (one_row or self.every_row) or weight.dim() != 2 or weight.stride(-1) != 1 or weight.dtype != x.dtype:
             return False
         if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             return False
         return bias is None or (bias.dtype == x.dtype and bias.device == x.device)
 
 
-def resolve_linear(linear: str, device: torch.device, sharded: bool = False) -> str:
+class EveryRowLinear(SingleRowLinear):
+    """Sends every `F.linear` of a decoding step (its rows: one, or a batch's) to `kvpot::invariant_linear`."""
+
+    every_row = True
+
+
+def resolve_linear(linear: str, device: torch.device, sharded: bool = False, invariant: bool = False) -> str:
     """`auto`: the kernel where kvpot's kernels run on a CUDA device, else torch's. A model `sharded` by
     transformers' tensor-parallel plan always takes torch's: its projections hold DTensor weights and run
-    transformers' own TP forward around them, which the kernel would bypass."""
+    transformers' own TP forward around them, which the kernel would bypass. `invariant`
+    (`Engine(batch_invariant=True)`): "invariant" where kvpot's kernels run, else torch's (a CPU, whose float32
+    products gave every row the same tokens at any batch in the tests)."""
     if linear not in LINEARS:
         raise KvpotError(f"linear must be one of {LINEARS}, got {linear!r}.")
+    if invariant:
+        if linear != "auto":
+            raise KvpotError(f"batch-invariant decoding chooses the linear layers' kernel itself; linear={linear!r} "
+                             "would change it (leave linear at 'auto').")
+        if sharded:
+            raise KvpotError("batch-invariant decoding under tensor parallelism is not supported: the sharded "
+                             "projections run transformers' own TP forward.")
+        from kvpot import kernels
+
+        return "invariant" if kernels.available(device) else "torch"
     if sharded:
         if linear == "gemv":
             raise KvpotError("linear='gemv' under tensor parallelism: the sharded projections' DTensor weights do "
@@ -96,6 +143,22 @@ def resolve_linear(linear: str, device: torch.device, sharded: bool = False) -> 
     return linear
 
 
+def decoding_numerics(linear: str, device: torch.device, sharded: bool, batch_invariant: bool
+                      ) -> tuple[str, tuple[str, ...], int | None]:
+    """An engine's (resolved linear mode, devices its single-token forwards route, the decode attention's fixed
+    split size or None). Batch-invariant decoding: every decoding row's products on fixed tiles, routed on the
+    engine's device, and splits of `kvpot.defaults.SPLIT_ENTRIES` entries; the batched scheduler reads prompts
+    as one request alone does (`Scheduler`)."""
+    if not isinstance(batch_invariant, bool):
+        raise KvpotError(f"batch_invariant must be True or False, got {batch_invariant!r}.")
+    resolved = resolve_linear(linear, device, sharded, invariant=batch_invariant)
+    devices = (device.type,) if resolved == "invariant" else ("cuda",)
+    return resolved, devices, SPLIT_ENTRIES if batch_invariant else None
+
+
 def single_row_scope(linear: str, devices: tuple[str, ...] = ("cuda",)):
-    """The context a single-token forward runs in: the routing mode for `gemv`, nothing for `torch`."""
+    """The context a single-token forward runs in: the routing mode for `gemv` or `invariant`, nothing for
+    `torch`."""
+    if linear == "invariant":
+        return EveryRowLinear(devices)
     return SingleRowLinear(devices) if linear == "gemv" else contextlib.nullcontext()

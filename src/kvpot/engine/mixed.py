@@ -49,20 +49,25 @@ MIXES = ("auto", "on", "off")
 
 
 def resolve_mix(mix: bool | str, device: torch.device, head_dim: int, sharing: bool = False,
-                parallel: bool = False) -> bool:
+                parallel: bool = False, invariant: bool = False) -> bool:
     """`Scheduler(mix=...)`: True/"on", False/"off", or "auto": on where the varlen Triton kernel attends the
     chunks (a CUDA device with Triton, a head dim the kernels take). Without it each chunk is attended alone
     (`sequence_attention`), and the mixed step measured slower than prompts read apart (an H200,
     records/engine-core-h100/); with it, faster (an H100, records/engine-core-h100/varlen/). "auto" stays off
     for shared documents (`sharing`: they do not mix yet, `kvpot.engine.documents.share_region` refuses "on")
-    and under tensor parallelism (`parallel`: the mixed step is untested there)."""
+    and under tensor parallelism (`parallel`: the mixed step is untested there). Batch-invariant decoding
+    (`invariant`) reads prompts as one request alone does, in forwards of their own: "auto" is off there and
+    "on" refused."""
+    if mix not in (*MIXES, True, False):
+        raise KvpotError(f"mix must be one of {MIXES} (or a bool), got {mix!r}.")
+    if invariant and mix in ("on", True):
+        raise KvpotError("mix='on' under batch-invariant decoding: a prompt chunk read beside the decoding rows is "
+                         "attended and multiplied in other sums than alone; use 'auto' or 'off'.")
     if isinstance(mix, bool):
         return mix
-    if mix not in MIXES:
-        raise KvpotError(f"mix must be one of {MIXES} (or a bool), got {mix!r}.")
     if mix != "auto":
         return mix == "on"
-    if sharing or parallel:
+    if sharing or parallel or invariant:
         return False
     from kvpot import kernels
 

@@ -55,8 +55,10 @@ def plan_chunks(candidates: list[Candidate], budget: int, decoding: int) -> Chun
     return ChunkPlan(tuple(chosen), left)
 
 
-def check_options(prefill_tokens: int, max_waiting: int | None, feed_questions: str, decode: str) -> None:
-    """The scheduler's options, refused in one sentence each."""
+def check_options(prefill_tokens: int, max_waiting: int | None, feed_questions: str, decode: str,
+                  invariant: bool = False) -> str:
+    """The scheduler's options, refused in one sentence each; returns how questions are fed (`invariant`,
+    batch-invariant decoding: never, as one request alone reads its question in a forward)."""
     if isinstance(prefill_tokens, bool) or not isinstance(prefill_tokens, int) or prefill_tokens < 1:
         raise KvpotError(f"prefill_tokens must be a positive integer, got {prefill_tokens!r}.")
     if max_waiting is not None and max_waiting < 0:
@@ -65,3 +67,7 @@ def check_options(prefill_tokens: int, max_waiting: int | None, feed_questions: 
         raise KvpotError(f"feed_questions must be 'auto', 'always' or 'never', got {feed_questions!r}.")
     if decode == "eager":
         raise KvpotError("batched decoding runs fixed-shape steps: decode must be 'auto', 'graph' or 'static'.")
+    if invariant and feed_questions == "always":
+        raise KvpotError("feed_questions='always' under batch-invariant decoding: a question fed token by token "
+                         "is read in other sums than alone; use 'auto' or 'never'.")
+    return "never" if invariant else feed_questions

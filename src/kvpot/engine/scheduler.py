@@ -1,12 +1,12 @@
 """Many sequences at once: a step-driven scheduler over a slot pool (continuous batching).
 
-A `Request` moves "waiting" (queued, no slot) -> "prefilling" -> "decoding" -> "finished", "cancelled" or
-"failed". Callers only feed and drain: `submit`, `step`, `cancel`, `abort`. One step (docs/design.md, *The
-batched engine*): cancelled requests leave; waiting ones take free slots, first come first served; rows whose
-method reshapes the cache at this token step alone; then one forward gives every other decoding row its token
-and reads the next chunk of prompts being read beside them, within `prefill_tokens` (`kvpot.engine.mixed`;
-which chunks: `kvpot.engine.plan`); prompt chunks that need a forward of their own follow; the new tokens are
-delivered at the start of the next step. A request that fails fails alone: the others keep their slots.
+A `Request` moves "waiting" (no slot) -> "prefilling" -> "decoding" -> "finished", "cancelled" or "failed".
+Callers feed and drain: `submit`, `step`, `cancel`, `abort`. One step (docs/design.md, *The batched engine*):
+cancelled requests leave; waiting ones take free slots, first come first served; rows whose method reshapes the
+cache at this token step alone; then one forward gives every other decoding row its token and reads the next
+chunk of prompts being read beside them, within `prefill_tokens` (`kvpot.engine.mixed`; which chunks:
+`kvpot.engine.plan`); prompt chunks that need a forward of their own follow; the new tokens are delivered at the
+start of the next step. A request that fails fails alone. Batch-invariant engines read prompts as alone.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class Scheduler:
         if len(engine.devices) > 1:
             raise KvpotError("batched decoding runs a model on one device; a model split over several GPUs "
                              "(device_map) decodes one sequence at a time with Engine.generate.")
-        check_options(prefill_tokens, max_waiting, feed_questions, decode)
+        feed_questions = check_options(prefill_tokens, max_waiting, feed_questions, decode, engine.batch_invariant)
         mode = "static" if decode == "auto" and engine.device.type != "cuda" else resolve_mode(decode, engine.device)
         self.engine, self.method = engine, engine.method
         self.capacity = slot_capacity(self.method, capacity, question_room)
@@ -77,6 +77,7 @@ class Scheduler:
         self.decoder = BatchDecoder(engine, self.pool, graphs=mode == "graph")
         self.mode = mode
         self.max_waiting, self.prefill_tokens = max_waiting, prefill_tokens
+        self.chunk_cap = None if engine.batch_invariant else prefill_tokens  # invariant: prompts cut as alone
         self.admission = Admission(slots, max_waiting)  # the one admission test (kvpot.engine.admission)
         self.places: dict[int, Place] = {}  # request id -> its place, given back when it ends
         self.feed_questions, self.feed_tokens = feed_questions, feed_tokens
@@ -85,8 +86,8 @@ class Scheduler:
         self.eos = frozenset(_eos_ids(engine.model))
         rope_dynamic = engine.rope.dynamic and not self.pool.policy.stores_rotated
         self.batched = batched_method(self.method) and not rope_dynamic and self.pool.policy.kernel_decoding
-        self.mix = resolve_mix(mix, engine.device, self.pool.layers[0].head_dim, sharing=share_documents,
-                               parallel=engine.parallel is not None) and self.batched  # chunks in the step's forward
+        self.mix = resolve_mix(mix, engine.device, self.pool.layers[0].head_dim, share_documents,
+                               engine.parallel is not None, engine.batch_invariant) and self.batched  # in one forward
         self.steady_ok = batchable_request(self.method.decode_request("steady"))
         self.append_ok = batchable_request(self.method.decode_request("append"))
         self.outbox = TokenOutbox()  # the tokens of a step, delivered at the start of the next
@@ -161,8 +162,7 @@ class Scheduler:
         self.agreement.agree(self)  # under tensor parallelism, rank 0's new requests and cancellations
         begun = time.perf_counter()
         self._deliver(ended)  # the previous step's tokens: the device ran ahead while the host came back here
-        delivered = time.perf_counter()
-        self.trace.begin(self.report, delivered)
+        self.trace.begin(self.report, delivered := time.perf_counter())
         self._drop_cancelled(ended)
         self._admit(ended)
         batch, stepped = self._decode_alone(ended)
@@ -236,7 +236,7 @@ class Scheduler:
         for slot, active in sorted(self.active.items(), key=lambda item: item[1].started):
             if active.request.status != "prefilling" or active.feeding is not None:
                 continue
-            active.run.max_chunk = self.prefill_tokens
+            active.run.max_chunk = self.chunk_cap
             try:
                 chunk = active.reader.peek()
                 fits = chunk is not None and mixable(self.method, active.run)
@@ -263,7 +263,7 @@ class Scheduler:
                 # is left of it: a cap that followed the remainder would cut a method's chunks out of step with its
                 # own cycle (InfiniPot's pot) and double its forwards for good; a step's first may so run past it.
                 while True:
-                    active.run.max_chunk = self.prefill_tokens
+                    active.run.max_chunk = self.chunk_cap
                     chunk = active.reader.peek()
                     if chunk is None:
                         self._start_decoding(active)

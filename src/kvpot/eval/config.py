@@ -134,6 +134,7 @@ class EvalConfig:
     gguf: str | None = None  # a GGUF file (`--gguf`), alone or inside `model`
     batch_size: int = 1  # samples decoded together per method (kvpot.engine.scheduler); 1: one at a time
     mix: str = "auto"  # with --batch-size: Scheduler(mix=...), prompt chunks with the decoding rows (auto: on a GPU)
+    batch_invariant: bool = False  # Engine(batch_invariant=...): each sample's numbers the same at any batch
     templates: list[int] | None = None  # prompt wordings of passkey/niah/vt/ruler (None: all); resolved to a list
     key_formats: list[str] | None = None  # passkey's key / niah's value formats to spread over (None: the task's)
     chat: str | None = None  # tasks and ruler: both/plain/chat (None: both); kvpot.eval.prompting
@@ -185,6 +186,8 @@ class EvalConfig:
             raise KvpotError(f"--window must be at least 1 token, got {self.window}.")
         if self.mix not in ("auto", "on", "off"):
             raise KvpotError(f"--mix must be auto, on or off, got {self.mix!r}.")
+        if self.batch_invariant and self.mix == "on":
+            raise KvpotError("--batch-invariant reads prompts as one sample alone does: it does not run with --mix on.")
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise KvpotError(f"--batch-size must be a positive integer, got {self.batch_size!r}.")
         if self.batch_size > 1 and (self.task == PERPLEXITY or self.device_map is not None):

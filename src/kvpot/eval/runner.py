@@ -58,7 +58,7 @@ def _run_task_eval(config: EvalConfig, progress: bool, show: bool, deadline, sto
         resume.remove_stale(config.out, presses)
     case_file = _case_file(config, tokenizer) if presses else None
     rows, resumed, stopped = list(done.rows), len(done.rows), None
-    answer = _Answerer(model, tokenizer, config.batch_size, config.mix)
+    answer = _Answerer(model, tokenizer, config.batch_size, config.mix, config.batch_invariant)
     with open(config.out / "results.jsonl", "a" if done.rows else "w", encoding="utf-8") as results:
         left = count * len(runs) - sum(done.count(run.label) for run in runs)
         try:
@@ -203,15 +203,17 @@ def _row(run, case, token_ids, stats, method, tokenizer) -> dict:
 class _Answerer:
     """(token ids, stats, method) of each case of a group for one run; engines made once per method built."""
 
-    def __init__(self, model, tokenizer, batch_size: int, mix: str = "auto"):
+    def __init__(self, model, tokenizer, batch_size: int, mix: str = "auto", batch_invariant: bool = False):
         self.model, self.tokenizer, self.batch_size, self.mix = model, tokenizer, batch_size, mix
+        self.batch_invariant = batch_invariant
         self.engines: dict[int, object] = {}
 
     def engine(self, method):
         from kvpot.engine import Engine
 
         if id(method) not in self.engines:
-            self.engines[id(method)] = Engine(self.model, self.tokenizer, method=method)
+            self.engines[id(method)] = Engine(self.model, self.tokenizer, method=method,
+                                              batch_invariant=self.batch_invariant)
         return self.engines[id(method)]
 
     def __call__(self, run, group) -> list[tuple]:

@@ -66,23 +66,27 @@ def _merge_kernel(
     OUT,  # [ROWS, D] output dtype
     LSE_OUT,  # [ROWS] float32 merged log2-sum-exp (written when WRITE_LSE)
     ROWS, SPLITS,
-    D: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr, WRITE_LSE: tl.constexpr,
+    D: tl.constexpr, CHUNK: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
+    # Splits go through in chunks of a fixed size, in order, for both the sums: a row's result then does not
+    # depend on how many empty splits follow its last live one (batch-invariant decoding: a slot's capacity
+    # sets the split count), and all the partials at once (up to 2 x 132 splits x 128 floats) would spill.
     row = tl.program_id(0)
-    sp = tl.arange(0, BLOCK_S)
     dd = tl.arange(0, D)
-    lse = tl.load(LSE + sp * ROWS + row, mask=sp < SPLITS, other=float("-inf"))  # [BLOCK_S]: small
-    top = tl.max(lse, axis=0)
+    top = tl.full([CHUNK], float("-inf"), tl.float32)
+    for s0 in range(0, SPLITS, CHUNK):
+        sc = s0 + tl.arange(0, CHUNK)
+        top = tl.maximum(top, tl.load(LSE + sc * ROWS + row, mask=sc < SPLITS, other=float("-inf")))
+    top = tl.max(top, axis=0)  # a maximum is exact in any order
     top = tl.where(top == float("-inf"), 0.0, top)
-    total = tl.sum(tl.exp2(lse - top), axis=0)
+    total = 0.0
     acc = tl.zeros([D], tl.float32)
-    # the partials go through in chunks: all of them at once (up to 2 x 132 splits x 128 floats) would
-    # spill registers
     for s0 in range(0, SPLITS, CHUNK):
         sc = s0 + tl.arange(0, CHUNK)
         ok = sc < SPLITS
         w = tl.exp2(tl.load(LSE + sc * ROWS + row, mask=ok, other=float("-inf")) - top)
         part = tl.load(PART + (sc[:, None] * ROWS + row) * D + dd[None, :], mask=ok[:, None], other=0.0)
+        total += tl.sum(w, axis=0)
         acc += tl.sum(part * w[:, None], axis=0)
     tl.store(OUT + row * D + dd, (acc / tl.where(total > 0, total, 1.0)).to(OUT.dtype.element_ty))
     if WRITE_LSE:
@@ -108,9 +112,8 @@ def merge(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, lse_out: tor
     (contiguous, float32) with log2-sum-exps `lse` [splits, rows]; with `lse_out` [rows], also the
     merged log2-sum-exp of each row. One launch, no host synchronisation."""
     splits, rows, d = part.shape
-    block_s = max(2, next_power_of_2(splits))
     _merge_kernel[(rows,)](part, lse, out, part if lse_out is None else lse_out, rows, splits, D=d,
-                           BLOCK_S=block_s, CHUNK=min(block_s, 16), WRITE_LSE=lse_out is not None)
+                           CHUNK=16, WRITE_LSE=lse_out is not None)
 
 
 def multiprocessors(device: torch.device) -> int:

@@ -60,7 +60,7 @@ def _slot_length(ROWS, LENGTHS, b, stride_r, stride_len, N):
 
 
 # stride_os, stride_ls grow with the batch: unspecialised, so a new batch size never compiles again
-@triton.jit(do_not_specialize=["N", "G", "KV", "SPLITS", "stride_os", "stride_ls"])
+@triton.jit(do_not_specialize=["N", "G", "KV", "SPLITS", "PER", "stride_os", "stride_ls"])
 def _decode_kernel(
     Q,  # [B, H, D] one new token's queries per batch row, un-rotated when ROPE (H = KV * G)
     K, V,  # [S, KV, N, D] pool buffers; the last stride is 1
@@ -72,7 +72,7 @@ def _decode_kernel(
     OUT,  # [SPLITS, B * H, D] float32 partials (SPLIT) or [B * H, D] in the output dtype
     LSE,  # [SPLITS, B * H] float32 log2-sum-exp of each split's scores (SPLIT, or PROBS with one split)
     LOGITS,  # [B * H, N] float32 scores in log2 units (PROBS)
-    N, G, KV, SPLITS, scale,
+    N, G, KV, SPLITS, PER, scale,  # PER > 0: each split's entries, fixed (else the live count over SPLITS)
     stride_qb, stride_qh, stride_r, stride_len,
     stride_ks, stride_kh, stride_kn, stride_vs, stride_vh, stride_vn,
     stride_ps, stride_ph, stride_pn, stride_qs, stride_qk, stride_t,
@@ -113,6 +113,8 @@ def _decode_kernel(
 
     # this split's share of the live entries: a whole number of blocks, from the device's length
     per = tl.cdiv(tl.cdiv(n, SPLITS), BLOCK_N) * BLOCK_N
+    if PER > 0:
+        per = PER
     lo = split * per
     hi = tl.minimum(lo + per, n)
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: an empty split stays NaN-free
@@ -224,6 +226,7 @@ def decode_attention_batch(
     query_positions: torch.Tensor | None = None,
     probs: torch.Tensor | None = None,
     num_splits: int | None = None,
+    split_entries: int | None = None,
 ) -> torch.Tensor:
     """Attention [B, heads, d] (query.dtype) of each batch row's `query` [B, heads, d] over the live
     entries `[0, lengths[rows[b]])` of its pool slot in `keys`/`values` [S, kv_heads, capacity, d]
@@ -236,8 +239,11 @@ def decode_attention_batch(
     `query_positions` ([S] or [S, kv_heads]); without, both are taken as already rotated. `probs`
     [B, kv_heads, capacity] float32, when given, receives per row each KV group's mean attention
     probabilities over the live entries (0 past the length). `num_splits` overrides the split-K
-    count (default: `default_splits`, from shapes and the SM count). No host synchronisation and
-    no allocation sized from device values: safe to capture in a CUDA graph.
+    count (default: `default_splits`, from shapes and the SM count). `split_entries` (a multiple of
+    `BLOCK_N`) instead fixes each split's entries, and the launch shape with it: a row's output then
+    depends on its slot's live entries alone, not on the batch or the capacity (batch-invariant decoding,
+    `kvpot.kernels.invariant`). No host synchronisation and no allocation sized from device values: safe
+    to capture in a CUDA graph.
     """
     check_decode_batch_inputs(query, keys, values, rows, lengths, cos, sin, key_positions, query_positions, probs)
     if keys.stride(-1) != 1 or values.stride(-1) != 1:
@@ -247,6 +253,9 @@ def decode_attention_batch(
         raise KvpotError(f"decode attention needs every tensor on the cache's device ({keys.device})")
     if num_splits is not None and num_splits < 1:
         raise KvpotError(f"num_splits must be at least 1, got {num_splits}")
+    if split_entries is not None and (num_splits is not None or split_entries < 1 or split_entries % BLOCK_N):
+        raise KvpotError(f"split_entries must be a positive multiple of {BLOCK_N}, without num_splits; got "
+                         f"{split_entries} (num_splits {num_splits})")
     batch, heads, d = query.shape
     _, kv, capacity, _ = keys.shape
     g = heads // kv
@@ -258,9 +267,14 @@ def decode_attention_batch(
         query = query.contiguous()
     block_m = _block_m(g)
     tiles = triton.cdiv(g, block_m)
-    block_n, warps, stages = launch_shape(batch, kv, g, d, keys, cos)
-    blocks = triton.cdiv(capacity, block_n)
-    splits = min(blocks, num_splits) if num_splits is not None else default_splits(kv, heads, capacity, device, batch)
+    if split_entries is not None:  # fixed: the sums' order must not follow the batch
+        block_n, warps, stages = BLOCK_N, 4, _stages(d, keys, cos)
+        splits = triton.cdiv(capacity, split_entries)
+    else:
+        block_n, warps, stages = launch_shape(batch, kv, g, d, keys, cos)
+        blocks = triton.cdiv(capacity, block_n)
+        splits = min(blocks, num_splits) if num_splits is not None else default_splits(kv, heads, capacity, device,
+                                                                                        batch)
     flat = out.view(batch * heads, d)  # the merge and the kernels index rows b * heads + head
     lse_final = torch.empty(batch * heads, dtype=torch.float32, device=device) if probs is not None else None
     logits = torch.empty(batch * heads, capacity, dtype=torch.float32, device=device) if probs is not None else out
@@ -271,7 +285,8 @@ def decode_attention_batch(
         part, lse = flat.unsqueeze(0), lse_final if lse_final is not None else out
     tables, rope_strides = _rope_arguments(keys, lengths, cos, sin, key_positions, query_positions)
     _decode_kernel[(batch * kv * tiles, splits)](
-        query, keys, values, rows, lengths, *tables, part, lse, logits, capacity, g, kv, splits, scaling,
+        query, keys, values, rows, lengths, *tables, part, lse, logits, capacity, g, kv, splits, split_entries or 0,
+        scaling,
         query.stride(0), query.stride(1), rows.stride(0), lengths.stride(0),
         *keys.stride()[:3], *values.stride()[:3], *rope_strides,
         part.stride(0), part.stride(1), batch * heads,
@@ -301,6 +316,7 @@ def decode_attention(
     query_position: torch.Tensor | None = None,
     probs: torch.Tensor | None = None,
     num_splits: int | None = None,
+    split_entries: int | None = None,
 ) -> torch.Tensor:
     """Attention [heads, dv] (query.dtype) of one token's `query` [heads, d] over entries
     `[0, length)` of `keys`/`values` [kv_heads, capacity, d] (any strides but the last).
@@ -311,7 +327,8 @@ def decode_attention(
     already rotated.
     `probs` [kv_heads, capacity] float32, when given, receives each KV group's mean attention
     probabilities over the live entries (0 past `length`). `num_splits` overrides the split-K
-    count (default: `default_splits`, from shapes and the SM count). No host synchronisation and
+    count (default: `default_splits`, from shapes and the SM count); `split_entries` fixes each split's
+    entries (as in `decode_attention_batch`). No host synchronisation and
     no allocation sized from device values: safe to capture in a CUDA graph.
 
     The batch of one row over one slot: `decode_attention_batch` on views, so one kernel serves both.
@@ -323,7 +340,7 @@ def decode_attention(
     out = decode_attention_batch(
         query[None], keys[None], values[None], rows, length.reshape(1), scaling, cos, sin,
         None if key_positions is None else key_positions[None], query_position,
-        None if probs is None else probs[None], num_splits,
+        None if probs is None else probs[None], num_splits, split_entries,
     )
     return out[0]
 

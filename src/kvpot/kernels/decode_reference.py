@@ -122,14 +122,16 @@ def decode_attention_reference(
     query_position: torch.Tensor | None = None,
     probs: torch.Tensor | None = None,
     num_splits: int | None = None,
+    split_entries: int | None = None,
 ) -> torch.Tensor:
     """Attention [heads, dv] (query.dtype) of `query` [heads, d] over entries `[0, length)` of
     `keys`/`values` [kv_heads, capacity, d], in float32. With cos/sin [P, d], keys are rotated at
     `key_positions` [kv_heads, capacity] and the query at `query_position` ([] or [kv_heads]);
     without, both are taken as already rotated. `probs` [kv_heads, capacity] float32, when given,
     receives each KV group's mean attention probabilities (0 past `length`). `num_splits` is the
-    kernel's tuning knob and is ignored here."""
-    del num_splits
+    kernel's tuning knob and is ignored here, as is `split_entries` (this reference's sums never depend on
+    the batch)."""
+    del num_splits, split_entries
     check_decode_inputs(query, keys, values, length, cos, sin, key_positions, query_position, probs, kernel=False)
     heads, d = query.shape
     kv, capacity, _ = keys.shape
@@ -164,6 +166,7 @@ def decode_attention_batch_reference(
     query_positions: torch.Tensor | None = None,
     probs: torch.Tensor | None = None,
     num_splits: int | None = None,
+    split_entries: int | None = None,
 ) -> torch.Tensor:
     """Attention [B, heads, d] (query.dtype) of each batch row's `query` [B, heads, d] over the live
     entries `[0, lengths[rows[b]])` of its pool slot in `keys`/`values` [S, kv_heads, capacity, d], in
@@ -172,9 +175,9 @@ def decode_attention_batch_reference(
     cos/sin [P, d], keys are rotated at `key_positions` [S, kv_heads, capacity] and each row's query
     at its slot's `query_positions` ([S] or [S, kv_heads]); without, both are taken as already
     rotated. `probs` [B, kv_heads, capacity] float32, when given, receives per row each KV group's
-    mean attention probabilities (0 past the length). `num_splits` is ignored here. Rows go
-    through batched einsums, in chunks sized from the shapes alone."""
-    del num_splits
+    mean attention probabilities (0 past the length). `num_splits` and `split_entries` are ignored here. Rows
+    go through batched einsums, in chunks sized from the shapes alone."""
+    del num_splits, split_entries
     check_decode_batch_inputs(query, keys, values, rows, lengths, cos, sin, key_positions, query_positions, probs,
                               kernel=False)
     batch, heads, d = query.shape

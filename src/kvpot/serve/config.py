@@ -118,6 +118,7 @@ class EngineRecipe:
     decode: str = "auto"
     compile_step: bool = False
     linear: str = "auto"
+    batch_invariant: bool = False  # Engine(batch_invariant=...): each request's numbers the same at any batch
     tp: int = 1  # tensor parallelism over the processes of one torchrun (kvpot.serve.parallel)
 
     def build(self):
@@ -131,7 +132,7 @@ class EngineRecipe:
         engine = Engine.from_pretrained(resolve_model(self.model), method=build_method(self.method),
                                         device=resolve_device(self.device), dtype=resolve_dtype(self.dtype),
                                         chat_template=template, decode=self.decode, compile_step=self.compile_step,
-                                        linear=self.linear, tp_size=self.tp)
+                                        linear=self.linear, tp_size=self.tp, batch_invariant=self.batch_invariant)
         if engine.tokenizer is None:
             raise KvpotError(f"{resolve_model(self.model)} has no tokenizer; kvpot serve needs one.")
         return engine

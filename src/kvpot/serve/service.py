@@ -186,7 +186,8 @@ class Service:
 
                 engine = Engine(self.default.model, self.default.tokenizer, method=method,
                                 chat_template=self.default.chat_template, decode=self.default.decode,
-                                compile_step=self.default.compile_step, linear=self.default.linear)
+                                compile_step=self.default.compile_step, batch_invariant=self.default.batch_invariant,
+                                linear="auto" if self.default.batch_invariant else self.default.linear)
                 self.engines[key] = engine
         return engine
 

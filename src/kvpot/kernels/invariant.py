@@ -1,0 +1,77 @@
+"""Triton: a linear layer whose every row comes out the same whatever the batch around it (batch-invariant
+decoding, `Engine(batch_invariant=True)`).
+
+cuBLAS picks its algorithm from the product's shape: a decoding step of 8 rows and one of 1 row sum each
+row's products in different orders (different tiles, split-K or not), so in bf16 a request's tokens drift
+with the batch it decodes in (84% of SmolLM2's answers identical batched against alone on an H100,
+`records/engine-core-h100/varlen/`). Here the tiling is fixed: every row is multiplied in a
+`[BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N]` matrix-unit product, `K` walked in `BLOCK_K` steps in the same
+order, into a float32 accumulator, with no split of `K`. A row's output then depends on that row and the
+weights alone: not on how many rows there are, nor where the row sits in its tile (a matrix unit computes
+each output element from its own row and column). One row pads its tile with 15 masked rows; the work is
+memory-bound at decoding's batch sizes, so the padding costs the weights' read, not compute.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Fixed for every call: changing any of these changes the sums' order (and every row's last bits).
+BLOCK_M, BLOCK_N, BLOCK_K, WARPS, STAGES = 16, 64, 64, 4, 3
+
+
+@triton.jit(do_not_specialize=["M", "N", "K"])
+def _linear_kernel(
+    X,  # [M, K] input rows (stride_xm apart, last stride 1)
+    W,  # [N, K] weights (stride_wn apart, last stride 1)
+    BIAS,  # [N] (HAS_BIAS)
+    Y,  # [M, N] output, contiguous, x's dtype
+    M, N, K, stride_xm, stride_wn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # row tiles first: one weight tile's readers
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # run together and share it through the L2
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = X + rows[:, None].to(tl.int64) * stride_xm + ks[None, :]
+    w_ptrs = W + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]  # [BLOCK_K, BLOCK_N]: W's tile, transposed
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        inside = (k + ks) < K
+        x = tl.load(x_ptrs, mask=(rows[:, None] < M) & inside[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=inside[:, None] & (cols[None, :] < N), other=0.0, eviction_policy="evict_first")
+        if IEEE:
+            acc += tl.dot(x, w, input_precision="ieee")
+        else:
+            acc += tl.dot(x, w)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(BIAS + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = Y + rows[:, None].to(tl.int64) * N + cols[None, :]
+    tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` with each row's result independent of the other rows: x [..., K], weight
+    [N, K] (rows contiguous), bias [N] or None -> [..., N] in x's dtype. Sums in float32 (exact float32
+    products for float32 inputs)."""
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"invariant_linear: x's last dimension must be {k}, got {tuple(x.shape)}")
+    if weight.stride(-1) != 1:
+        raise ValueError("invariant_linear: the weight's rows must be contiguous")
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    m = rows.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        _linear_kernel[(triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))](
+            rows, weight, weight if bias is None else bias, out, m, n, k, rows.stride(0), weight.stride(0),
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, HAS_BIAS=bias is not None,
+            IEEE=x.dtype == torch.float32, num_warps=WARPS, num_stages=STAGES,
+        )
+    return out.view(*x.shape[:-1], n)

@@ -1,0 +1,159 @@
+"""Batch-invariant decoding (`Engine(batch_invariant=True)`, docs/design.md *Batch-invariant decoding*).
+
+What does not depend on the GPU: the options it sets and refuses, that every decoding row's linear layers (one
+row alone, many in a batch) reach `kvpot::invariant_linear`, that the batched scheduler reads prompts in the
+forwards one request alone reads them in (no cap at its budget, no mixing, no fed questions), and that each
+request's tokens are its tokens alone. The kernels' own invariance is tests/test_invariant_kernels.py. Under
+`TRITON_INTERPRET=1` the operator runs the kernel interpreted; otherwise it is a plain product on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kvpot
+from conftest import VOCAB, build, interpreter_runtime_loops
+from kvpot.engine import linear as linear_module
+from kvpot.engine.linear import EveryRowLinear, resolve_linear
+from kvpot.engine.offline import generate_many, run_all
+from kvpot.engine.scheduler import Request, Scheduler
+from kvpot.errors import KvpotError
+
+NEW = 12
+LENGTHS = (150, 70, 33)
+interpreter_runtime_loops()
+
+
+class Spy:
+    """Counts the rows of the calls that reach `kvpot::invariant_linear` (results stay the operator's)."""
+
+    def __init__(self, monkeypatch):
+        self.rows, self.real = [], linear_module.invariant_op
+        monkeypatch.setattr(linear_module, "invariant_op", self)
+
+    def __call__(self, x, weight, bias):
+        self.rows.append(x.numel() // x.shape[-1])
+        return self.real(x, weight, bias)
+
+
+def invariant(model, method, decode="auto") -> kvpot.Engine:
+    """A batch-invariant engine whose decoding rows go through the operator on the CPU as well."""
+    engine = kvpot.Engine(model, method=method, decode=decode, batch_invariant=True)
+    engine.linear, engine._linear_devices = "invariant", ("cpu",)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    torch.manual_seed(7)
+    return [(torch.randint(3, VOCAB, (n,)).tolist(), torch.randint(3, VOCAB, (5,)).tolist()) for n in LENGTHS]
+
+
+def test_the_options_it_sets_and_refuses():
+    model = build("llama3")
+    engine = kvpot.Engine(model, batch_invariant=True)
+    assert engine.batch_invariant and engine.split_entries == kvpot.defaults.SPLIT_ENTRIES
+    assert kvpot.Engine(model).split_entries is None
+    scheduler = Scheduler(engine, slots=2, capacity=256, decode="static", mix="auto", feed_questions="auto")
+    assert scheduler.mix is False and scheduler.feed_questions == "never" and scheduler.chunk_cap is None
+    with pytest.raises(KvpotError, match="mix='on' under batch-invariant"):
+        Scheduler(engine, slots=2, capacity=256, decode="static", mix="on")
+    with pytest.raises(KvpotError, match="feed_questions='always' under batch-invariant"):
+        Scheduler(engine, slots=2, capacity=256, decode="static", feed_questions="always")
+    with pytest.raises(KvpotError, match="batch_invariant must be True or False"):
+        kvpot.Engine(model, batch_invariant="yes")
+    with pytest.raises(KvpotError, match="leave linear at 'auto'"):
+        kvpot.Engine(model, linear="torch", batch_invariant=True)
+    with pytest.raises(KvpotError, match="tensor parallelism"):
+        resolve_linear("auto", torch.device("cpu"), sharded=True, invariant=True)
+    from kvpot import kernels
+
+    expected = "invariant" if kernels.available("cpu") else "torch"  # the interpreter runs it on a CPU
+    assert resolve_linear("auto", torch.device("cpu"), invariant=True) == expected
+
+
+def test_the_mode_routes_every_row(monkeypatch):
+    spy = Spy(monkeypatch)
+    weight, bias = torch.randn(6, 8), torch.randn(6)
+    with EveryRowLinear(("cpu",)):
+        one = F.linear(torch.randn(1, 1, 8), weight, bias)
+        many = F.linear(torch.randn(5, 1, 8), weight, bias)
+        F.linear(torch.randn(2, 8).double(), weight.double())  # a dtype it does not take: torch's product
+    assert spy.rows == [1, 5] and one.shape == (1, 1, 6) and many.shape == (5, 1, 6)
+
+
+METHODS = {"full": (lambda: kvpot.Full(chunk_size=64), 256),
+           "streaming": (lambda: kvpot.StreamingLLM(sinks=4, window=44, chunk_size=16), None),
+           "h2o": (lambda: kvpot.H2O(heavy=24, recent=24, chunk_size=16), None),
+           "infinipot": (lambda: kvpot.InfiniPot(pot_size=64, catalyst=None), None)}
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_each_request_gets_its_tokens_alone_through_the_fixed_kernels(name, prompts, monkeypatch, one_thread):
+    make, capacity = METHODS[name]
+    model = build("llama3")
+    spy = Spy(monkeypatch)
+    engine = invariant(model, make(), decode="eager")
+    expected = [engine.generate_ids(c, q, max_new_tokens=NEW, ignore_eos=True).token_ids for c, q in prompts]
+    assert spy.rows and set(spy.rows) == {1}  # alone: one row a step
+    spy.rows.clear()
+    scheduler = Scheduler(invariant(model, make()), slots=3, capacity=capacity, decode="static", prefill_tokens=24)
+    requests = [Request(c, q, max_new_tokens=NEW, ignore_eos=True) for c, q in prompts]
+    run_all(scheduler, requests)
+    assert [r.tokens for r in requests] == expected
+    assert scheduler.report["batched_rows"] > 0 and max(spy.rows) > 1  # batched rows took the operator together
+
+
+def test_the_scheduler_reads_prompts_in_the_forwards_alone_reads_them_in(prompts, monkeypatch, one_thread):
+    """Full is not chunk-dependent, so a scheduler caps its forwards at its budget (24 tokens here); a batch-invariant
+    one reads each prompt in the method's own chunks (64), as `Engine.generate` does: the same products."""
+    model = build("llama3")
+    forwards = []
+    real = kvpot.Engine._forward
+    monkeypatch.setattr(kvpot.Engine, "_forward", lambda self, run, ids, step: forwards.append(ids.numel()) or
+                        real(self, run, ids, step))
+    engine = kvpot.Engine(model, method=kvpot.Full(chunk_size=64))
+    for context, question in prompts:
+        engine.prefill_ids(context, question)
+    alone = sorted(forwards)
+    for batch_invariant, same in ((True, True), (False, False)):
+        forwards.clear()
+        engine = kvpot.Engine(model, method=kvpot.Full(chunk_size=64), batch_invariant=batch_invariant)
+        requests = [Request(c, q, max_new_tokens=1) for c, q in prompts]
+        run_all(Scheduler(engine, slots=3, capacity=256, decode="static", prefill_tokens=24), requests)
+        assert (sorted(forwards) == alone) is same
+        assert max(forwards) == (64 if batch_invariant else 24)
+
+
+def test_generate_many_and_a_stored_state_question(prompts, one_thread):
+    """A question asked of a stored state is read in a forward of its own, as alone (never fed token by token)."""
+    model = build("llama3")
+    engine = kvpot.Engine(model, method=kvpot.StreamingLLM(sinks=4, window=44, chunk_size=16), batch_invariant=True)
+    states = [engine.prefill_ids(c) for c, _ in prompts]
+    expected = [engine.generate_ids(state=s, question_ids=q, max_new_tokens=NEW, ignore_eos=True).token_ids
+                for s, (_, q) in zip(states, prompts)]
+    requests = [Request(None, q, max_new_tokens=NEW, ignore_eos=True, state=s) for s, (_, q) in zip(states, prompts)]
+    generate_many(engine, requests, batch_size=3)
+    assert [r.tokens for r in requests] == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_bf16_batches_give_each_request_its_tokens_alone_on_cuda(name):
+    """In bf16 on a GPU, with the Triton kernels (head dim 64): captured batched steps of up to 4 rows give each
+    request the tokens its captured one-sequence steps give it alone, token for token, whatever decodes beside it."""
+    make, capacity = METHODS[name]
+    model = build("llama3", hidden_size=256, num_attention_heads=4, num_key_value_heads=2).to("cuda", torch.bfloat16)
+    torch.manual_seed(11)
+    prompts = [(torch.randint(3, VOCAB, (n,)).cuda(), torch.randint(3, VOCAB, (5,)).cuda()) for n in (300, 150, 520, 90)]
+    capacity = capacity and 1024
+    alone = kvpot.Engine(model, method=make(), batch_invariant=True)
+    assert alone.linear == "invariant" and alone.split_entries
+    expected = [alone.generate_ids(c, q, max_new_tokens=32, ignore_eos=True).token_ids for c, q in prompts]
+    scheduler = Scheduler(kvpot.Engine(model, method=make(), batch_invariant=True), slots=4, capacity=capacity,
+                          decode="graph")
+    requests = [Request(c, q, max_new_tokens=32, ignore_eos=True) for c, q in prompts]
+    run_all(scheduler, requests)
+    assert [r.tokens for r in requests] == expected
+    assert scheduler.report["batched_rows"] > 0
