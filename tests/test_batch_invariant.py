@@ -74,13 +74,24 @@ def test_the_options_it_sets_and_refuses():
 
 
 def test_the_mode_routes_every_row(monkeypatch):
-    spy = Spy(monkeypatch)
+    spy, means = Spy(monkeypatch), []
+    real_mean = linear_module.invariant_mean_op
+    monkeypatch.setattr(linear_module, "invariant_mean_op", lambda x, keepdim: means.append(keepdim) or
+                        real_mean(x, keepdim))
     weight, bias = torch.randn(6, 8), torch.randn(6)
+    x = torch.randn(3, 1, 8)
     with EveryRowLinear(("cpu",)):
         one = F.linear(torch.randn(1, 1, 8), weight, bias)
         many = F.linear(torch.randn(5, 1, 8), weight, bias)
         F.linear(torch.randn(2, 8).double(), weight.double())  # a dtype it does not take: torch's product
+        variance = x.pow(2).mean(-1, keepdim=True)  # an RMSNorm's: routed
+        flat = torch.mean(x, dim=[2])
+        whole, first = x.mean(), x.mean(0)  # not over the last dimension alone: torch's
     assert spy.rows == [1, 5] and one.shape == (1, 1, 6) and many.shape == (5, 1, 6)
+    assert means == [True, False]
+    torch.testing.assert_close(variance, x.pow(2).mean(-1, keepdim=True))
+    torch.testing.assert_close(flat, x.mean(-1))
+    assert whole.shape == () and first.shape == (1, 8)
 
 
 METHODS = {"full": (lambda: kvpot.Full(chunk_size=64), 256),

@@ -85,6 +85,21 @@ def test_invariant_linear_refuses_what_it_cannot_take():
         invariant_linear(x, weight.t().contiguous().t())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("width", [64, 576, 4096, 300])  # SmolLM2's and the 8B shape's hidden sizes, a ragged one
+def test_invariant_mean_is_the_mean_and_the_same_at_any_batch(width, dtype):
+    from kvpot.kernels.invariant import invariant_mean
+
+    gen = torch.Generator(device=DEVICE).manual_seed(width)
+    x = torch.randn(max(BATCHES), 1, width, generator=gen, device=DEVICE).pow(2).to(dtype)
+    out = invariant_mean(x, keepdim=True)
+    assert out.shape == (max(BATCHES), 1, 1) and out.dtype == dtype
+    torch.testing.assert_close(out, x.double().mean(-1, keepdim=True).to(dtype), **TOLERANCE[dtype])
+    for batch in BATCHES:
+        assert torch.equal(invariant_mean(x[:batch]), out[:batch, :, 0]), batch
+    assert invariant_mean(x[:0]).shape == (0, 1)
+
+
 def _decode_case(shape, dtype, seed=3):
     query, keys, values, rows, lengths, extra = make_batch_inputs(shape, dtype, seed)
     return query, keys, values, rows, lengths, extra

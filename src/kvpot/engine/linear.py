@@ -75,6 +75,29 @@ def _(x, weight, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
+@torch.library.custom_op("kvpot::invariant_mean", mutates_args=())
+def invariant_mean_op(x: torch.Tensor, keepdim: bool) -> torch.Tensor:
+    """`x.mean(-1, keepdim)` in a fixed order (`kvpot.kernels.invariant.invariant_mean`): an RMSNorm's variance."""
+    from kvpot import kernels
+
+    if kernels.available(x.device):
+        from kvpot.kernels.invariant import invariant_mean
+
+        if not x.is_cuda:  # Triton's interpreter (the tests on a CPU)
+            return invariant_mean(x, keepdim)
+        with torch.cuda.device(x.device):
+            return invariant_mean(x, keepdim)
+    return x.mean(-1, keepdim=keepdim)
+
+
+@invariant_mean_op.register_fake
+def _(x, keepdim):
+    return x.new_empty(*x.shape[:-1], *((1,) if keepdim else ()))
+
+
+_MEANS = (torch.mean, torch.Tensor.mean)
+
+
 class SingleRowLinear(TorchFunctionMode):
     """Sends `F.linear` calls of one row on `devices` to `kvpot::gemv`. (It keeps no count: the compiled
     step traces this method, and a changing attribute would be a guard that fails at every step.)"""
@@ -87,6 +110,8 @@ class SingleRowLinear(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.every_row and func in _MEANS and self._last_dim_mean(args, kwargs):
+            return invariant_mean_op(args[0], bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False)))
         if func is F.linear:
             x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
@@ -106,9 +131,19 @@ class SingleRowLinear(TorchFunctionMode):
 
 
 class EveryRowLinear(SingleRowLinear):
-    """Sends every `F.linear` of a decoding step (its rows: one, or a batch's) to `kvpot::invariant_linear`."""
+    """Sends every `F.linear` of a decoding step (its rows: one, or a batch's) to `kvpot::invariant_linear`, and
+    every mean over the last dimension (an RMSNorm's variance) to `kvpot::invariant_mean`."""
 
     every_row = True
+
+    def _last_dim_mean(self, args, kwargs) -> bool:
+        x = args[0]
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        dim = dim[0] if isinstance(dim, (tuple, list)) and len(dim) == 1 else dim
+        if not isinstance(x, torch.Tensor) or x.device.type not in self.devices or x.dim() == 0 or "dtype" in kwargs:
+            return False
+        return isinstance(dim, int) and dim in (-1, x.dim() - 1) and x.dtype in (torch.float32, torch.bfloat16,
+                                                                                 torch.float16)
 
 
 def resolve_linear(linear: str, device: torch.device, sharded: bool = False, invariant: bool = False) -> str:

@@ -10,6 +10,10 @@ order, into a float32 accumulator, with no split of `K`. A row's output then dep
 weights alone: not on how many rows there are, nor where the row sits in its tile (a matrix unit computes
 each output element from its own row and column). One row pads its tile with 15 masked rows; the work is
 memory-bound at decoding's batch sizes, so the padding costs the weights' read, not compute.
+
+`invariant_mean`: the mean over the last dimension (an RMSNorm's variance) in a fixed order. torch's reduction
+kernel gives one row's reduction more threads than each of eight rows' (its block widens as the outputs get
+fewer), so its sums' order, and a norm's last bits, follow the batch.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import triton.language as tl
 
 # Fixed for every call: changing any of these changes the sums' order (and every row's last bits).
 BLOCK_M, BLOCK_N, BLOCK_K, WARPS, STAGES = 16, 64, 64, 4, 3
+BLOCK_MEAN = 256  # a row's lanes in `invariant_mean`
 
 
 @triton.jit(do_not_specialize=["M", "N", "K"])
@@ -75,3 +80,27 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
             IEEE=x.dtype == torch.float32, num_warps=WARPS, num_stages=STAGES,
         )
     return out.view(*x.shape[:-1], n)
+
+
+@triton.jit(do_not_specialize=["K"])
+def _mean_kernel(X, Y, K, stride_xm, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    lanes = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)  # one program a row, lanes summed once at the end: a fixed order
+    for k in range(0, K, BLOCK):
+        acc += tl.load(X + row * stride_xm + k + lanes, mask=(k + lanes) < K, other=0.0).to(tl.float32)
+    tl.store(Y + row, (tl.sum(acc, axis=0) / K).to(Y.dtype.element_ty))
+
+
+def invariant_mean(x: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
+    """`x.mean(-1, keepdim=keepdim)` (floating x), each row's sum in an order fixed by its length alone."""
+    k = x.shape[-1]
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], dtype=x.dtype, device=x.device)
+    if rows.shape[0] and k:
+        _mean_kernel[(rows.shape[0],)](rows, out, k, rows.stride(0), BLOCK=BLOCK_MEAN, num_warps=4)
+    elif rows.shape[0]:
+        out.fill_(float("nan"))  # as torch: the mean of nothing
+    return out.view(*x.shape[:-1], *((1,) if keepdim else ()))
