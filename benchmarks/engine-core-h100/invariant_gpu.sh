@@ -13,10 +13,10 @@ python3 -m pytest -q -p no:cacheprovider tests/test_invariant_kernels.py tests/t
 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_batch_invariant.py 2>&1 | tee "$OUT/engine-tests.log" | tail -4
 for flag in "" "--batch-invariant"; do
   name=decode${flag:+-invariant}
-  timeout 150 python3 -m kvpot bench decode --shape llama3-8b --device cuda --method streaming --lengths 4096 \
+  timeout 110 python3 -m kvpot bench decode --shape llama3-8b --device cuda --method streaming --lengths 4096 \
       --decode-steps 64 $flag --out "$OUT/$name" > "$OUT/$name.log" 2>&1; tail -3 "$OUT/$name.log"
   name=throughput${flag:+-invariant}
-  timeout 200 python3 -m kvpot bench throughput --shape llama3-8b --device cuda --method infinipot:pot_size=4096 \
+  timeout 130 python3 -m kvpot bench throughput --shape llama3-8b --device cuda --method infinipot:pot_size=4096 \
       --users 16 --lengths 2048 --new-tokens 64 --sequential-users 1 $flag --out "$OUT/$name" > "$OUT/$name.log" 2>&1
   tail -3 "$OUT/$name.log"
 done

@@ -52,7 +52,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
-    from kvpot.kernels import invariant
+    import kvpot.kernels.invariant as invariant
     from kvpot.kernels.gemv import gemv
 
     rows = {}

@@ -1,5 +1,5 @@
 """The open-loop workload (`open_loop.sh`'s) twice in one process: mixed steps with the rule that a chunk that
-could mix waits for the next mixed forward (`Scheduler.mix_waits`, the default), and with the former rule (such
+could mix waits for the next mixed forward (`Scheduler.mix_waits = True`), and with the rule kvpot runs (such
 chunks read in forwards of their own beside the mixed one). Each run's rows hold their step traces (`steps`).
 
     python benchmarks/engine-core-h100/mix_rule_ab.py --out DIR [kvpot bench throughput options...]
@@ -26,11 +26,11 @@ def main(argv=None) -> int:
     from kvpot.engine.scheduler import Scheduler
 
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    code = 0
+    code, default = 0, Scheduler.mix_waits
     for name, waits in (("waits", True), ("apart-after-mix", False)):
         Scheduler.mix_waits = waits
         code |= kvpot(["bench", "throughput", *WORKLOAD, *extra, "--out", f"{args.out}/{name}"])
-    Scheduler.mix_waits = True
+    Scheduler.mix_waits = default
     return code
 
 

@@ -56,7 +56,7 @@ class Scheduler:
         `documents` at once; questions fed even alone), copied on write (`Method.copies_document`). Off by default.
     """
 
-    mix_waits = True  # after a mixed forward, a chunk that could mix waits for the next one (`_prefill`)
+    mix_waits = False  # after a mixed forward, chunks that could mix wait for the next one (`_prefill` says why not)
 
     def __init__(self, engine, slots: int | None = None, capacity: int | None = None, question_room: int = 512,
                  max_waiting: int | None = None, prefill_tokens: int = PREFILL_TOKENS, decode: str = "auto",
@@ -249,11 +249,11 @@ class Scheduler:
 
     def _prefill(self, ended: list[Request], budget: int) -> list[int]:
         """Read chunks of prefilling requests in forwards of their own, oldest first, within what is left of the
-        step's token budget; returns the slots whose prompt was read (their first token is picked). After a mixed
-        forward, a chunk that could mix waits for the next one: a forward of its own beside it would double the
-        step (an eager forward, ~70-80 ms on an 8B shape however short; engine/trace.py finds such steps)."""
+        step's token budget; returns the slots whose prompt was read (their first token is picked). `mix_waits`: a chunk
+        that could mix waits after a mixed forward; off since an H100 A/B (ITL p50 89 against 13.5 ms, TTFT p50 4.7
+        against 3.3 s, ITL p99 148 against 233: records/engine-core-h100/invariant/)."""
         done, read = [], budget < self.prefill_tokens  # prompt tokens were read in this step's forward already
-        mixed = read and self.mix_waits  # (False: the former rule, for an A/B: `mixed_probe.py --modes mix-apart`)
+        mixed = read and self.mix_waits  # (an A/B: `mix_rule_ab.py`, `mixed_probe.py --modes mix-apart`)
         for slot, active in sorted(self.active.items(), key=lambda item: item[1].started):
             if active.request.status != "prefilling" or active.feeding is not None:
                 continue
