@@ -12,7 +12,7 @@ from kvpot.bench.config import DEFAULT_LENGTHS, MODES, BenchConfig
 from kvpot.bench.load import parse_rate
 from kvpot.bench.serve_config import MODE as SERVE_MODE, ServeBenchConfig
 from kvpot.cli.args import METHOD_METAVAR, add_device_arguments, add_tp_argument, parse_length, parse_lengths
-from kvpot.defaults import MIX, PREFILL_TOKENS
+from kvpot.defaults import MIX, MIXES, PREFILL_TOKENS
 from kvpot.errors import KvpotError
 
 HIP_MODE = "hip-reference"
@@ -143,7 +143,7 @@ def register(sub) -> None:
                    help=f"prompt tokens the scheduler reads per step between decoding steps (default {PREFILL_TOKENS})")
     t.add_argument("--sequential-users", type=int, default=None,
                    help="users the one-at-a-time row serves (default: all; fewer keeps long runs short)")
-    t.add_argument("--mix", choices=["auto", "on", "off"], default=MIX,
+    t.add_argument("--mix", choices=MIXES, default=MIX,
                    help="METHOD [batch] (and serve's server): read prompt chunks in the decoding rows' forward (on), "
                         "in forwards of their own between decoding steps (off), or auto: on a CUDA GPU, where the "
                         f"varlen kernel attends them (default {MIX}); recorded as each row's `mix`")

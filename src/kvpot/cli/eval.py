@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from kvpot.cli.args import METHOD_METAVAR, add_model_arguments
+from kvpot.defaults import MIX, MIXES
 from kvpot.eval.config import (
     DEFAULT_DEPTHS,
     DEFAULT_LENGTHS,
@@ -110,7 +111,7 @@ def register(sub) -> None:
     p.add_argument("--batch-size", type=int, default=1,
                    help="samples each method answers together (continuous batching over bounded caches; same "
                         "greedy answers as one at a time; default 1)")
-    p.add_argument("--mix", choices=["auto", "on", "off"], default="auto",
+    p.add_argument("--mix", choices=MIXES, default=MIX,
                    help="with --batch-size: read prompt chunks in the decoding rows' forward (on), in forwards of "
                         "their own (off), or auto: on a CUDA GPU (default auto; the same greedy answers in float32)")
     p.add_argument("--batch-invariant", action="store_true",

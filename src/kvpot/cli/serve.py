@@ -13,7 +13,7 @@ DEFAULT_METHOD = "infinipot:pot_size=4096"  # bounded, as `kvpot generate`'s def
 
 def register(subparsers) -> None:
     from kvpot.cli.args import METHOD_METAVAR, add_decode_argument, add_model_arguments, add_tp_argument
-    from kvpot.defaults import MIX, PREFILL_TOKENS
+    from kvpot.defaults import MIX, MIXES, PREFILL_TOKENS
 
     p = subparsers.add_parser(
         "serve",
@@ -68,7 +68,7 @@ def register(subparsers) -> None:
     b.add_argument("--prefill-tokens", type=int, default=PREFILL_TOKENS,
                    help="prompt tokens read per step between decode steps: lower keeps streams smoother while a "
                         f"long prompt or document is read, higher reads it sooner (default {PREFILL_TOKENS})")
-    b.add_argument("--mix", choices=["auto", "on", "off"], default=MIX,
+    b.add_argument("--mix", choices=MIXES, default=MIX,
                    help="read prompt chunks in the same forward as the users decoding (one budgeted forward a "
                         "step, --prefill-tokens of prompt beside one token a user) instead of a forward of their "
                         f"own that every user waits for; auto: on a CUDA GPU, where its varlen kernel runs "

@@ -29,6 +29,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvpot.attention import AttentionRequest, observe, sequence_attention
 from kvpot.compat import cache_kwargs
+from kvpot.defaults import MIXES
 from kvpot.engine.pool import SlotLayer
 from kvpot.engine.results import _Run
 from kvpot.engine.sampling import _as_ids
@@ -45,7 +46,6 @@ class Chunk:
     step: Step
 
 
-MIXES = ("auto", "on", "off")
 
 
 def resolve_mix(mix: bool | str, device: torch.device, head_dim: int, sharing: bool = False,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvpot.defaults import MIXES
 from kvpot.errors import KvpotError
 
 
@@ -184,7 +185,7 @@ class EvalConfig:
             raise KvpotError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}.")
         if self.window < 1:
             raise KvpotError(f"--window must be at least 1 token, got {self.window}.")
-        if self.mix not in ("auto", "on", "off"):
+        if self.mix not in MIXES:
             raise KvpotError(f"--mix must be auto, on or off, got {self.mix!r}.")
         if self.batch_invariant and self.mix == "on":
             raise KvpotError("--batch-invariant reads prompts as one sample alone does: it does not run with --mix on.")

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvpot.defaults import MIX, PREFILL_TOKENS
+from kvpot.defaults import MIX, MIXES, PREFILL_TOKENS
 from kvpot.errors import KvpotError
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
@@ -76,7 +76,7 @@ class ServeConfig:
                 raise KvpotError(f"--{name.replace('_', '-')} must be a number of seconds >= 0, got {value!r}.")
         if self.read_timeout == 0 or self.tp_timeout == 0:
             raise KvpotError(f"--{'read' if self.read_timeout == 0 else 'tp'}-timeout must be positive.")
-        if self.mix not in ("auto", "on", "off"):
+        if self.mix not in MIXES:
             raise KvpotError(f"--mix must be auto, on or off, got {self.mix!r}.")
         if self.mix == "on" and self.share_documents:
             raise KvpotError("--mix on and --share-documents do not run together yet (a shared document's readers "
