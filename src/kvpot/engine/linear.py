@@ -20,6 +20,7 @@ products come out the same at any batch size.
 from __future__ import annotations
 
 import contextlib
+import importlib
 
 import torch
 import torch.nn.functional as F
@@ -31,48 +32,36 @@ from kvpot.errors import KvpotError
 LINEARS = ("auto", "gemv", "torch")
 
 
-@torch.library.custom_op("kvpot::gemv", mutates_args=())
-def gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear` of one row: kvpot's kernel on CUDA; elsewhere (the mode's CPU tests) the plain
-    product, or the kernel in Triton's interpreter when it runs."""
-    from kvpot import kernels
-
-    if kernels.available(x.device):
-        from kvpot.kernels.gemv import gemv
-
-        if not x.is_cuda:  # Triton's interpreter (the tests on a CPU)
-            return gemv(x, weight, bias)
-        with torch.cuda.device(x.device):  # a model split over GPUs: Triton launches on the current device
-            return gemv(x, weight, bias)
-    # not F.linear: at run time a compiled step calls this op with the mode still active
-    out = x @ weight.t()
-    return out if bias is None else out + bias
+def _launch(kernel, x: torch.Tensor, *args):
+    """`kernel(x, *args)` on x's device: Triton launches on the current CUDA device (a model split over GPUs), and
+    on a CPU the kernel runs in Triton's interpreter (the tests)."""
+    if not x.is_cuda:
+        return kernel(x, *args)
+    with torch.cuda.device(x.device):
+        return kernel(x, *args)
 
 
-@gemv_op.register_fake
-def _(x, weight, bias):
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
+def _linear_op(name: str, kernel: str):
+    """The operator `kvpot::NAME`: `F.linear` through `kvpot.kernels.KERNEL` where kvpot's kernels run; elsewhere
+    (the modes' CPU tests) the plain product. Called at run time by a compiled step with the mode still active,
+    it must not call `F.linear` itself."""
+
+    @torch.library.custom_op(f"kvpot::{name}", mutates_args=())
+    def op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        from kvpot import kernels
+
+        if kernels.available(x.device):
+            module, function = kernel.rsplit(".", 1)
+            return _launch(getattr(importlib.import_module(f"kvpot.kernels.{module}"), function), x, weight, bias)
+        out = x @ weight.t()
+        return out if bias is None else out + bias
+
+    op.register_fake(lambda x, weight, bias: x.new_empty(*x.shape[:-1], weight.shape[0]))
+    return op
 
 
-@torch.library.custom_op("kvpot::invariant_linear", mutates_args=())
-def invariant_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear` with fixed tiles (`kvpot.kernels.invariant`): each row's result independent of the others."""
-    from kvpot import kernels
-
-    if kernels.available(x.device):
-        from kvpot.kernels.invariant import invariant_linear
-
-        if not x.is_cuda:  # Triton's interpreter (the tests on a CPU)
-            return invariant_linear(x, weight, bias)
-        with torch.cuda.device(x.device):
-            return invariant_linear(x, weight, bias)
-    out = x @ weight.t()
-    return out if bias is None else out + bias
-
-
-@invariant_op.register_fake
-def _(x, weight, bias):
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
+gemv_op = _linear_op("gemv", "gemv.gemv")  # one row at the memory's speed (`kvpot.kernels.gemv`)
+invariant_op = _linear_op("invariant_linear", "invariant.invariant_linear")  # fixed tiles: rows independent
 
 
 @torch.library.custom_op("kvpot::invariant_mean", mutates_args=())
@@ -83,10 +72,7 @@ def invariant_mean_op(x: torch.Tensor, keepdim: bool) -> torch.Tensor:
     if kernels.available(x.device):
         from kvpot.kernels.invariant import invariant_mean
 
-        if not x.is_cuda:  # Triton's interpreter (the tests on a CPU)
-            return invariant_mean(x, keepdim)
-        with torch.cuda.device(x.device):
-            return invariant_mean(x, keepdim)
+        return _launch(invariant_mean, x, keepdim)
     return x.mean(-1, keepdim=keepdim)
 
 
