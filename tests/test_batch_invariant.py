@@ -168,3 +168,20 @@ def test_bf16_batches_give_each_request_its_tokens_alone_on_cuda(name):
     run_all(scheduler, requests)
     assert [r.tokens for r in requests] == expected
     assert scheduler.report["batched_rows"] > 0
+
+
+def test_the_commands_refuse_what_the_mode_cannot_do(capsys, tmp_path):
+    from conftest import run
+
+    from kvpot.bench.config import BenchConfig
+    from kvpot.eval.config import EvalConfig
+
+    code, _, err = run(capsys, "eval", "passkey", "--method", "streaming", "--batch-invariant", "--mix", "on",
+                       "--out", str(tmp_path / "e"))
+    assert code == 2 and "--batch-invariant reads prompts as one sample alone" in err
+    with pytest.raises(KvpotError, match="does not run with --mix on"):
+        EvalConfig(task="passkey", methods=["streaming"], out=tmp_path / "e", batch_invariant=True, mix="on")
+    for option in (dict(mixed=True), dict(mix="on")):
+        with pytest.raises(KvpotError, match="--batch-invariant reads prompts as one request alone"):
+            BenchConfig(mode="throughput", shape="tiny", out=tmp_path / "b", methods=["streaming"], lengths=[256],
+                        batch_invariant=True, **option)

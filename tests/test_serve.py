@@ -311,6 +311,23 @@ def test_sixteen_streaming_clients_get_what_each_gets_alone(busy):
     assert health["pools"][0]["mix"] is True
 
 
+def test_batch_invariant_server_gives_each_client_its_tokens_alone(state_dir):
+    """`kvpot serve --batch-invariant`: prompts are read apart (never mixed) and every client's stream is its answer
+    alone. (On a CPU the products stay torch's; the GPU's numerics are tests/test_batch_invariant.py's.)"""
+    running = Server(state_dir.parent / "invariant-states", "--max-slots", "4", "--max-queue", "8",
+                     "--prefill-tokens", "64", "--batch-invariant")
+    try:
+        client = running.client()
+        together = _together(_stream, [(client, q, 8) for q in QUESTIONS[:8]])
+        alone = [_stream(client, q, 8) for q in QUESTIONS[:8]]
+        assert together == alone, [(t, a) for t, a in zip(together, alone) if t != a]
+        assert running.metric("mixed_forwards_total") == 0
+        pool = running.http("GET", "/health").json()["pools"][0]
+        assert pool["batch_invariant"] is True and pool["mix"] is False
+    finally:
+        running.stop()
+
+
 def test_clients_that_go_away_mid_stream_free_their_slots(busy):
     before = busy.metric("cancelled_total")
     body = {"model": MODEL, "prompt": PASSKEY, "max_tokens": 2000, "stream": True, "ignore_eos": True}

@@ -238,6 +238,8 @@ def test_config_validation_and_sizes(tmp_path):
     (["--max-slots", "0"], "--max-slots must be a positive integer"),
     (["--prefill-tokens", "0"], "--prefill-tokens must be a positive integer"),
     (["--feed-tokens", "0"], "--feed-tokens must be a positive integer"),
+    (["--batch-invariant", "--mix", "on"], "--batch-invariant reads prompts and questions as one request alone"),
+    (["--batch-invariant", "--feed-questions", "always"], "it does not run with --mix on, --feed-questions always"),
 ])
 def test_serve_command_refuses_bad_flags_in_one_line(argv, fragment, capsys):
     from kvpot.cli import main
