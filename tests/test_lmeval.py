@@ -119,3 +119,8 @@ def test_generate_until_in_batches_gives_the_one_at_a_time_texts():
     assert lm.batch_size == 3
     assert lm.generate_until(requests) == one
     assert KvpotLM(method="full", device="cpu", batch_size="auto:4", max_batch_size=8).batch_size == 8
+    invariant = KvpotLM.create_from_arg_string("method=streaming:sinks=4,window=60,batch_invariant=true",
+                                               {"device": "cpu", "batch_size": 3})
+    assert invariant.engine.batch_invariant and invariant.generate_until(requests) == one
+    with pytest.raises(KvpotError, match="batch_invariant must be true or false"):
+        KvpotLM(method="full", device="cpu", batch_invariant="maybe")

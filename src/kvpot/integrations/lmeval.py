@@ -21,7 +21,8 @@ module must be imported first. Run the harness through it::
 ``lm_eval.simple_evaluate(model="kvpot", model_args=...)``. Model arguments: ``pretrained``
 (default: the bundled reference model), ``method`` (a kvpot method spec ``name:key=value``),
 ``budget``, ``device``, ``dtype`` (auto, float32, bfloat16, float16), ``greedy_check`` (default
-true; false skips the extra generation of ``is_greedy``), and any other ``key=value``: a method
+true; false skips the extra generation of ``is_greedy``), ``batch_invariant`` (default false; true: batch-invariant
+decoding, so ``batch_size`` N generates what 1 does in bf16 too), and any other ``key=value``: a method
 parameter (lm-eval splits ``--model_args`` at commas, so ``method=streaming:sinks=4,window=1020``
 arrives as ``method=streaming:sinks=4`` and ``window=1020``; both reach the method).
 """
@@ -54,6 +55,7 @@ class KvpotLM(LM):
         greedy_check: bool = True,
         batch_size: Any = 1,  # generate_until requests decode this many at a time (kvpot.engine.scheduler)
         max_batch_size: Any = None,
+        batch_invariant: Any = False,  # Engine(batch_invariant=...): batched texts those of one at a time in bf16
         **method_params: Any,
     ) -> None:
         import torch
@@ -75,7 +77,10 @@ class KvpotLM(LM):
         model, tokenizer, path, device = load_model(None if pretrained is None else str(pretrained), device, dtype)
         self.pretrained, self.method_spec = path, run.spec.text()
         self.tokenizer = tokenizer
-        self.engine = Engine(model, tokenizer, method=run.method, chat_template=False)
+        if str(batch_invariant).lower() not in ("true", "false"):
+            raise KvpotError(f"batch_invariant must be true or false, got {batch_invariant!r}.")
+        self.engine = Engine(model, tokenizer, method=run.method, chat_template=False,
+                             batch_invariant=str(batch_invariant).lower() == "true")
         self.greedy_check = bool(greedy_check)
         # lm-eval's "auto" sizes batches by trial; kvpot's slots are sized by the method's bound instead
         self.batch_size = int(max_batch_size or 64) if str(batch_size).startswith("auto") else int(batch_size)
