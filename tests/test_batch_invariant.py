@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import kvpot
 from conftest import VOCAB, build, interpreter_runtime_loops
 from kvpot.engine import linear as linear_module
-from kvpot.engine.linear import EveryRowLinear, resolve_linear
+from kvpot.engine.linear import EveryRowLinear, decoding_numerics, resolve_linear
 from kvpot.engine.offline import generate_many, run_all
 from kvpot.engine.scheduler import Request, Scheduler
 from kvpot.errors import KvpotError
@@ -67,6 +67,12 @@ def test_the_options_it_sets_and_refuses():
         kvpot.Engine(model, linear="torch", batch_invariant=True)
     with pytest.raises(KvpotError, match="tensor parallelism"):
         resolve_linear("auto", torch.device("cpu"), sharded=True, invariant=True)
+    # on a GPU: kvpot's kernels or nothing (a head dim they do not take; without Triton; with eager steps)
+    gpu = torch.device("cuda")
+    for head_dim, decode in ((48, "auto"), (64, "eager")):
+        with pytest.raises(KvpotError, match="batch-invariant decoding on a GPU"):
+            decoding_numerics("auto", gpu, False, True, head_dim, decode)
+    assert decoding_numerics("auto", gpu, False, False, 48, "eager")[2] is None  # the mode off: nothing asked
     from kvpot import kernels
 
     expected = "invariant" if kernels.available("cpu") else "torch"  # the interpreter runs it on a CPU
@@ -83,7 +89,8 @@ def test_the_mode_routes_every_row(monkeypatch):
     with EveryRowLinear(("cpu",)):
         one = F.linear(torch.randn(1, 1, 8), weight, bias)
         many = F.linear(torch.randn(5, 1, 8), weight, bias)
-        F.linear(torch.randn(2, 8).double(), weight.double())  # a dtype it does not take: torch's product
+        with pytest.warns(UserWarning, match="went through torch's product"):  # a dtype it does not take: said
+            F.linear(torch.randn(2, 8).double(), weight.double())
         variance = x.pow(2).mean(-1, keepdim=True)  # an RMSNorm's: routed
         flat = torch.mean(x, dim=[2])
         whole, first = x.mean(), x.mean(0)  # not over the last dimension alone: torch's
@@ -97,7 +104,8 @@ def test_the_mode_routes_every_row(monkeypatch):
 METHODS = {"full": (lambda: kvpot.Full(chunk_size=64), 256),
            "streaming": (lambda: kvpot.StreamingLLM(sinks=4, window=44, chunk_size=16), None),
            "h2o": (lambda: kvpot.H2O(heavy=24, recent=24, chunk_size=16), None),
-           "infinipot": (lambda: kvpot.InfiniPot(pot_size=64, catalyst=None), None)}
+           "infinipot": (lambda: kvpot.InfiniPot(pot_size=64, catalyst=None), None),
+           "selfextend": (lambda: kvpot.SelfExtend(group_size=4, window=16, chunk_size=64), 256)}
 
 
 @pytest.mark.parametrize("name", sorted(METHODS))
@@ -176,6 +184,8 @@ def test_the_commands_refuse_what_the_mode_cannot_do(capsys, tmp_path):
     from kvpot.bench.config import BenchConfig
     from kvpot.eval.config import EvalConfig
 
+    code, _, err = run(capsys, "generate", "--batch-invariant", "--linear", "gemv", "--context", "abc")
+    assert code == 2 and "--batch-invariant chooses the linear layers' kernel itself" in err
     code, _, err = run(capsys, "eval", "passkey", "--method", "streaming", "--batch-invariant", "--mix", "on",
                        "--out", str(tmp_path / "e"))
     assert code == 2 and "--batch-invariant reads prompts as one sample alone" in err
@@ -223,3 +233,43 @@ def test_the_compiled_step_holds_the_invariant_operators(prompts, monkeypatch, o
 
 def _targets(gm) -> list:
     return [node.target for node in gm.graph.nodes if node.op == "call_function"]
+
+
+def test_methods_a_batch_steps_eagerly_decode_eagerly_alone_too(prompts, one_thread):
+    """InfLLM's rows are eager steps in a batch (its positions are not the batched kernels'): batch-invariant, alone
+    decodes it eagerly too, so both run the same forward; without the mode alone takes the fixed-shape steps."""
+    model = build("llama3")
+    make = lambda: kvpot.InfLLM(initial=4, window=32, block_size=8, representatives=2, topk=3, lookup=16,  # noqa: E731
+                                chunk_size=32)
+    context, question = prompts[0]
+    plain = kvpot.Engine(model, method=make(), decode="static").generate_ids(context, question, max_new_tokens=4)
+    engine = kvpot.Engine(model, method=make(), decode="static", batch_invariant=True)
+    alone = engine.generate_ids(context, question, max_new_tokens=NEW, ignore_eos=True)
+    assert plain.stats.decode["mode"] == "static" and alone.stats.decode["mode"] == "eager"
+    scheduler = Scheduler(engine, slots=2, capacity=256, decode="static")
+    requests = [Request(context, question, max_new_tokens=NEW, ignore_eos=True), Request(*prompts[1], max_new_tokens=4)]
+    run_all(scheduler, requests)
+    assert requests[0].tokens == alone.token_ids and scheduler.report["batched_rows"] == 0
+
+
+def test_the_server_reads_contexts_as_alone(monkeypatch, one_thread):
+    """`kvpot serve` reads long contexts and uploads through `prefill_steps`, capped at --prefill-tokens a forward;
+    batch-invariant, in the method's own forwards (no cap), as `Engine.generate` reads them."""
+    from conftest import build_llama
+
+    from kvpot.models.reference.tokenizer import build_tokenizer
+    from kvpot.serve.config import ServeConfig
+    from kvpot.serve.service import Service
+
+    for batch_invariant, cap in ((False, 64), (True, None)):
+        tokenizer = build_tokenizer()
+        model = build_llama(vocab_size=320, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+        engine = kvpot.Engine(model, tokenizer, method=kvpot.Full(chunk_size=128), batch_invariant=batch_invariant)
+        asked = []
+        monkeypatch.setattr(engine, "prefill_steps", lambda ids, **kw: asked.append(kw["max_chunk"]))
+        service = Service(engine, ServeConfig(method="full:chunk_size=128", prefill_tokens=64))
+        try:
+            service._prefill("full:chunk_size=128", [5, 6, 7], should_stop=None)
+        finally:
+            service.worker.shutdown()
+        assert asked == [cap]

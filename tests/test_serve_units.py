@@ -240,6 +240,7 @@ def test_config_validation_and_sizes(tmp_path):
     (["--feed-tokens", "0"], "--feed-tokens must be a positive integer"),
     (["--batch-invariant", "--mix", "on"], "--batch-invariant reads prompts and questions as one request alone"),
     (["--batch-invariant", "--feed-questions", "always"], "it does not run with --mix on, --feed-questions always"),
+    (["--batch-invariant", "--linear", "torch"], "--batch-invariant chooses the linear layers' kernel itself"),
 ])
 def test_serve_command_refuses_bad_flags_in_one_line(argv, fragment, capsys):
     from kvpot.cli import main

@@ -87,12 +87,21 @@ def add_decode_argument(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--batch-invariant", action="store_true",
-        help="batch-invariant decoding: each request's tokens do not depend on what decodes beside it. Decoding "
+        help="batch-invariant decoding: each request's greedy tokens do not depend on what decodes beside it. Decoding "
              "steps' linear layers run on fixed tiles (kvpot's Triton kernel on a GPU), the decode attention in "
              "splits of a fixed size, and batched prompts are read as one request alone reads them (not mixed, "
              "questions not fed). Slower: for evaluations and tests that compare batched with alone "
              "(docs/design.md, Batch-invariant decoding)",
     )
+
+
+def check_batch_invariant(args) -> None:
+    """`--batch-invariant` with what it cannot run, refused before a model loads."""
+    from kvpot.errors import KvpotError
+
+    if getattr(args, "batch_invariant", False) and (args.linear != "auto" or getattr(args, "tp", 1) != 1):
+        raise KvpotError("--batch-invariant chooses the linear layers' kernel itself and does not run under tensor "
+                         "parallelism: drop --linear / --tp.")
 
 
 def add_gguf_argument(parser: argparse.ArgumentParser) -> None:

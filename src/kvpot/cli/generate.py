@@ -7,7 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from kvpot.cli.args import add_decode_argument, add_method_arguments, add_model_arguments, add_tp_argument
+from kvpot.cli.args import (add_decode_argument, add_method_arguments, add_model_arguments, add_tp_argument,
+                            check_batch_invariant)
 from kvpot.errors import KvpotError
 
 # Without --method: InfiniPot (bounded at every instant of prefill and decoding) with a pot of
@@ -94,6 +95,7 @@ def build_method(args):
 def run(args) -> int:
     if args.max_new_tokens < 0:
         raise KvpotError("--max-new-tokens must be >= 0.")
+    check_batch_invariant(args)
     method, label = build_method(args)  # validate cheap things before loading a model
     context = read_context(args)
     from kvpot.engine import Engine

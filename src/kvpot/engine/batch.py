@@ -202,6 +202,13 @@ def batchable_request(request: AttentionRequest | None) -> bool:
     return rows and request.over == "all" and request.head_reduce == "mean"
 
 
+def batches_rows(engine, policy) -> bool:
+    """Whether a `Scheduler` steps `engine`'s rows in batched forwards (else each row's steps are the engine's
+    eager forward): a batched form of the method's per-token work, a RoPE table, kernels that read the policy."""
+    dynamic = engine.rope.dynamic and not policy.stores_rotated
+    return batched_method(engine.method) and not dynamic and policy.kernel_decoding
+
+
 def batched_method(method: Method) -> bool:
     """Whether the method's per-token work has a batched form (a method that overrides the
     one-sequence `decode_append` must override `batch_append` too, or its rows run alone)."""

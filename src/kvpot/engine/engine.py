@@ -21,6 +21,7 @@ from transformers import PreTrainedModel
 from kvpot.attention import AttentionRequest, register
 from kvpot.cache import PotCache
 from kvpot.compat import cache_kwargs
+from kvpot.engine.batch import batches_rows
 from kvpot.engine.decoding import MODES, Decoder, decode_eager, resolve_mode
 from kvpot.engine.linear import decoding_numerics, single_row_scope
 from kvpot.engine.regions import CompiledStep
@@ -34,6 +35,7 @@ from kvpot.errors import KvpotError
 from kvpot.methods import Full, Method, Step
 from kvpot.methods.base import Setup
 from kvpot.models import architecture_of, load_pretrained, rotary_embedding
+from kvpot.models.shapes import head_dim
 from kvpot.models.devices import input_device, model_devices, output_device, peak_memory, reset_peak_memory, synchronize
 from kvpot.models.parallel import TensorParallel
 from kvpot.positions import make_policy
@@ -87,7 +89,7 @@ class Engine(TextApi, Scoring):
         # decoding's numerics (kvpot.engine.linear): single-token steps' products on kvpot's matrix-vector kernel on a
         # GPU; batch-invariant, each request's numbers the same at any batch (docs/design.md, *Batch-invariant decoding*)
         self.linear, self._linear_devices, self.split_entries = decoding_numerics(
-            linear, self._device, self.parallel is not None, batch_invariant)
+            linear, self._device, self.parallel is not None, batch_invariant, head_dim(model.config), decode)
         self.batch_invariant = batch_invariant
 
     @classmethod
@@ -95,8 +97,8 @@ class Engine(TextApi, Scoring):
         cls,
         name_or_path=None, method: Method | None = None, device: str | None = None, dtype: torch.dtype | None = None,
         chat_template: bool | str = "auto", decode: str = "auto", compile_step: bool = False, linear: str = "auto",
-        batch_invariant: bool = False, device_map: str | dict | None = None, max_memory: dict | None = None,
-        gguf_file: str | None = None, tp_size: int | None = None,
+        device_map: str | dict | None = None, max_memory: dict | None = None, gguf_file: str | None = None,
+        tp_size: int | None = None, batch_invariant: bool = False,
     ) -> Engine:
         """Load a model on `device` (default "cpu"), or split over several by `device_map` ("auto", or a dict
         module -> device) within `max_memory` ({0: "70GiB", ...}); each layer's cache lives on its device.
@@ -396,8 +398,11 @@ class Engine(TextApi, Scoring):
     def _decode(self, run: _Run, max_new_tokens, on_token, temperature, top_p, seed, ignore_eos,
                 time_steps=False) -> Result:
         eos = set() if ignore_eos else _eos_ids(self.model)
-        # a model split over several GPUs decodes eagerly: one captured step would span devices
-        mode = resolve_mode(self.decode, self.device) if len(self.devices) <= 1 else "eager"
+        # a model split over several GPUs decodes eagerly: one captured step would span devices; batch-invariant, a
+        # method whose rows a batch steps eagerly (InfLLM, InfiniteHiP) decodes so alone too
+        batched = batches_rows(self, make_policy(self.method.positions))
+        eager = len(self.devices) > 1 or self.batch_invariant and not batched
+        mode = "eager" if eager else resolve_mode(self.decode, self.device)
         started = self._clock()
         if mode == "eager" or max_new_tokens == 0:
             times: list[float] | None = [] if time_steps else None

@@ -20,7 +20,9 @@ products come out the same at any batch size.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -103,6 +105,8 @@ class SingleRowLinear(TorchFunctionMode):
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             if self._takes(x, weight, bias):
                 return (invariant_op if self.every_row else gemv_op)(x, weight, bias)
+            if self.every_row and x.device.type in self.devices:
+                _not_routed(x, weight)
         return func(*args, **kwargs)
 
     def _takes(self, x, weight, bias) -> bool:
@@ -113,7 +117,17 @@ class SingleRowLinear(TorchFunctionMode):
             return False
         if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             return False
-        return bias is None or (bias.dtype == x.dtype and bias.device == x.device)
+        return bias is None or (bias.dtype == x.dtype and bias.device == x.device and bias.stride(-1) == 1)
+
+
+@functools.cache
+def _warn_once(what: str) -> None:
+    warnings.warn(f"batch-invariant decoding: {what} went through torch's product, whose sums follow the batch.",
+                  stacklevel=3)
+
+
+def _not_routed(x: torch.Tensor, weight: torch.Tensor) -> None:
+    _warn_once(f"a linear layer of {x.dtype} inputs and {weight.dtype} weights, shape {tuple(weight.shape)}")
 
 
 class EveryRowLinear(SingleRowLinear):
@@ -164,14 +178,24 @@ def resolve_linear(linear: str, device: torch.device, sharded: bool = False, inv
     return linear
 
 
-def decoding_numerics(linear: str, device: torch.device, sharded: bool, batch_invariant: bool
-                      ) -> tuple[str, tuple[str, ...], int | None]:
+def decoding_numerics(linear: str, device: torch.device, sharded: bool, batch_invariant: bool, head_dim: int = 64,
+                      decode: str = "auto") -> tuple[str, tuple[str, ...], int | None]:
     """An engine's (resolved linear mode, devices its single-token forwards route, the decode attention's fixed
     split size or None). Batch-invariant decoding: every decoding row's products on fixed tiles, routed on the
     engine's device, and splits of `kvpot.defaults.SPLIT_ENTRIES` entries; the batched scheduler reads prompts
-    as one request alone does (`Scheduler`)."""
+    as one request alone does (`Scheduler`). On a GPU it needs kvpot's kernels (else it would silently be torch's
+    sums) and the fixed-shape decoding steps (an eager step attends through SDPA, which a batch does not)."""
     if not isinstance(batch_invariant, bool):
         raise KvpotError(f"batch_invariant must be True or False, got {batch_invariant!r}.")
+    if batch_invariant and device.type == "cuda":
+        from kvpot import kernels
+
+        if not (kernels.available(device) and kernels.supports_head_dim(head_dim)):
+            raise KvpotError(f"batch-invariant decoding on a GPU runs kvpot's Triton kernels: it needs Triton and a "
+                             f"head dim of 32, 64, 128 or 256 (this model's is {head_dim}).")
+        if decode == "eager":
+            raise KvpotError("decode='eager' under batch-invariant decoding on a GPU: an eager step attends through "
+                             "SDPA, which a batch's steps do not; use decode='auto', 'graph' or 'static'.")
     resolved = resolve_linear(linear, device, sharded, invariant=batch_invariant)
     devices = (device.type,) if resolved == "invariant" else ("cuda",)
     return resolved, devices, SPLIT_ENTRIES if batch_invariant else None

@@ -18,7 +18,7 @@ import torch
 
 from kvpot.engine.admission import Admission, Place
 from kvpot.engine.agreement import StepAgreement
-from kvpot.engine.batch import BatchDecoder, batchable_request, batched_method, mirror_append, step_observations
+from kvpot.engine.batch import BatchDecoder, batchable_request, batches_rows, mirror_append, step_observations
 from kvpot.engine.decoding import resolve_mode
 from kvpot.engine.delivery import TokenOutbox, hand_over
 from kvpot.engine.documents import copy_before_step, load_state, share_region, unshare
@@ -84,8 +84,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.active: dict[int, _Active] = {}  # slot -> its request
         self.eos = frozenset(_eos_ids(engine.model))
-        rope_dynamic = engine.rope.dynamic and not self.pool.policy.stores_rotated
-        self.batched = batched_method(self.method) and not rope_dynamic and self.pool.policy.kernel_decoding
+        self.batched = batches_rows(engine, self.pool.policy)
         self.mix = resolve_mix(mix, engine.device, self.pool.layers[0].head_dim, share_documents,
                                engine.parallel is not None, engine.batch_invariant) and self.batched  # in one forward
         self.steady_ok = batchable_request(self.method.decode_request("steady"))

@@ -71,18 +71,18 @@ def _merge_kernel(
     # Splits go through in chunks of a fixed size, in order, for both the sums: a row's result then does not
     # depend on how many empty splits follow its last live one (batch-invariant decoding: a slot's capacity
     # sets the split count), and all the partials at once (up to 2 x 132 splits x 128 floats) would spill.
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     dd = tl.arange(0, D)
     top = tl.full([CHUNK], float("-inf"), tl.float32)
     for s0 in range(0, SPLITS, CHUNK):
-        sc = s0 + tl.arange(0, CHUNK)
+        sc = (s0 + tl.arange(0, CHUNK)).to(tl.int64)
         top = tl.maximum(top, tl.load(LSE + sc * ROWS + row, mask=sc < SPLITS, other=float("-inf")))
     top = tl.max(top, axis=0)  # a maximum is exact in any order
     top = tl.where(top == float("-inf"), 0.0, top)
     total = 0.0
     acc = tl.zeros([D], tl.float32)
     for s0 in range(0, SPLITS, CHUNK):
-        sc = s0 + tl.arange(0, CHUNK)
+        sc = (s0 + tl.arange(0, CHUNK)).to(tl.int64)  # int64: splits x rows x D can pass 2**31
         ok = sc < SPLITS
         w = tl.exp2(tl.load(LSE + sc * ROWS + row, mask=ok, other=float("-inf")) - top)
         part = tl.load(PART + (sc[:, None] * ROWS + row) * D + dd[None, :], mask=ok[:, None], other=0.0)

@@ -132,7 +132,7 @@ def _decode_kernel(
 
     # a slot with no live entry (l_i == 0) writes zeros and log-sum-exp -inf
     safe = tl.where(l_i > 0, l_i, 1.0)
-    o_ptr = OUT + split * stride_os + out_row[:, None] * stride_or + dd[None, :]
+    o_ptr = OUT + split.to(tl.int64) * stride_os + out_row[:, None] * stride_or + dd[None, :]
     tl.store(o_ptr, (acc / safe[:, None]).to(OUT.dtype.element_ty), mask=row_ok[:, None])
     if SPLIT or PROBS:
         lse = tl.where(l_i > 0, m_i + tl.log2(safe), float("-inf"))

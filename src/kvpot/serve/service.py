@@ -265,7 +265,9 @@ class Service:
 
     def _prefill(self, spec: str, ids: list[int], should_stop):
         """(generation thread) The generator that reads `ids` with `spec`'s engine, one forward per step."""
-        return self.engine_for(spec).prefill_steps(ids, should_stop=should_stop, max_chunk=self.config.prefill_tokens)
+        engine = self.engine_for(spec)  # batch-invariant: read in the method's own forwards, as alone
+        return engine.prefill_steps(ids, should_stop=should_stop,
+                                    max_chunk=None if engine.batch_invariant else self.config.prefill_tokens)
 
     # ---------------------------------------------------------------- answers
     async def answer(self, job: Job, ticket: Ticket) -> Outcome:

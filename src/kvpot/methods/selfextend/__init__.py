@@ -128,7 +128,8 @@ class SelfExtendAttention:
             raise KvpotError("selfextend: fixed-shape decoding needs a RoPE with a fixed cos/sin table.")
         kernel = decode_kernel(query.device, query.shape[-1])
         out = kernel(query[0, :, 0], layer.keys[0], layer.values[0], layer.length[0], scaling, cos=cos, sin=sin,
-                     key_positions=layer.rope_positions[0], query_position=layer.query_position[0])
+                     key_positions=layer.rope_positions[0], query_position=layer.query_position[0],
+                     split_entries=layer.cache.split_entries)
         return out.view(1, out.shape[0], 1, out.shape[1])
 
     def _restore(self, layer, before: int) -> None:
