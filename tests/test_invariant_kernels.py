@@ -27,6 +27,9 @@ LINEAR_SHAPES = [
     ("ragged-n-k", 70, 300, True),  # masks on both sides
     ("k-below-block", 16, 40, False),
     ("one-output-tile", 64, 64, True),
+    ("long-k-tiles", 48, 1100, True),  # `tiles`: 512-wide K steps, the last one ragged
+    ("wide-n-tiles", 9000, 1024, False),  # `tiles`: an MLP's 64 x 128 tiles
+    ("head-tiles", 32800, 64, False),  # `tiles`: a vocabulary head's 128 x 64 tiles
 ]
 if DEVICE == "cuda":  # the llama3-8b step's products and SmolLM2-135M's
     LINEAR_SHAPES += [("8b-q", 4096, 4096, False), ("8b-kv", 1024, 4096, False), ("8b-down", 4096, 14336, False),
@@ -61,8 +64,18 @@ def test_invariant_linear_matches_linear(shape, dtype):
     torch.testing.assert_close(out.view(5, -1), ref, **TOLERANCE[dtype])
 
 
+INVARIANCE_SHAPES = [s for s in LINEAR_SHAPES if s[0] in ("even", "ragged-n-k", "long-k-tiles")]
+
+
+def test_tiles_follow_the_weights_shape_alone():
+    from kvpot.kernels.invariant import tiles
+
+    assert tiles(4096, 4096) == (16, 512, 4, 3) and tiles(14336, 4096) == (64, 128, 4, 3)
+    assert tiles(128256, 4096) == (128, 64, 4, 3) and tiles(576, 576) == (16, 256, 4, 4)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", LINEAR_SHAPES[:2], ids=LINEAR_IDS[:2])
+@pytest.mark.parametrize("shape", INVARIANCE_SHAPES, ids=[s[0] for s in INVARIANCE_SHAPES])
 def test_each_row_comes_out_the_same_at_any_batch_and_place(shape, dtype):
     from kvpot.kernels.invariant import invariant_linear
 

@@ -13,6 +13,7 @@ Writes DIR/invariant_sweep.json and prints a table (microseconds per product, th
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 
@@ -62,10 +63,9 @@ def main(argv=None) -> None:
         entry = {"cublas": {m: timed(lambda m=m: F.linear(x[:m], weight)) for m in ROWS},
                  "gemv": timed(lambda: gemv(x[:1], weight)), "tiles": {}}
         for tile in TILES:
-            invariant.BLOCK_N, invariant.BLOCK_K, invariant.WARPS, invariant.STAGES = tile
-            same = torch.equal(invariant.invariant_linear(x[:1], weight)[0], invariant.invariant_linear(x, weight)[0])
-            entry["tiles"][str(tile)] = {"us": {m: timed(lambda m=m: invariant.invariant_linear(x[:m], weight))
-                                                for m in ROWS}, "row_invariant": same}
+            run = functools.partial(invariant.invariant_linear, weight=weight, shape=tile)
+            same = torch.equal(run(x[:1])[0], run(x)[0])
+            entry["tiles"][str(tile)] = {"us": {m: timed(lambda m=m: run(x[:m])) for m in ROWS}, "row_invariant": same}
         rows[name] = entry
         print(name, {t: [round(v, 1) for v in e["us"].values()] for t, e in entry["tiles"].items()}, flush=True)
     step = {}

@@ -9,7 +9,8 @@ with the batch it decodes in (84% of SmolLM2's answers identical batched against
 order, into a float32 accumulator, with no split of `K`. A row's output then depends on that row and the
 weights alone: not on how many rows there are, nor where the row sits in its tile (a matrix unit computes
 each output element from its own row and column). One row pads its tile with 15 masked rows; the work is
-memory-bound at decoding's batch sizes, so the padding costs the weights' read, not compute.
+memory-bound at decoding's batch sizes, so the padding costs the weights' read, not compute. The tile's other
+sizes follow the weight's shape alone (`tiles`).
 
 `invariant_mean`: the mean over the last dimension (an RMSNorm's variance) in a fixed order. torch's reduction
 kernel gives one row's reduction more threads than each of eight rows' (its block widens as the outputs get
@@ -22,9 +23,24 @@ import torch
 import triton
 import triton.language as tl
 
-# Fixed for every call: changing any of these changes the sums' order (and every row's last bits).
-BLOCK_M, BLOCK_N, BLOCK_K, WARPS, STAGES = 16, 64, 64, 4, 3
+BLOCK_M = 16  # rows a tile: the smallest matrix-unit tile, fixed
 BLOCK_MEAN = 256  # a row's lanes in `invariant_mean`
+
+
+def tiles(n: int, k: int) -> tuple[int, int, int, int]:
+    """(columns a tile, K a step, warps, pipeline stages) for an [n, k] weight. From the weight's shape alone, never
+    from the row count: a row's sums keep one order at any batch (and change when these do). From the H100 sweep
+    (`benchmarks/engine-core-h100/invariant_sweep.py`, records/engine-core-h100/invariant/): for each product of the
+    llama3-8b and SmolLM2 steps, the shape fastest at 1 and 8 rows. Those products summed over the 8B step:
+    ~10.5 ms at 1 row and 10.7 at 8 against 24.0 and 24.0 with (64, 64, 4, 3) (cuBLAS 5.5), but ~40 against 34 ms
+    at 64 rows. Every shape swept kept a row's bits alone and among 64 rows."""
+    if n >= 32768:  # a vocabulary head
+        return 128, 64, 4, 3
+    if k < 1024:
+        return 16, 256, 4, 4
+    if n > 8192:  # an MLP's up and gate projections
+        return 64, 128, 4, 3
+    return 16, 512, 4, 3
 
 
 @triton.jit(do_not_specialize=["M", "N", "K"])
@@ -59,10 +75,12 @@ def _linear_kernel(
     tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
-def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     shape: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` with each row's result independent of the other rows: x [..., K], weight
     [N, K] (rows contiguous), bias [N] or None -> [..., N] in x's dtype. Sums in float32 (exact float32
-    products for float32 inputs)."""
+    products for float32 inputs). `shape`: (columns a tile, K a step, warps, stages), tuning only; the default
+    comes from `tiles`."""
     n, k = weight.shape
     if x.shape[-1] != k:
         raise ValueError(f"invariant_linear: x's last dimension must be {k}, got {tuple(x.shape)}")
@@ -73,11 +91,12 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         rows = rows.contiguous()
     m = rows.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    block_n, block_k, warps, stages = shape or tiles(n, k)
     if m:
-        _linear_kernel[(triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))](
+        _linear_kernel[(triton.cdiv(m, BLOCK_M), triton.cdiv(n, block_n))](
             rows, weight, weight if bias is None else bias, out, m, n, k, rows.stride(0), weight.stride(0),
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, HAS_BIAS=bias is not None,
-            IEEE=x.dtype == torch.float32, num_warps=WARPS, num_stages=STAGES,
+            BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
+            IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages,
         )
     return out.view(*x.shape[:-1], n)
 
