@@ -158,20 +158,21 @@ def test_generate_many_and_a_stored_state_question(prompts, one_thread):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", sorted(METHODS))
-def test_bf16_batches_give_each_request_its_tokens_alone_on_cuda(name):
+@pytest.mark.parametrize("name, compile_step", [(name, False) for name in sorted(METHODS)] + [("streaming", True)])
+def test_bf16_batches_give_each_request_its_tokens_alone_on_cuda(name, compile_step):
     """In bf16 on a GPU, with the Triton kernels (head dim 64): captured batched steps of up to 4 rows give each
-    request the tokens its captured one-sequence steps give it alone, token for token, whatever decodes beside it."""
+    request the tokens its captured one-sequence steps give it alone, token for token, whatever decodes beside it
+    (compiled steps too: both paths' decoder layer compiled)."""
     make, capacity = METHODS[name]
     model = build("llama3", hidden_size=256, num_attention_heads=4, num_key_value_heads=2).to("cuda", torch.bfloat16)
     torch.manual_seed(11)
     prompts = [(torch.randint(3, VOCAB, (n,)).cuda(), torch.randint(3, VOCAB, (5,)).cuda()) for n in (300, 150, 520, 90)]
     capacity = capacity and 1024
-    alone = kvpot.Engine(model, method=make(), batch_invariant=True)
+    alone = kvpot.Engine(model, method=make(), batch_invariant=True, compile_step=compile_step)
     assert alone.linear == "invariant" and alone.split_entries
     expected = [alone.generate_ids(c, q, max_new_tokens=32, ignore_eos=True).token_ids for c, q in prompts]
-    scheduler = Scheduler(kvpot.Engine(model, method=make(), batch_invariant=True), slots=4, capacity=capacity,
-                          decode="graph")
+    scheduler = Scheduler(kvpot.Engine(model, method=make(), batch_invariant=True, compile_step=compile_step),
+                          slots=4, capacity=capacity, decode="graph")
     requests = [Request(c, q, max_new_tokens=32, ignore_eos=True) for c, q in prompts]
     run_all(scheduler, requests)
     assert [r.tokens for r in requests] == expected

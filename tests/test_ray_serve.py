@@ -124,6 +124,8 @@ def test_replicas_options_are_checked_before_ray_starts(monkeypatch):
     assert app_builder_keys_include_fronts()
     with pytest.raises(KvpotError, match="not a"):
         app_builder({"replicas": "two"})
+    with pytest.raises(KvpotError, match="--batch-invariant reads prompts"):  # before any replica starts
+        app_builder({"batch-invariant": "true", "mix": "on"})
 
 
 def app_builder_keys_include_fronts() -> bool:

@@ -224,6 +224,13 @@ def test_config_validation_and_sizes(tmp_path):
         ServeConfig(mix=True)
     with pytest.raises(KvpotError, match="--mix on and --share-documents"):
         ServeConfig(mix="on", share_documents=True)
+    from kvpot.serve.config import EngineRecipe
+
+    for recipe, options in ((EngineRecipe(batch_invariant=True), dict(share_documents=True)),
+                            (EngineRecipe(batch_invariant=True, tp=2), {})):
+        with pytest.raises(KvpotError, match="--batch-invariant"):
+            recipe.check(ServeConfig(**options))
+    EngineRecipe(batch_invariant=True).check(ServeConfig())  # mix auto: resolved off by the scheduler
     config = ServeConfig(state_dir=tmp_path / "new" / "dir")
     assert config.state_dir.is_dir() and config.host == "127.0.0.1"
 

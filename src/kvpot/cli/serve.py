@@ -172,17 +172,13 @@ def run(args) -> int:
         shutdown_grace=args.shutdown_grace, allowed_hosts=tuple(args.allowed_hosts.split(",")),
     )
     from kvpot.serve.config import EngineRecipe
-    from kvpot.cli.args import check_batch_invariant
     from kvpot.serve.service import build_method
 
     build_method(config.method)  # a bad spec fails before the model loads
-    check_batch_invariant(args)
     recipe = EngineRecipe(model=config.model, method=config.method, device=config.device, dtype=config.dtype,
                           chat_template=config.chat_template, decode=args.decode, compile_step=args.compile_step,
                           linear=args.linear, tp=args.tp, batch_invariant=args.batch_invariant)
-    if args.batch_invariant and (config.mix == "on" or config.feed_questions == "always" or config.share_documents):
-        raise KvpotError("--batch-invariant reads prompts and questions as one request alone does: it does not run "
-                         "with --mix on, --feed-questions always or --share-documents.")
+    recipe.check(config)
     if args.tp != 1:
         _check_tensor_parallel(args)
     from kvpot.serve.server import setup_logging

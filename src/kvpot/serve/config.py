@@ -121,6 +121,15 @@ class EngineRecipe:
     batch_invariant: bool = False  # Engine(batch_invariant=...): each request's numbers the same at any batch
     tp: int = 1  # tensor parallelism over the processes of one torchrun (kvpot.serve.parallel)
 
+    def check(self, config: ServeConfig) -> None:
+        """What this engine cannot serve with `config`, refused before a model loads (the CLI, Ray Serve's builder)."""
+        if self.batch_invariant and (config.mix == "on" or config.feed_questions == "always" or config.share_documents):
+            raise KvpotError("--batch-invariant reads prompts and questions as one request alone does: it does not run "
+                             "with --mix on, --feed-questions always or --share-documents.")
+        if self.batch_invariant and (self.linear != "auto" or self.tp != 1):
+            raise KvpotError("--batch-invariant chooses the linear layers' kernel itself and does not run under tensor "
+                             "parallelism: drop --linear / --tp.")
+
     def build(self):
         """The engine (the model loaded on `device`, or this rank's shard with `tp` > 1); an error if its
         tokenizer is missing (a server needs one)."""

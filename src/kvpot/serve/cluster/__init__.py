@@ -111,6 +111,7 @@ def app_builder(args: dict):
     recipe = EngineRecipe(**{k: _coerce(EngineRecipe, k, v) for k, v in values.items() if k in engine_keys})
     config = ServeConfig(**{k: _coerce(ServeConfig, k, v) for k, v in values.items() if k in serve_keys})
     cluster = ClusterConfig(**{k: _coerce(ClusterConfig, k, v) for k, v in values.items() if k in cluster_keys})
+    recipe.check(config)
     return build_app(recipe, config, cluster, str(values.get("log_level", "info")))
 
 
