@@ -50,7 +50,7 @@ def prompts():
     return [(torch.randint(3, VOCAB, (n,)).tolist(), torch.randint(3, VOCAB, (5,)).tolist()) for n in LENGTHS]
 
 
-def test_the_options_it_sets_and_refuses():
+def test_the_options_it_sets_and_refuses(monkeypatch):
     model = build("llama3")
     engine = kvpot.Engine(model, batch_invariant=True)
     assert engine.batch_invariant and engine.split_entries == kvpot.defaults.SPLIT_ENTRIES
@@ -68,11 +68,19 @@ def test_the_options_it_sets_and_refuses():
     with pytest.raises(KvpotError, match="tensor parallelism"):
         resolve_linear("auto", torch.device("cpu"), sharded=True, invariant=True)
     # on a GPU: kvpot's kernels or nothing (a head dim they do not take; without Triton; with eager steps)
+    from kvpot import kernels
+
     gpu = torch.device("cuda")
-    for head_dim, decode in ((48, "auto"), (64, "eager")):
-        with pytest.raises(KvpotError, match="batch-invariant decoding on a GPU"):
-            decoding_numerics("auto", gpu, False, True, head_dim, decode)
     assert decoding_numerics("auto", gpu, False, False, 48, "eager")[2] is None  # the mode off: nothing asked
+    monkeypatch.setattr(kernels, "available", lambda device: False)
+    with pytest.raises(KvpotError, match="runs kvpot's Triton kernels: it needs Triton"):
+        decoding_numerics("auto", gpu, False, True, 64, "auto")
+    monkeypatch.setattr(kernels, "available", lambda device: True)
+    with pytest.raises(KvpotError, match="this model's is 48"):
+        decoding_numerics("auto", gpu, False, True, 48, "auto")
+    with pytest.raises(KvpotError, match="decode='eager' under batch-invariant decoding"):
+        decoding_numerics("auto", gpu, False, True, 64, "eager")
+    assert decoding_numerics("auto", gpu, False, True, 64, "graph") == ("invariant", ("cuda",), 512)
     from kvpot import kernels
 
     expected = "invariant" if kernels.available("cpu") else "torch"  # the interpreter runs it on a CPU
@@ -80,6 +88,7 @@ def test_the_options_it_sets_and_refuses():
 
 
 def test_the_mode_routes_every_row(monkeypatch):
+    linear_module._warn_once.cache_clear()  # it warns once a message: an earlier test may have said this one
     spy, means = Spy(monkeypatch), []
     real_mean = linear_module.invariant_mean_op
     monkeypatch.setattr(linear_module, "invariant_mean_op", lambda x, keepdim: means.append(keepdim) or
@@ -157,13 +166,17 @@ def test_generate_many_and_a_stored_state_question(prompts, one_thread):
     assert [r.tokens for r in requests] == expected
 
 
+GPU_METHODS = {**METHODS, "infllm": (lambda: kvpot.InfLLM(initial=4, window=32, block_size=8, representatives=2, topk=3,
+                                                          lookup=16, chunk_size=32), 1024)}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("name, compile_step", [(name, False) for name in sorted(METHODS)] + [("streaming", True)])
+@pytest.mark.parametrize("name, compile_step", [(n, False) for n in sorted(GPU_METHODS)] + [("streaming", True)])
 def test_bf16_batches_give_each_request_its_tokens_alone_on_cuda(name, compile_step):
     """In bf16 on a GPU, with the Triton kernels (head dim 64): captured batched steps of up to 4 rows give each
     request the tokens its captured one-sequence steps give it alone, token for token, whatever decodes beside it
-    (compiled steps too: both paths' decoder layer compiled)."""
-    make, capacity = METHODS[name]
+    (compiled steps too: both paths' decoder layer compiled). InfLLM's rows are eager steps on both paths."""
+    make, capacity = GPU_METHODS[name]
     model = build("llama3", hidden_size=256, num_attention_heads=4, num_key_value_heads=2).to("cuda", torch.bfloat16)
     torch.manual_seed(11)
     prompts = [(torch.randint(3, VOCAB, (n,)).cuda(), torch.randint(3, VOCAB, (5,)).cuda()) for n in (300, 150, 520, 90)]
@@ -176,7 +189,7 @@ def test_bf16_batches_give_each_request_its_tokens_alone_on_cuda(name, compile_s
     requests = [Request(c, q, max_new_tokens=32, ignore_eos=True) for c, q in prompts]
     run_all(scheduler, requests)
     assert [r.tokens for r in requests] == expected
-    assert scheduler.report["batched_rows"] > 0
+    assert (scheduler.report["batched_rows"] > 0) is (name != "infllm")
 
 
 def test_the_commands_refuse_what_the_mode_cannot_do(capsys, tmp_path):
@@ -192,6 +205,9 @@ def test_the_commands_refuse_what_the_mode_cannot_do(capsys, tmp_path):
     assert code == 2 and "--batch-invariant reads prompts as one sample alone" in err
     with pytest.raises(KvpotError, match="does not run with --mix on"):
         EvalConfig(task="passkey", methods=["streaming"], out=tmp_path / "e", batch_invariant=True, mix="on")
+    with pytest.raises(KvpotError, match="drop --linear / --tp"):
+        BenchConfig(mode="decode", shape="tiny", out=tmp_path / "b", methods=["streaming"], lengths=[256],
+                    batch_invariant=True, linear="torch")
     for option in (dict(mixed=True), dict(mix="on")):
         with pytest.raises(KvpotError, match="--batch-invariant reads prompts as one request alone"):
             BenchConfig(mode="throughput", shape="tiny", out=tmp_path / "b", methods=["streaming"], lengths=[256],

@@ -88,6 +88,18 @@ def test_each_row_comes_out_the_same_at_any_batch_and_place(shape, dtype):
     assert invariant_linear(x[:0], weight, b).shape == (0, shape[1])
 
 
+@pytest.mark.parametrize("tile", [(64, 128, 4, 3), (128, 64, 4, 3), (16, 512, 4, 3)], ids=str)
+def test_every_tile_shape_keeps_a_rows_bits(tile):
+    """`tiles` picks other shapes for an MLP's and a vocabulary head's weights: each keeps rows independent."""
+    from kvpot.kernels.invariant import invariant_linear
+
+    x, weight, b = _linear_inputs(("tile", 200, 700, True), torch.float32, 20)
+    batch = invariant_linear(x, weight, b, shape=tile)
+    assert all(torch.equal(invariant_linear(x[r : r + 1], weight, b, shape=tile)[0], batch[r]) for r in (0, 7, 19))
+    reference = F.linear(x.double(), weight.double(), b.double()).float()
+    torch.testing.assert_close(batch, reference, **TOLERANCE[torch.float32])
+
+
 def test_invariant_linear_refuses_what_it_cannot_take():
     from kvpot.kernels.invariant import invariant_linear
 

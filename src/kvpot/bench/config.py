@@ -53,6 +53,10 @@ def check_load(config) -> None:
         config.new_tokens = mix_bounds(config.new_tokens_mix, "--new-tokens-mix")[1]
     if getattr(config, "share_documents", False) and not config.document:
         raise KvpotError("--share-documents shares one stored document among its readers: give --document.")
+    if getattr(config, "batch_invariant", False) and (getattr(config, "linear", "auto") != "auto" or
+                                                      getattr(config, "tp", 1) > 1):
+        raise KvpotError("--batch-invariant chooses the linear layers' kernel itself and does not run under tensor "
+                         "parallelism: drop --linear / --tp.")
     if getattr(config, "batch_invariant", False) and (config.mix == "on" or config.mixed or config.share_documents):
         raise KvpotError("--batch-invariant reads prompts as one request alone does: it does not run with --mix on, "
                          "--mixed or --share-documents.")

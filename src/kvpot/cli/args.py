@@ -97,11 +97,9 @@ def add_decode_argument(parser: argparse.ArgumentParser) -> None:
 
 def check_batch_invariant(args) -> None:
     """`--batch-invariant` with what it cannot run, refused before a model loads."""
-    from kvpot.errors import KvpotError
+    from kvpot.engine.linear import check_invariant_options
 
-    if getattr(args, "batch_invariant", False) and (args.linear != "auto" or getattr(args, "tp", 1) != 1):
-        raise KvpotError("--batch-invariant chooses the linear layers' kernel itself and does not run under tensor "
-                         "parallelism: drop --linear / --tp.")
+    check_invariant_options(getattr(args, "batch_invariant", False), args.linear, getattr(args, "tp", 1))
 
 
 def add_gguf_argument(parser: argparse.ArgumentParser) -> None:

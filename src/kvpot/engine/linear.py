@@ -178,6 +178,13 @@ def resolve_linear(linear: str, device: torch.device, sharded: bool = False, inv
     return linear
 
 
+def check_invariant_options(batch_invariant: bool, linear: str, tp: int | None) -> None:
+    """`--batch-invariant` beside `--linear` or `--tp`, refused before a model loads (the CLI, `kvpot serve`'s recipe)."""
+    if batch_invariant and (linear != "auto" or (tp or 1) != 1):
+        raise KvpotError("--batch-invariant chooses the linear layers' kernel itself and does not run under tensor "
+                         "parallelism: drop --linear / --tp.")
+
+
 def decoding_numerics(linear: str, device: torch.device, sharded: bool, batch_invariant: bool, head_dim: int = 64,
                       decode: str = "auto") -> tuple[str, tuple[str, ...], int | None]:
     """An engine's (resolved linear mode, devices its single-token forwards route, the decode attention's fixed

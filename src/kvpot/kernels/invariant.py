@@ -92,6 +92,9 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     m = rows.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages = shape or tiles(n, k)
+    # pipeline stages within ~96 KB of shared memory (float32 tiles are twice bf16's; an A100 has 164 KB, consumer
+    # GPUs ~100): stages overlap loads and leave the sums' order alone
+    stages = max(1, min(stages, (96 * 1024) // ((BLOCK_M + block_n) * block_k * x.element_size())))
     if m:
         _linear_kernel[(triton.cdiv(m, BLOCK_M), triton.cdiv(n, block_n))](
             rows, weight, weight if bias is None else bias, out, m, n, k, rows.stride(0), weight.stride(0),

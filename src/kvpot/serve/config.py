@@ -126,9 +126,9 @@ class EngineRecipe:
         if self.batch_invariant and (config.mix == "on" or config.feed_questions == "always" or config.share_documents):
             raise KvpotError("--batch-invariant reads prompts and questions as one request alone does: it does not run "
                              "with --mix on, --feed-questions always or --share-documents.")
-        if self.batch_invariant and (self.linear != "auto" or self.tp != 1):
-            raise KvpotError("--batch-invariant chooses the linear layers' kernel itself and does not run under tensor "
-                             "parallelism: drop --linear / --tp.")
+        from kvpot.engine.linear import check_invariant_options
+
+        check_invariant_options(self.batch_invariant, self.linear, self.tp)
 
     def build(self):
         """The engine (the model loaded on `device`, or this rank's shard with `tp` > 1); an error if its
