@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from transformers import (
@@ -321,3 +323,31 @@ def assert_png(path) -> None:
     data = path.read_bytes()
     assert data[:8] == PNG_SIGNATURE, path
     assert len(data) > 1024, path
+
+
+@contextlib.contextmanager
+def compiled_graphs(monkeypatch):
+    """`torch.compile` with a backend that keeps every graph it is handed and runs it as traced: yields
+    (graphs, graph breaks); the breaks dict fills when the block ends. Dynamo is reset before and after."""
+    from torch._dynamo.utils import counters
+
+    graphs, breaks = [], {}
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    counters.clear()
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": backend}))
+    try:
+        yield graphs, breaks
+        breaks.update(counters["graph_break"])
+    finally:
+        torch._dynamo.reset()
+
+
+def graph_targets(gm) -> list:
+    """The functions a traced graph calls, in order."""
+    return [node.target for node in gm.graph.nodes if node.op == "call_function"]

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import kvpot
-from conftest import VOCAB, build, interpreter_runtime_loops
+from conftest import VOCAB, build, compiled_graphs, graph_targets, interpreter_runtime_loops
 from kvpot.engine import linear as linear_module
 from kvpot.engine.linear import EveryRowLinear, decoding_numerics, resolve_linear
 from kvpot.engine.offline import generate_many, run_all
@@ -217,39 +217,20 @@ def test_the_commands_refuse_what_the_mode_cannot_do(capsys, tmp_path):
 def test_the_compiled_step_holds_the_invariant_operators(prompts, monkeypatch, one_thread):
     """`compile_step=True` with the mode: the compiled decoder layer calls `kvpot::invariant_linear` for its seven
     products and `kvpot::invariant_mean` for its two norms, in one graph, and gives the eager path's tokens."""
-    from torch._dynamo.utils import counters
-
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    counters.clear()
-    real = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": backend}))
     context, question = prompts[0]
-    try:
+    with compiled_graphs(monkeypatch) as (graphs, breaks):
         model = build("llama3")
         eager = invariant(model, kvpot.Full(), decode="eager").generate_ids(context, question, max_new_tokens=NEW,
                                                                             ignore_eos=True)
         engine = kvpot.Engine(model, method=kvpot.Full(), decode="static", compile_step=True, batch_invariant=True)
         engine.linear, engine._linear_devices = "invariant", ("cpu",)
         compiled = engine.generate_ids(context, question, max_new_tokens=NEW, ignore_eos=True)
-        breaks = dict(counters["graph_break"])
-    finally:
-        torch._dynamo.reset()
     assert compiled.token_ids == eager.token_ids
     assert not breaks
-    layer = [g for g in graphs if torch.ops.kvpot.invariant_linear.default in _targets(g)]
+    layer = [g for g in graphs if torch.ops.kvpot.invariant_linear.default in graph_targets(g)]
     assert len(layer) == 1
-    assert _targets(layer[0]).count(torch.ops.kvpot.invariant_linear.default) == 7
-    assert _targets(layer[0]).count(torch.ops.kvpot.invariant_mean.default) == 2
-
-
-def _targets(gm) -> list:
-    return [node.target for node in gm.graph.nodes if node.op == "call_function"]
+    assert graph_targets(layer[0]).count(torch.ops.kvpot.invariant_linear.default) == 7
+    assert graph_targets(layer[0]).count(torch.ops.kvpot.invariant_mean.default) == 2
 
 
 def test_methods_a_batch_steps_eagerly_decode_eagerly_alone_too(prompts, one_thread):

@@ -11,10 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch._dynamo.utils import counters
 
 import kvpot
-from conftest import VOCAB, build, interpreter_runtime_loops
+from conftest import VOCAB, build, compiled_graphs, graph_targets, interpreter_runtime_loops
 from kvpot.engine import linear as linear_module
 from kvpot.engine.linear import SingleRowLinear, resolve_linear
 from kvpot.errors import KvpotError
@@ -105,36 +104,19 @@ def test_the_decoding_paths_route_alike(method, inputs, monkeypatch, one_thread)
 
 
 def test_the_compiled_step_holds_the_operator_in_its_one_graph(inputs, monkeypatch, one_thread):
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    counters.clear()
-    real = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": backend}))
-    try:
+    with compiled_graphs(monkeypatch) as (graphs, breaks):
         model = build("llama3")
         eager = routed(model, kvpot.Full(), "eager").generate_ids(*inputs, max_new_tokens=NEW, ignore_eos=True)
         compiled = routed(model, kvpot.Full(), "static", compile_step=True).generate_ids(
             *inputs, max_new_tokens=NEW, ignore_eos=True)
-        breaks = dict(counters["graph_break"])
-    finally:
-        torch._dynamo.reset()
     assert compiled.token_ids == eager.token_ids
     assert not breaks  # the operator broke no graph
     # one graph holds the layer, its seven products as the operator. (The mode's pass-through of the
     # float arguments that dynamic compilation turns into tensors at run time compiles as tiny frames too.)
-    layer_graphs = [g for g in graphs if torch.ops.kvpot.gemv.default in targets(g)]
+    layer_graphs = [g for g in graphs if torch.ops.kvpot.gemv.default in graph_targets(g)]
     assert len(layer_graphs) == 1
-    assert targets(layer_graphs[0]).count(torch.ops.kvpot.gemv.default) == 7
-    assert all(F.linear not in targets(g) for g in graphs)
-
-
-def targets(gm) -> list:
-    return [node.target for node in gm.graph.nodes if node.op == "call_function"]
+    assert graph_targets(layer_graphs[0]).count(torch.ops.kvpot.gemv.default) == 7
+    assert all(F.linear not in graph_targets(g) for g in graphs)
 
 
 def test_the_cli_says_when_the_kernel_cannot_run(capsys):
