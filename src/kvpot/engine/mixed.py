@@ -46,8 +46,6 @@ class Chunk:
     step: Step
 
 
-
-
 def resolve_mix(mix: bool | str, device: torch.device, head_dim: int, sharing: bool = False,
                 parallel: bool = False, invariant: bool = False) -> bool:
     """`Scheduler(mix=...)`: True/"on", False/"off", or "auto": on where the varlen Triton kernel attends the
