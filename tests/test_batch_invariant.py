@@ -233,6 +233,21 @@ def test_the_compiled_step_holds_the_invariant_operators(prompts, monkeypatch, o
     assert graph_targets(layer[0]).count(torch.ops.kvpot.invariant_mean.default) == 2
 
 
+def test_bench_throughput_rows_say_they_are_batch_invariant(tmp_path, capsys, one_thread):
+    import json
+
+    from conftest import run
+
+    code, _, _ = run(capsys, "bench", "throughput", "--shape", "tiny", "--device", "cpu", "--method",
+                     "streaming:sinks=4,window=60", "--users", "3", "--lengths", "96", "--new-tokens", "4",
+                     "--sequential-users", "1", "--batch-invariant", "--out", str(tmp_path / "b"))
+    rows = {r["method"]: r for r in json.loads((tmp_path / "b" / "results.json").read_text())["rows"]}
+    assert code == 0 and set(rows) == {"streaming [batch, batch-invariant]", "streaming [one at a time, batch-invariant]"}
+    assert rows["streaming [batch, batch-invariant]"]["batch_invariant"] is True
+    assert rows["streaming [batch, batch-invariant]"]["mix"] is False
+    assert "| streaming [batch, batch-invariant] |" in (tmp_path / "b" / "summary.md").read_text()
+
+
 def test_methods_a_batch_steps_eagerly_decode_eagerly_alone_too(prompts, one_thread):
     """InfLLM's rows are eager steps in a batch (its positions are not the batched kernels'): batch-invariant, alone
     decodes it eagerly too, so both run the same forward; without the mode alone takes the fixed-shape steps."""

@@ -20,6 +20,7 @@ Rows per method and length:
 - `METHOD [one at a time]`: `Engine.generate_ids` for each user after the other (the engine before
   batching), `--sequential-users` of them (default all), in arrival order, each starting at its
   arrival or when the one before it ends, whichever is later;
+- with `--batch-invariant`, kvpot's rows end in `, batch-invariant]` (`Engine(batch_invariant=True)`);
 - `hf [generate_batch]` (`--baseline hf`): transformers' continuous batching (paged attention) over the
   full prompts, each added at its arrival while the manager runs, stopped after `--hf-timeout` seconds
   and recorded as unfinished if it runs out.
@@ -63,6 +64,8 @@ def bench_throughput(config: BenchConfig, model, runs, results, progress) -> Non
                         "apart": f"{label} [batch, prompts apart]",
                         "shared": f"{label} [batch, shared document]",
                         "sequential": f"{label} [one at a time]", "hf": "hf [generate_batch]"}[kind]
+                if config.batch_invariant and kind != "hf":  # kvpot's rows decode batch-invariant: say so
+                    name = name[:-1] + ", batch-invariant]"
                 bar.set_postfix_str(f"{name} @ {length} tokens")
                 row = {"method": name, "kind": kind, "length": length, "oom": False, "skipped": False,
                        "users": config.users, "new_tokens": config.new_tokens, "document": config.document,
