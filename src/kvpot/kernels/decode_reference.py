@@ -129,8 +129,7 @@ def decode_attention_reference(
     `key_positions` [kv_heads, capacity] and the query at `query_position` ([] or [kv_heads]);
     without, both are taken as already rotated. `probs` [kv_heads, capacity] float32, when given,
     receives each KV group's mean attention probabilities (0 past `length`). `num_splits` is the
-    kernel's tuning knob and is ignored here, as is `split_entries` (this reference's sums never depend on
-    the batch)."""
+    kernel's tuning knob and is ignored here, as is `split_entries` (the kernel's fixed split size)."""
     del num_splits, split_entries
     check_decode_inputs(query, keys, values, length, cos, sin, key_positions, query_position, probs, kernel=False)
     heads, d = query.shape
