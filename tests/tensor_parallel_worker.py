@@ -99,10 +99,38 @@ def batched(model, tokenizer, method: kvpot.Method) -> dict:
 def run(model, tokenizer) -> dict:
     torch.set_num_threads(1)  # two ranks on a shared 2-core machine
     methods = cases()
+    routed_first = routed(model)  # before any Engine sets the model's attention to kvpot's
     out = {"one": {name: _logged(name, one, model, tokenizer, m) for name, m in methods.items()},
            "batched": {name: _logged(f"batched {name}", batched, model, tokenizer, methods[name]) for name in BATCHED}}
     out["kv_heads"] = sorted(_seen_heads(model, tokenizer))
+    out["routed"] = routed_first
     return out
+
+
+def routed(model) -> dict:
+    """One single-token forward under `SingleRowLinear` on this device (the mode the engine applies to decoding
+    steps where kvpot's matrix-vector kernel runs): what each `kvpot::gemv` call received, and the logits' top
+    tokens beside a forward without the mode. Under tensor parallelism transformers' TP forward must hand the
+    mode each rank's local shard (plain tensors), with its collectives around the product."""
+    from kvpot.engine import linear
+
+    seen, original = [], linear.gemv_op
+
+    def counting(x, weight, bias):
+        seen.append([list(weight.shape), type(weight).__name__, type(x).__name__])
+        return original(x, weight, bias)
+
+    ids = inputs()[0][:1].view(1, 1).to(model.device)
+    linear.gemv_op = counting
+    try:
+        with torch.no_grad(), linear.SingleRowLinear(devices=(model.device.type,)):
+            mode = model(input_ids=ids).logits[0, -1].float()
+    finally:
+        linear.gemv_op = original
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits[0, -1].float()
+    return {"calls": seen, "top": mode.topk(5).indices.tolist(), "plain_top": plain.topk(5).indices.tolist(),
+            "max_diff": float((mode - plain).abs().max())}
 
 
 def _seen_heads(model, tokenizer) -> set[int]:

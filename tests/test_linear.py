@@ -56,6 +56,23 @@ def test_resolve_linear():
         kvpot.Engine(build("llama3"), linear="cublas")
 
 
+def test_the_mode_leaves_dtensors_to_torch(tmp_path):
+    """A sharded model whose TP forward hands a layer DTensors (training, or a transformers that does not run
+    inference on local shards) keeps torch's DTensor product, which holds the layout; plain shards take the
+    kernel (tests/test_tensor_parallel.py: what transformers' TP forward hands the mode)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DeviceMesh, Replicate, distribute_tensor
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        weight = distribute_tensor(torch.randn(8, 4), DeviceMesh("cpu", [0]), [Replicate()])
+        mode = SingleRowLinear(devices=("cpu",))
+        assert not mode._takes(torch.randn(1, 4), weight, None)
+        assert mode._takes(torch.randn(1, 4), weight.to_local(), None)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_the_mode_routes_one_row_and_passes_the_rest(monkeypatch):
     spy = Spy(monkeypatch)
     weight, bias = torch.randn(6, 8), torch.randn(6)

@@ -114,6 +114,23 @@ def test_tensor_parallel_scheduler_gives_the_tokens_it_gives_alone(ranks, alone,
         assert rank["batched"][name] == expected  # the same tokens, slots and step count on every rank
 
 
+def test_tensor_parallel_matrix_vector_kernel_sees_each_rank_local_shard(ranks, alone):
+    """The single-row mode (kvpot's matrix-vector kernel on a GPU) under transformers' TP forward: every
+    projection reaches it as the rank's plain local shard (column-wise: half the rows, row-wise: half the
+    columns; the head: half the vocabulary), never as a DTensor, and the logits are one process's."""
+    whole = alone["routed"]
+    assert whole["calls"] and all("DTensor" not in kinds for _, *kinds in whole["calls"])
+    assert whole["top"] == whole["plain_top"]
+    for rank in ranks:
+        got = rank["routed"]
+        assert len(got["calls"]) == len(whole["calls"])  # every projection and the head took the kernel's path
+        for (shape, *kinds), (full, *_) in zip(got["calls"], whole["calls"], strict=True):
+            assert "DTensor" not in kinds
+            assert shape in ([full[0] // WORLD, full[1]], [full[0], full[1] // WORLD]), (shape, full)
+        assert got["top"] == whole["top"]
+        assert got["max_diff"] < 1e-4
+
+
 def compare(ranks: list[dict], alone: dict) -> None:
     for name, expected in alone["one"].items():
         for rank in ranks:
@@ -123,6 +140,9 @@ def compare(ranks: list[dict], alone: dict) -> None:
                 assert rank["one"][name] == expected, name
     for name, expected in alone["batched"].items():
         assert [rank["batched"][name] for rank in ranks] == [expected] * len(ranks), name
+    for rank in ranks:  # the kernel's path on each rank's shard (kvpot's Triton kernel on a GPU)
+        assert len(rank["routed"]["calls"]) == len(alone["routed"]["calls"])
+        assert rank["routed"]["top"] == alone["routed"]["top"]
 
 
 @pytest.mark.gpu

@@ -15,6 +15,10 @@
 #   compiled  the decode part's InfiniPot row with --compile-step (regional torch.compile of the captured step) at TP=2
 #             and on one GPU: whether fusing the step's small kernels lets TP=2 gain where launches, not weights,
 #             bound the step.
+#   batch1    the decode part's InfiniPot row at TP=2 and on one GPU, with graphs and with --compile-step, no
+#             device_map row (~5 min): the 0.7x target's figures in one call.
+#   readers   benchmarks/tp-h100x2/readers_profile.py: the steady step of 64 readers of a stored 128K document at
+#             TP=2 and on one GPU (graphs), timed and profiled by kernel (~4 min).
 #   70b       llama3-70b shape, TP=2, batch-1 decode after 16K (InfiniPot 4,096); on two H100s the 70B weights
 #             (141 GB) do not fit: run it on nvidia-h200-x2 (or TP=4 on nvidia-h100-x4 with TP=4). Target:
 #             <= 1.3x the weights-read limit (141 GB / 2 / per-GPU bandwidth: ~15 ms on two H200s).
@@ -24,7 +28,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 out=${OUT:?set OUT}
-part=${1:?give a PART: tests, decode, compiled, document or 70b}
+part=${1:?give a PART: tests, decode, batch1, compiled, document, readers or 70b}
 TP=${TP:-2}
 mkdir -p "$out/$part"
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
@@ -53,10 +57,20 @@ case "$part" in
   document)
     tp "${document[@]}" --tp "$TP" --out "$out/document/tp$TP" 2>&1 | quiet
     one "${document[@]}" --device cuda --out "$out/document/one-gpu" 2>&1 | quiet ;;
+  batch1)
+    tp "${decode[@]:0:12}" --method infinipot --no-floor --tp "$TP" --out "$out/batch1/tp$TP" 2>&1 | quiet
+    one "${decode[@]:0:12}" --method infinipot --no-floor --device cuda --out "$out/batch1/one-gpu" 2>&1 | quiet
+    tp "${decode[@]:0:12}" --method infinipot --no-floor --compile-step --tp "$TP" --out "$out/batch1/tp$TP-compiled" \
+      2>&1 | quiet
+    one "${decode[@]:0:12}" --method infinipot --no-floor --compile-step --device cuda --out "$out/batch1/one-gpu-compiled" \
+      2>&1 | quiet ;;
+  readers)
+    torchrun --standalone --nproc-per-node "$TP" benchmarks/tp-h100x2/readers_profile.py "$out/readers" 2>&1 | quiet
+    python3 benchmarks/tp-h100x2/readers_profile.py "$out/readers" 2>&1 | quiet ;;
   70b)
     tp bench decode --shape llama3-70b --budget 4096 --lengths "${LENGTHS:-16k}" --decode-steps 64 --warmup-steps 8 \
       --method infinipot --no-floor --tp "$TP" --out "$out/70b/tp$TP" 2>&1 | quiet ;;
-  *) echo "unknown PART $part (tests, decode, compiled, document, 70b)"; exit 2 ;;
+  *) echo "unknown PART $part (tests, decode, batch1, compiled, document, readers, 70b)"; exit 2 ;;
 esac
 rm -f "$out/$part"/*/*.png "$out/$part"/*/*/*.png
 for f in "$out/$part"/*/summary.md; do [[ -f $f ]] && { echo "== $f"; cat "$f"; }; done

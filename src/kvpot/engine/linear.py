@@ -110,7 +110,9 @@ class SingleRowLinear(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _takes(self, x, weight, bias) -> bool:
-        if x.device.type not in self.devices or weight.device != x.device:
+        # a DTensor (a sharded model whose TP forward did not hand its layer the local shard) goes to torch,
+        # whose DTensor product holds the layout; transformers >= 5.17 runs inference on the local shards
+        if _distributed(x, weight, bias) or x.device.type not in self.devices or weight.device != x.device:
             return False
         one_row = x.numel() == x.shape[-1]
         if not (one_row or self.every_row) or weight.dim() != 2 or weight.stride(-1) != 1 or weight.dtype != x.dtype:
@@ -118,6 +120,10 @@ class SingleRowLinear(TorchFunctionMode):
         if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             return False
         return bias is None or (bias.dtype == x.dtype and bias.device == x.device and bias.stride(-1) == 1)
+
+
+def _distributed(*tensors) -> bool:
+    return any(type(t).__name__ == "DTensor" for t in tensors if t is not None)
 
 
 @functools.cache
@@ -148,8 +154,10 @@ class EveryRowLinear(SingleRowLinear):
 
 def resolve_linear(linear: str, device: torch.device, sharded: bool = False, invariant: bool = False) -> str:
     """`auto`: the kernel where kvpot's kernels run on a CUDA device, else torch's. A model `sharded` by
-    transformers' tensor-parallel plan always takes torch's: its projections hold DTensor weights and run
-    transformers' own TP forward around them, which the kernel would bypass. `invariant`
+    transformers' tensor-parallel plan takes it too: at inference transformers' TP forward hands each
+    projection its rank's local shard (plain tensors, `_use_local_dtensor_params`) and does its collectives
+    around the product, so the kernel multiplies the shard and the layout stays transformers'. Where a layer
+    still sees DTensors, the mode leaves it to torch (`SingleRowLinear._takes`). `invariant`
     (`Engine(batch_invariant=True)`): "invariant" where kvpot's kernels run, else torch's (a CPU, whose float32
     products gave every row the same tokens at any batch in the tests)."""
     if linear not in LINEARS:
@@ -164,11 +172,6 @@ def resolve_linear(linear: str, device: torch.device, sharded: bool = False, inv
         from kvpot import kernels
 
         return "invariant" if kernels.available(device) else "torch"
-    if sharded:
-        if linear == "gemv":
-            raise KvpotError("linear='gemv' under tensor parallelism: the sharded projections' DTensor weights do "
-                             "not go through kvpot's kernel; use 'auto' or 'torch'.")
-        return "torch"
     from kvpot import kernels
 
     if linear == "gemv" and not (device.type == "cuda" and kernels.available(device)):
