@@ -2,7 +2,7 @@
 
 One CUDA graph replays `--layers` calls of `kvpot.kernels.decode.decode_attention_batch` (a step's worth, on
 one layer's pool: B rows over B slots of `--entries` live entries, `llama3-8b`'s 32 query and 8 KV heads of
-128 dims, bf16, keys rotated on load as InfiniPot's `reset` positions store them). Each configuration replaces
+128 dims (`--heads 16 --kv-heads 4`: one rank's under TP=2), bf16, keys rotated on load as InfiniPot's `reset` positions store them). Each configuration replaces
 `kvpot.kernels.decode.launch_shape` (entries per loop step, warps, stages) and passes `num_splits`; its output
 is checked against the default's. The figure is microseconds per call (median of `--repeats` replays) and the
 bandwidth it reaches over the keys, values and key positions it must read. One JSON line per configuration.
@@ -46,11 +46,12 @@ def state(batch: int, entries: int, capacity: int, kv: int = 8, heads: int = 32,
 def run(args) -> None:
     default_shape = decode.launch_shape
     for batch in args.batch:
-        inputs = state(batch, args.entries, args.capacity, device=args.device)
+        kv, heads = args.kv_heads, args.heads
+        inputs = state(batch, args.entries, args.capacity, kv=kv, heads=heads, device=args.device)
         reference = decode.decode_attention_batch(**inputs).float()
-        kv_bytes = 2 * batch * 8 * args.entries * 128 * 2 + batch * 8 * args.entries * 8
-        d_block, d_warps, d_stages = default_shape(batch, 8, 4, 128, inputs["keys"], inputs["cos"])
-        d_splits = decode.default_splits(8, 32, args.capacity, inputs["keys"].device, batch)
+        kv_bytes = 2 * batch * kv * args.entries * 128 * 2 + batch * kv * args.entries * 8
+        d_block, d_warps, d_stages = default_shape(batch, kv, heads // kv, 128, inputs["keys"], inputs["cos"])
+        d_splits = decode.default_splits(kv, heads, args.capacity, inputs["keys"].device, batch)
         configs = [(d_block, d_warps, d_stages, d_splits, True)]
         configs += [(b, w, s, sp, False) for b, w, s, sp in
                     itertools.product(args.block_n, args.warps, args.stages, args.splits)]
@@ -64,7 +65,7 @@ def run(args) -> None:
                 else:
                     us = time_graph([lambda: decode.decode_attention_batch(**inputs, num_splits=splits)]
                                     * args.layers, args.repeats)
-                row = dict(batch=batch, entries=args.entries, block_n=block_n, warps=warps, stages=stages,
+                row = dict(batch=batch, kv_heads=kv, heads=heads, entries=args.entries, block_n=block_n, warps=warps, stages=stages,
                            splits=splits, default=is_default, us=round(us, 2),
                            tb_per_s=round(kv_bytes / us / 1e6, 3), step_ms=round(us * 32 / 1000, 3),
                            max_abs_error=error)
@@ -85,6 +86,8 @@ def main(argv=None) -> None:
     p.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3, 4])
     p.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--kv-heads", type=int, default=8, help="KV heads (a TP=2 rank of llama3-8b: 4)")
+    p.add_argument("--heads", type=int, default=32, help="query heads (a TP=2 rank of llama3-8b: 16)")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--repeats", type=int, default=21)
     p.add_argument("--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1, untimed")
