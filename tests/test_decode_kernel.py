@@ -299,17 +299,21 @@ def test_every_launch_shape_gives_the_same_batch_attention(shape, launch, monkey
 
 
 def test_rows_that_fill_the_device_stream_their_slots_in_short_steps():
-    """The launch shape the 64-reader sweep chose: 32-entry steps once the rows fill the device (one split),
-    64 below that, where each slot is split."""
+    """The launch shape the 64-reader sweeps chose: 32-entry steps once the rows give every multiprocessor a
+    program (one split when they give it two; a tensor-parallel rank's 4 KV heads: two), 64 below that, where
+    each slot is split further."""
     from kvpot.kernels.common import multiprocessors
     from kvpot.kernels.decode import BLOCK_N, default_splits, launch_shape
 
     keys = torch.empty(1, 8, 64, 128, dtype=torch.bfloat16, device=DEVICE)
-    full = 2 * multiprocessors(keys.device) // 8  # rows of 8 KV heads (GQA 4: one tile each) that fill it
+    sms = multiprocessors(keys.device)
+    full = 2 * sms // 8  # rows of 8 KV heads (GQA 4: one tile each) that fill it twice over
     assert launch_shape(full, 8, 4, 128, keys, keys)[0] == 32
     assert default_splits(8, 32, 4096, keys.device, full) == 1
-    assert launch_shape(full - 1, 8, 4, 128, keys, keys)[0] == BLOCK_N == 64
-    assert launch_shape(1, 8, 4, 128, keys, None) == (64, 4, 3)
+    half = -(-sms // 4)  # rows of 4 KV heads (one TP=2 rank of llama3-8b) that give each multiprocessor one
+    assert launch_shape(half, 4, 4, 128, keys, keys)[0] == 32
+    assert launch_shape(half - 1, 4, 4, 128, keys, keys)[0] == BLOCK_N == 64
+    assert launch_shape(1, 4, 4, 128, keys, None) == (64, 4, 3)  # one row (8 KV heads fill the interpreter's 8)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 10**6], ids=["one-split", "three-splits", "more-splits-than-blocks"])

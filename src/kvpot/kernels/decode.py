@@ -191,12 +191,14 @@ def launch_shape(batch: int, kv: int, g: int, d: int, keys: torch.Tensor, cos: t
     """(entries per loop step, warps, pipeline stages) of `_decode_kernel` for a launch; the results never
     depend on it (tests/test_decode_kernel.py tries several).
 
-    When the rows alone fill the device (about two programs per multiprocessor, so one split), each program
-    streams a whole slot: 32-entry steps three deep keep more loads in flight per multiprocessor than 64-entry
-    steps two deep. On an H100, 64 rows over 4,096 entries (the 64-reader step, rotated on load): 374 against
-    463 us a layer, 2.92 against 2.36 TB/s (benchmarks/engine-core-h100/decode_sweep.py,
-    records/engine-core-h100/decode-tuning/). Fewer rows split each slot, where the sweep did not look."""
-    if batch * kv * triton.cdiv(g, _block_m(g)) >= 2 * multiprocessors(keys.device):
+    When the rows give every multiprocessor at least one program (one or two splits then), 32-entry steps
+    three deep keep more loads in flight per multiprocessor than 64-entry steps two deep. On an H100, 64 rows
+    over 4,096 entries (the 64-reader step, rotated on load): 374 against 463 us a layer, 2.92 against 2.36 TB/s
+    (benchmarks/engine-core-h100/decode_sweep.py, records/engine-core-h100/decode-tuning/). On an H200, one
+    tensor-parallel rank's half of it (64 rows, 4 KV heads: one program per multiprocessor, two splits):
+    177.5 against 217.3 us, 3.07 against 2.51 TB/s (records/tp-h200x2/). Fewer rows split each slot further,
+    where the sweeps did not look."""
+    if batch * kv * triton.cdiv(g, _block_m(g)) >= multiprocessors(keys.device):
         return 32, 4, _stages(d, keys, cos, 32)
     return BLOCK_N, 4, _stages(d, keys, cos)
 
