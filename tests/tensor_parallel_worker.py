@@ -104,10 +104,6 @@ def run(model, tokenizer) -> dict:
            "batched": {name: _logged(f"batched {name}", batched, model, tokenizer, methods[name]) for name in BATCHED}}
     out["kv_heads"] = sorted(_seen_heads(model, tokenizer))
     out["routed"] = routed_first
-    from kvpot.models import one_shot
-
-    out["styles"] = sorted({style for key, style in (model.tp_plan or {}).items() if "o_proj" in key or "down_proj" in key})
-    out["one_shot_calls"] = one_shot.CALLS["one_shot"]
     return out
 
 

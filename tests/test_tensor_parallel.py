@@ -131,20 +131,7 @@ def test_tensor_parallel_matrix_vector_kernel_sees_each_rank_local_shard(ranks, 
         assert got["max_diff"] < 1e-4
 
 
-def test_tensor_parallel_row_wise_projections_take_kvpot_one_shot_style(ranks):
-    """kvpot's row-wise style (`kvpot.models.one_shot`), registered in transformers' `ParallelInterface` and named
-    by the plan, shards o_proj and down_proj; on the CPU it always falls back to transformers' all-reduce, and the
-    tokens above are one process's through it."""
-    from kvpot.models import one_shot
-
-    for rank in ranks:
-        assert rank["styles"] == [one_shot.STYLE]
-        assert rank["one_shot_calls"] == 0  # gloo: transformers' own all-reduce
-
-
 def compare(ranks: list[dict], alone: dict) -> None:
-    from kvpot.models import one_shot
-
     for name, expected in alone["one"].items():
         for rank in ranks:
             if name == "infinitehip-shared":
@@ -153,8 +140,6 @@ def compare(ranks: list[dict], alone: dict) -> None:
                 assert rank["one"][name] == expected, name
     for name, expected in alone["batched"].items():
         assert [rank["batched"][name] for rank in ranks] == [expected] * len(ranks), name
-    for rank in ranks:  # the one-shot all-reduce over symmetric memory ran (NCCL's ring otherwise)
-        assert rank["styles"] == [one_shot.STYLE] and rank["one_shot_calls"] > 0, rank["one_shot_calls"]
     for rank in ranks:  # the kernel's path on each rank's shard (kvpot's Triton kernel on a GPU)
         assert len(rank["routed"]["calls"]) == len(alone["routed"]["calls"])
         assert rank["routed"]["top"] == alone["routed"]["top"]

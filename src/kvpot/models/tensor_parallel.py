@@ -48,14 +48,10 @@ def check_tp(config, tp_size: int, device: str | None, device_map) -> None:
 
 def load_tensor_parallel(source: str, tp_size: int, dtype: torch.dtype):
     """`source` (a local folder or Hub id) sharded over the `tp_size` ranks of this torchrun, in eval mode."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
-    from kvpot.models.one_shot import one_shot_plan
-
-    config = AutoConfig.from_pretrained(source)
-    one_shot_plan(config)  # the row-wise projections' small all-reduces one-shot (kvpot.models.one_shot)
-    model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=dtype,
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype,
                                                  distributed_config=DistributedConfig(tp_size=tp_size))
     if (getattr(model, "tp_size", None) or 1) != tp_size:
         raise KvpotError(f"transformers did not shard {type(model).__name__} over {tp_size} ranks "
