@@ -360,6 +360,26 @@ def test_sampling_depends_on_the_seed_not_on_the_batch(model, prompts, one_threa
     assert crowd[1].tokens != crowd[2].tokens
 
 
+@pytest.mark.parametrize("name", ["streaming", "h2o", "infinipot", "citrus", "d2o", "infllm", "infinitehip"])
+def test_a_seeded_request_samples_the_same_tokens_alone_and_batched(model, prompts, name, one_thread):
+    """One sampler for both paths (`pick_rows`; alone as a batch of one row): the same seed draws the same tokens
+    through `generate_ids` (eager and fixed-shape steps) as in a batch beside other requests, greedy rows among
+    them; each request has its own seed and top_p."""
+    method, capacity = methods()[name]
+    options = [dict(temperature=0.9, top_p=0.95, seed=11 + i) for i in range(len(prompts))]
+    options[1] = dict(temperature=0.0)  # a greedy row among sampled ones
+    engine = kvpot.Engine(model, method=method, decode="eager")
+    eager = [engine.generate_ids(c, q, max_new_tokens=NEW, ignore_eos=True, **o).token_ids
+             for (c, q), o in zip(prompts, options)]
+    steps = kvpot.Engine(model, method=method, decode="static")
+    assert steps.generate_ids(*prompts[0], max_new_tokens=NEW, ignore_eos=True, **options[0]).token_ids == eager[0]
+    scheduler = Scheduler(kvpot.Engine(model, method=method), slots=3, capacity=capacity, decode="static")
+    requests = [Request(c, q, max_new_tokens=NEW, ignore_eos=True, **o) for (c, q), o in zip(prompts, options)]
+    run_all(scheduler, requests)
+    assert [r.tokens for r in requests] == eager
+    assert eager[0] != alone(model, method, prompts[:1])[0].token_ids  # it sampled: not the greedy tokens
+
+
 def test_eos_and_stop_tokens_end_a_request(model, prompts, one_thread):
     method = kvpot.TOVA(budget=48, chunk_size=16)
     expected = alone(model, method, prompts[:2])

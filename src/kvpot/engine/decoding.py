@@ -37,7 +37,7 @@ from torch.profiler import record_function
 from kvpot.compat import cache_kwargs
 from kvpot.errors import KvpotError
 from kvpot.engine.graphs import WARMED, StepGraphs
-from kvpot.engine.sampling import _pick, pick_token
+from kvpot.engine.sampling import pick_rows, request_seed
 from kvpot.methods.base import Step
 from kvpot.methods.replace import restore_order
 
@@ -65,11 +65,11 @@ def decode_eager(engine, run, max_new_tokens: int, on_token, temperature: float,
     """The ordinary loop: one forward per token through the engine, each token read back to the
     host (where a method's step cannot have fixed shapes, and on a CPU)."""
     # logits (so sampling) live on the head's device, which differs from the input's in a split model
-    generator = torch.Generator(device=engine.output_device).manual_seed(seed) if seed is not None else None
+    sampler = OneRowSampler(engine.output_device, temperature, top_p, seed)
     tokens: list[int] = []
     last = time.perf_counter()
     for index in range(max_new_tokens):
-        token = _pick(run.logits, temperature, top_p, generator)  # reads the token back: a sync
+        token = int(sampler.pick(run.logits))  # reads the token back: a sync
         if engine.parallel is not None:  # tensor parallelism: every rank continues with rank 0's token
             token = engine.parallel.same_token(token, run.logits.device)
         if times is not None:
@@ -85,6 +85,25 @@ def decode_eager(engine, run, max_new_tokens: int, on_token, temperature: float,
         ids = torch.tensor([token], device=engine.device)
         engine._forward(run, ids, Step("decode", 1, segment_end=True))
     return tokens
+
+
+class OneRowSampler:
+    """One sequence's picks through the batched sampler (`pick_rows`) as a batch of one row: its seed and its
+    count of draws live on the device, so a captured step replays them, and a seeded request draws the tokens it
+    draws in any batch."""
+
+    def __init__(self, device: torch.device, temperature: float, top_p: float, seed: int | None):
+        self.sampling = temperature > 0
+        self.temperature = torch.full((1,), temperature, dtype=torch.float32, device=device)
+        self.top_p = torch.full((1,), top_p, dtype=torch.float32, device=device)
+        self.seed = torch.full((1,), request_seed(seed), dtype=torch.long, device=device)
+        self.counter = torch.zeros(1, dtype=torch.long, device=device)  # draws so far
+
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """The next token [1] from logits [vocab], on the device (no read-back)."""
+        token = pick_rows(logits.view(1, -1), self.temperature, self.top_p, self.seed, self.counter, self.sampling)
+        self.counter.add_(1)
+        return token
 
 
 def resolve_mode(mode: str, device: torch.device) -> str:
@@ -114,11 +133,7 @@ class Decoder:
         device = engine.device
         # per-step timing without a sync per step: an event after each step on the GPU
         self.marks: list | None = [] if time_steps else None
-        self.generator = torch.Generator(device=device)
-        if seed is not None:
-            self.generator.manual_seed(seed)
-        else:
-            self.generator.seed()
+        self.sampler = OneRowSampler(device, temperature, top_p, seed)
         self.token = torch.zeros(1, dtype=torch.long, device=device)  # the token the next step reads
         self.position = torch.full((1,), run.next_position, dtype=torch.long, device=device)
         self.zero = torch.zeros(1, 1, dtype=torch.long, device=device)  # position_ids: RoPE is kvpot's
@@ -126,7 +141,7 @@ class Decoder:
         self.out = torch.zeros(max(max_new_tokens, 1), dtype=torch.long, device=device)
         self.index = torch.zeros(1, dtype=torch.long, device=device)  # next slot of `out`
         self.max_position = run.next_position + max_new_tokens + 1  # host bound for RoPE tables
-        self.graphs = StepGraphs(self.generator if temperature > 0 else None)
+        self.graphs = StepGraphs()  # sampling draws from the sequence's seed and counter: no generator state
         if self.cache.rope.dynamic and not self.cache.policy.stores_rotated:
             # frequencies that change with the longest position seen have no table to rotate
             # keys from while loading them: every step runs the ordinary way
@@ -269,9 +284,9 @@ class Decoder:
             self.position.add_(1)
 
     def _pick(self, logits: torch.Tensor) -> None:
-        token = pick_token(logits, self.temperature, self.top_p, self.generator)
+        token = self.sampler.pick(logits)
         if self.engine.parallel is not None:
-            # tensor parallelism: the logits are the same on every rank, but a generator seeded per process
+            # tensor parallelism: the logits are the same on every rank, but a seed drawn per process
             # (seed=None) is not; rank 0's token goes to all, a device broadcast inside the captured step
             token = self.engine.parallel.broadcast(token.view(-1)).view_as(token)
         self.token.copy_(token)

@@ -27,12 +27,11 @@ class StepGraphs:
 
     `follow(identity)` drops every graph when what they were captured against changed: the buffers they
     read moved (a grown cache, a larger RoPE table; a graph replays the addresses it was captured with), or
-    a buffer they should write appeared (a method's score array). `generator` (a sampling step's) is
-    registered with each graph, so a replay draws fresh numbers.
+    a buffer they should write appeared (a method's score array). Sampling needs no generator state here:
+    its draws hash each row's seed and counter (`kvpot.engine.sampling.pick_rows`), buffers a replay reads.
     """
 
-    def __init__(self, generator: torch.Generator | None = None):
-        self.generator = generator
+    def __init__(self):
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Any]] = {}
         self.warm: set[tuple] = set()
         self.pool = None
@@ -71,8 +70,6 @@ class StepGraphs:
             return WARMED, None
         if key not in self.graphs:
             graph = torch.cuda.CUDAGraph()
-            if self.generator is not None:
-                graph.register_generator_state(self.generator)
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
 

@@ -86,11 +86,6 @@ def check_seed(seed: int | None) -> None:
         raise KvpotError(f"seed must be an integer in [-2**63, 2**64), got {seed!r}.")
 
 
-def seed_bits(seed: int) -> int:
-    """`seed` as the signed 64-bit integer with the same bits (the batched sampler's int64 tensor)."""
-    return seed - 2**64 if seed >= 2**63 else seed
-
-
 def check_fits(engine, capacity: int, request: Request) -> None:
     """Refuse at once a request that can never run in a slot of `capacity` entries of `engine`'s pool (too long,
     an empty context, a state read with another method)."""

@@ -34,35 +34,6 @@ def _eos_ids(model: PreTrainedModel) -> set[int]:
     return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
 
 
-def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator) -> int:
-    if temperature == 0:
-        return int(logits.argmax())
-    probs = (logits / temperature).softmax(dim=-1)
-    if top_p < 1:
-        sorted_probs, order = probs.sort(descending=True)
-        outside = sorted_probs.cumsum(-1) - sorted_probs > top_p
-        sorted_probs[outside] = 0
-        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
-def pick_token(logits: torch.Tensor, temperature: float, top_p: float, generator) -> torch.Tensor:
-    """The next token [1] from logits [vocab], on the device (no read-back).
-
-    Sampling races exponential noise (`argmax p / E`, E ~ Exp(1), is a draw from p), which needs
-    no data-dependent shapes, unlike `torch.multinomial`.
-    """
-    if temperature == 0:
-        return logits.argmax(dim=-1, keepdim=True)
-    probs = (logits / temperature).softmax(dim=-1)
-    if top_p < 1:
-        sorted_probs, order = probs.sort(descending=True)
-        outside = sorted_probs.cumsum(-1) - sorted_probs > top_p
-        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs.masked_fill(outside, 0.0))
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return (probs / noise).argmax(dim=-1, keepdim=True)
-
-
 class _TextStreamer:
     """Turns a token stream into text pieces, holding back incomplete UTF-8 / word pieces."""
 
@@ -123,12 +94,22 @@ def hash_uniform(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> tor
     return (_shift_right(x, 11).double() + 0.5).mul_(2.0**-53).float()
 
 
+def request_seed(seed: int | None) -> int:
+    """A request's sampling seed as the int64 the sampler hashes: `seed`'s 64 bits, or a draw from torch's global
+    generator where None (so `torch.manual_seed` makes unseeded sampling repeatable too). Alone and batched take
+    the same seed the same way, so a seeded request samples the same tokens on either path."""
+    if seed is None:
+        return int(torch.randint(0, 2**62, ()).item())
+    return seed - 2**64 if seed >= 2**63 else seed
+
+
 def pick_rows(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, seeds: torch.Tensor,
               counters: torch.Tensor, sampling: bool) -> torch.Tensor:
     """The next token [rows] of each row's logits [rows, vocab], on the device, each row with its own
-    temperature (0: greedy), top_p and seed. Sampling races exponential noise, as `pick_token` does,
-    drawn from `hash_uniform` (no data-dependent shapes; capturable). With `sampling=False` every row
-    is greedy."""
+    temperature (0: greedy), top_p and seed. Sampling races exponential noise (`argmax p / E`, E ~ Exp(1), is a
+    draw from p) drawn from `hash_uniform`: no data-dependent shapes and no generator state, so a captured step
+    replays it. With `sampling=False` every row is greedy. The one-sequence engine picks through it too, as a
+    batch of one row: a seeded request draws the same tokens alone as in any batch."""
     greedy = logits.argmax(dim=-1)
     if not sampling:
         return greedy

@@ -28,9 +28,9 @@ from kvpot.defaults import MIX, PREFILL_TOKENS, SLOT_MEMORY_FRACTION
 from kvpot.engine.plan import Candidate, check_options, plan_chunks
 from kvpot.engine.pool import SlotPool, slot_bytes, slot_capacity, slot_count
 from kvpot.engine.reading import PromptReader
-from kvpot.engine.requests import Active as _Active, QueueFull, Request, check_fits, seed_bits  # noqa: F401
+from kvpot.engine.requests import Active as _Active, QueueFull, Request, check_fits  # noqa: F401
 from kvpot.engine.results import _Run, close_stats
-from kvpot.engine.sampling import _as_ids, _eos_ids
+from kvpot.engine.sampling import _as_ids, _eos_ids, request_seed
 from kvpot.engine.trace import NoTrace, StepTrace
 from kvpot.errors import KvpotError
 from kvpot.positions import make_policy
@@ -301,7 +301,7 @@ class Scheduler:
         active.decode_started = time.perf_counter()
         if request.max_new_tokens == 0:
             return
-        seed = seed_bits(request.seed) if request.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        seed = request_seed(request.seed)
         self.decoder.start(slot, run.logits, run.next_position, request.temperature, request.top_p, seed,
                            request.max_new_tokens)
         if request.temperature > 0:
