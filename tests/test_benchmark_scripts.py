@@ -57,6 +57,20 @@ def test_the_suite_has_scripts():
     assert not list((ROOT / "benchmarks").rglob("*.png")) and not list((ROOT / "benchmarks").rglob("*.jsonl"))
 
 
+def test_every_script_has_a_row_in_the_suite_index_and_its_records_exist():
+    """benchmarks/README.md lists every script once, and each records folder it names exists: a newcomer finds
+    what a script measures and where its runs are from the index alone."""
+    import re
+
+    text = (ROOT / "benchmarks" / "README.md").read_text(encoding="utf-8")
+    rows = dict(re.findall(r"^\| `([^`]+)` \| .* \| (.*) \|$", text, flags=re.M))
+    scripts = {str(p.relative_to("benchmarks")) for p in (*SCRIPTS, *SHELL) if p.parts[0] == "benchmarks"}
+    assert sorted(scripts - rows.keys()) == []
+    assert sorted(rows.keys() - scripts) == []
+    named = {folder for cell in rows.values() for folder in re.findall(r"`(records/[^`]+)`", cell)}
+    assert named and sorted(f for f in named if not (ROOT / f).is_dir()) == []
+
+
 @pytest.mark.parametrize("script", SCRIPTS, ids=str)
 def test_every_python_script_imports(script, monkeypatch):
     path = ROOT / script
