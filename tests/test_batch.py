@@ -368,6 +368,7 @@ def test_a_seeded_request_samples_the_same_tokens_alone_and_batched(model, promp
     method, capacity = methods()[name]
     options = [dict(temperature=0.9, top_p=0.95, seed=11 + i) for i in range(len(prompts))]
     options[1] = dict(temperature=0.0)  # a greedy row among sampled ones
+    options[2] = dict(temperature=1.1, seed=5)  # a whole-distribution row (top_p 1): no nucleus alone
     engine = kvpot.Engine(model, method=method, decode="eager")
     eager = [engine.generate_ids(c, q, max_new_tokens=NEW, ignore_eos=True, **o).token_ids
              for (c, q), o in zip(prompts, options)]

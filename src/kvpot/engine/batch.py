@@ -28,7 +28,7 @@ from kvpot.attention import AttentionRequest
 from kvpot.compat import cache_kwargs
 from kvpot.engine.graphs import StepGraphs
 from kvpot.engine.pool import SlotPool
-from kvpot.engine.sampling import pick_rows
+from kvpot.engine.sampling import PICKING, pick_rows
 from kvpot.errors import KvpotError
 from kvpot.methods.base import DECODE_STEP, Method, Step
 
@@ -250,7 +250,7 @@ class BatchDecoder:
         self.graphs = StepGraphs()  # sampling draws from each row's seed and counter: no generator to register
         self.max_position = 0
         self.steps = 0
-        self.sampling_slots: set[int] = set()  # slots whose request samples (temperature > 0)
+        self.picking: dict[int, str] = {}  # slot -> what its picks need beyond an argmax ("sample", "nucleus")
 
     # ------------------------------------------------------------------ per-slot state
     def start(self, slot: int, logits: torch.Tensor, next_position: int, temperature: float, top_p: float,
@@ -262,13 +262,17 @@ class BatchDecoder:
         self.seed[slot], self.counter[slot] = seed, 0
         self.max_position = max(self.max_position, next_position + remaining + 1)
 
+    def mode(self, slots: list[int]) -> str:
+        """What the picks of `slots` need (`kvpot.engine.sampling.PICKING`): their most demanding row's."""
+        return PICKING[max((PICKING.index(self.picking.get(slot, "greedy")) for slot in slots), default=0)]
+
     def pick(self, slots: list[int]) -> None:
         """Pick each slot's next token from its stored logits (the first token, and after an eager step)."""
         at = torch.tensor(slots, dtype=torch.long).to(self.pool.device, non_blocking=True)
-        self.pick_from(at, self.logits[at], any(slot in self.sampling_slots for slot in slots))
+        self.pick_from(at, self.logits[at], self.mode(slots))
 
-    def pick_from(self, rows: torch.Tensor, logits: torch.Tensor, sampling: bool) -> None:
-        token = pick_rows(logits, self.temperature[rows], self.top_p[rows], self.seed[rows], self.counter[rows], sampling)
+    def pick_from(self, rows: torch.Tensor, logits: torch.Tensor, mode: str) -> None:
+        token = pick_rows(logits, self.temperature[rows], self.top_p[rows], self.seed[rows], self.counter[rows], mode)
         if self.engine.parallel is not None:  # tensor parallelism: rank 0's picks for every rank (seeds may differ)
             token = self.engine.parallel.broadcast(token.contiguous())
         self.last_token[rows] = token
@@ -305,18 +309,18 @@ class BatchDecoder:
         weights = [1.0 if flag else 0.0 for flag in live] + [0.0] * (bucket - count)
         self.rows[:bucket].copy_(torch.tensor(padded, dtype=torch.long), non_blocking=True)
         self.live[:bucket].copy_(torch.tensor(weights, dtype=torch.float32), non_blocking=True)
-        sampling = any(slot in self.sampling_slots for slot in slots)
+        mode = self.mode(slots)
         self.size_tables()
-        key = (bucket, observe is not None, sampling)
+        key = (bucket, observe is not None, mode)
         if self.graphs_on:
-            self.graphs.run(key, functools.partial(self._run, bucket, observe, sampling))
+            self.graphs.run(key, functools.partial(self._run, bucket, observe, mode))
         else:
-            self._run(bucket, observe, sampling)
+            self._run(bucket, observe, mode)
         self.steps += 1
         return bucket
 
     def capture(self, observes: list[AttentionRequest | None]) -> int:
-        """Warm and capture every bucket's step now, for each observation in `observes`, greedy and sampling,
+        """Warm and capture every bucket's step now, for each observation in `observes` and picking mode,
         on padding rows alone (the scratch slot): the first users of each batch size then replay a graph
         instead of waiting for kernels to compile and a capture. Returns the graphs captured (0 on a CPU)."""
         if not self.graphs_on:
@@ -327,11 +331,11 @@ class BatchDecoder:
             self.rows[:bucket].fill_(self.pool.scratch)
             self.live[:bucket].zero_()
             for observe in observes:
-                for sampling in (False, True):
-                    key = (bucket, observe is not None, sampling)
+                for mode in PICKING:
+                    key = (bucket, observe is not None, mode)
                     while key not in self.graphs:  # warm, then capture (warm again if the warm-up made a buffer)
                         self.size_tables()
-                        self.graphs.run(key, functools.partial(self._run, bucket, observe, sampling))
+                        self.graphs.run(key, functools.partial(self._run, bucket, observe, mode))
         self.next_position[self.pool.scratch] = 0
         return self.captures - before
 
@@ -347,7 +351,7 @@ class BatchDecoder:
         arrays = sum(len(layer.scores) + (layer.probs is not None) for layer in self.pool.layers)
         self.graphs.follow((arrays,) + (() if tables is None else tuple(t.data_ptr() for t in tables)))
 
-    def _run(self, bucket: int, observe: AttentionRequest | None, sampling: bool) -> None:
+    def _run(self, bucket: int, observe: AttentionRequest | None, mode: str) -> None:
         """The step's body, in fixed shapes (what a graph captures)."""
         engine, cache, method = self.engine, self.cache, self.method
         rows, live = self.rows[:bucket], self.live[:bucket]
@@ -367,7 +371,7 @@ class BatchDecoder:
         method.batch_append(self.pool.layers, rows, cache.appended, live, Step("decode", 1, segment_end=True,
                                                                                token_nll=nll))
         self.logits[rows] = logits
-        self.pick_from(rows, logits, sampling)
+        self.pick_from(rows, logits, mode)
         self.next_position[rows] += 1
         cache.request = None
 

@@ -37,7 +37,7 @@ from torch.profiler import record_function
 from kvpot.compat import cache_kwargs
 from kvpot.errors import KvpotError
 from kvpot.engine.graphs import WARMED, StepGraphs
-from kvpot.engine.sampling import pick_rows, request_seed
+from kvpot.engine.sampling import pick_rows, picking, request_seed
 from kvpot.methods.base import Step
 from kvpot.methods.replace import restore_order
 
@@ -93,7 +93,7 @@ class OneRowSampler:
     draws in any batch."""
 
     def __init__(self, device: torch.device, temperature: float, top_p: float, seed: int | None):
-        self.sampling = temperature > 0
+        self.mode = picking(temperature, top_p)
         self.temperature = torch.full((1,), temperature, dtype=torch.float32, device=device)
         self.top_p = torch.full((1,), top_p, dtype=torch.float32, device=device)
         self.seed = torch.full((1,), request_seed(seed), dtype=torch.long, device=device)
@@ -101,7 +101,7 @@ class OneRowSampler:
 
     def pick(self, logits: torch.Tensor) -> torch.Tensor:
         """The next token [1] from logits [vocab], on the device (no read-back)."""
-        token = pick_rows(logits.view(1, -1), self.temperature, self.top_p, self.seed, self.counter, self.sampling)
+        token = pick_rows(logits.view(1, -1), self.temperature, self.top_p, self.seed, self.counter, self.mode)
         self.counter.add_(1)
         return token
 

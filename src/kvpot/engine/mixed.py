@@ -260,7 +260,7 @@ def mixed_forward(decoder, slots: list[int], live: list[bool], observe: Attentio
         method.batch_append(pool.layers, rows, step.appended, live_rows,
                             Step("decode", 1, segment_end=True, token_nll=nll))
         decoder.logits[rows] = logits
-        decoder.pick_from(rows, logits, any(slot in decoder.sampling_slots for slot in slots))
+        decoder.pick_from(rows, logits, decoder.mode(slots))
         decoder.next_position[rows] += 1
         step.request = None
         decoder.steps += 1

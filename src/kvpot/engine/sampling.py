@@ -103,20 +103,32 @@ def request_seed(seed: int | None) -> int:
     return seed - 2**64 if seed >= 2**63 else seed
 
 
+PICKING = ("greedy", "sample", "nucleus")  # what a batch's rows need, in increasing work
+
+
+def picking(temperature: float, top_p: float) -> str:
+    """What one request's picks need: an argmax, a draw, or a draw from its nucleus (`top_p` < 1) only."""
+    return "greedy" if temperature <= 0 else "nucleus" if top_p < 1 else "sample"
+
+
 def pick_rows(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, seeds: torch.Tensor,
-              counters: torch.Tensor, sampling: bool) -> torch.Tensor:
+              counters: torch.Tensor, mode: str) -> torch.Tensor:
     """The next token [rows] of each row's logits [rows, vocab], on the device, each row with its own
-    temperature (0: greedy), top_p and seed. Sampling races exponential noise (`argmax p / E`, E ~ Exp(1), is a
-    draw from p) drawn from `hash_uniform`: no data-dependent shapes and no generator state, so a captured step
-    replays it. With `sampling=False` every row is greedy. The one-sequence engine picks through it too, as a
-    batch of one row: a seeded request draws the same tokens alone as in any batch."""
+    temperature (0: greedy), top_p and seed. `mode` (`PICKING`) is what the most demanding row needs: "greedy"
+    takes every row's argmax; "sample" draws; "nucleus" also sorts each row to cut it to its top_p. A row's
+    token never depends on the mode it ran under: a row whose top_p is 1 keeps its whole distribution in a
+    nucleus batch, a greedy row takes its argmax in any. Sampling races exponential noise (`argmax p / E`,
+    E ~ Exp(1), is a draw from p) drawn from `hash_uniform`: no data-dependent shapes and no generator state,
+    so a captured step replays it. The one-sequence engine picks through it too, as a batch of one row: a
+    seeded request draws the same tokens alone as in any batch."""
     greedy = logits.argmax(dim=-1)
-    if not sampling:
+    if mode == "greedy":
         return greedy
     probs = (logits / temperature.clamp_min(1e-6)[:, None]).softmax(dim=-1)
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    outside = sorted_probs.cumsum(-1) - sorted_probs > top_p[:, None]
-    probs = torch.zeros_like(probs).scatter(1, order, sorted_probs.masked_fill(outside, 0.0))
+    if mode == "nucleus":
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        outside = (sorted_probs.cumsum(-1) - sorted_probs > top_p[:, None]) & (top_p[:, None] < 1)
+        probs = torch.zeros_like(probs).scatter(1, order, sorted_probs.masked_fill(outside, 0.0))
     noise = -hash_uniform(seeds, counters, logits.shape[-1]).log()
     sampled = (probs / noise).argmax(dim=-1)
     return torch.where(temperature > 0, sampled, greedy)

@@ -30,7 +30,7 @@ from kvpot.engine.pool import SlotPool, slot_bytes, slot_capacity, slot_count
 from kvpot.engine.reading import PromptReader
 from kvpot.engine.requests import Active as _Active, QueueFull, Request, check_fits  # noqa: F401
 from kvpot.engine.results import _Run, close_stats
-from kvpot.engine.sampling import _as_ids, _eos_ids, request_seed
+from kvpot.engine.sampling import _as_ids, _eos_ids, picking, request_seed
 from kvpot.engine.trace import NoTrace, StepTrace
 from kvpot.errors import KvpotError
 from kvpot.positions import make_policy
@@ -305,7 +305,7 @@ class Scheduler:
         self.decoder.start(slot, run.logits, run.next_position, request.temperature, request.top_p, seed,
                            request.max_new_tokens)
         if request.temperature > 0:
-            self.decoder.sampling_slots.add(slot)
+            self.decoder.picking[slot] = picking(request.temperature, request.top_p)
         self.decoder.pick([slot])
 
     def _plan(self, active: _Active) -> str:
@@ -438,7 +438,7 @@ class Scheduler:
             decode = {"mode": f"batch-{self.mode}", "slots": self.pool.slots, "capacity": self.capacity}
             request.stats = close_stats(self.engine, active.run, len(request.tokens), active.decode_started, decode)
         if active is not None:
-            self.decoder.sampling_slots.discard(request.slot)
+            self.decoder.picking.pop(request.slot, None)
             self.pool.release(request.slot)
         place = self.places.pop(request.id, None)
         if place is not None:  # every ending passes here: done, cancelled, failed, aborted
