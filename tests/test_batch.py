@@ -15,6 +15,7 @@ import torch
 import kvpot
 from conftest import VOCAB, build
 from kvpot.engine.offline import run_all
+from kvpot.engine.sampling import PICKING
 from kvpot.engine.scheduler import QueueFull, Request, Scheduler
 from kvpot.engine.trace import StepTrace
 from kvpot.errors import KvpotError
@@ -468,15 +469,15 @@ def test_graphs_survive_a_longer_request_growing_the_rope_table(prompts):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["streaming", "infinipot", "h2o"])
 def test_graphs_captured_ahead_serve_every_batch_size(name, prompts):
-    """`Scheduler.capture()` (what the server runs at its start) captures each batch size's step, greedy and
-    sampling: the requests after it capture nothing and get their tokens alone."""
+    """`Scheduler.capture()` (what the server runs at its start) captures each batch size's step in each picking
+    mode (greedy, sample, nucleus): the requests after it capture nothing and get their tokens alone."""
     model = build("llama3").cuda()
     method, capacity = methods()[name]
     cuda_prompts = [(torch.tensor(c).cuda(), torch.tensor(q).cuda()) for c, q in prompts]
     expected = alone(model, method, cuda_prompts)
     scheduler = Scheduler(kvpot.Engine(model, method=method), slots=3, capacity=capacity, decode="graph")
     captured = scheduler.capture()
-    assert captured == len(scheduler.decoder.buckets) * 2 * len({r is None for r in (
+    assert captured == len(scheduler.decoder.buckets) * len(PICKING) * len({r is None for r in (
         method.decode_request("append"), method.decode_request("steady"))})
     requests = [Request(c, q, max_new_tokens=NEW, ignore_eos=True) for c, q in cuda_prompts]
     run_all(scheduler, requests)

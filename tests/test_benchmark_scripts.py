@@ -63,7 +63,9 @@ def test_every_script_has_a_row_in_the_suite_index_and_its_records_exist():
     import re
 
     text = (ROOT / "benchmarks" / "README.md").read_text(encoding="utf-8")
-    rows = dict(re.findall(r"^\| `([^`]+)` \| .* \| (.*) \|$", text, flags=re.M))
+    found = re.findall(r"^\| `([^`]+)` \| .* \| (.*) \|$", text, flags=re.M)
+    rows = dict(found)
+    assert len(rows) == len(found)  # no script twice
     scripts = {str(p.relative_to("benchmarks")) for p in (*SCRIPTS, *SHELL) if p.parts[0] == "benchmarks"}
     assert sorted(scripts - rows.keys()) == []
     assert sorted(rows.keys() - scripts) == []

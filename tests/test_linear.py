@@ -67,7 +67,9 @@ def test_the_mode_leaves_dtensors_to_torch(tmp_path):
     try:
         weight = distribute_tensor(torch.randn(8, 4), DeviceMesh("cpu", [0]), [Replicate()])
         mode = SingleRowLinear(devices=("cpu",))
-        assert not mode._takes(torch.randn(1, 4), weight, None)
+        linear_module._warn_dtensor_once.cache_clear()
+        with pytest.warns(UserWarning, match="DTensors"):
+            assert not mode._takes(torch.randn(1, 4), weight, None)
         assert mode._takes(torch.randn(1, 4), weight.to_local(), None)
     finally:
         dist.destroy_process_group()

@@ -26,7 +26,7 @@ def main(out: str) -> None:
     peer = torch.cuda.can_device_access_peer(0, 1) if torch.cuda.device_count() > 1 else None
     rows = []
     for size in SIZES:
-        x = torch.ones(size // 2, dtype=torch.bfloat16, device="cuda")
+        x = torch.zeros(size // 2, dtype=torch.bfloat16, device="cuda")
         for _ in range(3):
             dist.all_reduce(x)
         torch.cuda.synchronize()

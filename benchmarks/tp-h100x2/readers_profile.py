@@ -4,7 +4,7 @@
 (every reader decoding, CUDA graphs, `--compile-step` with COMPILE=1) and profiles STEPS of them under
 torch.profiler (kernels by device time: attention, products, all-reduces, the method's work), so a TP=2 step
 can be set beside one GPU's part by part. Run alone (`python3 ...`) or under `torchrun --nproc-per-node 2`
-(rank 0 writes). Writes OUT/readers-<tp>.json.
+(rank 0 writes). Writes OUT/readers-tp<N>[-compiled].json.
 
     python3 benchmarks/tp-h100x2/readers_profile.py OUT
     torchrun --standalone --nproc-per-node 2 benchmarks/tp-h100x2/readers_profile.py OUT
@@ -51,7 +51,7 @@ def main(out: str) -> None:
     requests = [Request(None, q, state=state, max_new_tokens=10_000, ignore_eos=True) for q in questions]
     for request in requests:
         scheduler.submit(request)
-    while scheduler.decoding < READERS:  # admitted, questions read: every row decodes from here
+    while scheduler.decoding < min(READERS, scheduler.pool.slots):  # questions read: every row decodes from here
         scheduler.step()
     for _ in range(8):
         scheduler.step()

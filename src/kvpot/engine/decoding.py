@@ -96,12 +96,14 @@ class OneRowSampler:
         self.mode = picking(temperature, top_p)
         self.temperature = torch.full((1,), temperature, dtype=torch.float32, device=device)
         self.top_p = torch.full((1,), top_p, dtype=torch.float32, device=device)
-        self.seed = torch.full((1,), request_seed(seed), dtype=torch.long, device=device)
+        # a greedy sequence draws no seed (it would take a number from the caller's global generator)
+        self.seed = torch.full((1,), request_seed(seed) if self.mode != "greedy" else 0, dtype=torch.long,
+                               device=device)
         self.counter = torch.zeros(1, dtype=torch.long, device=device)  # draws so far
 
     def pick(self, logits: torch.Tensor) -> torch.Tensor:
         """The next token [1] from logits [vocab], on the device (no read-back)."""
-        token = pick_rows(logits.view(1, -1), self.temperature, self.top_p, self.seed, self.counter, self.mode)
+        token = pick_rows(logits.reshape(1, -1), self.temperature, self.top_p, self.seed, self.counter, self.mode)
         self.counter.add_(1)
         return token
 

@@ -114,7 +114,10 @@ class SingleRowLinear(TorchFunctionMode):
     def _takes(self, x, weight, bias) -> bool:
         # a DTensor (a sharded model whose TP forward did not hand its layer the local shard) goes to torch,
         # whose DTensor product holds the layout; transformers >= 5.17 runs inference on the local shards
-        if _distributed(x, weight, bias) or x.device.type not in self.devices or weight.device != x.device:
+        if _distributed(x, weight, bias):
+            _warn_dtensor_once()
+            return False
+        if x.device.type not in self.devices or weight.device != x.device:
             return False
         one_row = x.numel() == x.shape[-1]
         if not (one_row or self.every_row) or weight.dim() != 2 or weight.stride(-1) != 1 or weight.dtype != x.dtype:
@@ -126,6 +129,13 @@ class SingleRowLinear(TorchFunctionMode):
 
 def _distributed(*tensors) -> bool:
     return any(type(t).__name__ == "DTensor" for t in tensors if t is not None)
+
+
+@functools.cache
+def _warn_dtensor_once() -> None:
+    warnings.warn("tensor parallelism: a linear layer handed kvpot DTensors (transformers < 5.17 does not run "
+                  "inference on the local shards), so single-token steps use torch's product there, not kvpot's "
+                  "matrix-vector kernel.", stacklevel=3)
 
 
 @functools.cache

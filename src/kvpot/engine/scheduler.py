@@ -301,7 +301,7 @@ class Scheduler:
         active.decode_started = time.perf_counter()
         if request.max_new_tokens == 0:
             return
-        seed = request_seed(request.seed)
+        seed = request_seed(request.seed) if request.temperature > 0 else 0
         self.decoder.start(slot, run.logits, run.next_position, request.temperature, request.top_p, seed,
                            request.max_new_tokens)
         if request.temperature > 0:
