@@ -109,12 +109,29 @@ class TensorParallel:
         return int(self.broadcast(torch.tensor([token], dtype=torch.long, device=device)).item())
 
     def broadcast_object(self, value):
-        """Rank 0's picklable `value` on every rank (the scheduler's plan for a step)."""
+        """Rank 0's picklable `value` on every rank (what the scheduler agrees on before a step), over a gloo
+        group (`host_group`): through NCCL, `broadcast_object_list` reads the object's size back from the
+        device, so the host would wait for the previous step's kernels before planning the next one and the
+        GPU would idle while it plans and launches; over gloo the host runs ahead as it does alone."""
         import torch.distributed as dist
 
         box = [value if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=host_group())
         return box[0]
+
+
+_HOST_GROUP: list = []  # the process's gloo group over every rank, made at its first use
+
+
+def host_group():
+    """A gloo group over every rank of the torchrun, made once per process: objects the ranks exchange
+    (step inputs) go through it, never through the device. Making it is a collective: every rank's first
+    `broadcast_object` is the same step's, so every rank makes it at the same point."""
+    if not _HOST_GROUP:
+        import torch.distributed as dist
+
+        _HOST_GROUP.append(dist.new_group(backend="gloo"))
+    return _HOST_GROUP[0]
 
 
 def all_heads(parallel: TensorParallel | None, scores: torch.Tensor, dim: int = 1) -> torch.Tensor:
