@@ -83,7 +83,7 @@ def add_decode_argument(parser: argparse.ArgumentParser) -> None:
         "--linear", default="auto", choices=["auto", "gemv", "torch"],
         help="single-token steps' linear layers: auto (default) runs them through kvpot's Triton matrix-vector "
              "kernel on a GPU (read at the memory's speed; sums in another order than cuBLAS) and through torch "
-             "elsewhere; gemv / torch force one (gemv needs CUDA and Triton)",
+             "elsewhere (under --tp, on each rank's shard); gemv / torch force one (gemv needs CUDA and Triton)",
     )
     parser.add_argument(
         "--batch-invariant", action="store_true",
