@@ -65,8 +65,10 @@ def test_uniforms_are_a_function_of_seed_counter_and_token():
 
 @pytest.mark.parametrize("seed, bits", [(5, 5), (2**64 - 1, -1), (2**63, -(2**63))])
 def test_request_seeds_keep_their_64_bits(seed, bits):
-    assert request_seed(seed) == bits
+    assert request_seed(seed, 1.0) == bits
     torch.manual_seed(0)
-    drawn = request_seed(None)
+    drawn = request_seed(None, 1.0)
     torch.manual_seed(0)
-    assert request_seed(None) == drawn and 0 <= drawn < 2**62
+    assert request_seed(None, 1.0) == drawn and 0 <= drawn < 2**62
+    state = torch.get_rng_state()
+    assert request_seed(None, 0.0) == 0 and torch.equal(torch.get_rng_state(), state)  # greedy: nothing drawn

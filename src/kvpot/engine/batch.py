@@ -250,7 +250,7 @@ class BatchDecoder:
         self.graphs = StepGraphs()  # sampling draws from each row's seed and counter: no generator to register
         self.max_position = 0
         self.steps = 0
-        self.picking: dict[int, str] = {}  # slot -> what its picks need beyond an argmax ("sample", "nucleus")
+        self.picking: dict[int, str] = {}  # decoding slot -> what its picks need (`PICKING`)
 
     # ------------------------------------------------------------------ per-slot state
     def start(self, slot: int, logits: torch.Tensor, next_position: int, temperature: float, top_p: float,

@@ -96,9 +96,7 @@ class OneRowSampler:
         self.mode = picking(temperature, top_p)
         self.temperature = torch.full((1,), temperature, dtype=torch.float32, device=device)
         self.top_p = torch.full((1,), top_p, dtype=torch.float32, device=device)
-        # a greedy sequence draws no seed (it would take a number from the caller's global generator)
-        self.seed = torch.full((1,), request_seed(seed) if self.mode != "greedy" else 0, dtype=torch.long,
-                               device=device)
+        self.seed = torch.full((1,), request_seed(seed, temperature), dtype=torch.long, device=device)
         self.counter = torch.zeros(1, dtype=torch.long, device=device)  # draws so far
 
     def pick(self, logits: torch.Tensor) -> torch.Tensor:

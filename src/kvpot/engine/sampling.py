@@ -94,10 +94,13 @@ def hash_uniform(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> tor
     return (_shift_right(x, 11).double() + 0.5).mul_(2.0**-53).float()
 
 
-def request_seed(seed: int | None) -> int:
+def request_seed(seed: int | None, temperature: float) -> int:
     """A request's sampling seed as the int64 the sampler hashes: `seed`'s 64 bits, or a draw from torch's global
-    generator where None (so `torch.manual_seed` makes unseeded sampling repeatable too). Alone and batched take
-    the same seed the same way, so a seeded request samples the same tokens on either path."""
+    generator where None (so `torch.manual_seed` makes unseeded sampling repeatable too); 0 for a greedy request,
+    which draws nothing (and so takes no number from the caller's generator). Alone and batched take the same
+    seed the same way, so a seeded request samples the same tokens on either path."""
+    if temperature <= 0:
+        return 0
     if seed is None:
         return int(torch.randint(0, 2**62, ()).item())
     return seed - 2**64 if seed >= 2**63 else seed

@@ -301,11 +301,9 @@ class Scheduler:
         active.decode_started = time.perf_counter()
         if request.max_new_tokens == 0:
             return
-        seed = request_seed(request.seed) if request.temperature > 0 else 0
-        self.decoder.start(slot, run.logits, run.next_position, request.temperature, request.top_p, seed,
-                           request.max_new_tokens)
-        if request.temperature > 0:
-            self.decoder.picking[slot] = picking(request.temperature, request.top_p)
+        self.decoder.start(slot, run.logits, run.next_position, request.temperature, request.top_p,
+                           request_seed(request.seed, request.temperature), request.max_new_tokens)
+        self.decoder.picking[slot] = picking(request.temperature, request.top_p)
         self.decoder.pick([slot])
 
     def _plan(self, active: _Active) -> str:

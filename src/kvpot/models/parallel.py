@@ -123,14 +123,18 @@ class TensorParallel:
 _HOST_GROUP: list = []  # the process's gloo group over every rank, made at its first use
 
 
-def host_group():
-    """A gloo group over every rank of the torchrun, made once per process: objects the ranks exchange
-    (step inputs) go through it, never through the device. Making it is a collective: every rank's first
-    `broadcast_object` is the same step's, so every rank makes it at the same point."""
+def host_group(timeout: float | None = None):
+    """A gloo group over every rank of the torchrun, made once per process: objects the ranks exchange (a
+    scheduler's step inputs, a TP server's turns) go through it, never through the device. Making it is a
+    collective, so every rank makes it at the same point: a server at its start (with its `timeout`, seconds
+    a rank waits for the others), else every rank's first `broadcast_object`, the same step's."""
     if not _HOST_GROUP:
+        from datetime import timedelta
+
         import torch.distributed as dist
 
-        _HOST_GROUP.append(dist.new_group(backend="gloo"))
+        _HOST_GROUP.append(dist.new_group(backend="gloo", timeout=None if timeout is None else
+                                          timedelta(seconds=timeout)))
     return _HOST_GROUP[0]
 
 

@@ -24,7 +24,6 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 
 from kvpot.errors import Cancelled, KvpotError
@@ -83,11 +82,11 @@ class TurnExchange:
 
     @classmethod
     def of(cls, engine, timeout: float) -> TurnExchange:
-        """The exchange of `engine`'s tensor-parallel ranks (every rank must call this, in the same order)."""
-        import torch.distributed as dist
+        """The exchange of `engine`'s tensor-parallel ranks (every rank must call this, in the same order): the
+        process's gloo group, which the scheduler's step agreement shares (`kvpot.models.parallel.host_group`)."""
+        from kvpot.models.parallel import host_group
 
-        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
-        return cls(group, engine.parallel.rank)
+        return cls(host_group(timeout), engine.parallel.rank)
 
     def turn(self, sent: dict | None) -> dict:
         """Rank 0's `sent` on every rank (the other ranks pass None); raises when a rank is gone."""
