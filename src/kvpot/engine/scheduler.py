@@ -429,7 +429,6 @@ class Scheduler:
     def _end(self, request: Request, status: str, reason: str, ended: list[Request]) -> None:
         if request.done:
             return
-        request.status, request.finish_reason = status, reason
         request.finished_time = time.perf_counter()
         active = self.active.pop(request.slot, None) if request.slot is not None else None
         if active is not None and active.run is not None:
@@ -441,6 +440,8 @@ class Scheduler:
         place = self.places.pop(request.id, None)
         if place is not None:  # every ending passes here: done, cancelled, failed, aborted
             place.release()
+        # done last: a thread that sees the request done (a server's handler) finds its slot and place given back
+        request.status, request.finish_reason = status, reason
         ended.append(request)
         if request.on_finish is not None:
             request.on_finish(request)
