@@ -1,0 +1,118 @@
+"""What a prefill chunk's forward costs the host: torch calls per call site, host syncs, and host against device time.
+
+    python benchmarks/engine-core-h100/prefill_ops.py --out DIR [--shape llama3-8b] [--method infinipot:pot_size=4096]
+
+One request's prompt of `--length` tokens is read through `Engine.prefill_ids` (the method's own chunks) `--repeats`
+times. Then the same read runs:
+- under a `TorchFunctionMode` that counts every torch call by the innermost kvpot or transformers line that made it
+  (shape queries left out);
+- with `torch.cuda.set_sync_debug_mode("warn")`, which warns at each call that makes the host wait for the device,
+  counted by the kvpot line that made it;
+- timed three ways: the host's time to return (nothing waited for at the end), the wall time with the device drained,
+  and the device's kernel time (torch.profiler).
+If the host time is near the wall time and the device time well under it, the host's launches bound the read.
+Writes DIR/prefill_ops.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+QUERIES = {"__get__", "shape", "dim", "size", "device", "dtype", "numel", "is_cuda", "__len__", "stride", "data_ptr",
+           "element_size", "is_floating_point", "is_contiguous"}
+
+
+def call_site(skip: str) -> str:
+    frames = [f for f in traceback.extract_stack()[:-2]
+              if ("/kvpot/" in f.filename or "/transformers/" in f.filename) and skip not in f.filename]
+    if not frames:
+        return "?"
+    f = frames[-1]
+    return f"{f.filename.split('/src/')[-1].split('site-packages/')[-1]}:{f.lineno}"
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--shape", default="llama3-8b")
+    p.add_argument("--method", default="infinipot:pot_size=4096")
+    p.add_argument("--length", type=int, default=16384)
+    p.add_argument("--repeats", type=int, default=2)
+    args = p.parse_args(argv)
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    from kvpot.bench.common import IdTokenizer
+    from kvpot.engine import Engine
+    from kvpot.methods.spec import build_method
+    from kvpot.models import shapes
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = shapes.build(args.shape, device, torch.bfloat16 if device == "cuda" else torch.float32, seed=0)
+    engine = Engine(model, IdTokenizer(model.config.vocab_size), method=build_method(args.method), chat_template=False)
+    ids = torch.randint(3, model.config.vocab_size, (args.length,), generator=torch.Generator().manual_seed(0))
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def read():
+        return engine.prefill_ids(ids)
+
+    for _ in range(args.repeats):  # warm: kernels compiled, tables grown, allocator settled
+        state = read()
+    sync()
+    compressions = state.stats.compressions
+
+    counts, total = collections.Counter(), [0]
+
+    class Count(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") not in QUERIES:
+                total[0] += 1
+                counts[call_site("prefill_ops")] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        read()
+    sync()
+
+    syncs = collections.Counter()
+    if device == "cuda":
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            read()
+        torch.cuda.set_sync_debug_mode(0)
+        for w in caught:
+            if "synchroniz" in str(w.message):
+                syncs[f"{w.filename.split('/src/')[-1].split('site-packages/')[-1]}:{w.lineno}"] += 1
+
+    sync()
+    begun = time.perf_counter()
+    read()
+    host = time.perf_counter() - begun
+    sync()
+    wall = time.perf_counter() - begun
+    device_ms = None
+    if device == "cuda":
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            read()
+            sync()
+        device_ms = sum(e.self_device_time_total for e in prof.key_averages()) / 1000
+    report = {"args": vars(args) | {"out": str(args.out)}, "device": torch.cuda.get_device_name() if device == "cuda"
+              else "cpu", "compressions": compressions, "torch_calls": total[0], "host_ms": host * 1000, "wall_ms": wall * 1000,
+              "device_kernel_ms": device_ms, "tokens_per_second": args.length / wall,
+              "calls_by_site": counts.most_common(60), "syncs_by_site": syncs.most_common(40)}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "prefill_ops.json").write_text(json.dumps(report, indent=1))
+    print({k: v for k, v in report.items() if k not in ("calls_by_site", "syncs_by_site")})
+    print("syncs:", report["syncs_by_site"][:15])
+    print("calls:", report["calls_by_site"][:25])
+
+
+if __name__ == "__main__":
+    main()
