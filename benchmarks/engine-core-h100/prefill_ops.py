@@ -44,6 +44,9 @@ def main(argv=None) -> None:
     p.add_argument("--method", default="infinipot:pot_size=4096")
     p.add_argument("--length", type=int, default=16384)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--scheduler", type=int, default=0, metavar="BUDGET",
+                   help="read through a Scheduler with BUDGET prompt tokens a step (0: Engine.prefill_ids alone)")
+    p.add_argument("--decoding", type=int, default=0, help="with --scheduler: requests decoding beside the read")
     args = p.parse_args(argv)
     import torch
     from torch.overrides import TorchFunctionMode
@@ -62,10 +65,34 @@ def main(argv=None) -> None:
     def read():
         return engine.prefill_ids(ids)
 
+    if args.scheduler:
+        from kvpot.engine.scheduler import Request, Scheduler
+
+        scheduler = Scheduler(engine, slots=args.decoding + 1, prefill_tokens=args.scheduler)
+        scheduler.capture()
+        decoders = [Request(ids[:256].tolist(), [5, 6], max_new_tokens=100000, ignore_eos=True)
+                    for _ in range(args.decoding)]
+        for request in decoders:
+            scheduler.submit(request)
+        while any(r.status != "decoding" for r in decoders):
+            scheduler.step()
+
+        def read():  # noqa: F811 (the scheduler's read replaces the engine's)
+            request = Request(ids.tolist(), [5, 6], max_new_tokens=1, ignore_eos=True)
+            scheduler.submit(request)
+            steps = 0
+            while not request.done:
+                scheduler.step()
+                steps += 1
+            if request.status == "failed":
+                raise SystemExit(f"the read failed: {request.error}")
+            read.steps = steps
+            return None
+
     for _ in range(args.repeats):  # warm: kernels compiled, tables grown, allocator settled
         state = read()
     sync()
-    compressions = state.stats.compressions
+    compressions = state.stats.compressions if state is not None else None
 
     counts, total = collections.Counter(), [0]
 
@@ -104,7 +131,7 @@ def main(argv=None) -> None:
             sync()
         device_ms = sum(e.self_device_time_total for e in prof.key_averages()) / 1000
     report = {"args": vars(args) | {"out": str(args.out)}, "device": torch.cuda.get_device_name() if device == "cuda"
-              else "cpu", "compressions": compressions, "torch_calls": total[0], "host_ms": host * 1000, "wall_ms": wall * 1000,
+              else "cpu", "compressions": compressions, "steps": getattr(read, "steps", None), "torch_calls": total[0], "host_ms": host * 1000, "wall_ms": wall * 1000,
               "device_kernel_ms": device_ms, "tokens_per_second": args.length / wall,
               "calls_by_site": counts.most_common(60), "syncs_by_site": syncs.most_common(40)}
     args.out.mkdir(parents=True, exist_ok=True)
