@@ -31,7 +31,10 @@ from kvpot.kernels.varlen_reference import check_varlen_inputs, varlen_attention
 
 __all__ = ["varlen_attention", "varlen_attention_reference"]
 
-BLOCK_N = 64  # entries per loop step
+BLOCK_N = 64  # entries per loop step (float32)
+# Half precision's launch: folded rows a tile (tokens x the group's heads), entries a loop step, warps, pipeline
+# stages. `benchmarks/engine-core-h100/varlen_sweep.py` times the choices at the 8B mixed step's shape.
+HALF_LAUNCH = {"rows": 64, "block_n": 64, "warps": 4, "stages": 2}
 LN2 = math.log(2.0)
 
 
@@ -106,9 +109,15 @@ def _varlen_kernel(
 
 
 def _block_q(g_pad: int, dtype: torch.dtype) -> int:
-    # about 64 folded rows a tile (at least the 16 a matrix unit takes), fewer for float32's wider tiles
-    rows = 32 if dtype == torch.float32 else 64
+    # about HALF_LAUNCH's folded rows a tile (at least the 16 a matrix unit takes), fewer for float32's wider tiles
+    rows = 32 if dtype == torch.float32 else HALF_LAUNCH["rows"]
     return max(1, max(16, rows) // g_pad)
+
+
+def _launch(dtype: torch.dtype) -> dict:
+    if dtype == torch.float32:
+        return {"BLOCK_N": BLOCK_N, "num_warps": 4, "num_stages": 1}
+    return {"BLOCK_N": HALF_LAUNCH["block_n"], "num_warps": HALF_LAUNCH["warps"], "num_stages": HALF_LAUNCH["stages"]}
 
 
 def varlen_attention(
@@ -162,6 +171,6 @@ def varlen_attention(
         query.stride(0), query.stride(1), *keys.stride()[:3], *values.stride()[:3], *rope_strides,
         out.stride(0), out.stride(1),
         G=g, G_PAD=g_pad, KV=kv, ROPE=rope, HALF=d // 2, IEEE=keys.dtype == torch.float32, BLOCK_Q=block_q,
-        BLOCK_N=BLOCK_N, num_warps=4, num_stages=1 if keys.dtype == torch.float32 else 2,
+        **_launch(keys.dtype),
     )
     return out, lse
