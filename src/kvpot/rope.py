@@ -81,10 +81,10 @@ class Rope:
         """
         b, heads, n, d = x.shape
         kv_heads = positions.shape[1]
-        if n == 1 and not self.dynamic and _kernel_rotates(x, positions):  # a decoding step's query or key
-            from kvpot.kernels.rope import rotate_token
+        if not self.dynamic and _kernel_rotates(x, positions):  # one launch where Triton runs
+            from kvpot.kernels.rope import rotate_tokens
 
-            return rotate_token(x, positions, *self._ensure_table(max_position + 1, x))
+            return rotate_tokens(x, positions, *self._ensure_table(max_position + 1, x))
         cos, sin = self.cos_sin(positions, x, max_position)  # [b, kv_heads, n, d]
         grouped = x.view(b, kv_heads, heads // kv_heads, n, d)
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
@@ -93,8 +93,8 @@ class Rope:
 
 
 def _kernel_rotates(x: torch.Tensor, positions: torch.Tensor) -> bool:
-    """Whether one token's rotation runs as one Triton launch (`kvpot.kernels.rope`, PyTorch's result bit
-    for bit) instead of seven PyTorch operations."""
+    """Whether the rotation runs as one Triton launch (`kvpot.kernels.rope`, PyTorch's result bit for bit) instead
+    of about a dozen PyTorch operations."""
     from kvpot import kernels
 
     if not kernels.available(x.device) or torch.compiler.is_compiling():  # compiled, inductor fuses the ops

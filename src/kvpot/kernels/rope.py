@@ -1,10 +1,12 @@
-"""Triton: RoPE for one token's heads at device-side positions, in one launch (issue 30).
+"""Triton: RoPE for tokens' heads at device-side positions, in one launch (issues 30 and 43).
 
-A fixed-shape decoding step under `absolute` positions rotates the new key (stored rotated) and the query
-at the token's position: in PyTorch each is a table lookup, a multiply, `rotate_half` (a negation and a
-concatenation), a second multiply and an add, seven launches per rotation and fourteen per layer.
-`rotate_token` does one, with PyTorch's roundings (each product and the sum rounded to the tensor's dtype,
-no fused multiply-add), so its output is `Rope.rotate`'s bit for bit (tests/test_rope_kernel.py).
+In PyTorch a rotation is two table lookups, a multiply, `rotate_half` (two slices, a negation and a
+concatenation), a second multiply and an add: about a dozen operations, each a launch and ~10 us of the host's
+time. A decoding step rotates its query and key at every layer; a prompt chunk's forward rotates the chunk's
+queries and the whole cache's keys at every layer, and those host calls bound a 1,024-token step on an H200
+(records/engine-core-h200/host-bound/). `rotate_tokens` does one launch, with PyTorch's roundings (each product
+and the sum rounded to the tensor's dtype, no fused multiply-add), so its output is `Rope.rotate`'s bit for bit
+(tests/test_rope_kernel.py).
 """
 
 from __future__ import annotations
@@ -14,52 +16,61 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _rotate_kernel(
-    X,  # [B, H, D] one token's heads (last stride 1)
+    X,  # [B, H, N, D] tokens' heads (last stride 1)
     COS, SIN,  # [P, D] the RoPE table in X's dtype
-    POS,  # [B, KV] int positions; head h takes its KV head's h // (H // KV)
-    OUT,  # [B, H, D] contiguous
-    stride_xb, stride_xh, stride_pb, stride_pk,
-    H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+    POS,  # [B, KV, N] int positions; head h takes its KV head's h // (H // KV)
+    OUT,  # [B, H, N, D] contiguous
+    N, stride_xb, stride_xh, stride_xn, stride_pb, stride_pk, stride_pn,
+    H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    position = tl.load(POS + b * stride_pb + (h // (H // KV)) * stride_pk).to(tl.int64)
+    bh = tl.program_id(0)
+    b = bh // H
+    h = bh % H
+    tokens = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = tokens < N
+    position = tl.load(POS + b * stride_pb + (h // (H // KV)) * stride_pk + tokens * stride_pn, mask=inside,
+                       other=0).to(tl.int64)
     lo = tl.arange(0, HALF)
-    x = X + b * stride_xb + h * stride_xh
-    first = tl.load(x + lo)
-    second = tl.load(x + HALF + lo)
+    x = X + b * stride_xb + h * stride_xh + tokens[:, None].to(tl.int64) * stride_xn + lo[None, :]
+    first = tl.load(x, mask=inside[:, None])
+    second = tl.load(x + HALF, mask=inside[:, None])
     dtype = first.dtype
-    cos = COS + position * D
-    sin = SIN + position * D
+    cos = COS + position[:, None] * D + lo[None, :]
+    sin = SIN + position[:, None] * D + lo[None, :]
     # rotate_half(x) = (-x2, x1): out1 = x1 c1 + (-x2) s1, out2 = x2 c2 + x1 s2, each product and sum rounded
-    a = (first.to(tl.float32) * tl.load(cos + lo).to(tl.float32)).to(dtype)
-    c = ((-second).to(tl.float32) * tl.load(sin + lo).to(tl.float32)).to(dtype)
-    out = OUT + (b * H + h) * D
-    tl.store(out + lo, (a.to(tl.float32) + c.to(tl.float32)).to(dtype))
-    a = (second.to(tl.float32) * tl.load(cos + HALF + lo).to(tl.float32)).to(dtype)
-    c = (first.to(tl.float32) * tl.load(sin + HALF + lo).to(tl.float32)).to(dtype)
-    tl.store(out + HALF + lo, (a.to(tl.float32) + c.to(tl.float32)).to(dtype))
+    a = (first.to(tl.float32) * tl.load(cos, mask=inside[:, None]).to(tl.float32)).to(dtype)
+    c = ((-second).to(tl.float32) * tl.load(sin, mask=inside[:, None]).to(tl.float32)).to(dtype)
+    out = OUT + (bh.to(tl.int64) * N + tokens[:, None]) * D + lo[None, :]
+    tl.store(out, (a.to(tl.float32) + c.to(tl.float32)).to(dtype), mask=inside[:, None])
+    a = (second.to(tl.float32) * tl.load(cos + HALF, mask=inside[:, None]).to(tl.float32)).to(dtype)
+    c = (first.to(tl.float32) * tl.load(sin + HALF, mask=inside[:, None]).to(tl.float32)).to(dtype)
+    tl.store(out + HALF, (a.to(tl.float32) + c.to(tl.float32)).to(dtype), mask=inside[:, None])
 
 
 def supports(x: torch.Tensor, positions: torch.Tensor) -> bool:
-    """Whether `rotate_token` takes `x` [b, heads, 1, d] at `positions` [b, kv, 1]: one token, a power-of-two
-    half head dim, heads grouped over the positions' KV heads."""
-    b, heads, q, d = x.shape
+    """Whether `rotate_tokens` takes `x` [b, heads, n, d] at `positions` [b, kv, n]: a power-of-two half head
+    dim, heads grouped over the positions' KV heads, the positions one per token."""
+    b, heads, n, d = x.shape
     half = d // 2
-    return (q == 1 and d % 2 == 0 and half >= 1 and half & (half - 1) == 0 and positions.shape[-1] == 1
-            and positions.shape[0] == b and heads % positions.shape[1] == 0 and x.stride(-1) == 1)
+    return (d % 2 == 0 and half >= 1 and half & (half - 1) == 0 and positions.dim() == 3
+            and positions.shape[0] == b and positions.shape[-1] == n and heads % positions.shape[1] == 0
+            and x.stride(-1) == 1)
 
 
-def rotate_token(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`Rope.rotate` of one token: x [b, heads, 1, d] at positions [b, kv, 1] with the table cos/sin [P, d]
-    (x's dtype); a new [b, heads, 1, d] tensor. No host synchronisation (a CUDA graph captures it)."""
-    b, heads, _, d = x.shape
+def rotate_tokens(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`Rope.rotate` in one launch: x [b, heads, n, d] at positions [b, kv, n] with the table cos/sin [P, d]
+    (x's dtype); a new contiguous [b, heads, n, d] tensor. No host synchronisation (a CUDA graph captures it)."""
+    b, heads, n, d = x.shape
     kv = positions.shape[1]
-    out = torch.empty(b, heads, 1, d, dtype=x.dtype, device=x.device)
-    _rotate_kernel[(b, heads)](
-        x, cos, sin, positions, out, x.stride(0), x.stride(1), positions.stride(0), positions.stride(1),
-        H=heads, KV=kv, D=d, HALF=d // 2, enable_fp_fusion=False,
+    out = torch.empty(b, heads, n, d, dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    block = 1 if n == 1 else min(64, triton.next_power_of_2(n))  # tokens a program
+    _rotate_kernel[(b * heads, triton.cdiv(n, block))](
+        x, cos, sin, positions, out, n, x.stride(0), x.stride(1), x.stride(2), *positions.stride(),
+        H=heads, KV=kv, D=d, HALF=d // 2, BLOCK=block, enable_fp_fusion=False,
     )
     return out
+
