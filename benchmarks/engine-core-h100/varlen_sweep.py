@@ -48,7 +48,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     import torch
 
-    from kvpot.kernels import varlen
+    import kvpot.kernels.varlen as varlen
     from kvpot.kernels.sdpa import split_attention
     from kvpot.kernels.decode_reference import _rotate_at
 
