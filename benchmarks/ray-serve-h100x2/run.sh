@@ -8,6 +8,8 @@
 # SLACK (0) is --affinity-slack: every user reads the same document, all arriving at once, so the default (4)
 # would leave the replica holding it a few users over its slots (a short second wave); 0 spreads them evenly.
 #
+# Ray and its requirements are not on the machine. `make_wheels.sh` (beside this) downloads all of them here and cuts
+# them into three parts, one a call; its header says how to carry them. Or, the older way, Ray's wheel alone:
 # Ray's cp312 wheel (79 MB) is over one call's 64 MiB carry: split it here with
 #   split -n 2 ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl ray-wheel.part   (-> ray-wheel.partaa, .partab)
 # and put the halves in /tmp of the same warm machine, one per call:
@@ -26,6 +28,16 @@ model=/tmp/llama3-8b-words
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 git log -1 --format='commit %h %s' 2>/dev/null | cut -c1-120
 
+if ! python3 -c "import ray.serve" 2>/dev/null && ls /tmp/rayw.part* > /dev/null 2>&1; then
+  # the wheels of make_wheels.sh, carried in parts: joined, checked, installed without an index
+  cat /tmp/rayw.part* > /tmp/rayw.tar || exit 2
+  if [[ -f /tmp/rayw.tar.sha256 ]]; then
+    echo "$(cat /tmp/rayw.tar.sha256)  /tmp/rayw.tar" | sha256sum -c - || exit 2
+  fi
+  tar -xf /tmp/rayw.tar -C /tmp || exit 2
+  pip install -q --no-index --find-links /tmp/wheels "ray[serve]==2.60.0" "fastapi>=0.110,<1" "uvicorn>=0.29,<1"
+  python3 -c "import ray.serve" || { echo "ray.serve does not import (above: the missing module)"; exit 2; }
+fi
 if ! python3 -c "import ray.serve" 2>/dev/null; then
   wheel=/tmp/wheels/ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl
   mkdir -p /tmp/wheels
