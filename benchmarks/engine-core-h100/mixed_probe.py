@@ -7,6 +7,10 @@ the device, and two steps' CUDA time by operator in each mode (torch.profiler).
 `--decoding` requests decode (short prompts read first) while `--reading` requests of `--length` tokens
 are read, `--prefill-tokens` per step. Writes DIR/mixed_probe.json: per mode the step times (ms) while
 prompts were read, the forwards, and the profiler's top operators of two steps.
+
+Each step is timed between two device synchronizations, so its time is the host's launches plus the device's
+tail: where the host bounds a step, this is more than a stream of steps takes (one prompt alone: 74-83 ms a step
+here against 46 ms of device work, records/engine-core-h200/host-bound/). `prefill_ops.py` times a whole read.
 """
 
 from __future__ import annotations
