@@ -25,15 +25,16 @@ def _rotate_kernel(
     N, stride_xb, stride_xh, stride_xn, stride_pb, stride_pk, stride_pn,
     H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    bh = tl.program_id(0)
+    bh = tl.program_id(0).to(tl.int64)  # 64-bit offsets: a whole cache's keys are a slice of a large buffer
     b = bh // H
     h = bh % H
     tokens = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = tokens < N
-    position = tl.load(POS + b * stride_pb + (h // (H // KV)) * stride_pk + tokens * stride_pn, mask=inside,
+    at = tokens.to(tl.int64)
+    position = tl.load(POS + b * stride_pb + (h // (H // KV)) * stride_pk + at * stride_pn, mask=inside,
                        other=0).to(tl.int64)
     lo = tl.arange(0, HALF)
-    x = X + b * stride_xb + h * stride_xh + tokens[:, None].to(tl.int64) * stride_xn + lo[None, :]
+    x = X + b * stride_xb + h * stride_xh + at[:, None] * stride_xn + lo[None, :]
     first = tl.load(x, mask=inside[:, None])
     second = tl.load(x + HALF, mask=inside[:, None])
     dtype = first.dtype
@@ -42,7 +43,7 @@ def _rotate_kernel(
     # rotate_half(x) = (-x2, x1): out1 = x1 c1 + (-x2) s1, out2 = x2 c2 + x1 s2, each product and sum rounded
     a = (first.to(tl.float32) * tl.load(cos, mask=inside[:, None]).to(tl.float32)).to(dtype)
     c = ((-second).to(tl.float32) * tl.load(sin, mask=inside[:, None]).to(tl.float32)).to(dtype)
-    out = OUT + (bh.to(tl.int64) * N + tokens[:, None]) * D + lo[None, :]
+    out = OUT + (bh * N + at[:, None]) * D + lo[None, :]
     tl.store(out, (a.to(tl.float32) + c.to(tl.float32)).to(dtype), mask=inside[:, None])
     a = (second.to(tl.float32) * tl.load(cos + HALF, mask=inside[:, None]).to(tl.float32)).to(dtype)
     c = (first.to(tl.float32) * tl.load(sin + HALF, mask=inside[:, None]).to(tl.float32)).to(dtype)
