@@ -85,6 +85,8 @@ def test_the_kernel_refuses_what_it_cannot_take():
     assert not supports(torch.zeros(1, 4, 8, 48, device=DEVICE), torch.zeros(1, 2, 8, dtype=torch.long,
                                                                             device=DEVICE))  # half dim 24
     assert not supports(x.transpose(2, 3), torch.zeros(1, 2, 64, dtype=torch.long, device=DEVICE))  # strided d
+    if DEVICE == "cuda":  # positions on another device than the tokens (a split model's layer): PyTorch's path
+        assert not supports(x, torch.zeros(1, 2, 8, dtype=torch.long))
 
 
 def test_rope_rotates_many_tokens_with_the_kernel_as_without(monkeypatch):

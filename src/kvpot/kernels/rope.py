@@ -11,6 +11,8 @@ and the sum rounded to the tensor's dtype, no fused multiply-add), so its output
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -57,7 +59,7 @@ def supports(x: torch.Tensor, positions: torch.Tensor) -> bool:
     half = d // 2
     return (d % 2 == 0 and half >= 1 and half & (half - 1) == 0 and positions.dim() == 3
             and positions.shape[0] == b and positions.shape[-1] == n and heads % positions.shape[1] == 0
-            and x.stride(-1) == 1)
+            and x.stride(-1) == 1 and positions.device == x.device)
 
 
 def rotate_tokens(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -69,9 +71,12 @@ def rotate_tokens(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, s
     if out.numel() == 0:
         return out
     block = 1 if n == 1 else min(64, triton.next_power_of_2(n))  # tokens a program
-    _rotate_kernel[(b * heads, triton.cdiv(n, block))](
-        x, cos, sin, positions, out, n, x.stride(0), x.stride(1), x.stride(2), *positions.stride(),
-        H=heads, KV=kv, D=d, HALF=d // 2, BLOCK=block, enable_fp_fusion=False,
-    )
+    # Triton launches on the current CUDA device: a layer of a model split over GPUs may live on another one
+    elsewhere = x.is_cuda and x.device.index != torch.cuda.current_device()
+    with torch.cuda.device(x.device) if elsewhere else contextlib.nullcontext():
+        _rotate_kernel[(b * heads, triton.cdiv(n, block))](
+            x, cos, sin, positions, out, n, x.stride(0), x.stride(1), x.stride(2), *positions.stride(),
+            H=heads, KV=kv, D=d, HALF=d // 2, BLOCK=block, enable_fp_fusion=False,
+        )
     return out
 
