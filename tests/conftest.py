@@ -43,11 +43,14 @@ def llama3_rope() -> dict:
     }
 
 
+# arch -> (model class, its config made with COMMON, the arch's own settings and the caller's overrides): overrides
+# go to the constructor, so what a config derives at init (head_dim from hidden_size and the heads, in the
+# transformers versions that fix it there) follows them
 ARCH_CONFIGS = {
-    "llama3": lambda: (LlamaForCausalLM, LlamaConfig(**COMMON, rope_parameters=llama3_rope())),
-    "mistral": lambda: (MistralForCausalLM, MistralConfig(**COMMON, sliding_window=None)),
-    "qwen2": lambda: (Qwen2ForCausalLM, Qwen2Config(**COMMON)),
-    "qwen3": lambda: (Qwen3ForCausalLM, Qwen3Config(**COMMON, head_dim=16)),
+    "llama3": lambda **o: (LlamaForCausalLM, LlamaConfig(**{**COMMON, "rope_parameters": llama3_rope(), **o})),
+    "mistral": lambda **o: (MistralForCausalLM, MistralConfig(**{**COMMON, "sliding_window": None, **o})),
+    "qwen2": lambda **o: (Qwen2ForCausalLM, Qwen2Config(**{**COMMON, **o})),
+    "qwen3": lambda **o: (Qwen3ForCausalLM, Qwen3Config(**{**COMMON, "head_dim": 16, **o})),
 }
 
 ROPE_VARIANTS = {
@@ -62,9 +65,7 @@ ROPE_VARIANTS = {
 def build(arch: str, seed: int = 0, **overrides):
     """A float32 tiny model of `arch`, seeded, eval mode, with sdpa attention for references."""
     torch.manual_seed(seed)
-    model_class, config = ARCH_CONFIGS[arch]()
-    for key, value in overrides.items():
-        setattr(config, key, value)
+    model_class, config = ARCH_CONFIGS[arch](**overrides)
     model = model_class(config).eval()
     model.set_attn_implementation("sdpa")
     return model

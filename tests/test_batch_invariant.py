@@ -177,9 +177,8 @@ def test_bf16_batches_give_each_request_its_tokens_alone_on_cuda(name, compile_s
     request the tokens its captured one-sequence steps give it alone, token for token, whatever decodes beside it
     (compiled steps too: both paths' decoder layer compiled). InfLLM's rows are eager steps on both paths."""
     make, capacity = GPU_METHODS[name]
-    # head_dim given: a config made before `hidden_size` is set keeps its own (16) where transformers fixes it at init (5.17)
-    model = build("llama3", hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
-    model = model.to("cuda", torch.bfloat16)
+    model = build("llama3", hidden_size=256, num_attention_heads=4, num_key_value_heads=2).to("cuda", torch.bfloat16)
+    assert model.config.head_dim == 64  # the kernels' head dims: 32, 64, 128, 256
     torch.manual_seed(11)
     prompts = [(torch.randint(3, VOCAB, (n,)).cuda(), torch.randint(3, VOCAB, (5,)).cuda()) for n in (300, 150, 520, 90)]
     capacity = capacity and 1024

@@ -76,3 +76,10 @@ def test_kvpot_forwards_raise_no_deprecation_warning(arch, decode):
             assert len(engine.generate_ids(ids[:40], ids[40:], max_new_tokens=4, ignore_eos=True).token_ids) == 4
         hf_decode_row(model, ids[:40], ids[40:], steps=2, warmup=0, device="cpu")
     assert deprecations(caught) == []
+
+
+def test_build_hands_overrides_to_the_config_at_init():
+    """What a config derives at init follows the overrides: transformers 5.13-5.17 fix head_dim there, so an override
+    set afterwards left it at COMMON's 16 (the batch-invariant GPU test's model then had a head dim the kernels refuse)."""
+    assert build("llama3", hidden_size=256, num_attention_heads=4).config.head_dim == 64
+    assert build("qwen3").config.head_dim == 16 and build("qwen3", head_dim=32).config.head_dim == 32
