@@ -72,3 +72,25 @@ def test_mixing_is_on_where_the_varlen_kernel_runs_unless_told(monkeypatch):
     assert resolve_mix("auto", cuda, 64) is False
     with pytest.raises(KvpotError, match="mix must be one of"):
         resolve_mix("sometimes", cpu, 64)
+
+
+def test_eager_mix_reads_in_the_rows_forward_without_the_fixed_shape_step(one_thread):
+    """`mix="eager"`: chunks still join the decoding rows' forward, but never in the captured fixed-shape step
+    (`kvpot.engine.packed`), so the two can be compared; refused where "on" is."""
+    import torch
+
+    import kvpot
+    from conftest import build
+    from kvpot.engine.mixed import resolve_mix
+    from kvpot.engine.scheduler import Scheduler
+    from kvpot.serve.config import ServeConfig
+
+    assert resolve_mix("eager", torch.device("cpu"), 64) is True
+    with pytest.raises(KvpotError, match="batch-invariant"):
+        resolve_mix("eager", torch.device("cpu"), 64, invariant=True)
+    with pytest.raises(KvpotError, match="--mix eager and --share-documents"):
+        ServeConfig(mix="eager", share_documents=True)
+    engine = kvpot.Engine(build("llama3"), method=kvpot.StreamingLLM(sinks=4, window=44, chunk_size=16))
+    eager = Scheduler(engine, slots=2, decode="static", mix="eager")
+    assert eager.mix and not eager.decoder.fixed_mix
+    assert Scheduler(engine, slots=2, decode="graph" if torch.cuda.is_available() else "static", mix="on").mix

@@ -220,7 +220,7 @@ def test_config_validation_and_sizes(tmp_path):
         ServeConfig(kv_memory_fraction=1.5)
     with pytest.raises(KvpotError, match="--feed-questions must be auto, always or never"):
         ServeConfig(feed_questions="sometimes")
-    with pytest.raises(KvpotError, match="--mix must be auto, on or off"):
+    with pytest.raises(KvpotError, match="--mix must be one of auto, on, off, eager"):
         ServeConfig(mix=True)
     with pytest.raises(KvpotError, match="--mix on and --share-documents"):
         ServeConfig(mix="on", share_documents=True)

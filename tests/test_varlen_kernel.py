@@ -76,6 +76,38 @@ def test_varlen_attention_matches_the_reference(shape, dtype):
     torch.testing.assert_close(lse, ref_lse, **tol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).split(".")[-1])
+@pytest.mark.parametrize("shape", SHAPES, ids=IDS)
+def test_packed_observation_matches_the_reference(shape, dtype):
+    """`kvpot.kernels.observe.observe_varlen` (a packed mixed step's observations, `kvpot.engine.packed`) against
+    its reference, with the varlen attention's log-sum-exp: each row asks for its own rows (its last few, all of
+    them, one, none), summed or averaged."""
+    from kvpot.kernels.observe import observe_varlen
+    from kvpot.kernels.observe_reference import observe_varlen_reference
+
+    args, _ = inputs(shape, dtype, seed=7)
+    _, lse = varlen_attention_reference(**args)
+    tokens = [count for _, _, count in shape[5]]
+    asks = [(0, 0) if count == 0 else [(max(0, count - 5), min(count, 5)), (0, count), (count - 1, 1)][r % 3]
+            for r, count in enumerate(tokens)]
+    row0, count = (torch.tensor(column, device=DEVICE) for column in zip(*asks))
+    mean = torch.tensor([r % 2 for r in range(len(tokens))], device=DEVICE)
+    observed = {"slots": args["slots"], "starts": args["starts"], "cached": args["cached"], "row0": row0,
+                "count": count, "mean": mean, "scaling": args["scaling"], "lse": lse,
+                **{k: args[k] for k in ("cos", "sin", "key_positions") if k in args}}
+    shape_out = (len(tokens), args["keys"].shape[1], args["keys"].shape[2])
+    ref = torch.full(shape_out, -1.0, device=DEVICE)
+    out = torch.full(shape_out, -1.0, device=DEVICE)
+    observe_varlen_reference(args["query"], args["keys"], out=ref, **observed)
+    observe_varlen(args["query"], args["keys"], out=out, **observed)
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=2e-5, rtol=1e-4)
+    for r, (slot, before, n) in enumerate(shape[5]):
+        if asks[r][1]:
+            torch.testing.assert_close(out[r, :, : before + n], ref[r, :, : before + n], **tol)
+        else:  # a row that asks for nothing is not written
+            assert (out[r] == -1).all()
+
+
 def test_a_decoding_row_equals_the_decode_kernels_reference():
     """A row of one token is a decoding step: the same output as the batched decode attention's reference."""
     from kvpot.kernels.decode_reference import decode_attention_batch_reference
@@ -119,10 +151,13 @@ def test_bad_inputs_are_refused_in_one_sentence():
         varlen_attention_reference(**{**args, "cached": args["cached"] + 1000})
 
 
-@pytest.mark.parametrize("name", ["streaming", "h2o"])
-def test_mixed_steps_on_the_kernel_give_each_request_its_tokens_alone(name):
-    """The kernel inside the engine (a head dim it takes, 32): a mixed step's chunks attended by it, H2O's
-    observing ones included, give the greedy tokens each request gets alone (float32)."""
+@pytest.mark.parametrize("packed", [False, True], ids=["eager", "packed"])
+@pytest.mark.parametrize("name", ["streaming", "h2o", "infinipot-question", "snapkv"])
+def test_mixed_steps_on_the_kernel_give_each_request_its_tokens_alone(name, packed):
+    """The kernel inside the engine (a head dim it takes, 32): a mixed step's chunks attended by it, observing
+    ones included (H2O's every chunk, InfiniPot's catalyst, SnapKV's window), give the greedy tokens each request
+    gets alone (float32), in the eager mixed step and in the fixed-shape one (`kvpot.engine.packed`: the varlen
+    and observation kernels over the packed rows)."""
     import kvpot
     from conftest import VOCAB, build_llama
     from kvpot.engine import mixed
@@ -131,16 +166,21 @@ def test_mixed_steps_on_the_kernel_give_each_request_its_tokens_alone(name):
     from kvpot.kernels.varlen import varlen_attention
 
     method = {"streaming": kvpot.StreamingLLM(sinks=4, window=44, chunk_size=16),
-              "h2o": kvpot.H2O(heavy=24, recent=24, chunk_size=16)}[name]
+              "h2o": kvpot.H2O(heavy=24, recent=24, chunk_size=16),
+              "infinipot-question": kvpot.InfiniPot(pot_size=64, catalyst="question"),
+              "snapkv": kvpot.SnapKV(budget=48, window=8, chunk_size=64)}[name]
     model = build_llama(head_dim=32, hidden_size=128, num_attention_heads=4, num_key_value_heads=2).to(DEVICE)
     gen = torch.Generator().manual_seed(1)
     prompts = [(torch.randint(3, VOCAB, (n,), generator=gen).tolist(), torch.randint(3, VOCAB, (5,), generator=gen)
                 .tolist()) for n in (160, 90, 200, 33)]
     engine = kvpot.Engine(model, method=method, decode="eager")
     alone = [engine.generate_ids(c, q, max_new_tokens=12, ignore_eos=True).token_ids for c, q in prompts]
-    scheduler = Scheduler(kvpot.Engine(model, method=method), slots=3, decode="static", mix=True)
+    capacity = 256 if name == "snapkv" else None  # its cache grows with the prompt until its end
+    scheduler = Scheduler(kvpot.Engine(model, method=method), slots=3, capacity=capacity, decode="static", mix=True)
+    scheduler.decoder.fixed_mix = packed
     requests = [Request(c, q, max_new_tokens=12, ignore_eos=True) for c, q in prompts]
     assert mixed.varlen_kernel(torch.device(DEVICE), 32) is varlen_attention
     run_all(scheduler, requests)
     assert scheduler.report["mixed_forwards"] > 0
     assert [r.tokens for r in requests] == alone
+    assert (scheduler.decoder.packed is not None and scheduler.decoder.packed.steps > 0) is packed

@@ -47,6 +47,8 @@ def main(argv=None) -> None:
     p.add_argument("--scheduler", type=int, default=0, metavar="BUDGET",
                    help="read through a Scheduler with BUDGET prompt tokens a step (0: Engine.prefill_ids alone)")
     p.add_argument("--decoding", type=int, default=0, help="with --scheduler: requests decoding beside the read")
+    p.add_argument("--eager-mix", action="store_true",
+                   help="with --scheduler: mixed steps in this step's shapes, not the captured fixed-shape ones")
     args = p.parse_args(argv)
     import torch
     from torch.overrides import TorchFunctionMode
@@ -69,6 +71,7 @@ def main(argv=None) -> None:
         from kvpot.engine.scheduler import Request, Scheduler
 
         scheduler = Scheduler(engine, slots=args.decoding + 1, prefill_tokens=args.scheduler)
+        scheduler.decoder.fixed_mix = scheduler.decoder.fixed_mix and not args.eager_mix
         scheduler.capture()
         decoders = [Request(ids[:256].tolist(), [5, 6], max_new_tokens=100000, ignore_eos=True)
                     for _ in range(args.decoding)]
@@ -130,8 +133,13 @@ def main(argv=None) -> None:
             read()
             sync()
         device_ms = sum(e.self_device_time_total for e in prof.key_averages()) / 1000
+    packed = scheduler.decoder.packed if args.scheduler else None
+    graphs = packed.graphs if packed is not None else None
     report = {"args": vars(args) | {"out": str(args.out)}, "device": torch.cuda.get_device_name() if device == "cuda"
-              else "cpu", "compressions": compressions, "steps": getattr(read, "steps", None), "torch_calls": total[0], "host_ms": host * 1000, "wall_ms": wall * 1000,
+              else "cpu", "compressions": compressions, "steps": getattr(read, "steps", None),
+              "packed": None if packed is None else {"steps": packed.steps, "captures": graphs.captures,
+                                                     "replays": graphs.replays, "warmups": graphs.warmups},
+              "torch_calls": total[0], "host_ms": host * 1000, "wall_ms": wall * 1000,
               "device_kernel_ms": device_ms, "tokens_per_second": args.length / wall,
               "calls_by_site": counts.most_common(60), "syncs_by_site": syncs.most_common(40)}
     args.out.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,7 @@ PREFILL_TOKENS = 2048
 # varlen/, 48 fresh prompts at 1 request/s) the mixed step matched or beat prompts read apart at both budgets
 # measured: ITL p99 192 against 369 ms at 2,048 prompt tokens a step, 194 against 415 ms at 1,024.
 MIX = "auto"
-MIXES = ("auto", "on", "off")  # its values (and True / False in the library)
+MIXES = ("auto", "on", "off", "eager")  # its values (and True / False in the library); eager: on, never captured
 
 # Share of the GPU memory free after loading that a batched pool sized by itself takes
 # (`Scheduler(memory_fraction=...)`): the rest is for a step's activations and the logits. `kvpot serve` gives

@@ -146,7 +146,8 @@ def register(sub) -> None:
     t.add_argument("--mix", choices=MIXES, default=MIX,
                    help="METHOD [batch] (and serve's server): read prompt chunks in the decoding rows' forward (on), "
                         "in forwards of their own between decoding steps (off), or auto: on a CUDA GPU, where the "
-                        f"varlen kernel attends them (default {MIX}); recorded as each row's `mix`")
+                        f"varlen kernel attends them (default {MIX}); eager: on, but never the captured fixed-shape "
+                        "mixed step (to compare it with --mixed); recorded as each row's `mix`")
     t.add_argument("--mixed", action="store_true",
                    help="add a row METHOD [batch, mixed] with --mix on, to compare (the same tokens, fewer forwards)")
     t.add_argument("--prompts-apart", action="store_true",

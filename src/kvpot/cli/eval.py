@@ -113,7 +113,8 @@ def register(sub) -> None:
                         "greedy answers as one at a time; default 1)")
     p.add_argument("--mix", choices=MIXES, default=MIX,
                    help="with --batch-size: read prompt chunks in the decoding rows' forward (on), in forwards of "
-                        "their own (off), or auto: on a CUDA GPU (default auto; the same greedy answers in float32)")
+                        "their own (off), or auto: on a CUDA GPU (default auto; the same greedy answers in float32); "
+                        "eager: on, never in the captured fixed-shape step")
     p.add_argument("--batch-invariant", action="store_true",
                    help="batch-invariant decoding (Engine(batch_invariant=True)): each sample's numbers do not depend "
                         "on the samples decoded beside it, so --batch-size N answers as --batch-size 1 in bf16 too "

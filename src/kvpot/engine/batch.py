@@ -251,6 +251,10 @@ class BatchDecoder:
         self.max_position = 0
         self.steps = 0
         self.picking: dict[int, str] = {}  # decoding slot -> what its picks need (`PICKING`)
+        # mixed steps in fixed shapes (`kvpot.engine.packed`, made at the first): where graphs replay them. On a
+        # CPU the eager mixed step is the faster (no padding), so tests turn this on to check the body there.
+        self.fixed_mix = graphs
+        self.packed = None
 
     # ------------------------------------------------------------------ per-slot state
     def start(self, slot: int, logits: torch.Tensor, next_position: int, temperature: float, top_p: float,
@@ -304,11 +308,7 @@ class BatchDecoder:
         count = len(slots)
         if count == 0:
             return 0
-        bucket = next(size for size in self.buckets if size >= count)
-        padded = slots + [self.pool.scratch] * (bucket - count)
-        weights = [1.0 if flag else 0.0 for flag in live] + [0.0] * (bucket - count)
-        self.rows[:bucket].copy_(torch.tensor(padded, dtype=torch.long), non_blocking=True)
-        self.live[:bucket].copy_(torch.tensor(weights, dtype=torch.float32), non_blocking=True)
+        bucket = self.load_rows(slots, live)
         mode = self.mode(slots)
         self.size_tables()
         key = (bucket, observe is not None, mode)
@@ -317,6 +317,17 @@ class BatchDecoder:
         else:
             self._run(bucket, observe, mode)
         self.steps += 1
+        return bucket
+
+    def load_rows(self, slots: list[int], live: list[bool]) -> int:
+        """Put `slots` (padded to their bucket with the scratch slot) and their `live` flags in the static row
+        buffers a step reads; returns the bucket."""
+        count = len(slots)
+        bucket = next(size for size in self.buckets if size >= count)
+        padded = slots + [self.pool.scratch] * (bucket - count)
+        weights = [1.0 if flag else 0.0 for flag in live] + [0.0] * (bucket - count)
+        self.rows[:bucket].copy_(torch.tensor(padded, dtype=torch.long), non_blocking=True)
+        self.live[:bucket].copy_(torch.tensor(weights, dtype=torch.float32), non_blocking=True)
         return bucket
 
     def capture(self, observes: list[AttentionRequest | None]) -> int:
@@ -353,27 +364,39 @@ class BatchDecoder:
 
     def _run(self, bucket: int, observe: AttentionRequest | None, mode: str) -> None:
         """The step's body, in fixed shapes (what a graph captures)."""
-        engine, cache, method = self.engine, self.cache, self.method
-        rows, live = self.rows[:bucket], self.live[:bucket]
+        engine, cache = self.engine, self.cache
+        ids, nll = self.begin_rows(bucket, observe)
+        with engine.single_row():  # a bucket of one: its linear layers as a single sequence's (engine.linear)
+            out = engine.step_decoder()(input_ids=ids.view(bucket, 1), position_ids=self.zeros[:bucket], use_cache=True,
+                                        kvpot_cache=cache, **cache_kwargs(engine.decoder, cache))
+            logits = engine.head(out.last_hidden_state[:, -1]).float()  # [bucket, vocab]
+        self.end_rows(bucket, logits, mode, nll)
+
+    def begin_rows(self, bucket: int, observe: AttentionRequest | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A fixed-shape step's first part, for the rows in `rows[:bucket]`: the step cache reads them, and
+        each row's token to feed [bucket] and its -log p (None unless the method needs it). Shared with the
+        mixed steps (`kvpot.engine.mixed`, `kvpot.engine.packed`)."""
+        cache, rows = self.cache, self.rows[:bucket]
         self.pool.lengths[:, self.pool.scratch] = 0  # padding rows write the scratch slot's first entry
         cache.rows, cache.stream_positions = rows, self.next_position[rows]
         cache.max_position, cache.request = self.max_position, observe
         cache.groups = None  # readers of shared documents, grouped once per step (`kvpot.kernels.shared`)
-        ids = self.last_token[rows].view(bucket, 1)
-        nll = self.token_nll(rows) if method.needs_token_nll else None
+        nll = self.token_nll(rows) if self.method.needs_token_nll else None
         if observe is not None:  # made here: first made inside a compiled layer, its existence is a guard there,
             for layer in self.pool.layers:  # which the next step fails, recompiling inside a graph's capture
                 layer.observation_buffer()
-        with engine.single_row():  # a bucket of one: its linear layers as a single sequence's (engine.linear)
-            out = engine.step_decoder()(input_ids=ids, position_ids=self.zeros[:bucket], use_cache=True,
-                                        kvpot_cache=cache, **cache_kwargs(engine.decoder, cache))
-            logits = engine.head(out.last_hidden_state[:, -1]).float()  # [bucket, vocab]
-        method.batch_append(self.pool.layers, rows, cache.appended, live, Step("decode", 1, segment_end=True,
-                                                                               token_nll=nll))
+        return self.last_token[rows], nll
+
+    def end_rows(self, bucket: int, logits: torch.Tensor, mode: str, nll: torch.Tensor | None) -> None:
+        """A fixed-shape step's last part, given the rows' logits [bucket, vocab]: the method's per-token work
+        for every row, the logits kept, the next token picked."""
+        rows, live = self.rows[:bucket], self.live[:bucket]
+        self.method.batch_append(self.pool.layers, rows, self.cache.appended, live,
+                                 Step("decode", 1, segment_end=True, token_nll=nll))
         self.logits[rows] = logits
         self.pick_from(rows, logits, mode)
         self.next_position[rows] += 1
-        cache.request = None
+        self.cache.request = None
 
     @property
     def captures(self) -> int:

@@ -30,6 +30,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvpot.attention import AttentionRequest, observe, sequence_attention
 from kvpot.compat import cache_kwargs
 from kvpot.defaults import MIXES
+from kvpot.engine.packed import PackedStep, as_rows, varlen_kernel
 from kvpot.engine.pool import SlotLayer
 from kvpot.engine.results import _Run
 from kvpot.engine.sampling import _as_ids
@@ -48,7 +49,8 @@ class Chunk:
 
 def resolve_mix(mix: bool | str, device: torch.device, head_dim: int, sharing: bool = False,
                 parallel: bool = False, invariant: bool = False) -> bool:
-    """`Scheduler(mix=...)`: True/"on", False/"off", or "auto": on where the varlen Triton kernel attends the
+    """`Scheduler(mix=...)`: True/"on", False/"off", "eager" (on, each mixed step in its own shapes, never the
+    captured fixed-shape step of `kvpot.engine.packed`: to compare), or "auto": on where the varlen Triton kernel attends the
     chunks (a CUDA device with Triton, a head dim the kernels take). Without it each chunk is attended alone
     (`sequence_attention`), and the mixed step measured slower than prompts read apart (an H200,
     records/engine-core-h100/); with it, faster (an H100, records/engine-core-h100/varlen/). "auto" stays off
@@ -58,13 +60,13 @@ def resolve_mix(mix: bool | str, device: torch.device, head_dim: int, sharing: b
     "on" refused."""
     if mix not in (*MIXES, True, False):
         raise KvpotError(f"mix must be one of {MIXES} (or a bool), got {mix!r}.")
-    if invariant and mix in ("on", True):
+    if invariant and mix in ("on", "eager", True):
         raise KvpotError("mix='on' under batch-invariant decoding: a prompt chunk read beside the decoding rows is "
                          "attended and multiplied in other sums than alone; use 'auto' or 'off'.")
     if isinstance(mix, bool):
         return mix
     if mix != "auto":
-        return mix == "on"
+        return mix in ("on", "eager")
     if sharing or parallel or invariant:
         return False
     from kvpot import kernels
@@ -98,7 +100,7 @@ class MixedLayer(CacheLayerMixin):
         """key/value_states [1, kv_heads, T, d], un-rotated: the rows' tokens first, then each chunk's."""
         b = self.mixed.batch
         if b:
-            self.step_layer.update(_rows(key_states[:, :, :b]), _rows(value_states[:, :, :b]))
+            self.step_layer.update(as_rows(key_states[:, :, :b]), as_rows(value_states[:, :, :b]))
         spans = zip(self.mixed.spans, self.mixed.caches)
         if self.mixed.varlen:  # the varlen kernel reads the slots: nothing to rotate and hand back
             for (start, stop), cache in spans:
@@ -144,7 +146,7 @@ class MixedCache(Cache):
         over their slots by the varlen kernel where `_varlen` allows, else each over its own cache."""
         outputs = []
         if self.batch:
-            rows = self.step.attend(layer.step_layer, _rows(query[:, :, : self.batch]), scaling)  # [B, 1, heads, d]
+            rows = self.step.attend(layer.step_layer, as_rows(query[:, :, : self.batch]), scaling)  # [B, 1, heads, d]
             outputs.append(rows.reshape(1, self.batch, *rows.shape[2:]))
         if self.varlen:
             outputs.append(self._attend_varlen(layer, query[:, :, self.batch :], scaling))
@@ -199,46 +201,46 @@ class MixedCache(Cache):
         return out.unsqueeze(0)
 
 
-def varlen_kernel(device: torch.device, head_dim: int):
-    """The varlen Triton kernel where it runs, else its PyTorch reference (one signature but `max_tokens`)."""
-    from kvpot import kernels
-
-    if kernels.available(device) and kernels.supports_head_dim(head_dim):
-        from kvpot.kernels.varlen import varlen_attention
-
-        return varlen_attention
-    from kvpot.kernels.varlen_reference import varlen_attention_reference
-
-    return lambda *args: varlen_attention_reference(*args[:7], *args[8:])  # the reference needs no bucket
-
-
-def _rows(states: torch.Tensor) -> torch.Tensor:
-    """[1, heads, B, d] -> [B, heads, 1, d]: packed tokens as the batched step's rows."""
-    return states[0].transpose(0, 1).unsqueeze(2).contiguous()
-
-
 def mixed_forward(decoder, slots: list[int], live: list[bool], observe: AttentionRequest | None,
                   chunks: list[Chunk]) -> None:
     """A token for each of `slots` (as `BatchDecoder.step`: appended, the method's per-token work, the next
     token picked) and each chunk of `chunks` read into its run, in one forward of the model. Each chunk's
-    method compresses after it (`Engine._after_forward`)."""
-    engine, method, pool, step = decoder.engine, decoder.method, decoder.pool, decoder.cache
+    method compresses after it (`Engine._after_forward`). In fixed shapes, captured on a GPU, where
+    `PackedStep.takes` the step (`kvpot.engine.packed`); else eagerly."""
+    engine = decoder.engine
+    probes = [engine._before_forward(chunk.run, chunk.step) for chunk in chunks]  # (tail, request) each
+    packed = decoder.packed if decoder.fixed_mix else None
+    if packed is None and decoder.fixed_mix:
+        packed = decoder.packed = PackedStep(decoder)
+    if packed is not None and packed.takes(chunks, probes):
+        b = decoder.load_rows(slots, live) if slots else 0
+        for chunk, (tail, request) in zip(chunks, probes):
+            chunk.run.cache.begin_forward(None, -1, tail[1] if tail is not None else request)
+        results = packed.run(b, observe, decoder.mode(slots), chunks, probes)
+    else:
+        results = _eager(decoder, slots, live, observe, chunks, probes)
+    if slots:
+        decoder.steps += 1
+    for chunk, (hidden, observation) in zip(chunks, results):
+        engine._after_forward(chunk.run, chunk.ids, chunk.step, hidden, observation)
+
+
+def _eager(decoder, slots: list[int], live: list[bool], observe: AttentionRequest | None, chunks: list[Chunk],
+           probes: list) -> list:
+    """`mixed_forward` with the shapes of this step: returns, per chunk, its hidden states and its tail probe's
+    observation (None without one), the probe's entries rolled back."""
+    engine, pool = decoder.engine, decoder.pool
     b, device = len(slots), pool.device
-    rows = live_rows = nll = None
-    inputs = []
+    inputs, nll = [], None
     if b:
         decoder.rows[:b].copy_(torch.tensor(slots, dtype=torch.long), non_blocking=True)
         decoder.live[:b].copy_(torch.tensor([1.0 if flag else 0.0 for flag in live]), non_blocking=True)
         decoder.size_tables()
-        rows, live_rows = decoder.rows[:b], decoder.live[:b]
-        step.rows, step.stream_positions = rows, decoder.next_position[rows]
-        step.max_position, step.request = decoder.max_position, observe
-        nll = decoder.token_nll(rows) if method.needs_token_nll else None
-        inputs.append(decoder.last_token[rows])
+        ids, nll = decoder.begin_rows(b, observe)
+        inputs.append(ids)
     tails = []
-    for chunk in chunks:
+    for chunk, (tail, request) in zip(chunks, probes):
         run, q = chunk.run, chunk.ids.numel()
-        tail, request = engine._before_forward(run, chunk.step)
         ids = chunk.ids.to(device)
         if tail is not None:  # as `Engine._forward_with_tail`: the probe follows the chunk's tokens
             tail_ids, request = tail  # its observation is the forward's
@@ -250,24 +252,18 @@ def mixed_forward(decoder, slots: list[int], live: list[bool], observe: Attentio
         run.cache.begin_forward(positions, run.next_position + ids.numel() - 1, request)
         inputs.append(ids)
     ids = torch.cat(inputs).view(1, -1)
-    cache = MixedCache(step, b, chunks, [part.numel() for part in inputs[1 if b else 0:]])
+    cache = MixedCache(decoder.cache, b, chunks, [part.numel() for part in inputs[1 if b else 0:]])
     zeros = torch.zeros_like(ids)  # RoPE is applied by kvpot
     out = engine.decoder(input_ids=ids, position_ids=zeros, use_cache=True, kvpot_cache=cache,
                          **cache_kwargs(engine.decoder, cache))
     hidden = out.last_hidden_state[0]  # [T, hidden]
     if b:
-        logits = engine.head(hidden[:b]).float()
-        method.batch_append(pool.layers, rows, step.appended, live_rows,
-                            Step("decode", 1, segment_end=True, token_nll=nll))
-        decoder.logits[rows] = logits
-        decoder.pick_from(rows, logits, decoder.mode(slots))
-        decoder.next_position[rows] += 1
-        step.request = None
-        decoder.steps += 1
+        decoder.end_rows(b, engine.head(hidden[:b]).float(), decoder.mode(slots), nll)
+    results = []
     for chunk, (start, _), before in zip(chunks, cache.spans, tails):
         observation = None
         if before is not None:  # the probe's attention over what it may score, then its entries go
             observation = [layer.observation[..., :n] for layer, n in zip(chunk.run.cache.layers, before)]
             chunk.run.cache.truncate(before)
-        q = chunk.ids.numel()
-        engine._after_forward(chunk.run, chunk.ids, chunk.step, hidden[start : start + q], observation)
+        results.append((hidden[start : start + chunk.ids.numel()], observation))
+    return results

@@ -51,7 +51,7 @@ class Scheduler:
         answers sooner); "always", or "never" (one forward of its own, as `Engine.generate` reads it). Only
         for methods whose cache does not depend on how the question is cut (`Method.feeds_question`).
     mix: read prompt chunks in the decoding rows' forward (`kvpot.engine.mixed`): the same tokens, fewer forwards.
-        "auto" (`kvpot.defaults.MIX`, `kvpot.engine.mixed.resolve_mix`): on a CUDA GPU; "on", "off" or a bool.
+        "auto" (`kvpot.defaults.MIX`, `kvpot.engine.mixed.resolve_mix`): on a CUDA GPU; "on", "off", "eager" or a bool.
     share_documents: readers of a stored `State` read its keys and values from one copy (`kvpot.engine.documents`,
         `documents` at once; questions fed even alone), copied on write (`Method.copies_document`). Off by default.
     """
@@ -87,6 +87,7 @@ class Scheduler:
         self.batched = batches_rows(engine, self.pool.policy)
         self.mix = resolve_mix(mix, engine.device, self.pool.layers[0].head_dim, share_documents,
                                engine.parallel is not None, engine.batch_invariant) and self.batched  # in one forward
+        self.decoder.fixed_mix = self.decoder.fixed_mix and mix != "eager"  # captured (`kvpot.engine.packed`) or not
         self.steady_ok = batchable_request(self.method.decode_request("steady"))
         self.append_ok = batchable_request(self.method.decode_request("append"))
         self.outbox = TokenOutbox()  # the tokens of a step, delivered at the start of the next

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvpot.kernels.common import half_scores, load_keys
+
 LOG2E = 1.0 / math.log(2.0)
 BLOCK_M = 64  # folded query rows per step
 BLOCK_N = 64  # keys per program (columns) / per step (row lse)
@@ -145,3 +147,86 @@ def observe_columns(query: torch.Tensor, key: torch.Tensor, start: int, stop: in
         CAUSAL=causal, IEEE=ieee, D=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
     )
     return out[None]
+
+
+
+@triton.jit(do_not_specialize=["N", "G"])
+def _varlen_columns_kernel(
+    Q,  # [T, H, D] packed queries (H = KV * G), rotated unless ROPE
+    K,  # [S, KV, N, D] pool keys, rotated unless ROPE
+    LSE,  # [T, H] float32 natural log-sum-exp of each token (the varlen attention's)
+    SLOTS, STARTS, CACHED, ROW0, COUNT, MEAN,  # [R], [R + 1], [R], [R], [R], [R] int
+    COS, SIN,  # [P, D] RoPE table (ROPE)
+    KPOS,  # [S, KV, N] int RoPE position of each entry (ROPE); a token's query takes its own entry's
+    OUT,  # [R, KV, N] float32
+    N, G, scale,  # scale: softmax scale * log2(e)
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_kn, stride_lt, stride_ps, stride_ph, stride_pn, stride_t,
+    stride_or, stride_oh,
+    ROPE: tl.constexpr, IEEE: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    block, kv, r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    count = tl.load(COUNT + r).to(tl.int32)
+    first = tl.load(STARTS + r).to(tl.int64)
+    cached = tl.load(CACHED + r).to(tl.int32)
+    n = cached + (tl.load(STARTS + r + 1).to(tl.int32) - first.to(tl.int32))
+    if count > 0 and block * BLOCK_N < n:  # rows that observe nothing, and keys past the row's, end at once
+        slot = tl.load(SLOTS + r).to(tl.int64)
+        row0 = tl.load(ROW0 + r).to(tl.int32)
+        cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < n
+        dh = tl.arange(0, HALF)
+        K += slot * stride_ks + kv * stride_kh
+        KPOS += slot * stride_ps + kv * stride_ph
+        k1, k2 = load_keys(K, KPOS, COS, SIN, cols, col_ok, dh, stride_kn, stride_pn, stride_t, HALF, ROPE)
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        for m0 in range(0, G * count, BLOCK_M):
+            folded = m0 + tl.arange(0, BLOCK_M)
+            ok = folded < G * count
+            head = kv * G + folded // count
+            row = row0 + folded % count  # the token's index in its row
+            token = first + row
+            q_ptr = Q + token[:, None] * stride_qt + head[:, None] * stride_qh + dh[None, :]
+            q1 = tl.load(q_ptr, mask=ok[:, None], other=0.0).to(tl.float32)
+            q2 = tl.load(q_ptr + HALF, mask=ok[:, None], other=0.0).to(tl.float32)
+            if ROPE:  # the query at its own entry's position
+                qt = tl.load(KPOS + (cached + row) * stride_pn, mask=ok, other=0)[:, None] * stride_t + dh[None, :]
+                c1 = tl.load(COS + qt, mask=ok[:, None], other=0.0).to(tl.float32)
+                c2 = tl.load(COS + qt + HALF, mask=ok[:, None], other=0.0).to(tl.float32)
+                s1 = tl.load(SIN + qt, mask=ok[:, None], other=0.0).to(tl.float32)
+                s2 = tl.load(SIN + qt + HALF, mask=ok[:, None], other=0.0).to(tl.float32)
+                q1, q2 = q1 * c1 - q2 * s1, q2 * c2 + q1 * s2  # rotate_half: (-x2, x1)
+            q1 = q1.to(K.dtype.element_ty)
+            q2 = q2.to(K.dtype.element_ty)
+            lse = tl.load(LSE + token * stride_lt + head, mask=ok, other=float("inf")) * 1.4426950408889634
+            p = tl.exp2(half_scores(q1, q2, k1, k2, IEEE) * scale - lse[:, None])
+            # every cached key is seen; the row's own keys causally (token i sees own key j <= i)
+            keep = ok[:, None] & col_ok[None, :] & ((cols[None, :] < cached) | (cols[None, :] - cached <= row[:, None]))
+            acc += tl.sum(tl.where(keep, p, 0.0), axis=0)
+        divisor = G * tl.where(tl.load(MEAN + r) != 0, count, 1)
+        tl.store(OUT + r * stride_or + kv * stride_oh + cols, acc / divisor.to(tl.float32), mask=col_ok)
+
+
+def observe_varlen(query: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
+                   cached: torch.Tensor, row0: torch.Tensor, count: torch.Tensor, mean: torch.Tensor,
+                   scaling: float, out: torch.Tensor, lse: torch.Tensor | None = None, cos: torch.Tensor | None = None,
+                   sin: torch.Tensor | None = None, key_positions: torch.Tensor | None = None) -> None:
+    """`kvpot.kernels.observe_reference.observe_varlen_reference` in one launch: each row's observed tokens'
+    attention probabilities (`exp(s - lse)`, `lse` [T, heads] from `kvpot.kernels.varlen`) over its slot's
+    keys, summed over the rows (or averaged) and averaged over each group's heads, into `out` [R, kv, capacity].
+    With `cos`, keys and queries are rotated on load as the varlen kernel does. Every bound is read on the device
+    and the grid is sized from the keys' capacity: safe to capture in a CUDA graph."""
+    if lse is None:
+        raise ValueError("observe_varlen needs the attention's log-sum-exp of every token")
+    heads, d = query.shape[1:]
+    kv, capacity = keys.shape[1], keys.shape[2]
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    rope = cos is not None
+    tables = (cos, sin, key_positions) if rope else (keys, keys, slots)
+    rope_strides = (*key_positions.stride(), cos.stride(0)) if rope else (0, 0, 0, 0)
+    _varlen_columns_kernel[(triton.cdiv(capacity, BLOCK_N), kv, slots.shape[0])](
+        query, keys, lse, slots, starts, cached, row0, count, mean, *tables, out, capacity, heads // kv,
+        scaling * LOG2E, query.stride(0), query.stride(1), *keys.stride()[:3], lse.stride(0), *rope_strides,
+        out.stride(0), out.stride(1),
+        ROPE=rope, IEEE=query.dtype == torch.float32, HALF=d // 2, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+    )

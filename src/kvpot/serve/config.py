@@ -77,9 +77,9 @@ class ServeConfig:
         if self.read_timeout == 0 or self.tp_timeout == 0:
             raise KvpotError(f"--{'read' if self.read_timeout == 0 else 'tp'}-timeout must be positive.")
         if self.mix not in MIXES:
-            raise KvpotError(f"--mix must be auto, on or off, got {self.mix!r}.")
-        if self.mix == "on" and self.share_documents:
-            raise KvpotError("--mix on and --share-documents do not run together yet (a shared document's readers "
+            raise KvpotError(f"--mix must be one of {', '.join(MIXES)}, got {self.mix!r}.")
+        if self.mix in ("on", "eager") and self.share_documents:
+            raise KvpotError(f"--mix {self.mix} and --share-documents do not run together yet (a shared document's readers "
                              "do not mix): drop one; --mix auto leaves shared documents apart.")
         self.allowed_hosts = tuple(h.strip().lower() for h in self.allowed_hosts if h.strip())
         if not 0 < self.kv_memory_fraction <= 1:
@@ -123,7 +123,8 @@ class EngineRecipe:
 
     def check(self, config: ServeConfig) -> None:
         """What this engine cannot serve with `config`, refused before a model loads (the CLI, Ray Serve's builder)."""
-        if self.batch_invariant and (config.mix == "on" or config.feed_questions == "always" or config.share_documents):
+        mixing = config.mix in ("on", "eager")
+        if self.batch_invariant and (mixing or config.feed_questions == "always" or config.share_documents):
             raise KvpotError("--batch-invariant reads prompts and questions as one request alone does: it does not run "
                              "with --mix on, --feed-questions always or --share-documents.")
         from kvpot.engine.linear import check_invariant_options

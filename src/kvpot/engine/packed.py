@@ -1,0 +1,367 @@
+"""The mixed step in fixed shapes: decoding rows and prompt chunks in one forward that a CUDA graph replays.
+
+The eager mixed step (`kvpot.engine.mixed.mixed_forward`) makes ~4,300-4,500 torch calls a step on an 8B shape at
+1,024 prompt tokens, for ~40-50 ms of device work, so its wall time follows the host (docs/design.md, *The batched
+step*). Here the step has fixed shapes for a key `(decoding bucket, token bucket, observes, decode observation,
+picking mode)`, so the same body is captured once and replayed (`StepGraphs`, as `BatchDecoder` does):
+
+- the host packs what varies into one int64 upload a step (`_Meta`): each chunk token's id, slot, entry offset,
+  row and stream position; each row's slot, bounds, per-layer cached count, and observed rows. Tokens past the
+  real ones pad the bucket and write the pool's scratch slot;
+- each layer appends every chunk token in one indexed write (`PackedLayer.update`), attends the chunks in one
+  varlen launch over their slots, and writes the observations the rows asked for in one more
+  (`kvpot.kernels.observe.observe_varlen`); the decoding rows go through `StepCache` as in `BatchDecoder`;
+- after the replay the host mirrors the counts, rolls back tail probes, and runs each chunk's method hooks
+  (`Engine._after_forward`: logits, NuC, compression) eagerly, as the eager mixed step does.
+
+`PackedStep.takes` says which steps it runs; the others take the eager mixed step: a method's own attention or
+`before_forward` (not `mixable`), CItruS' instruction cache, positions other than `absolute` or ranked ones, RoPE
+without a table, an observation other than `head_reduce="mean"` over every key, more than `ROWS` chunks, shared
+documents and tensor parallelism. On a CPU the body runs uncaptured, with the kernels' PyTorch references, and
+gives the eager step's tokens; it is off there (`BatchDecoder.fixed_mix`), since padding buys nothing uncaptured.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvpot.attention import AttentionRequest
+from kvpot.compat import cache_kwargs
+from kvpot.engine.graphs import StepGraphs
+from kvpot.engine.pool import SlotLayer
+from kvpot.positions import Rank
+
+ROWS = 8  # chunks a packed step reads at most (a 1,024-token budget takes a few)
+GRAIN = 256  # token buckets: 64, 128, 256, then multiples of this
+
+
+def token_bucket(tokens: int) -> int:
+    """The packed chunk tokens a step of `tokens` pads to."""
+    for size in (64, 128, GRAIN):
+        if tokens <= size:
+            return size
+    return -(-tokens // GRAIN) * GRAIN
+
+
+def observable(request: AttentionRequest | None) -> bool:
+    """Whether `observe_varlen` computes `request`: every key's probability averaged over each group's heads."""
+    return request is None or (request.head_reduce == "mean" and request.over == "all" and request.keys is None)
+
+
+class PackedLayer(CacheLayerMixin):
+    """One layer of a packed step: the decoding rows' tokens to their slots (`StepLayer`), every chunk token to
+    its slot in one indexed write."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, cache: PackedCache, index: int):
+        super().__init__()
+        self.packed, self.index = cache, index
+        self.step_layer = cache.step.layers[index]
+        self.storage = self.step_layer.storage
+        self.cached: torch.Tensor | None = None  # [ROWS]: each row's entries before this forward (set by update)
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # the pool is allocated already
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """key/value_states [1, kv_heads, B + T, d], un-rotated: the rows' tokens, then the chunks' packed."""
+        cache, storage, meta = self.packed, self.storage, self.packed.meta
+        b = cache.batch
+        if b:
+            self.step_layer.update(as_rows(key_states[:, :, :b]), as_rows(value_states[:, :, :b]))
+        t = cache.tokens
+        cached = meta.cached[self.index]  # [ROWS + 1]: the last is the padding tokens' row, 0
+        self.cached = cached[:ROWS]
+        index = cached[meta.token_row[:t]] + meta.offset[:t]  # [T]: each token's entry in its slot
+        position, rope = meta.position[:t], cache.step.rope
+        keys = rope.unscale(key_states[:, :, b:])  # [1, kv, T, d]
+        if cache.rotated:
+            keys = rope.rotate(keys, position.view(1, 1, -1).expand(1, storage.kv_heads, -1), cache.max_position)
+        at = (meta.slot[:t], slice(None), index)
+        storage.keys[at] = keys[0].transpose(0, 1)
+        storage.values[at] = value_states[0, :, b:].transpose(0, 1)
+        storage.positions[at] = position[:, None].expand(-1, storage.kv_heads)
+        storage.rope_positions[at] = (position if cache.rotated else index)[:, None].expand(-1, storage.kv_heads)
+        for score in storage.scores.values():
+            score[at] = self.step_layer.zero
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, 0
+
+    def get_seq_length(self) -> int:
+        return 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class PackedCache(Cache):
+    """The cache a packed step hands the model; the kvpot attention function calls `attend`."""
+
+    batched = True
+
+    def __init__(self, step, meta: _Meta):
+        self.step, self.meta = step, meta
+        self.batch, self.tokens, self.observes = 0, 0, False
+        self.rotated = step.policy.stores_rotated
+        self.max_position = 0
+        self.observed: torch.Tensor | None = None  # [layers, ROWS, kv_heads, capacity] float32
+        super().__init__(layers=[PackedLayer(self, i) for i in range(len(step.layers))])
+
+    @property
+    def is_compileable(self) -> bool:  # transformers' API
+        return False
+
+    def attend(self, layer: PackedLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """query [1, heads, B + T, d] un-rotated -> [1, B + T, heads, d]."""
+        b, meta, storage, rope = self.batch, self.meta, layer.storage, self.step.rope
+        outputs = []
+        if b:
+            rows = self.step.attend(layer.step_layer, as_rows(query[:, :, :b]), scaling)  # [B, 1, heads, d]
+            outputs.append(rows.reshape(1, b, *rows.shape[2:]))
+        query = rope.unscale(query[:, :, b:])
+        if self.rotated:  # each token's query turns at its stream position, as its key did
+            query = rope.rotate(query, meta.position[: self.tokens].view(1, 1, -1).expand(1, storage.kv_heads, -1),
+                                self.max_position)
+            tables = (None, None, None)
+        else:  # rotated on load from the entries' RoPE positions (a token's query at its own entry's)
+            tables = (*rope.table(storage.capacity + 1, query), storage.rope_positions)
+        packed = query[0].transpose(0, 1)  # [T, heads, d]
+        out, lse = varlen_kernel(query.device, query.shape[-1])(
+            packed, storage.keys, storage.values, meta.row_slot, meta.starts, layer.cached, scaling, self.tokens,
+            *tables)
+        if self.observes:
+            observe_kernel(query.device, query.shape[-1])(
+                packed, storage.keys, meta.row_slot, meta.starts, layer.cached, meta.row0, meta.count, meta.mean,
+                scaling, self.observed[layer.index], lse, *tables)
+        outputs.append(out.unsqueeze(0))
+        return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
+
+
+def varlen_kernel(device: torch.device, head_dim: int):
+    """The varlen Triton kernel where it runs, else its PyTorch reference (one signature but `max_tokens`)."""
+    from kvpot import kernels
+
+    if kernels.available(device) and kernels.supports_head_dim(head_dim):
+        from kvpot.kernels.varlen import varlen_attention
+
+        return varlen_attention
+    from kvpot.kernels.varlen_reference import varlen_attention_reference
+
+    return lambda *args: varlen_attention_reference(*args[:7], *args[8:])  # the reference needs no bucket
+
+
+def as_rows(states: torch.Tensor) -> torch.Tensor:
+    """[1, heads, B, d] -> [B, heads, 1, d]: packed tokens as the batched step's rows."""
+    return states[0].transpose(0, 1).unsqueeze(2).contiguous()
+
+
+def observe_kernel(device: torch.device, head_dim: int):
+    """The packed observation's Triton kernel where it runs, else its PyTorch reference (same arguments)."""
+    from kvpot import kernels
+
+    if kernels.available(device) and kernels.supports_head_dim(head_dim):
+        from kvpot.kernels.observe import observe_varlen
+
+        return observe_varlen
+    from kvpot.kernels.observe_reference import observe_varlen_reference
+
+    return observe_varlen_reference
+
+
+class _Meta:
+    """A packed step's device-side inputs: one int64 buffer, uploaded once a step, viewed per field."""
+
+    FIELDS = ("ids", "slot", "offset", "token_row", "position")  # per token
+
+    def __init__(self, tokens: int, layers: int, device: torch.device):
+        self.tokens, self.layers = tokens, layers
+        size = 5 * tokens + 5 * ROWS + 1 + layers * (ROWS + 1)
+        self.buffer = torch.zeros(size, dtype=torch.long, device=device)
+        views, at = {}, 0
+        for name in self.FIELDS:
+            views[name], at = self.buffer[at : at + tokens], at + tokens
+        for name, length in (("row_slot", ROWS), ("starts", ROWS + 1), ("row0", ROWS), ("count", ROWS),
+                             ("mean", ROWS)):
+            views[name], at = self.buffer[at : at + length], at + length
+        views["cached"] = self.buffer[at:].view(layers, ROWS + 1)
+        self.__dict__.update(views)
+
+    def host(self) -> dict[str, torch.Tensor]:
+        """A CPU buffer laid out as the device one, with its views (filled by the caller, then `load`ed)."""
+        like = _Meta.__new__(_Meta)
+        like.tokens, like.layers = self.tokens, self.layers
+        like.buffer = torch.zeros_like(self.buffer, device="cpu")
+        offset = self.buffer.data_ptr()
+        for name, view in list(self.__dict__.items()):
+            if name in ("tokens", "layers", "buffer"):
+                continue
+            start = (view.data_ptr() - offset) // view.element_size()
+            like.__dict__[name] = like.buffer[start : start + view.numel()].view(view.shape)
+        return like
+
+
+class PackedStep:
+    """Fixed-shape mixed steps over a `BatchDecoder`'s pool, captured per key on a GPU (`StepGraphs`)."""
+
+    def __init__(self, decoder):
+        self.decoder, self.pool, self.engine = decoder, decoder.pool, decoder.engine
+        self.graphs = StepGraphs()
+        self.meta: _Meta | None = None
+        self.cache: PackedCache | None = None
+        self.hidden: torch.Tensor | None = None  # [T, hidden]: the chunk tokens' last hidden states
+        self.zeros: torch.Tensor | None = None  # position_ids: RoPE is kvpot's
+        self.observed: torch.Tensor | None = None
+        self.max_position = 0
+        self.steps = 0
+
+    # ------------------------------------------------------------------ what it takes
+    def takes(self, chunks, probes) -> bool:
+        """Whether this step's chunks (`kvpot.engine.mixed.Chunk`) with their (tail, request) `probes` fit a
+        packed step (the module's docstring lists what does not)."""
+        pool, policy, rope = self.pool, self.pool.policy, self.pool.rope
+        if not chunks or len(chunks) > ROWS or pool.documents is not None or self.engine.parallel is not None:
+            return False
+        if rope.dynamic or policy.raw_keys or not (policy.stores_rotated or isinstance(policy, Rank)):
+            return False
+        for chunk, (tail, request) in zip(chunks, probes):
+            cache = chunk.run.cache
+            if cache.static or cache.attention is not None or not all(
+                    isinstance(layer, SlotLayer) and layer.storage is store
+                    for layer, store in zip(cache.layers, pool.layers)):
+                return False
+            asked = tail[1] if tail is not None else request
+            if not observable(asked):
+                return False
+        return True
+
+    # ------------------------------------------------------------------ the step
+    def run(self, batch: int, observe: AttentionRequest | None, mode: str, chunks, probes) -> list:
+        """One forward: `batch` decoding rows (already in the decoder's row buffers, padded to their bucket) and
+        `chunks` packed after them. Returns, per chunk, (its hidden states [q, hidden], its tail probe's
+        observation per layer or None); each chunk's counts are mirrored and its probe rolled back."""
+        device, layers = self.pool.device, self.pool.num_layers
+        parts, spans, total = [], [], 0
+        for chunk, (tail, _) in zip(chunks, probes):
+            tail_ids = tail[0] if tail is not None else None
+            size = chunk.ids.numel() + (0 if tail_ids is None else torch.as_tensor(tail_ids).numel())
+            spans.append((total, size))
+            parts.append(tail_ids)
+            total += size
+        tokens = token_bucket(total)
+        self._size(tokens)
+        meta, host = self.meta, self.meta.host()
+        late = []  # ids already on the device: copied there after the upload
+        for r, (chunk, tail_ids, (start, size)) in enumerate(zip(chunks, parts, spans)):
+            run, q = chunk.run, chunk.ids.numel()
+            rows = slice(start, start + size)
+            for ids, at in ((chunk.ids, slice(start, start + q)), (tail_ids, slice(start + q, start + size))):
+                if ids is None:
+                    continue
+                ids = torch.as_tensor(ids).view(-1)
+                if ids.device.type == "cpu":
+                    host.ids[at] = ids
+                else:
+                    late.append((at, ids))
+            host.slot[rows] = run.cache.layers[0].row
+            host.offset[rows] = torch.arange(size)
+            host.token_row[rows] = r
+            host.position[rows] = torch.arange(run.next_position, run.next_position + size)
+            host.row_slot[r], host.starts[r + 1] = run.cache.layers[0].row, start + size
+            host.cached[:, r] = torch.tensor(run.cache.lengths())
+            asked = probes[r][0][1] if probes[r][0] is not None else probes[r][1]
+            if asked is not None:
+                first, stop, _ = slice(*(asked.rows or (None, None))).indices(size)
+                host.row0[r], host.count[r], host.mean[r] = first, max(stop - first, 0), asked.row_reduce == "mean"
+            for layer, n in zip(run.cache.layers, run.cache.lengths()):
+                layer.reserve(n + size)
+            self.max_position = max(self.max_position, run.next_position + size)
+        scratch = self.pool.scratch
+        host.slot[total:] = scratch
+        host.token_row[total:] = ROWS  # `cached`'s last column: 0, so padding tokens write scratch's first entries
+        host.row_slot[len(chunks):] = scratch
+        host.starts[len(chunks) + 1 :] = total
+        meta.buffer.copy_(host.buffer, non_blocking=True)  # pageable: staged before the call returns
+        for at, ids in late:
+            meta.ids[at].copy_(ids)
+        observes = bool(host.count.any())
+        if observes and self.observed is None:
+            like = self.pool.layers[0]
+            self.observed = torch.zeros(layers, ROWS, like.kv_heads, like.capacity, dtype=torch.float32, device=device)
+        self._follow()
+        key = (batch, tokens, observes, observe is not None, mode)
+        body = functools.partial(self._body, batch, tokens, observes, observe, mode)
+        if self.decoder.graphs_on:
+            self.graphs.run(key, body)
+        else:
+            body()
+        self.steps += 1
+        return self._mirror(chunks, probes, spans)
+
+    def _mirror(self, chunks, probes, spans) -> list:
+        """The host's counts after the device appended each chunk's tokens; the observations; probes rolled back."""
+        done = []
+        for r, (chunk, (tail, request), (start, size)) in enumerate(zip(chunks, probes, spans)):
+            cache, q = chunk.run.cache, chunk.ids.numel()
+            before = cache.lengths()
+            rotated = cache.policy.stores_rotated
+            last = chunk.run.next_position + size - 1  # the part's last stream position
+            for layer in cache.layers:
+                layer.n, layer.n_new = layer.n + size, size
+                layer.max_rope = max(layer.max_rope, last) if rotated else layer.n - 1
+            cache.note_entries(max(cache.lengths()))
+            observed = None
+            if tail is not None:  # the probe's attention over what it may score (read at once by the method)
+                observed = [self.observed[i, r : r + 1, :, : n + q] for i, n in enumerate(before)]
+                cache.truncate([n + q for n in before])
+            elif request is not None:  # kept by the method's layers: a copy, the buffer is the next step's
+                for i, (layer, n) in enumerate(zip(cache.layers, before)):
+                    layer.observation = self.observed[i, r : r + 1, :, : n + size].clone()
+            done.append((self.hidden[start : start + q], observed))
+        return done
+
+    def _body(self, batch: int, tokens: int, observes: bool, observe: AttentionRequest | None, mode: str) -> None:
+        """The step in fixed shapes (what a graph captures): reads the decoder's row buffers and `meta`."""
+        decoder, engine, cache = self.decoder, self.engine, self.cache
+        cache.batch, cache.tokens, cache.observes = batch, tokens, observes
+        cache.max_position, cache.observed = self.max_position, self.observed
+        ids = self.meta.ids[:tokens]
+        nll = None
+        if batch:
+            rows_ids, nll = decoder.begin_rows(batch, observe)
+            ids = torch.cat([rows_ids, ids])
+        out = engine.decoder(input_ids=ids.view(1, -1), position_ids=self.zeros[:, : batch + tokens], use_cache=True,
+                             kvpot_cache=cache, **cache_kwargs(engine.decoder, cache))
+        hidden = out.last_hidden_state[0]
+        self.hidden[:tokens].copy_(hidden[batch:])
+        if batch:
+            decoder.end_rows(batch, engine.head(hidden[:batch]).float(), mode, nll)
+
+    # ------------------------------------------------------------------ buffers
+    def _size(self, tokens: int) -> None:
+        """Buffers for `tokens` packed chunk tokens (grown by doubling; the graphs follow, `_follow`)."""
+        if self.meta is not None and self.meta.tokens >= tokens:
+            return
+        device, size = self.pool.device, max(tokens, 2 * (self.meta.tokens if self.meta else 0))
+        self.meta = _Meta(size, self.pool.num_layers, device)
+        self.cache = PackedCache(self.decoder.cache, self.meta)
+        hidden = self.engine.head.weight.shape[1]
+        self.hidden = torch.zeros(size, hidden, dtype=self.engine.head.weight.dtype, device=device)
+        self.zeros = torch.zeros(1, self.decoder.pool.slots + size, dtype=torch.long, device=device)
+
+    def _follow(self) -> None:
+        """RoPE tables sized before any capture reads them (as `BatchDecoder.size_tables`), and the graphs
+        dropped when what they were captured against moved."""
+        decoder = self.decoder
+        decoder.max_position = max(decoder.max_position, self.max_position)
+        decoder.size_tables()
+        identity = (decoder.graphs.identity, self.meta.buffer.data_ptr(),
+                    0 if self.observed is None else self.observed.data_ptr())
+        self.graphs.follow(identity)
