@@ -183,7 +183,21 @@ def _batched(config: BenchConfig, engine, prompts: dict, state, mix: str = "auto
             "scheduler": dict(scheduler.report),
             "graphs": {"captures": scheduler.decoder.captures, "captured_in_warmup": captured,
                        "replays": scheduler.decoder.replays},
+            "mixed_step": _mixed_step(scheduler),
             "max_kv_entries": max(r.stats.max_kv_entries for r in requests)}
+
+
+def _mixed_step(scheduler) -> dict | None:
+    """How the mixed steps ran: captured in fixed shapes (`kvpot.engine.packed`: its steps, captures, replays and
+    uncaptured warm-ups, warm-up included) or eager; None where nothing mixes."""
+    if not scheduler.mix:
+        return None
+    packed = scheduler.decoder.packed
+    if not scheduler.decoder.fixed_mix or packed is None:
+        return {"form": "eager" if not scheduler.decoder.fixed_mix else "fixed", "packed_steps": 0}
+    graphs = packed.graphs
+    return {"form": "fixed", "packed_steps": packed.steps, "captures": graphs.captures, "replays": graphs.replays,
+            "warmups": graphs.warmups}
 
 
 def _sequential(config: BenchConfig, engine, prompts: dict, state) -> dict:
