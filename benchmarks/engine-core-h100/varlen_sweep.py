@@ -7,6 +7,8 @@ beforehand) as the floor to aim at.
 Shapes (`llama3-8b`: 32 query heads, 8 KV heads, head dim 128, bf16, a pool of 4,096 + 1,024 entries a slot):
 - `mixed-1024`: 32 decoding rows (2,000-4,000 entries cached) and one 1,024-token chunk over 3,072 cached entries;
 - `chunk-2048`: one 2,048-token chunk over 2,048 cached entries (InfiniPot's chunk with a pot of 4,096).
+`--forms rope,rotated`: keys rotated on load from their RoPE positions (what ranked positions run: InfiniPot, H2O,
+StreamingLLM), or stored rotated (`cos=None`: absolute positions), to see what the rotation on load costs.
 Every launch's output is checked against the default launch's (max abs difference). Writes DIR/varlen_sweep.json.
 """
 
@@ -45,6 +47,7 @@ def main(argv=None) -> None:
     p.add_argument("--block-n", default="32,64,128")
     p.add_argument("--warps", default="4,8")
     p.add_argument("--stages", default="1,2,3")
+    p.add_argument("--forms", default="rope", help="rope (rotated on load), rotated (keys stored rotated), or both")
     args = p.parse_args(argv)
     import torch
 
@@ -57,7 +60,8 @@ def main(argv=None) -> None:
     default = dict(varlen.HALF_LAUNCH)
     report = {"args": vars(args) | {"out": str(args.out)}, "device": torch.cuda.get_device_name(),
               "default": default, "shapes": {}}
-    for name, rows in SHAPES.items():
+    for (shape, rows), form in itertools.product(SHAPES.items(), args.forms.split(",")):
+        name = shape if form == "rope" else f"{shape}-{form}"
         slots = max(r[0] for r in rows) + 1
         keys = torch.randn(slots, kv, capacity, d, device=dev, dtype=dtype, generator=gen)
         values = torch.randn(slots, kv, capacity, d, device=dev, dtype=dtype, generator=gen)
@@ -72,9 +76,10 @@ def main(argv=None) -> None:
         sin = torch.cat([angles.sin(), angles.sin()], -1).to(dtype)
         longest = max(counts)
 
+        tables = (cos, sin, positions) if form == "rope" else ()
+
         def run():
-            return varlen.varlen_attention(query, keys, values, slot_ids, starts, cached, d ** -0.5, longest,
-                                           cos, sin, positions)
+            return varlen.varlen_attention(query, keys, values, slot_ids, starts, cached, d ** -0.5, longest, *tables)
 
         varlen.HALF_LAUNCH.update(default)
         reference = run()[0].float()
