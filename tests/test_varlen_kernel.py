@@ -28,6 +28,7 @@ SHAPES = [
     ("gqa8-rotated-keys", 16, 2, 128, 130, [(1, 3, 17), (0, 100, 1)], False),
     ("gqa-not-power-of-two", 6, 2, 64, 90, [(0, 10, 21), (1, 60, 1)], True),
     ("empty-row", 8, 2, 64, 64, [(0, 10, 5), (1, 20, 0), (2, 3, 9)], True),
+    ("d256-wide-launch", 8, 2, 256, 96, [(0, 30, 40), (1, 60, 1)], True),  # WIDE_LAUNCH's tiles in half precision
 ]
 if DEVICE == "cuda":  # the 8B shape's mixed step: 32 decoding rows and two 1,024-token chunks
     SHAPES.append(("llama3-8b-mixed", 32, 8, 128, 5200,

@@ -33,8 +33,13 @@ __all__ = ["varlen_attention", "varlen_attention_reference"]
 
 BLOCK_N = 64  # entries per loop step (float32)
 # Half precision's launch: folded rows a tile (tokens x the group's heads), entries a loop step, warps, pipeline
-# stages. `benchmarks/engine-core-h100/varlen_sweep.py` times the choices at the 8B mixed step's shape.
-HALF_LAUNCH = {"rows": 64, "block_n": 64, "warps": 4, "stages": 2}
+# stages. `benchmarks/engine-core-h100/varlen_sweep.py` times the choices at the 8B mixed step's shapes: on an H200
+# this one was the fastest or within 1% of it at all four (a 1,024-token chunk beside 32 decoding rows, a 2,048-token
+# chunk; keys rotated on load or stored rotated), and 26% faster than 64 / 64 / 4 / 2 at 2,048 tokens
+# (records/engine-core-h200/packed/). Head dims over 128 keep the smaller tiles (WIDE_LAUNCH), whose shared memory
+# fits a 256-wide head.
+HALF_LAUNCH = {"rows": 128, "block_n": 128, "warps": 8, "stages": 2}
+WIDE_LAUNCH = {"rows": 64, "block_n": 64, "warps": 4, "stages": 2}
 LN2 = math.log(2.0)
 
 
@@ -108,16 +113,21 @@ def _varlen_kernel(
         tl.store(LSE + at * (KV * G) + head, lse, mask=row_ok)  # [T, H] contiguous
 
 
-def _block_q(g_pad: int, dtype: torch.dtype) -> int:
-    # about HALF_LAUNCH's folded rows a tile (at least the 16 a matrix unit takes), fewer for float32's wider tiles
-    rows = 32 if dtype == torch.float32 else HALF_LAUNCH["rows"]
+def _half(d: int) -> dict:
+    return HALF_LAUNCH if d <= 128 else WIDE_LAUNCH
+
+
+def _block_q(g_pad: int, dtype: torch.dtype, d: int) -> int:
+    # about the launch's folded rows a tile (at least the 16 a matrix unit takes), fewer for float32's wider tiles
+    rows = 32 if dtype == torch.float32 else _half(d)["rows"]
     return max(1, max(16, rows) // g_pad)
 
 
-def _launch(dtype: torch.dtype) -> dict:
+def _launch(dtype: torch.dtype, d: int) -> dict:
     if dtype == torch.float32:
         return {"BLOCK_N": BLOCK_N, "num_warps": 4, "num_stages": 1}
-    return {"BLOCK_N": HALF_LAUNCH["block_n"], "num_warps": HALF_LAUNCH["warps"], "num_stages": HALF_LAUNCH["stages"]}
+    launch = _half(d)
+    return {"BLOCK_N": launch["block_n"], "num_warps": launch["warps"], "num_stages": launch["stages"]}
 
 
 def varlen_attention(
@@ -156,7 +166,7 @@ def varlen_attention(
     if query.stride(-1) != 1:
         query = query.contiguous()
     g_pad = next_power_of_2(g)
-    block_q = _block_q(g_pad, keys.dtype)
+    block_q = _block_q(g_pad, keys.dtype, d)
     tiles = triton.cdiv(max_tokens, block_q)
     rope = cos is not None
     if rope:
@@ -171,6 +181,6 @@ def varlen_attention(
         query.stride(0), query.stride(1), *keys.stride()[:3], *values.stride()[:3], *rope_strides,
         out.stride(0), out.stride(1),
         G=g, G_PAD=g_pad, KV=kv, ROPE=rope, HALF=d // 2, IEEE=keys.dtype == torch.float32, BLOCK_Q=block_q,
-        **_launch(keys.dtype),
+        **_launch(keys.dtype, d),
     )
     return out, lse
