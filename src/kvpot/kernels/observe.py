@@ -222,11 +222,13 @@ def observe_varlen(query: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor,
     if query.stride(-1) != 1:
         query = query.contiguous()
     rope = cos is not None
+    # float32 at head dim 256 failed on an H200 with 64 x 64 tiles (records/engine-core-h200/packed/): half the tiles
+    block = BLOCK_N if d * query.element_size() <= 512 else BLOCK_N // 2
     tables = (cos, sin, key_positions) if rope else (keys, keys, slots)
     rope_strides = (*key_positions.stride(), cos.stride(0)) if rope else (0, 0, 0, 0)
-    _varlen_columns_kernel[(triton.cdiv(capacity, BLOCK_N), kv, slots.shape[0])](
+    _varlen_columns_kernel[(triton.cdiv(capacity, block), kv, slots.shape[0])](
         query, keys, lse, slots, starts, cached, row0, count, mean, *tables, out, capacity, heads // kv,
         scaling * LOG2E, query.stride(0), query.stride(1), *keys.stride()[:3], lse.stride(0), *rope_strides,
         out.stride(0), out.stride(1),
-        ROPE=rope, IEEE=query.dtype == torch.float32, HALF=d // 2, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        ROPE=rope, IEEE=query.dtype == torch.float32, HALF=d // 2, BLOCK_M=block, BLOCK_N=block,
     )
