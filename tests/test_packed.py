@@ -138,3 +138,61 @@ def test_captured_packed_steps_give_each_request_its_tokens_alone_on_cuda(name):
         assert packed is None or packed.steps == 0
     else:
         assert packed.steps > 0 and packed.graphs.replays > 0
+
+
+class _Graphs:
+    """`StepGraphs` on a CPU: each key's body runs once (its "warm-up"), then the key counts as captured."""
+
+    def __init__(self):
+        self.keys, self.captures, self.identity = [], 0, ()
+
+    def __contains__(self, key):
+        return key in self.keys
+
+    def follow(self, identity):
+        self.identity = identity
+
+    def run(self, key, body):
+        body()
+        self.keys.append(key)
+        self.captures += 1
+
+
+def test_capturing_ahead_touches_no_request_and_covers_the_budget(model, prompts, one_thread):
+    """`Scheduler.capture` also captures the packed step of every token bucket up to the budget (and one more, for a
+    tail probe), observing or not where the method observes chunks. It runs on padding rows and tokens alone: the
+    slots of requests being read or decoding keep every entry, count and position, and their tokens stay those alone."""
+    method, _ = methods()["infinipot-question"]
+    expected = alone(model, method, prompts[:3])
+    engine = kvpot.Engine(model, method=method)
+    scheduler = Scheduler(engine, slots=3, decode="static", mix=True, prefill_tokens=48)
+    decoder = scheduler.decoder
+    decoder.fixed_mix = True
+    requests = [scheduler.submit(Request(c, q, max_new_tokens=NEW, ignore_eos=True)) for c, q in prompts[:3]]
+    for _ in range(6):  # some read, some decoding
+        scheduler.step()
+    pool = scheduler.pool
+    live = [slot for slot in range(pool.slots) if slot in scheduler.active]
+    before = [(layer.keys[live].clone(), layer.values[live].clone(), layer.positions[live].clone(),
+               layer.rope_positions[live].clone()) for layer in pool.layers]
+    lengths, tokens = pool.lengths[:, live].clone(), decoder.last_token[live].clone()
+    decoder.graphs_on = True  # capture's path, with the fake graphs above
+    from kvpot.engine.packed import PackedStep
+
+    decoder.packed = PackedStep(decoder)
+    decoder.packed.graphs = fake = _Graphs()
+    monkey = decoder.capture
+    decoder.capture = lambda observes: 0  # the decoding steps' own captures are tested elsewhere (test_graphs)
+    assert scheduler.capture() == len(fake.keys) > 0
+    decoder.capture, decoder.graphs_on = monkey, False
+    sizes = sorted({key[1] for key in fake.keys})
+    assert sizes[0] == 64 and sizes[-1] == token_bucket(48 + 256)
+    assert {key[2] for key in fake.keys} == {False, True}  # InfiniPot's catalyst observes its chunk
+    assert {key[0] for key in fake.keys} == {decoder.packed.rows_floor}
+    for (keys, values, positions, rope_positions), layer in zip(before, pool.layers):
+        assert torch.equal(keys, layer.keys[live]) and torch.equal(values, layer.values[live])
+        assert torch.equal(positions, layer.positions[live]) and torch.equal(rope_positions, layer.rope_positions[live])
+    assert torch.equal(lengths, pool.lengths[:, live]) and torch.equal(tokens, decoder.last_token[live])
+    while not scheduler.idle:
+        scheduler.step()
+    assert [r.tokens for r in requests] == [e.token_ids for e in expected]

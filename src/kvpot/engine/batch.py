@@ -319,11 +319,11 @@ class BatchDecoder:
         self.steps += 1
         return bucket
 
-    def load_rows(self, slots: list[int], live: list[bool]) -> int:
-        """Put `slots` (padded to their bucket with the scratch slot) and their `live` flags in the static row
-        buffers a step reads; returns the bucket."""
+    def load_rows(self, slots: list[int], live: list[bool], floor: int = 0) -> int:
+        """Put `slots` (padded to their bucket, at least `floor`, with the scratch slot) and their `live` flags in
+        the static row buffers a step reads; returns the bucket."""
         count = len(slots)
-        bucket = next(size for size in self.buckets if size >= count)
+        bucket = next(size for size in self.buckets if size >= max(count, floor))
         padded = slots + [self.pool.scratch] * (bucket - count)
         weights = [1.0 if flag else 0.0 for flag in live] + [0.0] * (bucket - count)
         self.rows[:bucket].copy_(torch.tensor(padded, dtype=torch.long), non_blocking=True)

@@ -213,7 +213,7 @@ def mixed_forward(decoder, slots: list[int], live: list[bool], observe: Attentio
     if packed is None and decoder.fixed_mix:
         packed = decoder.packed = PackedStep(decoder)
     if packed is not None and packed.takes(chunks, probes):
-        b = decoder.load_rows(slots, live) if slots else 0
+        b = decoder.load_rows(slots, live, packed.rows_floor)
         for chunk, (tail, request) in zip(chunks, probes):
             chunk.run.cache.begin_forward(None, -1, tail[1] if tail is not None else request)
         results = packed.run(b, observe, decoder.mode(slots), chunks, probes)
@@ -223,6 +223,18 @@ def mixed_forward(decoder, slots: list[int], live: list[bool], observe: Attentio
         decoder.steps += 1
     for chunk, (hidden, observation) in zip(chunks, results):
         engine._after_forward(chunk.run, chunk.ids, chunk.step, hidden, observation)
+
+
+def capture_mixed(decoder, method: Method, prefill_tokens: int) -> int:
+    """`PackedStep.capture` of the scheduler's packed steps up to its prompt budget and one more bucket (a tail probe
+    rides in its chunk), observing chunks too if the method ever observes a chunk; 0 where mixed steps are eager."""
+    if not decoder.fixed_mix:
+        return 0
+    if decoder.packed is None:
+        decoder.packed = PackedStep(decoder)
+    kind = type(method)
+    observes = kind.tail_probe is not Method.tail_probe or kind.request is not Method.request
+    return decoder.packed.capture(prefill_tokens + 256, observes)
 
 
 def _eager(decoder, slots: list[int], live: list[bool], observe: AttentionRequest | None, chunks: list[Chunk],

@@ -36,6 +36,10 @@ from kvpot.positions import Rank
 
 ROWS = 8  # chunks a packed step reads at most (a 1,024-token budget takes a few)
 GRAIN = 256  # token buckets: 64, 128, 256, then multiples of this
+# A packed step's decoding rows pad to at least this many (or the pool's size): a padding row costs a step of a
+# thousand prompt tokens little (one more row in the products, a scratch slot's entry to attend), while every
+# batch size is one more key to warm and capture (an open loop of 60 s met ~60 keys at per-size buckets)
+ROWS_FLOOR = 64
 
 
 def token_bucket(tokens: int) -> int:
@@ -241,6 +245,43 @@ class PackedStep:
             if not observable(asked):
                 return False
         return True
+
+    @property
+    def rows_floor(self) -> int:
+        """The decoding rows a packed step pads to at least (`BatchDecoder.load_rows`' floor)."""
+        return min(self.pool.slots, ROWS_FLOOR)
+
+    def capture(self, max_tokens: int, observes: bool) -> int:
+        """Warm and capture now the packed step of every token bucket up to `max_tokens` (greedy, no decoding
+        observation; with and without chunk observations if `observes`), on padding rows and tokens alone (the
+        scratch slot), as `BatchDecoder.capture` does for decoding: otherwise the first steps of each key warm
+        and capture while users wait. Returns the graphs captured (0 on a CPU)."""
+        if not self.decoder.graphs_on:
+            return 0
+        before, scratch = self.graphs.captures, self.pool.scratch
+        batch = self.decoder.load_rows([], [], self.rows_floor)
+        sizes = sorted({token_bucket(n) for n in range(1, max_tokens + 1, 64)} | {token_bucket(max_tokens)},
+                       reverse=True)  # the largest first: the buffers are made once, at their final size
+        for tokens in sizes:
+            self._pad(tokens, observes)
+            for observed in (False, True) if observes else (False,):
+                key = (batch, tokens, observed, False, "greedy")
+                while key not in self.graphs:  # warm, then capture (again if a buffer moved meanwhile)
+                    self._follow()
+                    self.graphs.run(key, functools.partial(self._body, batch, tokens, observed, None, "greedy"))
+        self.decoder.next_position[scratch] = 0
+        return self.graphs.captures - before
+
+    def _pad(self, tokens: int, observes: bool) -> None:
+        """Device inputs of a step of `tokens` padding tokens and no rows (what `capture` runs)."""
+        self._size(tokens)
+        if observes and self.observed is None:
+            like = self.pool.layers[0]
+            self.observed = torch.zeros(self.pool.num_layers, ROWS, like.kv_heads, like.capacity,
+                                        dtype=torch.float32, device=self.pool.device)
+        host = self.meta.host()
+        host.slot[:], host.token_row[:], host.row_slot[:] = self.pool.scratch, ROWS, self.pool.scratch
+        self.meta.buffer.copy_(host.buffer, non_blocking=True)
 
     # ------------------------------------------------------------------ the step
     def run(self, batch: int, observe: AttentionRequest | None, mode: str, chunks, probes) -> list:

@@ -23,7 +23,7 @@ from kvpot.engine.decoding import resolve_mode
 from kvpot.engine.delivery import TokenOutbox, hand_over
 from kvpot.engine.documents import copy_before_step, load_state, share_region, unshare
 from kvpot.engine.evict import evict_steady
-from kvpot.engine.mixed import Chunk, mixable, mixed_forward, resolve_mix
+from kvpot.engine.mixed import Chunk, capture_mixed, mixable, mixed_forward, resolve_mix
 from kvpot.defaults import MIX, PREFILL_TOKENS, SLOT_MEMORY_FRACTION
 from kvpot.engine.plan import Candidate, check_options, plan_chunks
 from kvpot.engine.pool import SlotPool, slot_bytes, slot_capacity, slot_count
@@ -103,9 +103,10 @@ class Scheduler:
 
     @torch.no_grad()  # as `step`: a compiled step traced with grad on would need the kernels' backward
     def capture(self) -> int:
-        """Capture the decoding step of every batch size now (CUDA graphs; nothing on a CPU), as a server
-        does when it starts: otherwise the first step at each size compiles and captures while users wait."""
-        return self.decoder.capture(step_observations(self.method)) if self.batched else 0
+        """Capture the decoding step of every batch size and the mixed step of every token bucket now (CUDA graphs;
+        nothing on a CPU), as a server does when it starts: otherwise they compile and capture while users wait."""
+        steps = self.decoder.capture(step_observations(self.method)) if self.batched else 0
+        return steps + (capture_mixed(self.decoder, self.method, self.prefill_tokens) if self.mix else 0)
 
     # ------------------------------------------------------------------ feeding and draining
     def submit(self, request: Request, place: Place | None = None, admitted: bool = False) -> Request:
