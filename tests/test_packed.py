@@ -196,3 +196,26 @@ def test_capturing_ahead_touches_no_request_and_covers_the_budget(model, prompts
     while not scheduler.idle:
         scheduler.step()
     assert [r.tokens for r in requests] == [e.token_ids for e in expected]
+
+
+@pytest.mark.gpu
+def test_packed_steps_captured_ahead_replay_on_cuda():
+    """`Scheduler.capture` on a GPU captures the packed steps ahead (a server's start); the requests then replay
+    them, with their tokens alone (float32, head dim 32, InfiniPot with its catalyst probe)."""
+    from conftest import build_llama
+
+    method, _ = methods()["infinipot-question"]
+    model = build_llama(head_dim=32, hidden_size=128, num_attention_heads=4, num_key_value_heads=2).cuda()
+    gen = torch.Generator().manual_seed(2)
+    prompts = [(torch.randint(3, VOCAB, (n,), generator=gen).cuda(), torch.randint(3, VOCAB, (5,), generator=gen)
+                .cuda()) for n in (160, 90, 200)]
+    expected = alone(model, method, prompts)
+    scheduler = Scheduler(kvpot.Engine(model, method=method), slots=3, decode="graph", mix=True, prefill_tokens=64)
+    assert scheduler.capture() > 0
+    packed = scheduler.decoder.packed
+    ahead = packed.graphs.captures
+    assert ahead == 8  # token buckets 64, 128, 256, 512 (up to 64 + 256), observing or not
+    requests = [Request(c, q, max_new_tokens=NEW, ignore_eos=True) for c, q in prompts]
+    run_all(scheduler, requests)
+    assert [r.tokens for r in requests] == [e.token_ids for e in expected]
+    assert packed.steps > 0 and packed.graphs.replays > 0
