@@ -113,6 +113,9 @@ def test_what_the_packed_step_refuses(model, one_thread):
     assert not packed.takes([chunk], [(None, AttentionRequest(over="cached"))])
     assert not packed.takes([chunk] * (ROWS + 1), [(None, None)] * (ROWS + 1))
     assert not packed.takes([], [])
+    packed.ahead = 64  # captured ahead up to 64 tokens: a step that would need a larger bucket takes the eager step
+    assert packed.takes([chunk], [((torch.arange(61), AttentionRequest(rows=(-61, None))), None)])
+    assert not packed.takes([chunk], [((torch.arange(62), AttentionRequest(rows=(-62, None))), None)])
 
 
 @pytest.mark.gpu

@@ -16,9 +16,10 @@ picking mode)`, so the same body is captured once and replayed (`StepGraphs`, as
 
 `PackedStep.takes` says which steps it runs; the others take the eager mixed step: a method's own attention or
 `before_forward` (not `mixable`), CItruS' instruction cache, positions other than `absolute` or ranked ones, RoPE
-without a table, an observation other than `head_reduce="mean"` over every key, more than `ROWS` chunks, shared
-documents and tensor parallelism. On a CPU the body runs uncaptured, with the kernels' PyTorch references, and
-gives the eager step's tokens; it is off there (`BatchDecoder.fixed_mix`), since padding buys nothing uncaptured.
+without a table, an observation other than `head_reduce="mean"` over every key, more than `ROWS` chunks, more tokens
+than the buckets captured ahead (`capture`), shared documents and tensor parallelism. On a CPU the body runs
+uncaptured, with the kernels' PyTorch references, and gives the eager step's tokens; it is off there
+(`BatchDecoder.fixed_mix`), since padding buys nothing uncaptured.
 """
 
 from __future__ import annotations
@@ -225,6 +226,7 @@ class PackedStep:
         self.observed: torch.Tensor | None = None
         self.max_position = 0
         self.steps = 0
+        self.ahead: int | None = None  # the largest token bucket captured ahead (`capture`), None before
 
     # ------------------------------------------------------------------ what it takes
     def takes(self, chunks, probes) -> bool:
@@ -233,6 +235,10 @@ class PackedStep:
         pool, policy, rope = self.pool, self.pool.policy, self.pool.rope
         if not chunks or len(chunks) > ROWS or pool.documents is not None or self.engine.parallel is not None:
             return False
+        if self.ahead is not None:  # past the buckets captured ahead: growing the buffers would drop every graph
+            tails = sum(0 if tail is None else torch.as_tensor(tail[0]).numel() for tail, _ in probes)
+            if token_bucket(sum(chunk.ids.numel() for chunk in chunks) + tails) > self.ahead:
+                return False
         if rope.dynamic or policy.raw_keys or not (policy.stores_rotated or isinstance(policy, Rank)):
             return False
         for chunk, (tail, request) in zip(chunks, probes):
@@ -270,6 +276,7 @@ class PackedStep:
                     self._follow()
                     self.graphs.run(key, functools.partial(self._body, batch, tokens, observed, None, "greedy"))
         self.decoder.next_position[scratch] = 0
+        self.ahead = sizes[0]
         return self.graphs.captures - before
 
     def _pad(self, tokens: int, observes: bool) -> None:
