@@ -25,12 +25,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from kvpot.attention import AttentionRequest, observe, sequence_attention
 from kvpot.compat import cache_kwargs
 from kvpot.defaults import MIXES
-from kvpot.engine.packed import PackedStep, as_rows, varlen_kernel
+from kvpot.engine.packed import PackedStep, StepForwardLayer, as_rows, varlen_kernel
 from kvpot.engine.pool import SlotLayer
 from kvpot.engine.results import _Run
 from kvpot.engine.sampling import _as_ids
@@ -80,11 +80,8 @@ def mixable(method: Method, run: _Run) -> bool:
     return run.cache.attention is None and type(method).before_forward is Method.before_forward
 
 
-class MixedLayer(CacheLayerMixin):
+class MixedLayer(StepForwardLayer):
     """One layer of a mixed forward: the decoding rows' tokens to the pool, each chunk to its run's cache."""
-
-    is_compileable = False
-    is_sliding = False
 
     def __init__(self, cache: MixedCache, index: int):
         super().__init__()
@@ -92,9 +89,6 @@ class MixedLayer(CacheLayerMixin):
         self.step_layer = cache.step.layers[index]
         self.parts: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.is_initialized = True
-
-    def lazy_initialization(self, key_states, value_states) -> None:  # every part's storage exists already
-        pass
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """key/value_states [1, kv_heads, T, d], un-rotated: the rows' tokens first, then each chunk's."""
@@ -109,15 +103,6 @@ class MixedLayer(CacheLayerMixin):
             self.parts = [cache.layers[self.index].update(key_states[:, :, start:stop], value_states[:, :, start:stop])
                           for (start, stop), cache in spans]
         return key_states, value_states
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return query_length, 0
-
-    def get_seq_length(self) -> int:
-        return 0
-
-    def get_max_length(self) -> int:
-        return -1
 
 
 class MixedCache(Cache):

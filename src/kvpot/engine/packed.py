@@ -56,12 +56,29 @@ def observable(request: AttentionRequest | None) -> bool:
     return request is None or (request.head_reduce == "mean" and request.over == "all" and request.keys is None)
 
 
-class PackedLayer(CacheLayerMixin):
-    """One layer of a packed step: the decoding rows' tokens to their slots (`StepLayer`), every chunk token to
-    its slot in one indexed write."""
+class StepForwardLayer(CacheLayerMixin):
+    """A cache layer of one batched forward over pool slots (the packed step's, the eager mixed step's): its storage
+    exists already, and the kvpot attention function masks for itself (nothing for transformers to size)."""
 
     is_compileable = False
     is_sliding = False
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # the pool is allocated already
+        pass
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, 0
+
+    def get_seq_length(self) -> int:
+        return 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class PackedLayer(StepForwardLayer):
+    """One layer of a packed step: the decoding rows' tokens to their slots (`StepLayer`), every chunk token to
+    its slot in one indexed write."""
 
     def __init__(self, cache: PackedCache, index: int):
         super().__init__()
@@ -70,9 +87,6 @@ class PackedLayer(CacheLayerMixin):
         self.storage = self.step_layer.storage
         self.cached: torch.Tensor | None = None  # [ROWS]: each row's entries before this forward (set by update)
         self.is_initialized = True
-
-    def lazy_initialization(self, key_states, value_states) -> None:  # the pool is allocated already
-        pass
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """key/value_states [1, kv_heads, B + T, d], un-rotated: the rows' tokens, then the chunks' packed."""
@@ -96,15 +110,6 @@ class PackedLayer(CacheLayerMixin):
         for score in storage.scores.values():
             score[at] = self.step_layer.zero
         return key_states, value_states
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return query_length, 0
-
-    def get_seq_length(self) -> int:
-        return 0
-
-    def get_max_length(self) -> int:
-        return -1
 
 
 class PackedCache(Cache):
