@@ -35,6 +35,22 @@ def load_keys(K, KPOS, COS, SIN, j, live, dh, stride_kn, stride_pn, stride_t, HA
 
 
 @triton.jit
+def load_query(q_ptr, KPOS, COS, SIN, entry, ok, dh, stride_pn, stride_t, HALF: tl.constexpr, ROPE: tl.constexpr):
+    """Queries at `q_ptr` ([rows, HALF] pointers to their first halves) as two float32 halves, zero where not `ok`,
+    rotated when ROPE at the RoPE position of their own entry `entry` [rows] (`KPOS` offset to the slot's head)."""
+    q1 = tl.load(q_ptr, mask=ok[:, None], other=0.0).to(tl.float32)
+    q2 = tl.load(q_ptr + HALF, mask=ok[:, None], other=0.0).to(tl.float32)
+    if ROPE:
+        qt = tl.load(KPOS + entry * stride_pn, mask=ok, other=0)[:, None] * stride_t + dh[None, :]
+        c1 = tl.load(COS + qt, mask=ok[:, None], other=0.0).to(tl.float32)
+        c2 = tl.load(COS + qt + HALF, mask=ok[:, None], other=0.0).to(tl.float32)
+        s1 = tl.load(SIN + qt, mask=ok[:, None], other=0.0).to(tl.float32)
+        s2 = tl.load(SIN + qt + HALF, mask=ok[:, None], other=0.0).to(tl.float32)
+        q1, q2 = q1 * c1 - q2 * s1, q2 * c2 + q1 * s2  # rotate_half: (-x2, x1)
+    return q1, q2
+
+
+@triton.jit
 def half_scores(q1, q2, k1, k2, IEEE: tl.constexpr):
     """Scores [BLOCK_M, BLOCK_N] of queries and keys held as two halves (float32 products exact under IEEE)."""
     if IEEE:

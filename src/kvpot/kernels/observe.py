@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvpot.kernels.common import half_scores, load_keys
+from kvpot.kernels.common import half_scores, load_keys, load_query
 
 LOG2E = 1.0 / math.log(2.0)
 BLOCK_M = 64  # folded query rows per step
@@ -186,15 +186,7 @@ def _varlen_columns_kernel(
             row = row0 + folded % count  # the token's index in its row
             token = first + row
             q_ptr = Q + token[:, None] * stride_qt + head[:, None] * stride_qh + dh[None, :]
-            q1 = tl.load(q_ptr, mask=ok[:, None], other=0.0).to(tl.float32)
-            q2 = tl.load(q_ptr + HALF, mask=ok[:, None], other=0.0).to(tl.float32)
-            if ROPE:  # the query at its own entry's position
-                qt = tl.load(KPOS + (cached + row) * stride_pn, mask=ok, other=0)[:, None] * stride_t + dh[None, :]
-                c1 = tl.load(COS + qt, mask=ok[:, None], other=0.0).to(tl.float32)
-                c2 = tl.load(COS + qt + HALF, mask=ok[:, None], other=0.0).to(tl.float32)
-                s1 = tl.load(SIN + qt, mask=ok[:, None], other=0.0).to(tl.float32)
-                s2 = tl.load(SIN + qt + HALF, mask=ok[:, None], other=0.0).to(tl.float32)
-                q1, q2 = q1 * c1 - q2 * s1, q2 * c2 + q1 * s2  # rotate_half: (-x2, x1)
+            q1, q2 = load_query(q_ptr, KPOS, COS, SIN, cached + row, ok, dh, stride_pn, stride_t, HALF, ROPE)
             q1 = q1.to(K.dtype.element_ty)
             q2 = q2.to(K.dtype.element_ty)
             lse = tl.load(LSE + token * stride_lt + head, mask=ok, other=float("inf")) * 1.4426950408889634

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from kvpot.errors import KvpotError
-from kvpot.kernels.common import half_scores, load_keys, online_softmax_step, next_power_of_2
+from kvpot.kernels.common import half_scores, load_keys, load_query, online_softmax_step, next_power_of_2
 from kvpot.kernels.varlen_reference import check_varlen_inputs, varlen_attention_reference
 
 __all__ = ["varlen_attention", "varlen_attention_reference"]
@@ -77,18 +77,10 @@ def _varlen_kernel(
         at = first + token  # packed index
         K += slot * stride_ks + h * stride_kh
         V += slot * stride_vs + h * stride_vh
+        KPOS += slot * stride_ps + h * stride_ph  # (strides 0 without ROPE)
 
         q_ptr = Q + at[:, None] * stride_qt + head[:, None] * stride_qh + dh[None, :]
-        q1 = tl.load(q_ptr, mask=row_ok[:, None], other=0.0).to(tl.float32)
-        q2 = tl.load(q_ptr + HALF, mask=row_ok[:, None], other=0.0).to(tl.float32)
-        if ROPE:
-            KPOS += slot * stride_ps + h * stride_ph
-            qt = tl.load(KPOS + (before + token) * stride_pn, mask=row_ok, other=0)[:, None] * stride_t + dh[None, :]
-            c1 = tl.load(COS + qt, mask=row_ok[:, None], other=0.0).to(tl.float32)
-            c2 = tl.load(COS + qt + HALF, mask=row_ok[:, None], other=0.0).to(tl.float32)
-            s1 = tl.load(SIN + qt, mask=row_ok[:, None], other=0.0).to(tl.float32)
-            s2 = tl.load(SIN + qt + HALF, mask=row_ok[:, None], other=0.0).to(tl.float32)
-            q1, q2 = q1 * c1 - q2 * s1, q2 * c2 + q1 * s2  # rotate_half: (-x2, x1)
+        q1, q2 = load_query(q_ptr, KPOS, COS, SIN, before + token, row_ok, dh, stride_pn, stride_t, HALF, ROPE)
         qk = scale * 1.4426950408889634
         q1 = (q1 * qk).to(K.dtype.element_ty)
         q2 = (q2 * qk).to(K.dtype.element_ty)
