@@ -220,9 +220,25 @@ def test_throughput_open_loop_rows(capsys, tmp_path):
         assert row["wall_seconds"] >= arrival_times(3, 20.0, seed=3)[-1]
     lengths = draw_mix("64,96", 3, seed=3, what="length")
     assert rows["infinipot [batch]"]["prompt_tokens"] == sum(lengths) + 3 * 4
+    assert rows["infinipot [batch]"]["mixed_step"] is None  # `--mix auto` reads prompts apart on a CPU
     summary = (out / "summary.md").read_text()
     assert "Poisson arrivals, 20 requests/s" in summary and "drawn from `2-5`" in summary
     assert "| infinipot [batch] | mix 64,96 | 3 | 3 |" in summary and "goodput tok/s" in summary
+
+
+def test_throughput_records_how_mixed_steps_ran(capsys, tmp_path):
+    """`--mix eager`: prompt chunks ride in the decoding rows' forward, never in the captured fixed-shape step; each
+    row says which form ran (`mixed_step`), beside its `mix`."""
+    out = tmp_path / "out"
+    code, _, err = run(capsys, "bench", "throughput", "--shape", "tiny", "--device", "cpu", "--out", str(out),
+                       "--method", "infinipot:pot_size=128", "--users", "2", "--lengths", "160", "--new-tokens", "3",
+                       "--question-tokens", "4", "--prefill-tokens", "64", "--mix", "eager", "--mixed",
+                       "--sequential-users", "1")
+    assert code == 0, err
+    rows = {row["method"]: row for row in json.loads((out / "results.json").read_text())["rows"]}
+    for name in ("infinipot [batch]", "infinipot [batch, mixed]"):
+        assert rows[name]["mix"] is True and rows[name]["scheduler"]["mixed_forwards"] > 0, name
+        assert rows[name]["mixed_step"] == {"form": "eager", "packed_steps": 0}, name  # on a CPU both are eager
 
 
 def test_load_options_errors(capsys, tmp_path):
