@@ -580,3 +580,18 @@ def test_capturing_ahead_runs_without_gradients_as_steps_do(model, one_thread):
     assert torch.is_grad_enabled()
     scheduler.capture()
     assert seen == [False] and torch.is_grad_enabled()
+
+
+def test_padding_rows_keep_position_zero(model, prompts, one_thread):
+    """Padding rows (the scratch slot) are fed position 0 at every step, so a long-running server's padding never
+    passes the RoPE table (keys stored rotated, `absolute`, rotate them by it)."""
+    method, capacity = methods()["full"]
+    engine = kvpot.Engine(model, method=method)
+    scheduler = Scheduler(engine, slots=4, capacity=capacity, decode="static")
+    requests = [scheduler.submit(Request(c, q, max_new_tokens=NEW, ignore_eos=True)) for c, q in prompts[:3]]
+    padded = 0
+    while not scheduler.idle:
+        scheduler.step()
+        padded += sum(1 for r in requests if r.status == "decoding") == 3  # a bucket of 4 for 3 rows
+        assert scheduler.decoder.next_position[scheduler.pool.scratch] == 0
+    assert padded > 0

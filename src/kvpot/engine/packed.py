@@ -204,8 +204,8 @@ class _Meta:
         views["cached"] = self.buffer[at:].view(layers, ROWS + 1)
         self.__dict__.update(views)
 
-    def host(self) -> dict[str, torch.Tensor]:
-        """A CPU buffer laid out as the device one, with its views (filled by the caller, then `load`ed)."""
+    def host(self) -> _Meta:
+        """A CPU twin laid out as this one, with the same views: filled by the caller, then copied to `buffer`."""
         like = _Meta.__new__(_Meta)
         like.tokens, like.layers = self.tokens, self.layers
         like.buffer = torch.zeros_like(self.buffer, device="cpu")
