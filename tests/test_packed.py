@@ -222,3 +222,27 @@ def test_packed_steps_captured_ahead_replay_on_cuda():
     run_all(scheduler, requests)
     assert [r.tokens for r in requests] == [e.token_ids for e in expected]
     assert packed.steps > 0 and packed.graphs.replays > 0
+
+
+@pytest.mark.parametrize("budget", [96, 160])
+def test_observing_chunks_go_first_when_the_buffer_holds_one(model, prompts, budget, one_thread, monkeypatch):
+    """With room for one observing row (`OBSERVED_BYTES`, a slot of 128K entries on an 8B shape), a step's observing
+    chunk is packed first whatever the plan's order, a step with two takes the eager step, and every request keeps
+    its tokens alone."""
+    from kvpot.engine import packed as module
+
+    monkeypatch.setattr(module, "OBSERVED_BYTES", 1)
+    moved, original = [], module.PackedStep.run
+
+    def run(self, batch, observe, mode, chunks, probes):
+        flags = [module._asked(probe) is None for probe in probes]
+        moved.append(flags != sorted(flags))
+        return original(self, batch, observe, mode, chunks, probes)
+
+    monkeypatch.setattr(module.PackedStep, "run", run)
+    method, capacity = methods()["infinipot-question"]
+    expected = alone(model, method, prompts)
+    scheduler, requests = packed_run(model, method, prompts, capacity, prefill_tokens=budget)
+    assert [r.tokens for r in requests] == [e.token_ids for e in expected]
+    assert scheduler.decoder.packed.observing_rows == 1 and scheduler.decoder.packed.observed.shape[1] == 1
+    assert any(moved) and scheduler.decoder.packed.steps > 0  # some step's observing chunk came after another

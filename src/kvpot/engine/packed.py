@@ -16,8 +16,9 @@ picking mode)`, so the same body is captured once and replayed (`StepGraphs`, as
 
 `PackedStep.takes` says which steps it runs; the others take the eager mixed step: a method's own attention or
 `before_forward` (not `mixable`), CItruS' instruction cache, positions other than `absolute` or ranked ones, RoPE
-without a table, an observation other than `head_reduce="mean"` over every key, more than `ROWS` chunks, more tokens
-than the buckets captured ahead (`capture`), shared documents and tensor parallelism. On a CPU the body runs
+without a table, an observation other than `head_reduce="mean"` over every key, more than `ROWS` chunks (or more
+observing chunks than `OBSERVED_BYTES` holds rows for), more tokens than the buckets captured ahead (`capture`), shared
+documents and tensor parallelism. On a CPU the body runs
 uncaptured, with the kernels' PyTorch references, and gives the eager step's tokens; it is off there
 (`BatchDecoder.fixed_mix`), since padding buys nothing uncaptured.
 """
@@ -41,6 +42,9 @@ GRAIN = 256  # token buckets: 64, 128, 256, then multiples of this
 # thousand prompt tokens little (one more row in the products, a scratch slot's entry to attend), while every
 # batch size is one more key to warm and capture (an open loop of 60 s met ~60 keys at per-size buckets)
 ROWS_FLOOR = 64
+# The packed observations' buffer ([layers, rows, kv heads, capacity] float32) at most this: a slot of 128K entries on
+# an 8B shape takes 134 MB a row. Observing chunks go first in a step; a step with more than fit takes the eager step.
+OBSERVED_BYTES = 256 << 20
 
 
 def token_bucket(tokens: int) -> int:
@@ -122,7 +126,7 @@ class PackedCache(Cache):
         self.batch, self.tokens, self.observes = 0, 0, False
         self.rotated = step.policy.stores_rotated
         self.max_position = 0
-        self.observed: torch.Tensor | None = None  # [layers, ROWS, kv_heads, capacity] float32
+        self.observed: torch.Tensor | None = None  # [layers, observing rows, kv_heads, capacity] float32
         super().__init__(layers=[PackedLayer(self, i) for i in range(len(step.layers))])
 
     @property
@@ -171,6 +175,12 @@ def varlen_kernel(device: torch.device, head_dim: int):
 def as_rows(states: torch.Tensor) -> torch.Tensor:
     """[1, heads, B, d] -> [B, heads, 1, d]: packed tokens as the batched step's rows."""
     return states[0].transpose(0, 1).unsqueeze(2).contiguous()
+
+
+def _asked(probe) -> AttentionRequest | None:
+    """What a chunk's (tail probe, request) asks to observe: the probe's request, or the forward's."""
+    tail, request = probe
+    return tail[1] if tail is not None else request
 
 
 def observe_kernel(device: torch.device, head_dim: int):
@@ -246,16 +256,29 @@ class PackedStep:
                 return False
         if rope.dynamic or policy.raw_keys or not (policy.stores_rotated or isinstance(policy, Rank)):
             return False
-        for chunk, (tail, request) in zip(chunks, probes):
+        if sum(_asked(probe) is not None for probe in probes) > self.observing_rows:
+            return False
+        for chunk, probe in zip(chunks, probes):
             cache = chunk.run.cache
             if cache.static or cache.attention is not None or not all(
                     isinstance(layer, SlotLayer) and layer.storage is store
                     for layer, store in zip(cache.layers, pool.layers)):
                 return False
-            asked = tail[1] if tail is not None else request
-            if not observable(asked):
+            if not observable(_asked(probe)):
                 return False
         return True
+
+    @property
+    def observing_rows(self) -> int:
+        """Chunks of one step that may observe (the observation buffer's rows, within `OBSERVED_BYTES`)."""
+        like = self.pool.layers[0]
+        return max(1, min(ROWS, OBSERVED_BYTES // (4 * self.pool.num_layers * like.kv_heads * like.capacity)))
+
+    def _observed_buffer(self) -> None:
+        if self.observed is None:
+            like = self.pool.layers[0]
+            self.observed = torch.zeros(self.pool.num_layers, self.observing_rows, like.kv_heads, like.capacity,
+                                        dtype=torch.float32, device=self.pool.device)
 
     @property
     def rows_floor(self) -> int:
@@ -287,10 +310,8 @@ class PackedStep:
     def _pad(self, tokens: int, observes: bool) -> None:
         """Device inputs of a step of `tokens` padding tokens and no rows (what `capture` runs)."""
         self._size(tokens)
-        if observes and self.observed is None:
-            like = self.pool.layers[0]
-            self.observed = torch.zeros(self.pool.num_layers, ROWS, like.kv_heads, like.capacity,
-                                        dtype=torch.float32, device=self.pool.device)
+        if observes:
+            self._observed_buffer()
         host = self.meta.host()
         host.slot[:], host.token_row[:], host.row_slot[:] = self.pool.scratch, ROWS, self.pool.scratch
         self.meta.buffer.copy_(host.buffer, non_blocking=True)
@@ -300,7 +321,11 @@ class PackedStep:
         """One forward: `batch` decoding rows (already in the decoder's row buffers, padded to their bucket) and
         `chunks` packed after them. Returns, per chunk, (its hidden states [q, hidden], its tail probe's
         observation per layer or None); each chunk's counts are mirrored and its probe rolled back."""
-        device, layers = self.pool.device, self.pool.num_layers
+        order = sorted(range(len(chunks)), key=lambda i: _asked(probes[i]) is None)  # observing rows first
+        done = self._run([chunks[i] for i in order], [probes[i] for i in order], batch, observe, mode)
+        return [done[order.index(i)] for i in range(len(chunks))]
+
+    def _run(self, chunks, probes, batch: int, observe: AttentionRequest | None, mode: str) -> list:
         parts, spans, total = [], [], 0
         for chunk, (tail, _) in zip(chunks, probes):
             tail_ids = tail[0] if tail is not None else None
@@ -329,7 +354,7 @@ class PackedStep:
             host.position[rows] = torch.arange(run.next_position, run.next_position + size)
             host.row_slot[r], host.starts[r + 1] = run.cache.layers[0].row, start + size
             host.cached[:, r] = torch.tensor(run.cache.lengths())
-            asked = probes[r][0][1] if probes[r][0] is not None else probes[r][1]
+            asked = _asked(probes[r])
             if asked is not None:
                 first, stop, _ = slice(*(asked.rows or (None, None))).indices(size)
                 host.row0[r], host.count[r], host.mean[r] = first, max(stop - first, 0), asked.row_reduce == "mean"
@@ -345,9 +370,8 @@ class PackedStep:
         for at, ids in late:
             meta.ids[at].copy_(ids)
         observes = bool(host.count.any())
-        if observes and self.observed is None:
-            like = self.pool.layers[0]
-            self.observed = torch.zeros(layers, ROWS, like.kv_heads, like.capacity, dtype=torch.float32, device=device)
+        if observes:
+            self._observed_buffer()
         self._follow()
         key = (batch, tokens, observes, observe is not None, mode)
         body = functools.partial(self._body, batch, tokens, observes, observe, mode)
