@@ -20,8 +20,9 @@ from kvpot.engine.scheduler import Request, Scheduler
 from test_batch import NEW, alone, methods
 
 PACKED = ["full", "truncate", "streaming", "h2o", "tova", "snapkv", "infinipot", "infinipot-question", "d2o",
-          "pyramidkv", "scissorhands", "sirllm", "cam"]
-EAGER = ["citrus", "selfextend", "infinitehip"]  # the eager mixed step reads their chunks, or none mixes
+          "pyramidkv", "scissorhands", "roco", "sirllm", "cam", "citrus-shared"]  # (CItruS' chunks over the slot)
+# the eager mixed step reads their chunks (CItruS' instruction cache, Self-Extend's positions), or none mixes
+EAGER = ["citrus", "citrus-individual", "selfextend", "infinitehip", "infllm"]
 
 
 @pytest.fixture(scope="module")
