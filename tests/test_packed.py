@@ -114,6 +114,11 @@ def test_what_the_packed_step_refuses(model, one_thread):
     assert not packed.takes([chunk], [(None, AttentionRequest(over="cached"))])
     assert not packed.takes([chunk] * (ROWS + 1), [(None, None)] * (ROWS + 1))
     assert not packed.takes([], [])
+    assert packed.usable
+    other = Scheduler(kvpot.Engine(model, method=methods()["selfextend"][0]), slots=2, capacity=256, decode="static",
+                      mix=True)
+    other.decoder.graphs_on = True  # as on a GPU: nothing of a pool no step of which packs is captured ahead
+    assert not PackedStep(other.decoder).usable and PackedStep(other.decoder).capture(64, True) == 0
     packed.ahead = 64  # captured ahead up to 64 tokens: a step that would need a larger bucket takes the eager step
     assert packed.takes([chunk], [((torch.arange(61), AttentionRequest(rows=(-61, None))), None)])
     assert not packed.takes([chunk], [((torch.arange(62), AttentionRequest(rows=(-62, None))), None)])

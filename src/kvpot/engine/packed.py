@@ -247,15 +247,13 @@ class PackedStep:
     def takes(self, chunks, probes) -> bool:
         """Whether this step's chunks (`kvpot.engine.mixed.Chunk`) with their (tail, request) `probes` fit a
         packed step (the module's docstring lists what does not)."""
-        pool, policy, rope = self.pool, self.pool.policy, self.pool.rope
-        if not chunks or len(chunks) > ROWS or pool.documents is not None or self.engine.parallel is not None:
+        pool = self.pool
+        if not chunks or len(chunks) > ROWS or not self.usable:
             return False
         if self.ahead is not None:  # past the buckets captured ahead: growing the buffers would drop every graph
             tails = sum(0 if tail is None else torch.as_tensor(tail[0]).numel() for tail, _ in probes)
             if token_bucket(sum(chunk.ids.numel() for chunk in chunks) + tails) > self.ahead:
                 return False
-        if rope.dynamic or policy.raw_keys or not (policy.stores_rotated or isinstance(policy, Rank)):
-            return False
         if sum(_asked(probe) is not None for probe in probes) > self.observing_rows:
             return False
         for chunk, probe in zip(chunks, probes):
@@ -267,6 +265,15 @@ class PackedStep:
             if not observable(_asked(probe)):
                 return False
         return True
+
+    @property
+    def usable(self) -> bool:
+        """Whether any step of this pool can be packed: not with shared documents or tensor parallelism, dynamic
+        RoPE, or positions other than absolute and ranked ones."""
+        pool, policy = self.pool, self.pool.policy
+        if pool.documents is not None or self.engine.parallel is not None or pool.rope.dynamic or policy.raw_keys:
+            return False
+        return policy.stores_rotated or isinstance(policy, Rank)
 
     @property
     def observing_rows(self) -> int:
@@ -290,7 +297,7 @@ class PackedStep:
         observation; with and without chunk observations if `observes`), on padding rows and tokens alone (the
         scratch slot), as `BatchDecoder.capture` does for decoding: otherwise the first steps of each key warm
         and capture while users wait. Returns the graphs captured (0 on a CPU)."""
-        if not self.decoder.graphs_on:
+        if not self.decoder.graphs_on or not self.usable:
             return 0
         before, scratch = self.graphs.captures, self.pool.scratch
         batch = self.decoder.load_rows([], [], self.rows_floor)
