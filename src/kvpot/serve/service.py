@@ -139,7 +139,9 @@ class Service:
         # the first step at 64 users otherwise took 2.6 s of compiling and capturing while they waited
         captured = scheduler.capture()
         if captured:
-            log.info("captured %d decoding graphs (%d batch sizes)", captured, len(scheduler.decoder.buckets))
+            packed = scheduler.decoder.packed
+            log.info("captured %d graphs: decoding steps at %d batch sizes, %d mixed steps", captured,
+                     len(scheduler.decoder.buckets), packed.graphs.captures if packed is not None else 0)
         return scheduler
 
     async def drain(self, grace: float) -> None:
