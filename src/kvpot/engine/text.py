@@ -107,7 +107,7 @@ class TextApi:
         ignore_eos, as `generate`; a seeded request samples the same tokens whatever shares its batch.
         `share_documents`: requests asking the same `State` read its entries from one copy
         (`Scheduler(share_documents=True)`), the same tokens. `mix`: where prompt chunks are read
-        (`Scheduler(mix=...)`: "auto", with the decoding rows on a GPU; "on"; "off"), the same tokens."""
+        (`Scheduler(mix=...)`: "auto", with the decoding rows on a GPU; "on"; "off"; "eager"), the same tokens."""
         from kvpot.engine.offline import generate_texts
 
         return generate_texts(self, contexts, questions, max_new_tokens, states, progress, batch_size,
