@@ -20,7 +20,8 @@ from kvpot.engine.scheduler import Request, Scheduler
 from test_batch import NEW, alone, methods
 
 PACKED = ["full", "truncate", "streaming", "h2o", "tova", "snapkv", "infinipot", "infinipot-question", "d2o",
-          "pyramidkv", "scissorhands", "roco", "sirllm", "cam", "citrus-shared"]  # (CItruS' chunks over the slot)
+          "pyramidkv", "scissorhands", "roco", "sirllm", "cam",
+          "citrus-shared"]  # its chunks that ask for nothing; those probed by the instruction (over="cached") are eager
 # the eager mixed step reads their chunks (CItruS' instruction cache, Self-Extend's positions), or none mixes
 EAGER = ["citrus", "citrus-individual", "selfextend", "infinitehip", "infllm"]
 
@@ -37,10 +38,11 @@ def model(request):
     return build(request.param)
 
 
-def packed_run(model, method, prompts, capacity=None, fixed=True, prefill_tokens=4096):
+def packed_run(model, method, prompts, capacity=None, prefill_tokens=4096):
+    """A scheduler reading prompts in mixed steps, in fixed shapes (on a CPU: uncaptured; `fixed_mix` turns it on)."""
     engine = kvpot.Engine(model, method=method)
     scheduler = Scheduler(engine, slots=3, capacity=capacity, decode="static", mix=True, prefill_tokens=prefill_tokens)
-    scheduler.decoder.fixed_mix = fixed
+    scheduler.decoder.fixed_mix = True
     requests = [Request(c, q, max_new_tokens=NEW, ignore_eos=True) for c, q in prompts]
     run_all(scheduler, requests)
     return scheduler, requests
