@@ -15,7 +15,8 @@ import torch
 import kvpot
 from conftest import VOCAB, build
 from kvpot.engine.offline import run_all
-from kvpot.engine.packed import ROWS, PackedStep, _Meta, token_bucket
+from kvpot.engine.packed import ROWS, PackedStep, token_bucket
+from kvpot.engine.packed_cache import Meta
 from kvpot.engine.scheduler import Request, Scheduler
 from test_batch import NEW, alone, methods
 
@@ -67,7 +68,7 @@ def test_packed_steps_give_each_request_its_tokens_alone(model, prompts, name, o
 def test_observing_chunks_take_the_packed_observation(model, prompts, name, one_thread, monkeypatch):
     """Chunks that observe their attention get it from the packed observation (one call a layer for all rows),
     and a small budget spreads the prompts over many packed steps without changing a token."""
-    from kvpot.engine import packed as module
+    from kvpot.engine import packed_cache as module
 
     calls, original = [], module.observe_kernel
     monkeypatch.setattr(module, "observe_kernel", lambda *args: calls.append(args) or original(*args))
@@ -86,7 +87,7 @@ def test_token_buckets_are_few_and_cover():
 
 
 def test_meta_views_lay_out_one_buffer():
-    meta = _Meta(tokens=64, layers=3, device=torch.device("cpu"))
+    meta = Meta(tokens=64, layers=3, device=torch.device("cpu"))
     host = meta.host()
     host.ids[:] = 7
     host.cached[2, ROWS] = 5

@@ -109,6 +109,47 @@ def test_packed_observation_matches_the_reference(shape, dtype):
             assert (out[r] == -1).all()
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).split(".")[-1])
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s[6]], ids=[s[0] for s in SHAPES if s[6]])
+def test_keys_rotated_ahead_give_what_rotating_on_load_gives(shape, dtype):
+    """`rotate_rows` (a packed step's keys of ranked positions, rotated once a layer) writes each row's live keys as
+    the kernels rotate them on load; the varlen attention and the packed observation over them then give the same
+    result as rotating on load (the same arithmetic: bit for bit under the interpreter; a compiler may contract
+    products differently in two kernels, so within rounding here), and entries past a row's are not written."""
+    from kvpot.kernels.decode_reference import _rotate_at
+    from kvpot.kernels.observe import observe_varlen
+    from kvpot.kernels.varlen import rotate_rows, varlen_attention
+
+    args, longest = inputs(shape, dtype, seed=11)
+    keys, positions = args["keys"], args["key_positions"]
+    rows = args["slots"].shape[0]
+    ahead = torch.full((rows + 1, *keys.shape[1:]), 7.0, dtype=dtype, device=DEVICE)
+    rotate_rows(keys, positions, args["cos"], args["sin"], args["slots"], args["starts"], args["cached"], ahead)
+    counts = (args["starts"][1:] - args["starts"][:-1]).tolist()
+    for r, (slot, before) in enumerate(zip(args["slots"].tolist(), args["cached"].tolist())):
+        n = before + counts[r]
+        want = _rotate_at(keys[slot, :, :n].float(), args["cos"].float(), args["sin"].float(), positions[slot, :, :n])
+        tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ahead[r, :, :n].float(), want, **tol)
+        assert (ahead[r, :, n:] == 7).all()  # past the row's entries: untouched
+    assert (ahead[rows] == 7).all()
+    out, lse = varlen_attention(**args, max_tokens=max(longest, 1))
+    out_ahead, lse_ahead = varlen_attention(**args, max_tokens=max(longest, 1), row_keys=ahead)
+    covered = [t for r, c in enumerate(counts) for t in range(int(args["starts"][r]), int(args["starts"][r]) + c)]
+    torch.testing.assert_close(out_ahead[covered], out[covered], **tol)
+    torch.testing.assert_close(lse_ahead[covered], lse[covered], **tol)
+    observed = dict(row0=torch.zeros(rows, dtype=torch.long, device=DEVICE), count=torch.tensor(counts, device=DEVICE),
+                    mean=torch.ones(rows, dtype=torch.long, device=DEVICE), scaling=args["scaling"], lse=lse,
+                    cos=args["cos"], sin=args["sin"], key_positions=positions)
+    bounds = (args["slots"], args["starts"], args["cached"])
+    one, two = (torch.zeros(rows, *keys.shape[1:3], device=DEVICE) for _ in range(2))
+    observe_varlen(args["query"], keys, *bounds, out=one, **observed)
+    observe_varlen(args["query"], keys, *bounds, out=two, row_keys=ahead, **observed)
+    torch.testing.assert_close(two, one, **tol)
+    if DEVICE == "cpu":  # Triton's interpreter: the same operations in the same order
+        assert torch.equal(out[covered], out_ahead[covered]) and torch.equal(one, two)
+
+
 def test_a_decoding_row_equals_the_decode_kernels_reference():
     """A row of one token is a decoding step: the same output as the batched decode attention's reference."""
     from kvpot.kernels.decode_reference import decode_attention_batch_reference
@@ -152,13 +193,16 @@ def test_bad_inputs_are_refused_in_one_sentence():
         varlen_attention_reference(**{**args, "cached": args["cached"] + 1000})
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["eager", "packed"])
+@pytest.mark.parametrize("packed", [False, True, "rotated-ahead"], ids=["eager", "packed", "packed-rotated-ahead"])
 @pytest.mark.parametrize("name", ["streaming", "h2o", "infinipot-question", "snapkv"])
-def test_mixed_steps_on_the_kernel_give_each_request_its_tokens_alone(name, packed):
+def test_mixed_steps_on_the_kernel_give_each_request_its_tokens_alone(name, packed, monkeypatch):
     """The kernel inside the engine (a head dim it takes, 32): a mixed step's chunks attended by it, observing
     ones included (H2O's every chunk, InfiniPot's catalyst, SnapKV's window), give the greedy tokens each request
     gets alone (float32), in the eager mixed step and in the fixed-shape one (`kvpot.engine.packed`: the varlen
-    and observation kernels over the packed rows)."""
+    and observation kernels over the packed rows), with ranked positions' keys rotated on load or ahead."""
+    from kvpot.engine import packed as packed_module
+
+    monkeypatch.setattr(packed_module, "ROTATE_AHEAD", packed == "rotated-ahead")
     import kvpot
     from conftest import VOCAB, build_llama
     from kvpot.engine import mixed
@@ -178,10 +222,13 @@ def test_mixed_steps_on_the_kernel_give_each_request_its_tokens_alone(name, pack
     alone = [engine.generate_ids(c, q, max_new_tokens=12, ignore_eos=True).token_ids for c, q in prompts]
     capacity = 256 if name == "snapkv" else None  # its cache grows with the prompt until its end
     scheduler = Scheduler(kvpot.Engine(model, method=method), slots=3, capacity=capacity, decode="static", mix=True)
-    scheduler.decoder.fixed_mix = packed
+    scheduler.decoder.fixed_mix = bool(packed)
     requests = [Request(c, q, max_new_tokens=12, ignore_eos=True) for c, q in prompts]
     assert mixed.varlen_kernel(torch.device(DEVICE), 32) is varlen_attention
     run_all(scheduler, requests)
     assert scheduler.report["mixed_forwards"] > 0
     assert [r.tokens for r in requests] == alone
-    assert (scheduler.decoder.packed is not None and scheduler.decoder.packed.steps > 0) is packed
+    steps = scheduler.decoder.packed
+    assert (steps is not None and steps.steps > 0) is bool(packed)
+    if packed == "rotated-ahead":  # StreamingLLM, H2O and InfiniPot number their entries: keys rotated ahead
+        assert (steps.rotated_keys is not None) is (name != "snapkv")

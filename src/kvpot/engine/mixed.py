@@ -30,7 +30,8 @@ from transformers.cache_utils import Cache
 from kvpot.attention import AttentionRequest, observe, sequence_attention
 from kvpot.compat import cache_kwargs
 from kvpot.defaults import MIXES
-from kvpot.engine.packed import PackedStep, StepForwardLayer, as_rows, varlen_kernel
+from kvpot.engine.packed import PackedStep
+from kvpot.engine.packed_cache import StepForwardLayer, as_rows, varlen_kernel
 from kvpot.engine.pool import SlotLayer
 from kvpot.engine.results import _Run
 from kvpot.engine.sampling import _as_ids

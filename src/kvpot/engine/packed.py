@@ -5,7 +5,7 @@ The eager mixed step (`kvpot.engine.mixed.mixed_forward`) makes ~4,300-4,500 tor
 step*). Here the step has fixed shapes for a key `(decoding bucket, token bucket, observes, decode observation,
 picking mode)`, so the same body is captured once and replayed (`StepGraphs`, as `BatchDecoder` does):
 
-- the host packs what varies into one int64 upload a step (`_Meta`): each chunk token's id, slot, entry offset,
+- the host packs what varies into one int64 upload a step (`Meta`): each chunk token's id, slot, entry offset,
   row and stream position; each row's slot, bounds, per-layer cached count, and observed rows. Tokens past the
   real ones pad the bucket and write the pool's scratch slot;
 - each layer appends every chunk token in one indexed write (`PackedLayer.update`), attends the chunks in one
@@ -18,9 +18,10 @@ picking mode)`, so the same body is captured once and replayed (`StepGraphs`, as
 `before_forward` (not `mixable`), CItruS' instruction cache, positions other than `absolute` or ranked ones, RoPE
 without a table, an observation other than `head_reduce="mean"` over every key, more than `ROWS` chunks (or more
 observing chunks than `OBSERVED_BYTES` holds rows for), more tokens than the buckets captured ahead (`capture`), shared
-documents and tensor parallelism. On a CPU the body runs
-uncaptured, with the kernels' PyTorch references, and gives the eager step's tokens; it is off there
-(`BatchDecoder.fixed_mix`), since padding buys nothing uncaptured.
+documents and tensor parallelism. On a CPU the body runs uncaptured, with the kernels' PyTorch references, and gives
+the eager step's tokens; it is off there (`BatchDecoder.fixed_mix`), since padding buys nothing uncaptured.
+
+The cache the model is handed, its layers and the step's device inputs are in `kvpot.engine.packed_cache`.
 """
 
 from __future__ import annotations
@@ -28,15 +29,14 @@ from __future__ import annotations
 import functools
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvpot.attention import AttentionRequest
 from kvpot.compat import cache_kwargs
 from kvpot.engine.graphs import StepGraphs
+from kvpot.engine.packed_cache import ROWS, Meta, PackedCache
 from kvpot.engine.pool import SlotLayer
 from kvpot.positions import Rank
 
-ROWS = 8  # chunks a packed step reads at most (a 1,024-token budget takes a few)
 GRAIN = 256  # token buckets: 64, 128, 256, then multiples of this
 # A packed step's decoding rows pad to at least this many (or the pool's size): a padding row costs a step of a
 # thousand prompt tokens little (one more row in the products, a scratch slot's entry to attend), while every
@@ -45,6 +45,13 @@ ROWS_FLOOR = 64
 # The packed observations' buffer ([layers, rows, kv heads, capacity] float32) at most this: a slot of 128K entries on
 # an 8B shape takes 134 MB a row. Observing chunks go first in a step; a step with more than fit takes the eager step.
 OBSERVED_BYTES = 256 << 20
+# Ranked positions store keys un-rotated, and the varlen kernel rotates each key in every tile that reads it: on an
+# H200 that cost 25-27% of the kernel at the 8B shapes (records/engine-core-h200/packed/, `varlen_sweep.py --forms`).
+# With this on, each chunk row's keys are rotated once a layer into a buffer of `[ROWS, kv heads, capacity, d]` (at
+# most ROW_KEYS_BYTES) that both kernels read (`kvpot.kernels.varlen.rotate_rows`). Off until a step measures
+# faster with it (`prefill_ops.py --rotate-ahead`): the pass itself has not been timed on a GPU.
+ROTATE_AHEAD = False
+ROW_KEYS_BYTES = 256 << 20
 
 
 def token_bucket(tokens: int) -> int:
@@ -60,172 +67,10 @@ def observable(request: AttentionRequest | None) -> bool:
     return request is None or (request.head_reduce == "mean" and request.over == "all" and request.keys is None)
 
 
-class StepForwardLayer(CacheLayerMixin):
-    """A cache layer of one batched forward over pool slots (the packed step's, the eager mixed step's): its storage
-    exists already, and the kvpot attention function masks for itself (nothing for transformers to size)."""
-
-    is_compileable = False
-    is_sliding = False
-
-    def lazy_initialization(self, key_states, value_states) -> None:  # the pool is allocated already
-        pass
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return query_length, 0
-
-    def get_seq_length(self) -> int:
-        return 0
-
-    def get_max_length(self) -> int:
-        return -1
-
-
-class PackedLayer(StepForwardLayer):
-    """One layer of a packed step: the decoding rows' tokens to their slots (`StepLayer`), every chunk token to
-    its slot in one indexed write."""
-
-    def __init__(self, cache: PackedCache, index: int):
-        super().__init__()
-        self.packed, self.index = cache, index
-        self.step_layer = cache.step.layers[index]
-        self.storage = self.step_layer.storage
-        self.cached: torch.Tensor | None = None  # [ROWS]: each row's entries before this forward (set by update)
-        self.is_initialized = True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """key/value_states [1, kv_heads, B + T, d], un-rotated: the rows' tokens, then the chunks' packed."""
-        cache, storage, meta = self.packed, self.storage, self.packed.meta
-        b = cache.batch
-        if b:
-            self.step_layer.update(as_rows(key_states[:, :, :b]), as_rows(value_states[:, :, :b]))
-        t = cache.tokens
-        cached = meta.cached[self.index]  # [ROWS + 1]: the last is the padding tokens' row, 0
-        self.cached = cached[:ROWS]
-        index = cached[meta.token_row[:t]] + meta.offset[:t]  # [T]: each token's entry in its slot
-        position, rope = meta.position[:t], cache.step.rope
-        keys = rope.unscale(key_states[:, :, b:])  # [1, kv, T, d]
-        if cache.rotated:
-            keys = rope.rotate(keys, position.view(1, 1, -1).expand(1, storage.kv_heads, -1), cache.max_position)
-        at = (meta.slot[:t], slice(None), index)
-        storage.keys[at] = keys[0].transpose(0, 1)
-        storage.values[at] = value_states[0, :, b:].transpose(0, 1)
-        storage.positions[at] = position[:, None].expand(-1, storage.kv_heads)
-        storage.rope_positions[at] = (position if cache.rotated else index)[:, None].expand(-1, storage.kv_heads)
-        for score in storage.scores.values():
-            score[at] = self.step_layer.zero
-        return key_states, value_states
-
-
-class PackedCache(Cache):
-    """The cache a packed step hands the model; the kvpot attention function calls `attend`."""
-
-    batched = True
-
-    def __init__(self, step, meta: _Meta):
-        self.step, self.meta = step, meta
-        self.batch, self.tokens, self.observes = 0, 0, False
-        self.rotated = step.policy.stores_rotated
-        self.max_position = 0
-        self.observed: torch.Tensor | None = None  # [layers, observing rows, kv_heads, capacity] float32
-        super().__init__(layers=[PackedLayer(self, i) for i in range(len(step.layers))])
-
-    @property
-    def is_compileable(self) -> bool:  # transformers' API
-        return False
-
-    def attend(self, layer: PackedLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """query [1, heads, B + T, d] un-rotated -> [1, B + T, heads, d]."""
-        b, meta, storage, rope = self.batch, self.meta, layer.storage, self.step.rope
-        outputs = []
-        if b:
-            rows = self.step.attend(layer.step_layer, as_rows(query[:, :, :b]), scaling)  # [B, 1, heads, d]
-            outputs.append(rows.reshape(1, b, *rows.shape[2:]))
-        query = rope.unscale(query[:, :, b:])
-        if self.rotated:  # each token's query turns at its stream position, as its key did
-            query = rope.rotate(query, meta.position[: self.tokens].view(1, 1, -1).expand(1, storage.kv_heads, -1),
-                                self.max_position)
-            tables = (None, None, None)
-        else:  # rotated on load from the entries' RoPE positions (a token's query at its own entry's)
-            tables = (*rope.table(storage.capacity + 1, query), storage.rope_positions)
-        packed = query[0].transpose(0, 1)  # [T, heads, d]
-        out, lse = varlen_kernel(query.device, query.shape[-1])(
-            packed, storage.keys, storage.values, meta.row_slot, meta.starts, layer.cached, scaling, self.tokens,
-            *tables)
-        if self.observes:
-            observe_kernel(query.device, query.shape[-1])(
-                packed, storage.keys, meta.row_slot, meta.starts, layer.cached, meta.row0, meta.count, meta.mean,
-                scaling, self.observed[layer.index], lse, *tables)
-        outputs.append(out.unsqueeze(0))
-        return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
-
-
-def varlen_kernel(device: torch.device, head_dim: int):
-    """The varlen Triton kernel where it runs, else its PyTorch reference (one signature but `max_tokens`)."""
-    from kvpot import kernels
-
-    if kernels.available(device) and kernels.supports_head_dim(head_dim):
-        from kvpot.kernels.varlen import varlen_attention
-
-        return varlen_attention
-    from kvpot.kernels.varlen_reference import varlen_attention_reference
-
-    return lambda *args: varlen_attention_reference(*args[:7], *args[8:])  # the reference needs no bucket
-
-
-def as_rows(states: torch.Tensor) -> torch.Tensor:
-    """[1, heads, B, d] -> [B, heads, 1, d]: packed tokens as the batched step's rows."""
-    return states[0].transpose(0, 1).unsqueeze(2).contiguous()
-
-
 def _asked(probe) -> AttentionRequest | None:
     """What a chunk's (tail probe, request) asks to observe: the probe's request, or the forward's."""
     tail, request = probe
     return tail[1] if tail is not None else request
-
-
-def observe_kernel(device: torch.device, head_dim: int):
-    """The packed observation's Triton kernel where it runs, else its PyTorch reference (same arguments)."""
-    from kvpot import kernels
-
-    if kernels.available(device) and kernels.supports_head_dim(head_dim):
-        from kvpot.kernels.observe import observe_varlen
-
-        return observe_varlen
-    from kvpot.kernels.observe_reference import observe_varlen_reference
-
-    return observe_varlen_reference
-
-
-class _Meta:
-    """A packed step's device-side inputs: one int64 buffer, uploaded once a step, viewed per field."""
-
-    FIELDS = ("ids", "slot", "offset", "token_row", "position")  # per token
-
-    def __init__(self, tokens: int, layers: int, device: torch.device):
-        self.tokens, self.layers = tokens, layers
-        size = 5 * tokens + 5 * ROWS + 1 + layers * (ROWS + 1)
-        self.buffer = torch.zeros(size, dtype=torch.long, device=device)
-        views, at = {}, 0
-        for name in self.FIELDS:
-            views[name], at = self.buffer[at : at + tokens], at + tokens
-        for name, length in (("row_slot", ROWS), ("starts", ROWS + 1), ("row0", ROWS), ("count", ROWS),
-                             ("mean", ROWS)):
-            views[name], at = self.buffer[at : at + length], at + length
-        views["cached"] = self.buffer[at:].view(layers, ROWS + 1)
-        self.__dict__.update(views)
-
-    def host(self) -> _Meta:
-        """A CPU twin laid out as this one, with the same views: filled by the caller, then copied to `buffer`."""
-        like = _Meta.__new__(_Meta)
-        like.tokens, like.layers = self.tokens, self.layers
-        like.buffer = torch.zeros_like(self.buffer, device="cpu")
-        offset = self.buffer.data_ptr()
-        for name, view in list(self.__dict__.items()):
-            if name in ("tokens", "layers", "buffer"):
-                continue
-            start = (view.data_ptr() - offset) // view.element_size()
-            like.__dict__[name] = like.buffer[start : start + view.numel()].view(view.shape)
-        return like
 
 
 class PackedStep:
@@ -234,7 +79,7 @@ class PackedStep:
     def __init__(self, decoder):
         self.decoder, self.pool, self.engine = decoder, decoder.pool, decoder.engine
         self.graphs = StepGraphs()
-        self.meta: _Meta | None = None
+        self.meta: Meta | None = None
         self.cache: PackedCache | None = None
         self.hidden: torch.Tensor | None = None  # [T, hidden]: the chunk tokens' last hidden states
         self.zeros: torch.Tensor | None = None  # position_ids: RoPE is kvpot's
@@ -242,6 +87,7 @@ class PackedStep:
         self.max_position = 0
         self.steps = 0
         self.ahead: int | None = None  # the largest token bucket captured ahead (`capture`), None before
+        self.rotated_keys: torch.Tensor | None = None  # `_row_keys`' buffer, kept across the meta's growth
 
     # ------------------------------------------------------------------ what it takes
     def takes(self, chunks, probes) -> bool:
@@ -434,11 +280,27 @@ class PackedStep:
         if self.meta is not None and self.meta.tokens >= tokens:
             return
         device, size = self.pool.device, max(tokens, 2 * (self.meta.tokens if self.meta else 0))
-        self.meta = _Meta(size, self.pool.num_layers, device)
+        self.meta = Meta(size, self.pool.num_layers, device)
         self.cache = PackedCache(self.decoder.cache, self.meta)
         hidden = self.engine.head.weight.shape[1]
         self.hidden = torch.zeros(size, hidden, dtype=self.engine.head.weight.dtype, device=device)
         self.zeros = torch.zeros(1, self.decoder.pool.slots + size, dtype=torch.long, device=device)
+        self.cache.row_keys = self._row_keys()
+
+    def _row_keys(self) -> torch.Tensor | None:
+        """The buffer of keys rotated ahead (`ROTATE_AHEAD`), where it applies: ranked positions, the Triton
+        kernels, within `ROW_KEYS_BYTES`."""
+        from kvpot import kernels
+
+        like = self.pool.layers[0]
+        size = ROWS * like.kv_heads * like.capacity * like.head_dim * like.keys.element_size()
+        if not ROTATE_AHEAD or self.pool.policy.stores_rotated or size > ROW_KEYS_BYTES or not (
+                kernels.available(self.pool.device) and kernels.supports_head_dim(like.head_dim)):
+            return None
+        if self.rotated_keys is None:
+            self.rotated_keys = torch.zeros(ROWS, like.kv_heads, like.capacity, like.head_dim, dtype=like.dtype,
+                                            device=self.pool.device)
+        return self.rotated_keys
 
     def _follow(self) -> None:
         """RoPE tables sized before any capture reads them (as `BatchDecoder.size_tables`), and the graphs
@@ -447,5 +309,6 @@ class PackedStep:
         decoder.max_position = max(decoder.max_position, self.max_position)
         decoder.size_tables()
         identity = (decoder.graphs.identity, self.meta.buffer.data_ptr(),
-                    0 if self.observed is None else self.observed.data_ptr())
+                    0 if self.observed is None else self.observed.data_ptr(),
+                    0 if self.cache.row_keys is None else self.cache.row_keys.data_ptr())
         self.graphs.follow(identity)

@@ -163,6 +163,7 @@ def _varlen_columns_kernel(
     stride_qt, stride_qh, stride_ks, stride_kh, stride_kn, stride_lt, stride_ps, stride_ph, stride_pn, stride_t,
     stride_or, stride_oh,
     ROPE: tl.constexpr, IEEE: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    KEYS_BY_ROW: tl.constexpr = False,  # K is [R, KV, N, D]: each row's keys rotated already
 ):
     block, kv, r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     count = tl.load(COUNT + r).to(tl.int32)
@@ -175,9 +176,13 @@ def _varlen_columns_kernel(
         cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < n
         dh = tl.arange(0, HALF)
-        K += slot * stride_ks + kv * stride_kh
+        if KEYS_BY_ROW:
+            K += r.to(tl.int64) * stride_ks + kv * stride_kh
+        else:
+            K += slot * stride_ks + kv * stride_kh
         KPOS += slot * stride_ps + kv * stride_ph
-        k1, k2 = load_keys(K, KPOS, COS, SIN, cols, col_ok, dh, stride_kn, stride_pn, stride_t, HALF, ROPE)
+        k1, k2 = load_keys(K, KPOS, COS, SIN, cols, col_ok, dh, stride_kn, stride_pn, stride_t, HALF,
+                           ROPE and not KEYS_BY_ROW)
         acc = tl.zeros([BLOCK_N], tl.float32)
         for m0 in range(0, G * count, BLOCK_M):
             folded = m0 + tl.arange(0, BLOCK_M)
@@ -201,12 +206,14 @@ def _varlen_columns_kernel(
 def observe_varlen(query: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
                    cached: torch.Tensor, row0: torch.Tensor, count: torch.Tensor, mean: torch.Tensor,
                    scaling: float, out: torch.Tensor, lse: torch.Tensor | None = None, cos: torch.Tensor | None = None,
-                   sin: torch.Tensor | None = None, key_positions: torch.Tensor | None = None) -> None:
+                   sin: torch.Tensor | None = None, key_positions: torch.Tensor | None = None,
+                   row_keys: torch.Tensor | None = None) -> None:
     """`kvpot.kernels.observe_reference.observe_varlen_reference` in one launch: each row's observed tokens'
     attention probabilities (`exp(s - lse)`, `lse` [T, heads] from `kvpot.kernels.varlen`) over its slot's
     keys, summed over the rows (or averaged) and averaged over each group's heads, into `out` [R, kv, capacity].
-    With `cos`, keys and queries are rotated on load as the varlen kernel does. Every bound is read on the device
-    and the grid is sized from the keys' capacity: safe to capture in a CUDA graph."""
+    With `cos`, keys and queries are rotated on load as the varlen kernel does; `row_keys` holds each row's keys
+    rotated ahead (`kvpot.kernels.varlen.rotate_rows`). Every bound is read on the device and the grid is sized from
+    the keys' capacity: safe to capture in a CUDA graph."""
     if lse is None:
         raise ValueError("observe_varlen needs the attention's log-sum-exp of every token")
     heads, d = query.shape[1:]
@@ -218,9 +225,11 @@ def observe_varlen(query: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor,
     block = BLOCK_N if d * query.element_size() <= 512 else BLOCK_N // 2
     tables = (cos, sin, key_positions) if rope else (keys, keys, slots)
     rope_strides = (*key_positions.stride(), cos.stride(0)) if rope else (0, 0, 0, 0)
+    source = keys if row_keys is None else row_keys
     _varlen_columns_kernel[(triton.cdiv(capacity, block), kv, slots.shape[0])](
-        query, keys, lse, slots, starts, cached, row0, count, mean, *tables, out, capacity, heads // kv,
-        scaling * LOG2E, query.stride(0), query.stride(1), *keys.stride()[:3], lse.stride(0), *rope_strides,
+        query, source, lse, slots, starts, cached, row0, count, mean, *tables, out, capacity, heads // kv,
+        scaling * LOG2E, query.stride(0), query.stride(1), *source.stride()[:3], lse.stride(0), *rope_strides,
         out.stride(0), out.stride(1),
         ROPE=rope, IEEE=query.dtype == torch.float32, HALF=d // 2, BLOCK_M=block, BLOCK_N=block,
+        KEYS_BY_ROW=row_keys is not None,
     )

@@ -23,12 +23,13 @@ def observe_varlen_reference(query: torch.Tensor, keys: torch.Tensor, slots: tor
                              cached: torch.Tensor, row0: torch.Tensor, count: torch.Tensor, mean: torch.Tensor,
                              scaling: float, out: torch.Tensor, lse: torch.Tensor | None = None,
                              cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
-                             key_positions: torch.Tensor | None = None) -> None:
+                             key_positions: torch.Tensor | None = None, row_keys: torch.Tensor | None = None) -> None:
     """query [T, heads, d], keys [S, kv_heads, capacity, d] (each row's own tokens appended), both rotated, or
     un-rotated with `cos`/`sin` tables [P, d] and `key_positions` [S, kv_heads, capacity]: keys rotated at their
     positions and each token's query at its own entry's, as `Rope.rotate` does. slots, starts [R + 1], cached,
     row0, count, mean [R] int; out [R, kv_heads, capacity] float32, rows that observe written in
-    `[:cached[r] + their tokens]`. `lse` (the kernel's normaliser) is not needed here."""
+    `[:cached[r] + their tokens]`. `lse` (the kernel's normaliser) and `row_keys` (its keys rotated ahead) are
+    not needed here."""
     group = query.shape[1] // keys.shape[1]
     bounds = [t.tolist() for t in (slots, starts, cached, row0, count, mean)]
     for r, (slot, cache, first, observed, reduce) in enumerate(zip(bounds[0], bounds[2], bounds[3], bounds[4],

@@ -57,6 +57,7 @@ def _varlen_kernel(
     stride_ps, stride_ph, stride_pn, stride_t, stride_ot, stride_oh,
     G: tl.constexpr, G_PAD: tl.constexpr, KV: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr,
     IEEE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    KEYS_BY_ROW: tl.constexpr = False,  # K is [R, KV, N, D]: each row's keys rotated already (`rotate_rows`)
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)  # KV head
@@ -75,7 +76,10 @@ def _varlen_kernel(
         dh = tl.arange(0, HALF)
         dd = tl.arange(0, 2 * HALF)
         at = first + token  # packed index
-        K += slot * stride_ks + h * stride_kh
+        if KEYS_BY_ROW:
+            K += r.to(tl.int64) * stride_ks + h * stride_kh
+        else:
+            K += slot * stride_ks + h * stride_kh
         V += slot * stride_vs + h * stride_vh
         KPOS += slot * stride_ps + h * stride_ph  # (strides 0 without ROPE)
 
@@ -93,7 +97,8 @@ def _varlen_kernel(
         for start in range(0, hi, BLOCK_N):
             j = start + tl.arange(0, BLOCK_N)
             live = j < hi
-            k1, k2 = load_keys(K, KPOS, COS, SIN, j, live, dh, stride_kn, stride_pn, stride_t, HALF, ROPE)
+            k1, k2 = load_keys(K, KPOS, COS, SIN, j, live, dh, stride_kn, stride_pn, stride_t, HALF,
+                               ROPE and not KEYS_BY_ROW)
             sc = half_scores(q1, q2, k1, k2, IEEE)  # log2 units
             sc = tl.where(live[None, :] & (j[None, :] <= sees[:, None]), sc, float("-inf"))
             m_i, l_i, acc = online_softmax_step(sc, m_i, l_i, acc, V, j, live, dd, stride_vn, IEEE)
@@ -134,9 +139,13 @@ def varlen_attention(
     cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None,
     key_positions: torch.Tensor | None = None,
+    row_keys: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of packed rows over their pool slots, as `varlen_attention_reference` defines it: query
     [T, heads, d] -> (out [T, heads, d] in query.dtype, lse [T, heads] float32, natural log).
+
+    `row_keys` [>= R, kv_heads, capacity, d]: row `r`'s keys already rotated at their positions (`rotate_rows`),
+    read instead of rotating the slot's on load in every tile (queries are still rotated on load). The same result.
 
     `slots` [R], `starts` [R + 1] and `cached` [R] live on the device and are never read on the host;
     `max_tokens` bounds any row's tokens (the caller's bucket): a row's tokens past it, and tokens no row
@@ -168,11 +177,58 @@ def varlen_attention(
         rope_strides = (*key_positions.stride(), cos.stride(0))
     else:
         tables, rope_strides = (keys, keys, slots), (0, 0, 0, 0)
+    by_row = row_keys is not None
+    if by_row and (row_keys.shape[1:] != keys.shape[1:] or row_keys.shape[0] < rows or row_keys.dtype != keys.dtype
+                   or row_keys.stride(-1) != 1 or not rope):
+        raise KvpotError(f"row_keys must be [>= {rows}, {', '.join(map(str, keys.shape[1:]))}] in {keys.dtype} with "
+                         f"a contiguous last dimension, beside a RoPE table; got {tuple(row_keys.shape)}")
+    source = row_keys if by_row else keys
     _varlen_kernel[(rows * tiles, kv)](
-        query, keys, values, slots, starts, cached, *tables, out, lse, keys.shape[2], tiles, scaling,
-        query.stride(0), query.stride(1), *keys.stride()[:3], *values.stride()[:3], *rope_strides,
+        query, source, values, slots, starts, cached, *tables, out, lse, keys.shape[2], tiles, scaling,
+        query.stride(0), query.stride(1), *source.stride()[:3], *values.stride()[:3], *rope_strides,
         out.stride(0), out.stride(1),
         G=g, G_PAD=g_pad, KV=kv, ROPE=rope, HALF=d // 2, IEEE=keys.dtype == torch.float32, BLOCK_Q=block_q,
-        **_launch(keys.dtype, d),
+        KEYS_BY_ROW=by_row, **_launch(keys.dtype, d),
     )
     return out, lse
+
+
+@triton.jit(do_not_specialize=["N"])
+def _rotate_rows_kernel(
+    K,  # [S, KV, N, D] pool keys, un-rotated
+    KPOS,  # [S, KV, N] int RoPE position of each entry
+    COS, SIN,  # [P, D] RoPE table
+    SLOTS, STARTS, CACHED,  # [R], [R + 1], [R] as `varlen_attention`'s
+    OUT,  # [>= R, KV, N, D]: row r's entries [0, cached[r] + its tokens) rotated
+    N, stride_ks, stride_kh, stride_kn, stride_ps, stride_ph, stride_pn, stride_t, stride_or, stride_oh, stride_on,
+    HALF: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    block, h, r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n = tl.load(CACHED + r).to(tl.int32) + (tl.load(STARTS + r + 1) - tl.load(STARTS + r)).to(tl.int32)
+    if block * BLOCK_N < n:  # blocks past the row's entries end at once
+        slot = tl.load(SLOTS + r).to(tl.int64)
+        j = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        live = (j < n) & (j < N)
+        dh = tl.arange(0, HALF)
+        k1, k2 = load_keys(K + slot * stride_ks + h * stride_kh, KPOS + slot * stride_ps + h * stride_ph, COS, SIN,
+                           j, live, dh, stride_kn, stride_pn, stride_t, HALF, True)
+        o_ptr = OUT + r.to(tl.int64) * stride_or + h * stride_oh + j[:, None].to(tl.int64) * stride_on + dh[None, :]
+        tl.store(o_ptr, k1, mask=live[:, None])
+        tl.store(o_ptr + HALF, k2, mask=live[:, None])
+
+
+def rotate_rows(keys: torch.Tensor, key_positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                slots: torch.Tensor, starts: torch.Tensor, cached: torch.Tensor, out: torch.Tensor) -> None:
+    """Each row's live keys (its slot's first `cached[r]` entries and its own tokens') rotated at their RoPE
+    positions into `out[r]`, with the roundings `load_keys` applies on load, so `varlen_attention(row_keys=out)`
+    gives what rotating on load gives. One pass a layer instead of one per tile that reads them. Bounds are read on
+    the device and the grid is sized from the capacity: safe to capture in a CUDA graph."""
+    kv, capacity, d = keys.shape[1:]
+    if out.shape[1:] != keys.shape[1:] or out.shape[0] < slots.shape[0] or out.dtype != keys.dtype:
+        raise KvpotError(f"rotate_rows writes [>= {slots.shape[0]}, {kv}, {capacity}, {d}] in {keys.dtype}; "
+                         f"got {tuple(out.shape)} in {out.dtype}")
+    block = 64
+    _rotate_rows_kernel[(triton.cdiv(capacity, block), kv, slots.shape[0])](
+        keys, key_positions, cos, sin, slots, starts, cached, out, capacity, *keys.stride()[:3],
+        *key_positions.stride(), cos.stride(0), *out.stride()[:3], HALF=d // 2, BLOCK_N=block,
+    )

@@ -56,10 +56,12 @@ def varlen_attention_reference(
     cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None,
     key_positions: torch.Tensor | None = None,
+    row_keys: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of packed rows over their pool slots: query [T, heads, d] (un-rotated when cos is given) ->
     (out [T, heads, d] in query.dtype, lse [T, heads] float32, natural log). Tokens no row covers get zeros and
-    lse -inf. Reads the row bounds on the host (a reference: not for capture)."""
+    lse -inf. Reads the row bounds on the host (a reference: not for capture). `row_keys` (the kernel's keys
+    rotated ahead, `rotate_rows`) is not read: the reference rotates the slot's keys itself, the same result."""
     check_varlen_inputs(query, keys, values, slots, starts, cached, cos, sin, key_positions)
     tokens, heads, d = query.shape
     g = heads // keys.shape[1]
