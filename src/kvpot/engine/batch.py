@@ -347,8 +347,7 @@ class BatchDecoder:
                     while key not in self.graphs:  # warm, then capture (warm again if the warm-up made a buffer)
                         self.size_tables()
                         self.graphs.run(key, functools.partial(self._run, bucket, observe, mode))
-        self.next_position[self.pool.scratch] = 0
-        return self.captures - before
+        return self.captures - before  # (each step put the scratch slot's position back to 0: `end_rows`)
 
     def size_tables(self) -> None:
         """RoPE tables big enough for every position this pool will see, before any capture reads them.

@@ -195,9 +195,7 @@ def mixed_forward(decoder, slots: list[int], live: list[bool], observe: Attentio
     `PackedStep.takes` the step (`kvpot.engine.packed`); else eagerly."""
     engine = decoder.engine
     probes = [engine._before_forward(chunk.run, chunk.step) for chunk in chunks]  # (tail, request) each
-    packed = decoder.packed if decoder.fixed_mix else None
-    if packed is None and decoder.fixed_mix:
-        packed = decoder.packed = PackedStep(decoder)
+    packed = _packed(decoder)
     if packed is not None and packed.takes(chunks, probes):
         b = decoder.load_rows(slots, live, packed.rows_floor)
         for chunk, (tail, request) in zip(chunks, probes):
@@ -214,13 +212,19 @@ def mixed_forward(decoder, slots: list[int], live: list[bool], observe: Attentio
 def capture_mixed(decoder, method: Method, prefill_tokens: int) -> int:
     """`PackedStep.capture` of the scheduler's packed steps up to its prompt budget and one more bucket (a tail probe
     rides in its chunk), observing chunks too if the method ever observes a chunk; 0 where mixed steps are eager."""
-    if not decoder.fixed_mix:
+    packed = _packed(decoder)
+    if packed is None:
         return 0
-    if decoder.packed is None:
-        decoder.packed = PackedStep(decoder)
     kind = type(method)
     observes = kind.tail_probe is not Method.tail_probe or kind.request is not Method.request
-    return decoder.packed.capture(prefill_tokens + 256, observes)
+    return packed.capture(prefill_tokens + 256, observes)
+
+
+def _packed(decoder) -> PackedStep | None:
+    """The decoder's packed step (made at the first use), or None where its mixed steps are eager."""
+    if decoder.fixed_mix and decoder.packed is None:
+        decoder.packed = PackedStep(decoder)
+    return decoder.packed if decoder.fixed_mix else None
 
 
 def _eager(decoder, slots: list[int], live: list[bool], observe: AttentionRequest | None, chunks: list[Chunk],

@@ -145,7 +145,7 @@ class PackedStep:
         and capture while users wait. Returns the graphs captured (0 on a CPU)."""
         if not self.decoder.graphs_on or not self.usable:
             return 0
-        before, scratch = self.graphs.captures, self.pool.scratch
+        before = self.graphs.captures
         batch = self.decoder.load_rows([], [], self.rows_floor)
         sizes = sorted({token_bucket(n) for n in range(1, max_tokens + 1, 64)} | {token_bucket(max_tokens)},
                        reverse=True)  # the largest first: the buffers are made once, at their final size
@@ -156,7 +156,6 @@ class PackedStep:
                 while key not in self.graphs:  # warm, then capture (again if a buffer moved meanwhile)
                     self._follow()
                     self.graphs.run(key, functools.partial(self._body, batch, tokens, observed, None, "greedy"))
-        self.decoder.next_position[scratch] = 0
         self.ahead = sizes[0]
         return self.graphs.captures - before
 
