@@ -9,7 +9,7 @@ times. Then the same read runs:
 - with `torch.cuda.set_sync_debug_mode("warn")`, which warns at each call that makes the host wait for the device,
   counted by the kvpot line that made it;
 - timed three ways: the host's time to return (nothing waited for at the end), the wall time with the device drained,
-  and the device's kernel time (torch.profiler).
+  and the device's kernel time (torch.profiler), with the 25 kernels that took most of it.
 If the host time is near the wall time and the device time well under it, the host's launches bound the read.
 Writes DIR/prefill_ops.json.
 """
@@ -133,12 +133,16 @@ def main(argv=None) -> None:
     host = time.perf_counter() - begun
     sync()
     wall = time.perf_counter() - begun
-    device_ms = None
+    device_ms, kernels = None, []
     if device == "cuda":
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             read()
             sync()
-        device_ms = sum(e.self_device_time_total for e in prof.key_averages()) / 1000
+        averages = prof.key_averages()
+        device_ms = sum(e.self_device_time_total for e in averages) / 1000
+        # where the device time goes, by kernel name (graph replays' kernels included): what a faster step must cut
+        kernels = sorted(((e.key[:120], e.self_device_time_total / 1000, e.count) for e in averages
+                          if e.self_device_time_total > 0), key=lambda k: -k[1])[:25]
     packed = scheduler.decoder.packed if args.scheduler else None
     graphs = packed.graphs if packed is not None else None
     report = {"args": vars(args) | {"out": str(args.out)}, "device": torch.cuda.get_device_name() if device == "cuda"
@@ -146,11 +150,13 @@ def main(argv=None) -> None:
               "packed": None if packed is None else {"steps": packed.steps, "captures": graphs.captures,
                                                      "replays": graphs.replays, "warmups": graphs.warmups},
               "torch_calls": total[0], "host_ms": host * 1000, "wall_ms": wall * 1000,
-              "device_kernel_ms": device_ms, "tokens_per_second": args.length / wall,
+              "device_kernel_ms": device_ms,
+              "top_kernels_ms_calls": kernels, "tokens_per_second": args.length / wall,
               "calls_by_site": counts.most_common(60), "syncs_by_site": syncs.most_common(40)}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "prefill_ops.json").write_text(json.dumps(report, indent=1))
-    print({k: v for k, v in report.items() if k not in ("calls_by_site", "syncs_by_site")})
+    print({k: v for k, v in report.items() if k not in ("calls_by_site", "syncs_by_site", "top_kernels_ms_calls")})
+    print("kernels (ms, calls):", [(name[:60], round(ms, 1), n) for name, ms, n in kernels[:12]])
     print("syncs:", report["syncs_by_site"][:15])
     print("calls:", report["calls_by_site"][:25])
 
