@@ -397,7 +397,7 @@ class BatchDecoder:
         self.next_position[rows] += 1
         # padding rows (the scratch slot) take position 0 again: counted up a step at a time, their position would
         # pass the RoPE table of a long-running server, which rotates them by it where keys are stored rotated
-        self.next_position[self.pool.scratch] = 0
+        self.next_position[self.pool.scratch].zero_()  # (`[i] = 0` copies a host scalar: refused in a capture)
         self.cache.request = None
 
     @property
