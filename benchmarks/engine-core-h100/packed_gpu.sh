@@ -4,7 +4,7 @@
 # 1. its GPU tests (captured replays give every request its tokens alone; the observation kernel against its
 #    reference over the varlen shapes, bf16 and the 8B mixed shape included);
 # 2. `prefill_ops.py` through the scheduler at 1,024 prompt tokens a step beside 32 decoding rows: the captured
-#    mixed step, the eager one (`--eager-mix`), the captured one with keys rotated ahead (`--rotate-ahead`), and the
+#    mixed step, the eager one (`--eager-mix`), the captured one with keys rotated on load (`--rotate-on-load`), and the
 #    first again, for torch calls, host, wall and device time a read;
 # 3. with OPEN_LOOP=1 (SKIP_TESTS=1 SKIP_OPS=1 leave out 1 and 2): the open loop (`open_loop.sh`) at $BUDGET (2,048)
 #    prompt tokens a step, the batch row with `--mix eager` beside `--mixed` (captured), one user one at a time.
@@ -19,8 +19,8 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout "${TESTS_LIMIT:-200}" python3 -m pytest -q -p no:cacheprovider tests/test_varlen_kernel.py 2>&1 \
     | tee -a "$OUT/packed-gpu-tests.log" | grep -E "passed|failed|FAILED|Error" | tail -8
 fi
-[ "${SKIP_OPS:-0}" = 1 ] || for form in packed eager rotated packed; do  # A, B, C, A again: the first form twice, to see the calls' spread
-  extra=(); [ "$form" = eager ] && extra=(--eager-mix); [ "$form" = rotated ] && extra=(--rotate-ahead)
+[ "${SKIP_OPS:-0}" = 1 ] || for form in packed eager on-load packed; do  # A, B, C, A again: the first form twice, to see the calls' spread
+  extra=(); [ "$form" = eager ] && extra=(--eager-mix); [ "$form" = on-load ] && extra=(--rotate-on-load)
   timeout 150 python3 benchmarks/engine-core-h100/prefill_ops.py --out "$OUT/ops-$form" --scheduler 1024 \
     --decoding 32 --repeats 3 "${extra[@]}" 2>&1 | tail -3 | cut -c1-1500
   n=$(ls "$OUT"/prefill-ops-$form*.json 2>/dev/null | wc -l)

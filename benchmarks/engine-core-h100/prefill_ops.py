@@ -49,9 +49,9 @@ def main(argv=None) -> None:
     p.add_argument("--decoding", type=int, default=0, help="with --scheduler: requests decoding beside the read")
     p.add_argument("--eager-mix", action="store_true",
                    help="with --scheduler: mixed steps in this step's shapes, not the captured fixed-shape ones")
-    p.add_argument("--rotate-ahead", action="store_true",
-                   help="with --scheduler: captured mixed steps rotate each chunk row's keys once a layer "
-                        "(kvpot.engine.packed.ROTATE_AHEAD) instead of in every tile")
+    p.add_argument("--rotate-on-load", action="store_true",
+                   help="with --scheduler: captured mixed steps rotate keys of ranked positions in every tile that "
+                        "reads them, not once a layer ahead (kvpot.engine.packed.ROTATE_AHEAD off)")
     args = p.parse_args(argv)
     import torch
     from torch.overrides import TorchFunctionMode
@@ -74,7 +74,7 @@ def main(argv=None) -> None:
         import kvpot.engine.packed as packed_step
         from kvpot.engine.scheduler import Request, Scheduler
 
-        packed_step.ROTATE_AHEAD = args.rotate_ahead
+        packed_step.ROTATE_AHEAD = not args.rotate_on_load
 
         scheduler = Scheduler(engine, slots=args.decoding + 1, prefill_tokens=args.scheduler)
         scheduler.decoder.fixed_mix = scheduler.decoder.fixed_mix and not args.eager_mix

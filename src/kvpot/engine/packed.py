@@ -48,9 +48,11 @@ OBSERVED_BYTES = 256 << 20
 # Ranked positions store keys un-rotated, and the varlen kernel rotates each key in every tile that reads it: on an
 # H200 that cost 25-27% of the kernel at the 8B shapes (records/engine-core-h200/packed/, `varlen_sweep.py --forms`).
 # With this on, each chunk row's keys are rotated once a layer into a buffer of `[ROWS, kv heads, capacity, d]` (at
-# most ROW_KEYS_BYTES) that both kernels read (`kvpot.kernels.varlen.rotate_rows`). Off until a step measures
-# faster with it (`prefill_ops.py --rotate-ahead`): the pass itself has not been timed on a GPU.
-ROTATE_AHEAD = False
+# most ROW_KEYS_BYTES) that both kernels read (`kvpot.kernels.varlen.rotate_rows`). A 16K read through the scheduler
+# (1,024 tokens a step beside 32 decoding rows, an H200): the varlen kernel 196 -> 158 ms, the rotation pass 4.8 ms,
+# the read's device time 818 -> 786 ms (`prefill_ops.py`, `--rotate-on-load` for the other side;
+# records/engine-core-h200/packed-2/).
+ROTATE_AHEAD = True
 ROW_KEYS_BYTES = 256 << 20
 
 
