@@ -79,6 +79,29 @@ def test_observing_chunks_take_the_packed_observation(model, prompts, name, one_
     assert calls and scheduler.decoder.packed.steps > 0
 
 
+@pytest.mark.parametrize("name", ["infinipot", "d2o", "full"])
+@pytest.mark.parametrize("fixed", [True, False], ids=["packed", "eager"])
+def test_chunks_cut_to_fill_a_step_change_no_token(model, prompts, name, fixed, one_thread, monkeypatch):
+    """A method whose chunks do not depend on where forwards end has the chunk that does not fit a step's budget cut
+    to fill it (`plan_chunks`' `cut_to`): the same tokens, entries and compressions as alone, in both mixed steps."""
+    from kvpot.engine.reading import PromptReader
+
+    cuts, original = [], PromptReader.cut
+    monkeypatch.setattr(PromptReader, "cut", lambda self, limit: cuts.append(limit) or original(self, limit))
+    method, capacity = methods()[name]
+    assert not method.chunk_dependent
+    expected = alone(model, method, prompts)
+    engine = kvpot.Engine(model, method=method)
+    scheduler = Scheduler(engine, slots=3, capacity=capacity, decode="static", mix=True, prefill_tokens=112)
+    scheduler.decoder.fixed_mix = fixed
+    requests = [Request(c, q, max_new_tokens=NEW, ignore_eos=True) for c, q in prompts]
+    run_all(scheduler, requests)
+    assert [r.tokens for r in requests] == [e.token_ids for e in expected]
+    assert [r.stats.max_kv_entries for r in requests] == [e.stats.max_kv_entries for e in expected]
+    assert [r.stats.compressions for r in requests] == [e.stats.compressions for e in expected]
+    assert cuts and all(7 <= limit < 112 for limit in cuts)  # cut to what was left, never a sliver under 112 // 16
+
+
 def test_token_buckets_are_few_and_cover():
     assert [token_bucket(n) for n in (1, 64, 65, 200, 256, 257, 1088, 2048)] == [64, 64, 128, 256, 256, 512, 1280,
                                                                                  2048]

@@ -17,6 +17,27 @@ def test_the_first_chunk_is_read_whatever_its_size():
     assert plan_chunks([Candidate(0, 5000), Candidate(1, 10)], 2048, decoding=1) == ChunkPlan((0,), -2952)
 
 
+def test_a_cuttable_chunk_that_does_not_fit_is_cut_to_fill_the_budget():
+    candidates = [Candidate(4, 300, cuttable=True), Candidate(1, 900, cuttable=True), Candidate(2, 100, cuttable=True)]
+    # the second is cut to the 724 tokens left; the plan ends with the budget spent, the third waits
+    assert plan_chunks(candidates, 1024, decoding=3) == ChunkPlan((4, 1), 0, 724)
+    # a chunk of a method whose chunks depend on where forwards end is never cut: the plan ends before it
+    whole = [Candidate(4, 300, cuttable=True), Candidate(1, 900), Candidate(2, 100, cuttable=True)]
+    assert plan_chunks(whole, 1024, decoding=3) == ChunkPlan((4,), 724)
+
+
+def test_a_sliver_of_budget_is_not_cut_for():
+    """Below a sixteenth of the budget a cut chunk's row is not worth its method hook: the plan ends whole."""
+    candidates = [Candidate(0, 980, cuttable=True), Candidate(1, 500, cuttable=True)]
+    assert plan_chunks(candidates, 1024, decoding=1) == ChunkPlan((0,), 44)
+    assert plan_chunks(candidates, 1024 + 40, decoding=1) == ChunkPlan((0, 1), 0, 84)
+
+
+def test_a_cut_chunk_can_make_two_worth_mixing_without_decoding_rows():
+    assert plan_chunks([Candidate(0, 600, cuttable=True), Candidate(1, 600, cuttable=True)], 1024,
+                       decoding=0) == ChunkPlan((0, 1), 0, 424)
+
+
 def test_a_chunk_that_needs_a_forward_of_its_own_ends_the_plan():
     """It is read next, alone, with what is left: no younger request's chunk passes it."""
     candidates = [Candidate(0, 100), Candidate(1, 100), Candidate(2, 100, mixable=False), Candidate(3, 100)]

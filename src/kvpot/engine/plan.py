@@ -3,9 +3,12 @@
 The batched scheduler (`kvpot.engine.scheduler`) asks each request still reading its prompt for the next
 chunk its method cuts (`kvpot.engine.reading.PromptReader`) and whether that chunk can share a forward
 (`kvpot.engine.mixed.mixable`); `plan_chunks` then picks, oldest request first, one chunk per request
-within the step's token budget. A chunk is never cut to fit: a method whose result depends on where its
-forwards end (`Method.chunk_dependent`) reads exactly the forwards it reads alone, and one that does not
-has its chunks capped at the whole budget already (`run.max_chunk`).
+within the step's token budget. A method whose result depends on where its forwards end
+(`Method.chunk_dependent`) reads exactly the forwards it reads alone: its chunks are never cut to fit. One that
+does not (`Candidate.cuttable`) has its chunks capped at the whole budget already (`run.max_chunk`), and the
+chunk that does not fit what is left is cut to fill it (vLLM's chunked prefill): a step then reads its whole
+budget, where ending the plan there left a quarter of the prompt throughput unused on an H200 (InfiniPot's pot
+cuts chunks short of the budget; records/engine-core-h200/packed-2/).
 """
 
 from __future__ import annotations
@@ -23,12 +26,14 @@ class Candidate:
     slot: int
     tokens: int
     mixable: bool = True
+    cuttable: bool = False  # the chunk may be read in a shorter forward (the method is not chunk_dependent)
 
 
 @dataclass(frozen=True)
 class ChunkPlan:
     slots: tuple[int, ...]  # the requests whose next chunk joins the forward, in order
     budget_left: int  # prompt tokens left for forwards of their own this step
+    cut_to: int | None = None  # the last slot's chunk is cut to this many tokens (None: read whole)
 
 
 def plan_chunks(candidates: list[Candidate], budget: int, decoding: int) -> ChunkPlan:
@@ -37,6 +42,9 @@ def plan_chunks(candidates: list[Candidate], budget: int, decoding: int) -> Chun
     - oldest first, one chunk per request; the first one is taken whatever its size (a step always
       reads), later ones while they fit what is left; the first that does not fit ends the plan, so
       no younger request passes an older one;
+    - except a `cuttable` chunk, which is cut to what is left and ends the plan, the budget then spent, where at
+      least `budget // 16` tokens are left (a sliver is not worth a row: each chunk row costs the step a
+      method hook);
     - a chunk that cannot share a forward ends the plan too (it is read in a forward of its own, with
       what is left of the budget, before any younger request's chunk);
     - mixing pays beside decoding rows, or for two chunks or more: otherwise nothing joins, and the
@@ -44,15 +52,20 @@ def plan_chunks(candidates: list[Candidate], budget: int, decoding: int) -> Chun
     """
     if budget < 1:
         raise ValueError(f"budget must be positive, got {budget}.")
-    chosen, left = [], budget
+    chosen, left, cut = [], budget, None
     for candidate in candidates:
-        if not candidate.mixable or left <= 0 or (chosen and candidate.tokens > left):
+        if not candidate.mixable or left <= 0:
+            break
+        if chosen and candidate.tokens > left:
+            if candidate.cuttable and left >= max(1, budget // 16):
+                chosen.append(candidate.slot)
+                left, cut = 0, left
             break
         chosen.append(candidate.slot)
         left -= candidate.tokens
     if not decoding and len(chosen) < 2:
         return ChunkPlan((), budget)
-    return ChunkPlan(tuple(chosen), left)
+    return ChunkPlan(tuple(chosen), left, cut)
 
 
 def check_options(prefill_tokens: int, max_waiting: int | None, feed_questions: str, decode: str,

@@ -45,6 +45,14 @@ class PromptReader:
             self.pending = (ids[self.offset : self.offset + size], step)
         return self.pending
 
+    def cut(self, limit: int) -> tuple[torch.Tensor, Step]:
+        """The next forward peeked again, capped at `limit` tokens (a plan cut it to fill a step's budget; only
+        for a method that is not `chunk_dependent`, whose result no cut changes)."""
+        if self.method.chunk_dependent:
+            raise KvpotError(f"{self.method.name}'s chunks depend on where its forwards end: they are never cut.")
+        self.pending, self.run.max_chunk = None, limit
+        return self.peek()
+
     def advance(self) -> int:
         """The peeked forward ran: move past it; returns its tokens."""
         ids, step = self.pending

@@ -234,6 +234,7 @@ class Scheduler:
         if not self.mix:
             return [], self.prefill_tokens
         candidates, peeked = [], {}
+        cuttable = self.chunk_cap is not None and not self.method.chunk_dependent  # a chunk cut to fill the step
         for slot, active in sorted(self.active.items(), key=lambda item: item[1].started):
             if active.request.status != "prefilling" or active.feeding is not None:
                 continue
@@ -243,9 +244,11 @@ class Scheduler:
                 fits = chunk is not None and mixable(self.method, active.run)
             except Exception:  # noqa: BLE001 - left to `_prefill`, which fails this request alone
                 chunk, fits = None, False
-            candidates.append(Candidate(slot, chunk[0].numel() if chunk is not None else 0, fits))
+            candidates.append(Candidate(slot, chunk[0].numel() if chunk is not None else 0, fits, cuttable))
             peeked[slot] = (active, chunk)
         plan = plan_chunks(candidates, self.prefill_tokens, batch)
+        if plan.cut_to is not None:
+            peeked[plan.slots[-1]] = (last := peeked[plan.slots[-1]][0], last.reader.cut(plan.cut_to))
         return [(s, peeked[s][0], Chunk(peeked[s][0].run, *peeked[s][1])) for s in plan.slots], plan.budget_left
 
     def _prefill(self, ended: list[Request], budget: int) -> list[int]:
@@ -259,10 +262,9 @@ class Scheduler:
             if active.request.status != "prefilling" or active.feeding is not None:
                 continue
             try:
-                # a forward costs at least the weights' read: a sliver of budget left is not worth one (a prompt read
-                # to its end starts decoding whatever is left). Forwards are capped at the whole budget, not at what
-                # is left of it: a cap that followed the remainder would cut a method's chunks out of step with its
-                # own cycle (InfiniPot's pot) and double its forwards for good; a step's first may so run past it.
+                # a forward costs at least the weights' read: not worth it for a sliver of budget. Forwards apart are
+                # capped at the whole budget, not what is left: cut to each remainder, a method's chunks could stay out
+                # of step with its cycle (a pot) and double its forwards; a step's first may so run past the budget.
                 while True:
                     active.run.max_chunk = self.chunk_cap
                     chunk = active.reader.peek()
@@ -277,9 +279,8 @@ class Scheduler:
                     read = True
                     size = active.reader.advance()
                     self.report["forwards"] += 1
-                    # a short forward (a question after a stored document) costs about what a longer one does
-                    # (host-bound: ~80 ms on an 8B shape for 32 tokens): charged an eighth of the budget at least,
-                    # so the users decoding do not wait for dozens of them in one step
+                    # a short forward (a question after a stored document) costs about what a longer one does (host-
+                    # bound: ~80 ms on an 8B shape for 32 tokens): an eighth of the budget at least, not dozens a step
                     budget -= max(size, self.prefill_tokens // 8)
                     self.report["prefill_forwards"] += 1
             except Exception as err:  # noqa: BLE001 - a forward or a first pick of one request fails it alone
@@ -290,9 +291,8 @@ class Scheduler:
 
     def _first_tokens(self, done: list[int], ended: list[Request]) -> list[int]:
         """Of the slots whose prompt was just read, those that decode (a request for no token ends here)."""
-        for slot in done:
-            if slot in self.active and self.active[slot].request.max_new_tokens == 0:
-                self._end(self.active[slot].request, "finished", "length", ended)
+        for slot in [slot for slot in done if slot in self.active and self.active[slot].request.max_new_tokens == 0]:
+            self._end(self.active[slot].request, "finished", "length", ended)
         return [slot for slot in done if slot in self.active]
 
     def _start_decoding(self, active: _Active) -> None:
