@@ -4,9 +4,11 @@ A module without imports: the command line reads it to print its defaults withou
 """
 
 # Prompt tokens a batched step reads (`Scheduler(prefill_tokens=...)`, `kvpot serve --prefill-tokens`,
-# `kvpot bench throughput --prefill-tokens`): on the `llama3-8b` shape a 2,048-token forward takes about 90 ms
-# on an H200 (records/engine-core-h100/), what a user decoding beside it waits for at most per step.
-PREFILL_TOKENS = 2048
+# `kvpot bench throughput --prefill-tokens`): what a user decoding beside a prompt waits for, at most, per step. On
+# the `llama3-8b` shape on an H200, 48 fresh prompts at 1 request/s (the same commit, one call): 1,024 gave ITL p99
+# 161.5 ms and TTFT p50 2.80 s against 176.0 ms and 3.33 s at 2,048 (records/engine-core-h200/packed/); with chunks
+# cut to fill a step, 1,024 gave 68.4 ms and 2.51 s, 768 61.8 ms and 3.81 s (records/engine-core-h200/packed-2/).
+PREFILL_TOKENS = 1024
 
 # Whether a batched step reads its prompt chunks in the decoding rows' forward (`Scheduler(mix=...)`,
 # `kvpot serve --mix`, `kvpot bench throughput --mix`). "auto": where the varlen Triton kernel attends the
