@@ -342,3 +342,24 @@ def test_mixed_row_reads_prompt_chunks_in_the_decoding_forward(capsys, tmp_path)
     assert mixed["output_tokens"] == apart["output_tokens"] == rows["streaming [batch]"]["output_tokens"] == 24
     assert mixed["scheduler"]["mixed_forwards"] > 0 and apart["scheduler"]["mixed_forwards"] == 0
     assert mixed["scheduler"]["forwards"] < apart["scheduler"]["forwards"]
+
+
+def test_the_first_warm_up_prompt_runs_a_whole_budget_and_a_bounded_method_s_first_compression():
+    """`kvpot bench throughput`'s warm-up: its first prompt is long enough for two whole-budget forwards and, for a
+    bounded method, to fill the cache once; a growing cache's stays within the slot; never under the short prompts'."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from kvpot.bench.throughput import WARMUP_PROMPT, _warm_length
+
+    question = torch.zeros(10, dtype=torch.long)
+
+    def engine(bound):
+        return SimpleNamespace(method=SimpleNamespace(max_entries=lambda: bound))
+
+    scheduler = SimpleNamespace(prefill_tokens=1024, capacity=4096 + 512)
+    assert _warm_length(engine(4096), scheduler, question) == 4096 + 2048
+    assert _warm_length(engine(None), SimpleNamespace(prefill_tokens=1024, capacity=40_000), question) == 2048
+    assert _warm_length(engine(None), SimpleNamespace(prefill_tokens=1024, capacity=1500), question) == 1500 - 18
+    assert _warm_length(engine(None), SimpleNamespace(prefill_tokens=64, capacity=200), question) == WARMUP_PROMPT
