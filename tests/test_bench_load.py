@@ -220,6 +220,14 @@ def test_throughput_open_loop_rows(capsys, tmp_path):
         assert row["wall_seconds"] >= arrival_times(3, 20.0, seed=3)[-1]
     lengths = draw_mix("64,96", 3, seed=3, what="length")
     assert rows["infinipot [batch]"]["prompt_tokens"] == sum(lengths) + 3 * 4
+    # each request's own figures, in arrival order: its prompt, its tokens, a TTFT of which reading is a part
+    mine = rows["infinipot [batch]"]["per_request"]
+    assert [r["prompt_tokens"] for r in mine] == [n + 4 for n in lengths]
+    assert [r["output_tokens"] for r in mine] == drawn
+    assert [r["arrival"] for r in mine] == pytest.approx(arrival_times(3, 20.0, seed=3), abs=1e-4)
+    assert all(0 < r["read"] <= r["ttft"] + 1e-4 <= r["e2e"] + 2e-4 and r["finished"] for r in mine)
+    assert all(r["itl_p99_ms"] >= r["itl_p50_ms"] > 0 for r in mine if r["output_tokens"] > 2)
+    assert all(r["read"] is None and r["ttft"] > 0 for r in rows["hf [generate_batch]"]["per_request"])
     assert rows["infinipot [batch]"]["mixed_step"] is None  # `--mix auto` reads prompts apart on a CPU
     summary = (out / "summary.md").read_text()
     assert "Poisson arrivals, 20 requests/s" in summary and "drawn from `2-5`" in summary

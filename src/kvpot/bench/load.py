@@ -141,7 +141,24 @@ def request_record(request, arrival: float, begun: float, prompt_tokens: int) ->
     return {"arrival": arrival, "ttft": None if request.first_token_time is None else request.first_token_time - at,
             "gaps": [b - a for a, b in zip(times, times[1:])], "e2e": None if end is None else end - at,
             "output_tokens": len(request.tokens), "prompt_tokens": prompt_tokens,
-            "finished": request.status == "finished"}
+            "finished": request.status == "finished",
+            # from its slot to its first token: the rest of its TTFT it waited for a slot
+            "read": request.stats.prefill_seconds if request.stats is not None else None}
+
+
+def request_row(record: dict) -> dict:
+    """One request's figures as a row's `per_request` keeps them: its arrival, tokens, TTFT (and, through kvpot's
+    scheduler, `read`: the part from its slot to its first token), end to end, and the p50 / p99 of its own token
+    gaps. The row's percentiles pool every request; these tell a TTFT by prompt length and arrival."""
+    gaps = [1000 * g for g in record["gaps"]]
+
+    def rounded(value):
+        return None if value is None else round(value, 4)
+
+    return {"arrival": rounded(record["arrival"]), "prompt_tokens": record["prompt_tokens"],
+            "output_tokens": record["output_tokens"], "ttft": rounded(record["ttft"]), "read": rounded(record.get("read")),
+            "e2e": rounded(record["e2e"]), "itl_p50_ms": rounded(quantile(gaps, 0.5)),
+            "itl_p99_ms": rounded(quantile(gaps, 0.99)), "finished": record["finished"]}
 
 
 # ---------------------------------------------------------------------------- figures

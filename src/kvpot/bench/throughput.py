@@ -42,7 +42,8 @@ import time
 from kvpot.bench.common import IdTokenizer, checkpoint, free_memory, mark_oom, peak_memory, random_tokens, \
     reset_peak, synchronize
 from kvpot.bench.config import BenchConfig
-from kvpot.bench.load import load_config, load_figures, request_record, run_open_loop, workload_plan
+from kvpot.bench.load import load_config, load_figures, request_record, request_row, run_open_loop, \
+    workload_plan
 from kvpot.errors import KvpotError
 
 WARMUP_PROMPT = 256  # warm-up prompts: long enough for one chunk of every method, short enough to cost nothing
@@ -337,4 +338,5 @@ def _rates(config, records: list[dict], wall: float) -> dict:
     made = sum(r["output_tokens"] for r in records)
     return {"output_tokens": made, "completed": sum(r["finished"] for r in records), "requests": len(records),
             "wall_seconds": wall, "output_tokens_per_second": made / wall if wall > 0 else None,
-            **load_figures(records, wall, getattr(config, "slo_ttft", None), getattr(config, "slo_itl", None))}
+            **load_figures(records, wall, getattr(config, "slo_ttft", None), getattr(config, "slo_itl", None)),
+            "per_request": [request_row(r) for r in records]}
