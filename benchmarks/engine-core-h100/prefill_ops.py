@@ -52,6 +52,9 @@ def main(argv=None) -> None:
     p.add_argument("--rotate-on-load", action="store_true",
                    help="with --scheduler: captured mixed steps rotate keys of ranked positions in every tile that "
                         "reads them, not once a layer ahead (kvpot.engine.packed.ROTATE_AHEAD off)")
+    p.add_argument("--compile-step", action="store_true",
+                   help="Engine(compile_step=True); with --scheduler the captured mixed steps run the compiled layer "
+                        "too (kvpot.engine.packed.COMPILED)")
     args = p.parse_args(argv)
     import torch
     from torch.overrides import TorchFunctionMode
@@ -63,7 +66,8 @@ def main(argv=None) -> None:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = shapes.build(args.shape, device, torch.bfloat16 if device == "cuda" else torch.float32, seed=0)
-    engine = Engine(model, IdTokenizer(model.config.vocab_size), method=build_method(args.method), chat_template=False)
+    engine = Engine(model, IdTokenizer(model.config.vocab_size), method=build_method(args.method), chat_template=False,
+                    compile_step=args.compile_step)
     ids = torch.randint(3, model.config.vocab_size, (args.length,), generator=torch.Generator().manual_seed(0))
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
@@ -75,6 +79,7 @@ def main(argv=None) -> None:
         from kvpot.engine.scheduler import Request, Scheduler
 
         packed_step.ROTATE_AHEAD = not args.rotate_on_load
+        packed_step.COMPILED = args.compile_step
 
         scheduler = Scheduler(engine, slots=args.decoding + 1, prefill_tokens=args.scheduler)
         scheduler.decoder.fixed_mix = scheduler.decoder.fixed_mix and not args.eager_mix

@@ -54,6 +54,12 @@ OBSERVED_BYTES = 256 << 20
 # records/engine-core-h200/packed-2/).
 ROTATE_AHEAD = True
 ROW_KEYS_BYTES = 256 << 20
+# With `Engine(compile_step=True)`, run the packed step's decoder layers through the compiled layer
+# (`Engine.step_decoder`, `kvpot.engine.regions`) as the decoding step does: a third of a 1,024-token step's device
+# time is small kernels (RMSNorm, transformers' RoPE at position 0, SiLU, adds, copies) that only compilation fuses
+# (records/engine-core-h200/packed-2/). Off until a GPU measures it (`prefill_ops.py --compile-step`): on a CPU the
+# tokens were those of the eager layers (`tests/test_packed.py`), but a GPU has not compiled or captured it yet.
+COMPILED = False
 
 
 def token_bucket(tokens: int) -> int:
@@ -268,8 +274,9 @@ class PackedStep:
         if batch:
             rows_ids, nll = decoder.begin_rows(batch, observe)
             ids = torch.cat([rows_ids, ids])
-        out = engine.decoder(input_ids=ids.view(1, -1), position_ids=self.zeros[:, : batch + tokens], use_cache=True,
-                             kvpot_cache=cache, **cache_kwargs(engine.decoder, cache))
+        model = engine.step_decoder() if COMPILED else engine.decoder
+        out = model(input_ids=ids.view(1, -1), position_ids=self.zeros[:, : batch + tokens], use_cache=True,
+                    kvpot_cache=cache, **cache_kwargs(engine.decoder, cache))
         hidden = out.last_hidden_state[0]
         self.hidden[:tokens].copy_(hidden[batch:])
         if batch:
