@@ -79,6 +79,24 @@ def test_varlen_attention_matches_the_reference(shape, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).split(".")[-1])
 @pytest.mark.parametrize("shape", SHAPES, ids=IDS)
+def test_an_unmasked_prefix_gives_what_masking_every_block_gives(shape, dtype, monkeypatch):
+    """`UNMASKED_PREFIX`: the blocks every token of a tile sees, read without the causal mask, change no output (the
+    mask was all true there), and the reference still holds."""
+    from kvpot.kernels import varlen
+
+    args, longest = inputs(shape, dtype)
+    masked, masked_lse = varlen.varlen_attention(**args, max_tokens=max(longest, 1))
+    monkeypatch.setattr(varlen, "UNMASKED_PREFIX", True)
+    out, lse = varlen.varlen_attention(**args, max_tokens=max(longest, 1))
+    torch.testing.assert_close(out, masked, atol=0, rtol=0)
+    torch.testing.assert_close(lse, masked_lse, atol=0, rtol=0)
+    ref, ref_lse = varlen_attention_reference(**args)
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).split(".")[-1])
+@pytest.mark.parametrize("shape", SHAPES, ids=IDS)
 def test_packed_observation_matches_the_reference(shape, dtype):
     """`kvpot.kernels.observe.observe_varlen` (a packed mixed step's observations, `kvpot.engine.packed`) against
     its reference, with the varlen attention's log-sum-exp: each row asks for its own rows (its last few, all of

@@ -6,10 +6,13 @@ beforehand) as the floor to aim at.
 
 Shapes (`llama3-8b`: 32 query heads, 8 KV heads, head dim 128, bf16, a pool of 4,096 + 1,024 entries a slot):
 - `mixed-1024`: 32 decoding rows (2,000-4,000 entries cached) and one 1,024-token chunk over 3,072 cached entries;
+- `chunk-1024`: one 1,024-token chunk over 3,072 cached entries (what a packed step's varlen launch reads at a budget
+  of 1,024: its decoding rows go to the decode kernel);
 - `chunk-2048`: one 2,048-token chunk over 2,048 cached entries (InfiniPot's chunk with a pot of 4,096).
 `--forms rope,rotated`: keys rotated on load from their RoPE positions (what ranked positions run: InfiniPot, H2O,
 StreamingLLM), or stored rotated (`cos=None`: absolute positions), to see what the rotation on load costs.
-Every launch's output is checked against the default launch's (max abs difference). Writes DIR/varlen_sweep.json.
+`--prefix off,on` also sweeps `varlen.UNMASKED_PREFIX` (the blocks every token of a tile sees read without the causal
+mask). Every launch's output is checked against the default launch's (max abs difference). Writes DIR/varlen_sweep.json.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 
 SHAPES = {
     "mixed-1024": [(s, 4000 - 62 * s, 1) for s in range(32)] + [(32, 3072, 1024)],
+    "chunk-1024": [(0, 3072, 1024)],
     "chunk-2048": [(0, 2048, 2048)],
 }
 
@@ -48,6 +52,7 @@ def main(argv=None) -> None:
     p.add_argument("--warps", default="4,8")
     p.add_argument("--stages", default="1,2,3")
     p.add_argument("--forms", default="rope", help="rope (rotated on load), rotated (keys stored rotated), or both")
+    p.add_argument("--prefix", default="off", help="off, on or off,on: varlen.UNMASKED_PREFIX")
     args = p.parse_args(argv)
     import torch
 
@@ -84,18 +89,22 @@ def main(argv=None) -> None:
         varlen.HALF_LAUNCH.update(default)
         reference = run()[0].float()
         results = []
-        for r, n, w, s in itertools.product(*(map(int, x.split(",")) for x in (args.rows, args.block_n, args.warps,
-                                                                               args.stages))):
+        launches = itertools.product(*(map(int, x.split(",")) for x in (args.rows, args.block_n, args.warps,
+                                                                         args.stages)), args.prefix.split(","))
+        for r, n, w, s, prefix in launches:
             varlen.HALF_LAUNCH.update(rows=r, block_n=n, warps=w, stages=s)
+            varlen.UNMASKED_PREFIX = prefix == "on"
+            launch = {"rows": r, "block_n": n, "warps": w, "stages": s, "prefix": prefix}
             try:
                 diff = (run()[0].float() - reference).abs().max().item()
                 us = timed(run)
             except Exception as error:  # noqa: BLE001 (a launch the chip cannot take: shared memory, registers)
-                results.append({"rows": r, "block_n": n, "warps": w, "stages": s, "error": str(error)[:200]})
+                results.append({**launch, "error": str(error)[:200]})
                 continue
-            results.append({"rows": r, "block_n": n, "warps": w, "stages": s, "us": us, "max_diff": diff})
+            results.append({**launch, "us": us, "max_diff": diff})
             print(name, results[-1], flush=True)
         varlen.HALF_LAUNCH.update(default)
+        varlen.UNMASKED_PREFIX = False
         # the floor: cuDNN / flash attention of the chunk alone over its slot, keys rotated beforehand
         slot, before, count = rows[-1]
         k = _rotate_at(keys[slot : slot + 1, :, : before + count].float(), cos.float(), sin.float(),
@@ -106,8 +115,8 @@ def main(argv=None) -> None:
         ok = [x for x in results if "us" in x]
         best = min(ok, key=lambda x: x["us"]) if ok else None
         report["shapes"][name] = {"rows": len(rows), "chunk": rows[-1], "sweep": results, "best": best,
-                                  "default_us": next((x["us"] for x in ok if all(x[k] == default[k] for k in default)),
-                                                     None), "sdpa_chunk_alone_us": sdpa}
+                                  "default_us": next((x["us"] for x in ok if all(x[k] == default[k] for k in default)
+                                                      and x["prefix"] == "off"), None), "sdpa_chunk_alone_us": sdpa}
         print(name, "best", best, "default", report["shapes"][name]["default_us"], "sdpa (chunk alone)", sdpa,
               flush=True)
     args.out.mkdir(parents=True, exist_ok=True)

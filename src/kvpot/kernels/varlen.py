@@ -39,6 +39,10 @@ BLOCK_N = 64  # entries per loop step (float32)
 # (records/engine-core-h200/packed/). Head dims over 128 keep the smaller tiles (WIDE_LAUNCH), whose shared memory
 # fits a 256-wide head.
 HALF_LAUNCH = {"rows": 128, "block_n": 128, "warps": 8, "stages": 2}
+# The entries every token of a tile sees (all cached before its first token) read in a loop of their own, without
+# the causal mask over each block's scores; only the blocks at the tile's own tokens are masked. Off until
+# `varlen_sweep.py --unmasked-prefix` times it on a GPU (interpreter-tested: the same outputs).
+UNMASKED_PREFIX = False
 WIDE_LAUNCH = {"rows": 64, "block_n": 64, "warps": 4, "stages": 2}
 LN2 = math.log(2.0)
 
@@ -58,6 +62,7 @@ def _varlen_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, KV: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr,
     IEEE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     KEYS_BY_ROW: tl.constexpr = False,  # K is [R, KV, N, D]: each row's keys rotated already (`rotate_rows`)
+    PREFIX: tl.constexpr = False,  # UNMASKED_PREFIX
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)  # KV head
@@ -94,7 +99,17 @@ def _varlen_kernel(
         m_i = tl.full([BLOCK_Q * G_PAD], -1.0e30, tl.float32)
         l_i = tl.zeros([BLOCK_Q * G_PAD], tl.float32)
         acc = tl.zeros([BLOCK_Q * G_PAD, 2 * HALF], tl.float32)
-        for start in range(0, hi, BLOCK_N):
+        masked = 0
+        if PREFIX:  # whole blocks before the tile's first token: every folded row sees them all
+            masked = tl.minimum((before + tile * BLOCK_Q + 1) // BLOCK_N * BLOCK_N, hi)
+            for start in range(0, masked, BLOCK_N):
+                j = start + tl.arange(0, BLOCK_N)
+                live = j < hi
+                k1, k2 = load_keys(K, KPOS, COS, SIN, j, live, dh, stride_kn, stride_pn, stride_t, HALF,
+                                   ROPE and not KEYS_BY_ROW)
+                sc = half_scores(q1, q2, k1, k2, IEEE)
+                m_i, l_i, acc = online_softmax_step(sc, m_i, l_i, acc, V, j, live, dd, stride_vn, IEEE)
+        for start in range(masked, hi, BLOCK_N):
             j = start + tl.arange(0, BLOCK_N)
             live = j < hi
             k1, k2 = load_keys(K, KPOS, COS, SIN, j, live, dh, stride_kn, stride_pn, stride_t, HALF,
@@ -188,7 +203,7 @@ def varlen_attention(
         query.stride(0), query.stride(1), *source.stride()[:3], *values.stride()[:3], *rope_strides,
         out.stride(0), out.stride(1),
         G=g, G_PAD=g_pad, KV=kv, ROPE=rope, HALF=d // 2, IEEE=keys.dtype == torch.float32, BLOCK_Q=block_q,
-        KEYS_BY_ROW=by_row, **_launch(keys.dtype, d),
+        KEYS_BY_ROW=by_row, PREFIX=UNMASKED_PREFIX, **_launch(keys.dtype, d),
     )
     return out, lse
 
