@@ -228,6 +228,9 @@ def test_throughput_open_loop_rows(capsys, tmp_path):
     assert all(0 < r["read"] <= r["ttft"] + 1e-4 <= r["e2e"] + 2e-4 and r["finished"] for r in mine)
     assert all(r["itl_p99_ms"] >= r["itl_p50_ms"] > 0 for r in mine if r["output_tokens"] > 2)
     assert all(r["read"] is None and r["ttft"] > 0 for r in rows["hf [generate_batch]"]["per_request"])
+    from conftest import assert_png
+
+    assert_png(out / "ttft.png")  # each request's TTFT and its read against its prompt tokens
     assert rows["infinipot [batch]"]["mixed_step"] is None  # `--mix auto` reads prompts apart on a CPU
     summary = (out / "summary.md").read_text()
     assert "Poisson arrivals, 20 requests/s" in summary and "drawn from `2-5`" in summary

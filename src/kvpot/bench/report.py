@@ -231,7 +231,42 @@ _PLOTS = {
 
 
 def plot_names(results: dict) -> list[str]:
-    return [name for name, *_ in _PLOTS[results["mode"]]]
+    return [name for name, *_ in _PLOTS[results["mode"]]] + (["ttft.png"] if results["mode"] == "throughput" else [])
+
+
+def ttft_png(path: Path, results: dict) -> Path:
+    """Each request's TTFT against its prompt tokens, one marker style per row (throughput rows' `per_request`),
+    and, where kvpot's scheduler read it, the part from its slot to its first token (hollow): what is left of a
+    TTFT above its hollow twin it waited for a slot."""
+    from kvpot.reporting import new_figure
+
+    figure = new_figure(6.5, 4.2)
+    axes = figure.add_subplot()
+    plotted = 0
+    for index, row in enumerate(r for r in results["rows"] if r.get("per_request")):
+        done = [r for r in row["per_request"] if r["ttft"] is not None]
+        if not done:
+            continue
+        color = f"C{index % 10}"
+        axes.scatter([r["prompt_tokens"] for r in done], [r["ttft"] for r in done], s=14, color=color,
+                     label=f"{row['method']}: TTFT")
+        read = [r for r in done if r.get("read") is not None]
+        if read:
+            axes.scatter([r["prompt_tokens"] for r in read], [r["read"] for r in read], s=14, facecolors="none",
+                         edgecolors=color, label=f"{row['method']}: its read")
+        plotted += 1
+    if plotted:
+        axes.legend(fontsize=7)
+    else:
+        axes.text(0.5, 0.5, "no request reached its first token", ha="center", va="center", transform=axes.transAxes)
+    axes.set_xlabel("prompt tokens")
+    axes.set_ylabel("seconds from arrival (TTFT) / from its slot (read)")
+    axes.set_title(f"kvpot bench throughput: {results['shape']['name']} ({results['dtype']}, "
+                   f"{results['machine']['gpu'] or results['machine']['device']})", fontsize=9)
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path)
+    return path
 
 
 def line_png(path: Path, results: dict, key: str, ylabel: str, scale: float = 1.0) -> Path:
@@ -313,4 +348,6 @@ def write_plots(results: dict, out: Path) -> list[Path]:
         if key == "peak_memory_bytes" and not gpu_memory:  # CPU: the KV cache the method held
             key, ylabel, scale = "kv_cache_bytes", "KV cache memory (MiB; no GPU peak on CPU)", 1 / (1 << 20)
         written.append(line_png(out / name, results, key, ylabel, scale))
+    if results["mode"] == "throughput":
+        written.append(ttft_png(out / "ttft.png", results))
     return written
