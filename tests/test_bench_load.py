@@ -199,7 +199,8 @@ def test_throughput_open_loop_rows(capsys, tmp_path):
     code, _, err = run(capsys, "bench", "throughput", "--shape", "tiny", "--device", "cpu", "--out", str(out),
                             "--method", "infinipot:pot_size=128", "--users", "3", "--length-mix", "64,96",
                             "--new-tokens-mix", "2-5", "--question-tokens", "4", "--arrival-rate", "20",
-                            "--seed", "3", "--slo-ttft", "300", "--slo-itl", "300", "--baseline", "hf")
+                            "--seed", "3", "--slo-ttft", "300", "--slo-itl", "300", "--baseline", "hf",
+                            "--prompt-order", "shortest")
     assert code == 0, err
     results = json.loads((out / "results.json").read_text())
     config = results["config"]
@@ -221,6 +222,7 @@ def test_throughput_open_loop_rows(capsys, tmp_path):
     lengths = draw_mix("64,96", 3, seed=3, what="length")
     assert rows["infinipot [batch]"]["prompt_tokens"] == sum(lengths) + 3 * 4
     # each request's own figures, in arrival order: its prompt, its tokens, a TTFT of which reading is a part
+    assert rows["infinipot [batch]"]["prompt_order"] == "shortest"
     mine = rows["infinipot [batch]"]["per_request"]
     assert [r["prompt_tokens"] for r in mine] == [n + 4 for n in lengths]
     assert [r["output_tokens"] for r in mine] == drawn

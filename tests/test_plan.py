@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvpot.engine.plan import Candidate, ChunkPlan, check_options, plan_chunks
+from kvpot.engine.plan import Candidate, ChunkPlan, check_options, plan_chunks, reading_order
 from kvpot.errors import KvpotError
 
 
@@ -60,12 +60,28 @@ def test_an_exhausted_budget_takes_no_more_chunks():
 @pytest.mark.parametrize("options, fragment", [
     ((0, None, "auto", "auto"), "prefill_tokens"), ((True, None, "auto", "auto"), "prefill_tokens"),
     ((64, -1, "auto", "auto"), "max_waiting"), ((64, None, "sometimes", "auto"), "feed_questions"),
-    ((64, None, "auto", "eager"), "fixed-shape"),
+    ((64, None, "auto", "eager"), "fixed-shape"), ((64, None, "auto", "auto", False, "longest"), "prompt_order"),
 ])
 def test_scheduler_options_are_refused_in_one_sentence(options, fragment):
     with pytest.raises(KvpotError, match=fragment):
         check_options(*options)
     check_options(64, None, "auto", "graph")
+
+
+def test_reading_order_by_arrival_or_by_prompt_tokens_left():
+    """Requests reading their prompt (not decoding, not fed a question), oldest first; or fewest tokens left first,
+    the oldest first among equals."""
+    from types import SimpleNamespace
+
+    def active(status, started, left, feeding=None):
+        return SimpleNamespace(request=SimpleNamespace(status=status), started=started, feeding=feeding,
+                               reader=SimpleNamespace(remaining=left))
+
+    actives = {0: active("prefilling", 3.0, 500), 1: active("prefilling", 1.0, 9000), 2: active("decoding", 0.5, 0),
+               3: active("prefilling", 2.0, 500), 4: active("prefilling", 0.1, 10, feeding=[5, 6]),
+               5: active("prefilling", 4.0, 20)}
+    assert [slot for slot, _ in reading_order(actives, "arrival")] == [1, 3, 0, 5]
+    assert [slot for slot, _ in reading_order(actives, "shortest")] == [5, 3, 0, 1]
 
 
 def test_mixing_is_on_where_the_varlen_kernel_runs_unless_told(monkeypatch):

@@ -222,6 +222,8 @@ def test_config_validation_and_sizes(tmp_path):
         ServeConfig(feed_questions="sometimes")
     with pytest.raises(KvpotError, match="--mix must be one of auto, on, off, eager"):
         ServeConfig(mix=True)
+    with pytest.raises(KvpotError, match="--prompt-order must be arrival or shortest, got 'longest'"):
+        ServeConfig(prompt_order="longest")
     with pytest.raises(KvpotError, match="--mix on and --share-documents"):
         ServeConfig(mix="on", share_documents=True)
     from kvpot.serve.config import EngineRecipe
@@ -258,16 +260,17 @@ def test_serve_command_refuses_bad_flags_in_one_line(argv, fragment, capsys):
 
 
 def test_the_pool_feeds_questions_as_configured(one_thread):
-    """`--feed-questions`, `--feed-tokens` and `--mix` reach the server's scheduler."""
+    """`--feed-questions`, `--feed-tokens`, `--mix` and `--prompt-order` reach the server's scheduler."""
     from kvpot.serve.service import Service
 
     engine = _engine(window=60)
     config = ServeConfig(method="streaming:sinks=4,window=60,chunk_size=32", feed_questions="never", feed_tokens=8,
-                         mix="on")
+                         mix="on", prompt_order="shortest")
     service = Service(engine, config)
     try:
         scheduler = service._make_scheduler(engine, config.method, 2)
         assert (scheduler.feed_questions, scheduler.feed_tokens, scheduler.mix) == ("never", 8, True)
+        assert scheduler.prompt_order == "shortest"
     finally:
         service.worker.shutdown()
 

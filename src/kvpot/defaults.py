@@ -18,6 +18,13 @@ PREFILL_TOKENS = 1024
 MIX = "auto"
 MIXES = ("auto", "on", "off", "eager")  # its values (and True / False in the library); eager: on, never captured
 
+# Which prompt a batched step reads first (`Scheduler(prompt_order=...)`, `kvpot serve --prompt-order`, `kvpot bench
+# throughput --prompt-order`): "arrival" (the oldest: no younger request passes an older one) or "shortest" (the
+# fewest prompt tokens left, then the oldest). Under load, shortest-first lowers the median time to first token at
+# the cost of the longest prompts' (which can wait while shorter ones keep arriving); not measured on a GPU yet.
+PROMPT_ORDER = "arrival"
+PROMPT_ORDERS = ("arrival", "shortest")
+
 # Share of the GPU memory free after loading that a batched pool sized by itself takes
 # (`Scheduler(memory_fraction=...)`): the rest is for a step's activations and the logits. `kvpot serve` gives
 # its default method's pool less (`--kv-memory-fraction`, 0.7): other methods' pools and stored states share it.

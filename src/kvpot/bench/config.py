@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvpot.bench.backends import DEFAULT_SDPA, SDPA_CHOICES
-from kvpot.defaults import MIX, PREFILL_TOKENS
+from kvpot.defaults import MIX, PREFILL_TOKENS, PROMPT_ORDER
 from kvpot.errors import KvpotError
 
 
@@ -114,6 +114,7 @@ class BenchConfig:
     sequential_users: int | None = None  # users the one-at-a-time row serves (None: all)
     hf_timeout: float = 200.0  # seconds before transformers' continuous batching is stopped
     mix: str = MIX  # the [batch] rows' Scheduler(mix=...): auto, on, off
+    prompt_order: str = PROMPT_ORDER  # the [batch] rows' Scheduler(prompt_order=...): arrival, shortest
     mixed: bool = False  # a row of the batch that reads prompt chunks in the decoding rows' forward (mix on)
     prompts_apart: bool = False  # a row of the batch that reads them in forwards of their own (mix off)
     share_documents: bool = False  # with --document, a row whose readers share the document (share_documents=True)

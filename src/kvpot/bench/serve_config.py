@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvpot.defaults import MIX, PREFILL_TOKENS
+from kvpot.defaults import MIX, PREFILL_TOKENS, PROMPT_ORDER
 from kvpot.errors import KvpotError
 
 MODE = "serve"
@@ -33,6 +33,7 @@ class ServeBenchConfig:
     slots: int | None = None  # the server's (and the engine row's) sequences at once
     prefill_tokens: int = PREFILL_TOKENS
     mix: str = MIX  # the launched server's and the engine row's Scheduler(mix=...)
+    prompt_order: str = PROMPT_ORDER  # the launched server's and the engine row's Scheduler(prompt_order=...)
     threads: int | None = None
     seed: int = 0
     # the workload
@@ -122,7 +123,8 @@ class ServeBenchConfig:
             budget=self.budget, settings=dict(self.settings), device=device, dtype=self.dtype, seed=self.seed,
             decode=self.decode, threads=self.threads, users=self.users, new_tokens=self.new_tokens,
             question_tokens=self.question_tokens, document=self.document, slots=self.slots,
-            prefill_tokens=self.prefill_tokens, mix=self.mix, arrival_rate=self.arrival_rate, length_mix=self.length_mix,
+            prefill_tokens=self.prefill_tokens, mix=self.mix, prompt_order=self.prompt_order,
+            arrival_rate=self.arrival_rate, length_mix=self.length_mix,
             new_tokens_mix=self.new_tokens_mix, slo_ttft=self.slo_ttft, slo_itl=self.slo_itl)
         config.model_devices = devices
         return config

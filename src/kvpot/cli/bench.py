@@ -12,7 +12,7 @@ from kvpot.bench.config import DEFAULT_LENGTHS, MODES, BenchConfig
 from kvpot.bench.load import parse_rate
 from kvpot.bench.serve_config import MODE as SERVE_MODE, ServeBenchConfig
 from kvpot.cli.args import METHOD_METAVAR, add_device_arguments, add_tp_argument, parse_length, parse_lengths
-from kvpot.defaults import MIX, MIXES, PREFILL_TOKENS
+from kvpot.defaults import MIX, MIXES, PREFILL_TOKENS, PROMPT_ORDER, PROMPT_ORDERS
 from kvpot.errors import KvpotError
 
 HIP_MODE = "hip-reference"
@@ -143,6 +143,9 @@ def register(sub) -> None:
                    help=f"prompt tokens the scheduler reads per step between decoding steps (default {PREFILL_TOKENS})")
     t.add_argument("--sequential-users", type=int, default=None,
                    help="users the one-at-a-time row serves (default: all; fewer keeps long runs short)")
+    t.add_argument("--prompt-order", choices=PROMPT_ORDERS, default=PROMPT_ORDER,
+                   help="METHOD [batch] (and serve's server): which prompts a step reads first, arrival (the oldest) "
+                        f"or shortest (the fewest prompt tokens left; default {PROMPT_ORDER}); recorded in each row")
     t.add_argument("--mix", choices=MIXES, default=MIX,
                    help="METHOD [batch] (and serve's server): read prompt chunks in the decoding rows' forward (on), "
                         "in forwards of their own between decoding steps (off), or auto: on a CUDA GPU, where the "
@@ -279,7 +282,8 @@ def serve_config_from_args(args) -> ServeBenchConfig:
         out=args.out, url=args.url, api_key=args.api_key, served_model=args.served_model, ignore_eos=args.ignore_eos,
         shape=args.shape, model=args.model, methods=list(args.method), budget=args.budget,
         settings=parse_assignments(args.set), device=args.device, dtype=args.dtype, decode=args.decode,
-        slots=args.slots, prefill_tokens=args.prefill_tokens, mix=args.mix, threads=args.threads, seed=args.seed,
+        slots=args.slots, prefill_tokens=args.prefill_tokens, mix=args.mix, prompt_order=args.prompt_order,
+        threads=args.threads, seed=args.seed,
         lengths=_lengths(args), users=args.users, new_tokens=args.new_tokens,
         question_tokens=args.question_tokens, document=args.document,
         upload_during=None if args.upload_during is None else parse_length(args.upload_during), timeout=args.timeout,
@@ -308,6 +312,7 @@ def config_from_args(args) -> BenchConfig:
         users=args.users, new_tokens=args.new_tokens, document=args.document, slots=args.slots,
         prefill_tokens=args.prefill_tokens, sequential_users=args.sequential_users, hf_timeout=args.hf_timeout,
         mix=args.mix, mixed=args.mixed, prompts_apart=args.prompts_apart, share_documents=args.share_documents, tp=args.tp,
+        prompt_order=args.prompt_order,
         sdpa=args.sdpa, **_load_options(args),
     )
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvpot.defaults import PROMPT_ORDERS
 from kvpot.errors import KvpotError
 
 
@@ -68,14 +69,26 @@ def plan_chunks(candidates: list[Candidate], budget: int, decoding: int) -> Chun
     return ChunkPlan(tuple(chosen), left, cut)
 
 
+def reading_order(active: dict, order: str) -> list:
+    """The (slot, Active) pairs reading their prompt, in the order this step plans their chunks and reads them apart:
+    `arrival`, oldest first; `shortest`, fewest prompt tokens left first, then oldest (shortest remaining first:
+    under load a lower median time to first token, the longest prompts waiting longer; `kvpot.defaults`)."""
+    reading = [(slot, a) for slot, a in active.items() if a.request.status == "prefilling" and a.feeding is None]
+    if order == "shortest":
+        return sorted(reading, key=lambda item: (item[1].reader.remaining if item[1].reader else 0, item[1].started))
+    return sorted(reading, key=lambda item: item[1].started)
+
+
 def check_options(prefill_tokens: int, max_waiting: int | None, feed_questions: str, decode: str,
-                  invariant: bool = False) -> str:
+                  invariant: bool = False, prompt_order: str = "arrival") -> str:
     """The scheduler's options, refused in one sentence each; returns how questions are fed (`invariant`,
     batch-invariant decoding: never, as one request alone reads its question in a forward)."""
     if isinstance(prefill_tokens, bool) or not isinstance(prefill_tokens, int) or prefill_tokens < 1:
         raise KvpotError(f"prefill_tokens must be a positive integer, got {prefill_tokens!r}.")
     if max_waiting is not None and max_waiting < 0:
         raise KvpotError(f"max_waiting must be >= 0, got {max_waiting!r}.")
+    if prompt_order not in PROMPT_ORDERS:
+        raise KvpotError(f"prompt_order must be one of {PROMPT_ORDERS}, got {prompt_order!r}.")
     if feed_questions not in ("auto", "always", "never"):
         raise KvpotError(f"feed_questions must be 'auto', 'always' or 'never', got {feed_questions!r}.")
     if decode == "eager":

@@ -29,6 +29,11 @@ class PromptReader:
     def done(self) -> bool:
         return self.index >= len(self.segments)
 
+    @property
+    def remaining(self) -> int:
+        """Prompt tokens not read yet (`Scheduler(prompt_order="shortest")` reads the fewest first)."""
+        return sum(ids.numel() for _, ids in self.segments[self.index:]) - self.offset
+
     def peek(self) -> tuple[torch.Tensor, Step] | None:
         """The next forward's token ids [q] and step, or None once the prompt is read."""
         if self.pending is None and not self.done:

@@ -132,7 +132,7 @@ class Service:
                               decode=decode, max_slots=self.config.max_slots or 256,
                               memory_fraction=self.config.kv_memory_fraction,
                               feed_questions=self.config.feed_questions, feed_tokens=self.config.feed_tokens,
-                              share_documents=self.config.share_documents)
+                              share_documents=self.config.share_documents, prompt_order=self.config.prompt_order)
         if self.parallel is not None:  # every rank submits each request itself (the same turn's command)
             scheduler.agreement.payloads = False
         # every batch size's graph before the first user: measured on an H100 (records/serve-batch-h100),
