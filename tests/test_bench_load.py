@@ -237,6 +237,10 @@ def test_throughput_open_loop_rows(capsys, tmp_path):
     summary = (out / "summary.md").read_text()
     assert "Poisson arrivals, 20 requests/s" in summary and "drawn from `2-5`" in summary
     assert "| infinipot [batch] | mix 64,96 | 3 | 3 |" in summary and "goodput tok/s" in summary
+    # TTFT by prompt length: three requests in groups of one, the shortest prompt's first
+    shortest = min(lengths) + 4
+    assert "## Time to first token by prompt length" in summary
+    assert f"| infinipot [batch] | {shortest:,}-{shortest:,} | 1 |" in summary
 
 
 def test_throughput_records_how_mixed_steps_ran(capsys, tmp_path):

@@ -177,6 +177,9 @@ def summary_markdown(results: dict) -> str:
     steps = steps_markdown(results)
     if steps:
         parts += ["", steps]
+    by_length = ttft_by_length_markdown(results)
+    if by_length:
+        parts += ["", by_length]
     if results["methods"]:
         parts += ["", "## Methods", ""]
         parts += [f"- `{label}`: `{method_params(d['config']) or 'no parameters'}` (bound: {d['max_entries']})"
@@ -199,6 +202,36 @@ def steps_markdown(results: dict) -> str:
                       "alone) and the gap its users saw until the next tokens (`steps` in results.json keeps the "
                       "slowest steps).", "",
                       markdown_table(["method", "length", "step", "steps", "gap p50 ms", "gap p99 ms", "gap max ms"],
+                                     rows)])
+
+
+def ttft_by_length_markdown(results: dict, groups: int = 4) -> str:
+    """Each row's requests in `groups` of about equal size by prompt tokens (`per_request`): TTFT p50 / p95 and the
+    read's p50 per group, so a policy that favours short prompts (`--prompt-order shortest`) shows its price."""
+    from kvpot.bench.load import quantile
+    from kvpot.reporting import markdown_table
+
+    rows = []
+    for row in results["rows"]:
+        done = sorted((r for r in row.get("per_request") or [] if r["ttft"] is not None),
+                      key=lambda r: r["prompt_tokens"])
+        if len({r["prompt_tokens"] for r in done}) < 2:
+            continue
+        for g in range(groups):
+            part = done[g * len(done) // groups : (g + 1) * len(done) // groups]
+            if not part:
+                continue
+            ttft = [r["ttft"] for r in part]
+            read = [r["read"] for r in part if r.get("read") is not None]
+            rows.append([row["method"], f"{part[0]['prompt_tokens']:,}-{part[-1]['prompt_tokens']:,}", str(len(part)),
+                         f"{quantile(ttft, 0.5):.2f}", f"{quantile(ttft, 0.95):.2f}",
+                         f"{quantile(read, 0.5):.2f}" if read else "-"])
+    if not rows:
+        return ""
+    return "\n".join(["## Time to first token by prompt length", "", "Each row's requests in groups of about equal "
+                      "size by prompt tokens; `read` = from the request's slot to its first token (the rest of its "
+                      "TTFT it waited for a slot; kvpot's scheduler only).", "",
+                      markdown_table(["method", "prompt tokens", "requests", "TTFT p50 s", "TTFT p95 s", "read p50 s"],
                                      rows)])
 
 
