@@ -81,7 +81,10 @@ def test_reading_order_by_arrival_or_by_prompt_tokens_left():
                3: active("prefilling", 2.0, 500), 4: active("prefilling", 0.1, 10, feeding=[5, 6]),
                5: active("prefilling", 4.0, 20)}
     assert [slot for slot, _ in reading_order(actives, "arrival")] == [1, 3, 0, 5]
-    assert [slot for slot, _ in reading_order(actives, "shortest")] == [5, 3, 0, 1]
+    assert [slot for slot, _ in reading_order(actives, "shortest", now=5.0)] == [5, 3, 0, 1]
+    # past its patience a prompt goes before shorter ones (the oldest first among such): none is held back for good
+    assert [slot for slot, _ in reading_order(actives, "shortest", now=11.5, patience=10.0)] == [1, 5, 3, 0]
+    assert [slot for slot, _ in reading_order(actives, "shortest", now=13.5, patience=10.0)] == [1, 3, 0, 5]
 
 
 def test_mixing_is_on_where_the_varlen_kernel_runs_unless_told(monkeypatch):

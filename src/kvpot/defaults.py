@@ -21,9 +21,12 @@ MIXES = ("auto", "on", "off", "eager")  # its values (and True / False in the li
 # Which prompt a batched step reads first (`Scheduler(prompt_order=...)`, `kvpot serve --prompt-order`, `kvpot bench
 # throughput --prompt-order`): "arrival" (the oldest: no younger request passes an older one) or "shortest" (the
 # fewest prompt tokens left, then the oldest). Under load, shortest-first lowers the median time to first token at
-# the cost of the longest prompts' (which can wait while shorter ones keep arriving); not measured on a GPU yet.
+# the cost of the longest prompts'; not measured on a GPU yet. So that shorter prompts that keep arriving cannot hold
+# a long one back for good, a prompt whose request took its slot more than PROMPT_PATIENCE seconds ago is read
+# before the shorter ones (by arrival among such).
 PROMPT_ORDER = "arrival"
 PROMPT_ORDERS = ("arrival", "shortest")
+PROMPT_PATIENCE = 10.0
 
 # Share of the GPU memory free after loading that a batched pool sized by itself takes
 # (`Scheduler(memory_fraction=...)`): the rest is for a step's activations and the logits. `kvpot serve` gives

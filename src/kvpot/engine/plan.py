@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpot.defaults import PROMPT_ORDERS
+from kvpot.defaults import PROMPT_ORDERS, PROMPT_PATIENCE
 from kvpot.errors import KvpotError
 
 
@@ -69,13 +69,18 @@ def plan_chunks(candidates: list[Candidate], budget: int, decoding: int) -> Chun
     return ChunkPlan(tuple(chosen), left, cut)
 
 
-def reading_order(active: dict, order: str) -> list:
+def reading_order(active: dict, order: str, now: float = 0.0, patience: float = PROMPT_PATIENCE) -> list:
     """The (slot, Active) pairs reading their prompt, in the order this step plans their chunks and reads them apart:
     `arrival`, oldest first; `shortest`, fewest prompt tokens left first, then oldest (shortest remaining first:
-    under load a lower median time to first token, the longest prompts waiting longer; `kvpot.defaults`)."""
+    under load a lower median time to first token, the longest prompts waiting longer; `kvpot.defaults`), except
+    that prompts whose request took its slot more than `patience` seconds before `now` go first, oldest first."""
     reading = [(slot, a) for slot, a in active.items() if a.request.status == "prefilling" and a.feeding is None]
     if order == "shortest":
-        return sorted(reading, key=lambda item: (item[1].reader.remaining if item[1].reader else 0, item[1].started))
+        def key(item):
+            waited = now - item[1].started > patience
+            return (not waited, 0 if waited else item[1].reader.remaining if item[1].reader else 0, item[1].started)
+
+        return sorted(reading, key=key)
     return sorted(reading, key=lambda item: item[1].started)
 
 

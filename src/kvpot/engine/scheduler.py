@@ -239,7 +239,7 @@ class Scheduler:
             return [], self.prefill_tokens
         candidates, peeked = [], {}
         cuttable = self.chunk_cap is not None and not self.method.chunk_dependent  # a chunk cut to fill the step
-        for slot, active in reading_order(self.active, self.prompt_order):
+        for slot, active in reading_order(self.active, self.prompt_order, time.perf_counter()):
             active.run.max_chunk = self.chunk_cap
             try:
                 chunk = active.reader.peek()
@@ -260,7 +260,7 @@ class Scheduler:
         against 3.3 s, ITL p99 148 against 233: records/engine-core-h100/invariant/)."""
         done, read = [], budget < self.prefill_tokens  # prompt tokens were read in this step's forward already
         mixed = read and self.mix_waits  # (an A/B: `mix_rule_ab.py`, `mixed_probe.py --modes mix-apart`)
-        for slot, active in reading_order(self.active, self.prompt_order):
+        for slot, active in reading_order(self.active, self.prompt_order, time.perf_counter()):
             try:
                 # a forward costs at least the weights' read: not worth it for a sliver of budget. Forwards apart are
                 # capped at the whole budget, not what is left: cut to each remainder, a method's chunks could stay out
