@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpot.defaults import PROMPT_ORDERS, PROMPT_PATIENCE
+from kvpot.defaults import PROMPT_ORDER, PROMPT_ORDERS, PROMPT_PATIENCE
 from kvpot.errors import KvpotError
 
 
@@ -76,16 +76,16 @@ def reading_order(active: dict, order: str, now: float = 0.0, patience: float = 
     that prompts whose request took its slot more than `patience` seconds before `now` go first, oldest first."""
     reading = [(slot, a) for slot, a in active.items() if a.request.status == "prefilling" and a.feeding is None]
     if order == "shortest":
-        def key(item):
+        def key(item):  # a prompt reading has its reader (`Scheduler._begin_read`)
             waited = now - item[1].started > patience
-            return (not waited, 0 if waited else item[1].reader.remaining if item[1].reader else 0, item[1].started)
+            return not waited, 0 if waited else item[1].reader.remaining, item[1].started
 
         return sorted(reading, key=key)
     return sorted(reading, key=lambda item: item[1].started)
 
 
 def check_options(prefill_tokens: int, max_waiting: int | None, feed_questions: str, decode: str,
-                  invariant: bool = False, prompt_order: str = "arrival") -> str:
+                  invariant: bool = False, prompt_order: str = PROMPT_ORDER) -> str:
     """The scheduler's options, refused in one sentence each; returns how questions are fed (`invariant`,
     batch-invariant decoding: never, as one request alone reads its question in a forward)."""
     if isinstance(prefill_tokens, bool) or not isinstance(prefill_tokens, int) or prefill_tokens < 1:

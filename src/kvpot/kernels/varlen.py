@@ -41,7 +41,7 @@ BLOCK_N = 64  # entries per loop step (float32)
 HALF_LAUNCH = {"rows": 128, "block_n": 128, "warps": 8, "stages": 2}
 # The entries every token of a tile sees (all cached before its first token) read in a loop of their own, without
 # the causal mask over each block's scores; only the blocks at the tile's own tokens are masked. Off until
-# `varlen_sweep.py --unmasked-prefix` times it on a GPU (interpreter-tested: the same outputs).
+# `varlen_sweep.py --prefix off,on` times it on a GPU (interpreter-tested: the same outputs).
 UNMASKED_PREFIX = False
 WIDE_LAUNCH = {"rows": 64, "block_n": 64, "warps": 4, "stages": 2}
 LN2 = math.log(2.0)
