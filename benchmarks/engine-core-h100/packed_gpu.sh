@@ -23,6 +23,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
 fi
 forms="packed eager on-load packed"  # A, B, C, A again: the first form twice, to see the calls' spread
 [ "${COMPILED:-0}" = 1 ] && forms="packed compiled packed compiled"  # the packed step through the compiled layer
+forms=${FORMS:-$forms}  # e.g. FORMS="packed compiled": one run of each
 [ "${SKIP_OPS:-0}" = 1 ] || for form in $forms; do
   extra=(); [ "$form" = eager ] && extra=(--eager-mix); [ "$form" = on-load ] && extra=(--rotate-on-load)
   [ "$form" = compiled ] && extra=(--compile-step)
