@@ -45,26 +45,31 @@ class PackedLayer(StepForwardLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """key/value_states [1, kv_heads, B + T, d], un-rotated: the rows' tokens, then the chunks' packed."""
-        cache, storage, meta = self.packed, self.storage, self.packed.meta
-        b = cache.batch
+        b = self.packed.batch
         if b:
             self.step_layer.update(as_rows(key_states[:, :, :b]), as_rows(value_states[:, :, :b]))
+        self._write_chunks(key_states[:, :, b:], value_states[:, :, b:])
+        return key_states, value_states
+
+    @torch.compiler.disable  # eager inside a compiled layer, as `PackedCache._attend_chunks` (why there)
+    def _write_chunks(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """The packed chunk tokens' keys and values [1, kv_heads, T, d] into their slots, one indexed write each."""
+        cache, storage, meta = self.packed, self.storage, self.packed.meta
         t = cache.tokens
         cached = meta.cached[self.index]  # [ROWS + 1]: the last is the padding tokens' row, 0
         self.cached = cached[:ROWS]
         index = cached[meta.token_row[:t]] + meta.offset[:t]  # [T]: each token's entry in its slot
         position, rope = meta.position[:t], cache.step.rope
-        keys = rope.unscale(key_states[:, :, b:])  # [1, kv, T, d]
+        keys = rope.unscale(key_states)  # [1, kv, T, d]
         if cache.rotated:
             keys = rope.rotate(keys, position.view(1, 1, -1).expand(1, storage.kv_heads, -1), cache.max_position)
         at = (meta.slot[:t], slice(None), index)
         storage.keys[at] = keys[0].transpose(0, 1)
-        storage.values[at] = value_states[0, :, b:].transpose(0, 1)
+        storage.values[at] = value_states[0].transpose(0, 1)
         storage.positions[at] = position[:, None].expand(-1, storage.kv_heads)
         storage.rope_positions[at] = (position if cache.rotated else index)[:, None].expand(-1, storage.kv_heads)
         for score in storage.scores.values():
             score[at] = self.step_layer.zero
-        return key_states, value_states
 
 
 class PackedCache(Cache):
@@ -87,12 +92,22 @@ class PackedCache(Cache):
 
     def attend(self, layer: PackedLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """query [1, heads, B + T, d] un-rotated -> [1, B + T, heads, d]."""
-        b, meta, storage, rope = self.batch, self.meta, layer.storage, self.step.rope
-        outputs = []
+        b, outputs = self.batch, []
         if b:
             rows = self.step.attend(layer.step_layer, as_rows(query[:, :, :b]), scaling)  # [B, 1, heads, d]
             outputs.append(rows.reshape(1, b, *rows.shape[2:]))
-        query = rope.unscale(query[:, :, b:])
+        outputs.append(self._attend_chunks(layer, query[:, :, b:], scaling).unsqueeze(0))
+        return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
+
+    # Run eagerly inside a compiled layer (`kvpot.engine.packed.COMPILED`): inductor's post-grad pass failed on these
+    # Triton launches with InfiniPot's observation (an H200, torch 2.11: an AssertionError in the pattern matcher's
+    # replacement of a functionalized kernel call), and there is nothing here for it to fuse
+    @torch.compiler.disable
+    def _attend_chunks(self, layer: PackedLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """The packed chunk tokens' attention (query [1, heads, T, d] un-rotated) -> [T, heads, d], and their
+        observations where the step observes."""
+        meta, storage, rope = self.meta, layer.storage, self.step.rope
+        query = rope.unscale(query)
         if self.rotated:  # each token's query turns at its stream position, as its key did
             query = rope.rotate(query, meta.position[: self.tokens].view(1, 1, -1).expand(1, storage.kv_heads, -1),
                                 self.max_position)
@@ -114,8 +129,7 @@ class PackedCache(Cache):
             observe_kernel(query.device, query.shape[-1])(
                 packed, storage.keys, meta.row_slot, meta.starts, layer.cached, meta.row0, meta.count, meta.mean,
                 scaling, self.observed[layer.index], lse, *tables, **ahead)
-        outputs.append(out.unsqueeze(0))
-        return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
+        return out
 
 
 def varlen_kernel(device: torch.device, head_dim: int):

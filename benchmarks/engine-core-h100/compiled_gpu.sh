@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The captured mixed step through the compiled decoder layer (`kvpot.engine.packed.COMPILED`) on the GPU machine, in
+# one call of the device tool (~9 minutes): its GPU tests; if they pass, the open loop (`open_loop.sh`, issue 43's
+# workload) at $BUDGET (1,024) prompt tokens a step with `--compile-step` and compiled packed steps, then
+# `prefill_ops.py --compile-step` (a 16K read beside 32 decoding rows). If they fail, the open loop runs uncompiled
+# with `--prompt-order shortest` instead.
+# Usage: OUT=DIR bash benchmarks/engine-core-h100/compiled_gpu.sh
+set -uo pipefail
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/machine.txt" 2>&1
+echo "commit ${KVPOT_GIT_COMMIT:-unknown}" >> "$OUT/machine.txt"
+budget=${BUDGET:-1024}; mkdir -p /tmp/ol
+timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_packed.py -k compiled > "$OUT/compiled-tests.log" 2>&1
+tail -2 "$OUT/compiled-tests.log"
+if grep -q "2 passed" "$OUT/compiled-tests.log"; then
+  PACKED_COMPILED=1 OUT=/tmp/ol timeout "${LOOP_LIMIT:-320}" bash benchmarks/engine-core-h100/open_loop.sh compiled \
+    --prefill-tokens "$budget" --compile-step --sequential-users 1 > "$OUT/open-loop-log.txt" 2>&1
+  cp /tmp/ol/compiled/results.json "$OUT/open-loop-compiled.json"
+  timeout "${OPS_LIMIT:-110}" python3 benchmarks/engine-core-h100/prefill_ops.py --out /tmp/ops --scheduler "$budget" \
+    --decoding 32 --repeats 3 --compile-step 2>&1 | tail -3 | cut -c1-1500
+  cp /tmp/ops/prefill_ops.json "$OUT/prefill-ops-compiled.json"
+else
+  OUT=/tmp/ol timeout "${LOOP_LIMIT:-320}" bash benchmarks/engine-core-h100/open_loop.sh shortest \
+    --prefill-tokens "$budget" --prompt-order shortest --sequential-users 1 > "$OUT/open-loop-log.txt" 2>&1
+  cp /tmp/ol/shortest/results.json "$OUT/open-loop-shortest.json"
+fi
+tail -25 "$OUT/open-loop-log.txt" | cut -c1-300
