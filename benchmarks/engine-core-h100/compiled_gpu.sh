@@ -3,13 +3,24 @@
 # one call of the device tool (~9 minutes): its GPU tests; if they pass, the open loop (`open_loop.sh`, issue 43's
 # workload) at $BUDGET (1,024) prompt tokens a step with `--compile-step` and compiled packed steps, then
 # `prefill_ops.py --compile-step` (a 16K read beside 32 decoding rows). If they fail, the open loop runs uncompiled
-# with `--prompt-order shortest` instead.
+# with `--prompt-order shortest` instead. With ORDERS="shortest arrival" (no tests, no prefill_ops): the compiled open
+# loop once per prompt order.
 # Usage: OUT=DIR bash benchmarks/engine-core-h100/compiled_gpu.sh
 set -uo pipefail
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/machine.txt" 2>&1
 echo "commit ${KVPOT_GIT_COMMIT:-unknown}" >> "$OUT/machine.txt"
 budget=${BUDGET:-1024}; mkdir -p /tmp/ol
+if [ -n "${ORDERS:-}" ]; then
+  for order in $ORDERS; do
+    PACKED_COMPILED=1 OUT=/tmp/ol timeout "${LOOP_LIMIT:-255}" bash benchmarks/engine-core-h100/open_loop.sh \
+      "compiled-$order" --prefill-tokens "$budget" --compile-step --prompt-order "$order" --sequential-users 1 \
+      > "$OUT/open-loop-$order-log.txt" 2>&1
+    cp "/tmp/ol/compiled-$order/results.json" "$OUT/open-loop-compiled-$order.json"
+    tail -12 "$OUT/open-loop-$order-log.txt" | cut -c1-300
+  done
+  exit 0
+fi
 timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_packed.py -k compiled > "$OUT/compiled-tests.log" 2>&1
 tail -2 "$OUT/compiled-tests.log"
 if grep -q "2 passed" "$OUT/compiled-tests.log"; then

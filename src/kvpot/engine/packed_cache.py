@@ -92,12 +92,15 @@ class PackedCache(Cache):
 
     def attend(self, layer: PackedLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """query [1, heads, B + T, d] un-rotated -> [1, B + T, heads, d]."""
-        b, outputs = self.batch, []
+        b, rows = self.batch, None
         if b:
             rows = self.step.attend(layer.step_layer, as_rows(query[:, :, :b]), scaling)  # [B, 1, heads, d]
-            outputs.append(rows.reshape(1, b, *rows.shape[2:]))
-        outputs.append(self._attend_chunks(layer, query[:, :, b:], scaling).unsqueeze(0))
-        return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
+            rows = rows.reshape(1, b, *rows.shape[2:])
+        # a statement of its own: where a compiled layer breaks its graph at this call, nothing may be on the stack
+        # (the former `outputs.append(...)` put a new bound method there, so the frame recompiled at every call)
+        chunks = self._attend_chunks(layer, query[:, :, b:], scaling)
+        chunks = chunks.unsqueeze(0)
+        return chunks if rows is None else torch.cat([rows, chunks], dim=1)
 
     # Run eagerly inside a compiled layer (`kvpot.engine.packed.COMPILED`): inductor's post-grad pass failed on these
     # Triton launches with InfiniPot's observation (an H200, torch 2.11: an AssertionError in the pattern matcher's
