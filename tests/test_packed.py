@@ -282,6 +282,49 @@ def test_compiled_packed_steps_give_each_request_its_tokens_alone_on_cuda(name, 
     assert packed.steps > 0 and packed.graphs.replays > 0
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["infinipot-question", "streaming"])
+def test_compiled_packed_steps_compile_nothing_new_once_every_form_was_seen(name, monkeypatch, one_thread):
+    """`packed.COMPILED` on a CPU, with a compiler backend that runs each graph as traced: the packed step's chunk
+    writes and chunk attention stay out of the compiled graphs (eager, `torch.compiler.disable`), and a second run of
+    the same requests compiles nothing more. The rest of `PackedCache.attend` recompiled at every call while a new
+    bound method sat on the stack at its graph break (136 recompilations on an H200)."""
+    from conftest import build_llama
+    from kvpot.engine import packed as module
+
+    graphs, real = [], torch.compile
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": backend}))
+    monkeypatch.setattr(module, "COMPILED", True)
+    method, capacity = methods()[name]
+    model = build_llama(head_dim=32, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [(torch.randint(3, VOCAB, (n,), generator=gen), torch.randint(3, VOCAB, (5,), generator=gen))
+               for n in (160, 90)]
+    expected = [e.token_ids for e in alone(model, method, prompts)]
+    scheduler = Scheduler(kvpot.Engine(model, method=method, compile_step=True), slots=3, capacity=capacity,
+                          decode="static", mix=True, prefill_tokens=64)
+    scheduler.decoder.fixed_mix = True
+    try:
+        compiled = []
+        for _ in range(2):
+            requests = [Request(c, q, max_new_tokens=NEW, ignore_eos=True) for c, q in prompts]
+            run_all(scheduler, requests)
+            assert [r.tokens for r in requests] == expected
+            compiled.append(len(graphs))
+    finally:
+        torch._dynamo.reset()
+    assert scheduler.decoder.packed.steps > 0 and 0 < compiled[0] == compiled[1]
+    traced = {name for gm in graphs for n in gm.graph.nodes for name in ("in _write_chunks", "in _attend_chunks")
+              if name in (n.meta.get("stack_trace") or "")}
+    assert not traced
+
+
 @pytest.mark.parametrize("budget", [96, 160])
 def test_observing_chunks_go_first_when_the_buffer_holds_one(model, prompts, budget, one_thread, monkeypatch):
     """With room for one observing row (`OBSERVED_BYTES`, a slot of 128K entries on an 8B shape), a step's observing

@@ -5,8 +5,8 @@
 # first requests one at a time, and with --mixed / --prompts-apart the batch with prompt chunks in the decoding
 # rows' forward / in forwards of their own; extra arguments add rows or change the budget (e.g. --baseline hf
 # --hf-timeout 200, --prefill-tokens 1024).
-# With PACKED_COMPILED=1 (and --compile-step) the captured mixed steps run the compiled decoder layer too
-# (`kvpot.engine.packed.COMPILED`, off by default until measured).
+# PACKED_COMPILED=1 sets `kvpot.engine.packed.COMPILED` (the captured mixed steps through the compiled layer under
+# --compile-step; the default since records/engine-core-h200/packed-3/, which ran it this way before).
 # Usage: OUT=DIR bash benchmarks/engine-core-h100/open_loop.sh NAME [kvpot bench throughput options...]
 set -euo pipefail
 name=$1; shift

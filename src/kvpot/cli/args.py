@@ -77,7 +77,8 @@ def add_decode_argument(parser: argparse.ArgumentParser) -> None:
         "--compile-step", action="store_true",
         help="torch.compile the fixed-shape decoding step (graph and static paths), one decoder layer compiled "
              "once for every layer: norms, activations, residual adds and cache writes fuse into fewer kernels "
-             "around the weights; the first step pays the compilation",
+             "around the weights (the batched engine's mixed steps, prompt chunks beside decoding rows, run it "
+             "too); the first step pays the compilation",
     )
     parser.add_argument(
         "--linear", default="auto", choices=["auto", "gemv", "torch"],

@@ -115,8 +115,8 @@ def register(sub) -> None:
     p.add_argument("--compile-step", action="store_true",
                    help="decode and throughput: torch.compile the fixed-shape decoding step, one decoder layer "
                         "compiled once for every layer (norms, activations, residual adds and cache writes fused "
-                        "around the weights) before it is captured; the first step then takes the compilation, "
-                        "outside the timed steps")
+                        "around the weights) before it is captured, the mixed steps of `throughput` included; the "
+                        "first step then takes the compilation, outside the timed steps")
     p.add_argument("--linear", default="auto", choices=["auto", "gemv", "torch"],
                    help="decode and throughput: kvpot's single-token linear layers (Engine(linear=...)): auto "
                         "(default) kvpot's Triton matrix-vector kernel on a GPU, torch elsewhere; gemv / torch "

@@ -40,8 +40,11 @@ BLOCK_N = 64  # entries per loop step (float32)
 # fits a 256-wide head.
 HALF_LAUNCH = {"rows": 128, "block_n": 128, "warps": 8, "stages": 2}
 # The entries every token of a tile sees (all cached before its first token) read in a loop of their own, without
-# the causal mask over each block's scores; only the blocks at the tile's own tokens are masked. Off until
-# `varlen_sweep.py --prefix off,on` times it on a GPU (interpreter-tested: the same outputs).
+# the causal mask over each block's scores; only the blocks at the tile's own tokens are masked. The same outputs bit
+# for bit (interpreter tests; on an H200 `varlen_sweep.py --prefix off,on` at six shapes). There it saved 5-6% with
+# keys rotated on load (chunk-1024 459 -> 431 us) but 0.1-0.4% with keys read already rotated (stored rotated, 344.0 ->
+# 342.9 us: the key loop that keys rotated ahead, the default, run; records/engine-core-h200/packed-3/): off, as the
+# kernel's GPU tests ran.
 UNMASKED_PREFIX = False
 WIDE_LAUNCH = {"rows": 64, "block_n": 64, "warps": 4, "stages": 2}
 LN2 = math.log(2.0)
