@@ -93,6 +93,26 @@ def test_slo_share_and_goodput_on_a_hand_made_example():
     assert row["e2e_p99_seconds"] is not None and row["e2e_p50_seconds"] == pytest.approx((1.0 + 1.5) / 2)
 
 
+def test_itl_while_prompts_are_read_counts_the_gaps_that_overlap_a_wait_for_a_first_token():
+    # request 0 decodes from 0.5 s with a gap every 0.1 s, slower (0.3 s) while request 1 waits (1.0-1.6 s); request
+    # 2 arrives at 2.05 and waits to 2.1 s: its own gap overlaps nothing of another's wait but its own
+    times = [0.5 + 0.1 * i for i in range(5)] + [1.1, 1.4, 1.7] + [1.8, 1.9, 2.0, 2.1, 2.2]
+    first = {"arrival": 0.0, "ttft": 0.5, "gaps": [b - a for a, b in zip(times, times[1:])], "times": times,
+             "e2e": 2.2, "output_tokens": len(times), "prompt_tokens": 10, "finished": True}
+    second = {"arrival": 1.0, "ttft": 0.6, "gaps": [0.1], "times": [1.6, 1.7], "e2e": 0.7, "output_tokens": 2,
+              "prompt_tokens": 10, "finished": True}
+    third = {"arrival": 2.05, "ttft": 0.05, "gaps": [], "times": [2.1], "e2e": 0.05, "output_tokens": 1,
+             "prompt_tokens": 10, "finished": True}
+    row = load_figures([first, second, third], wall=2.2)
+    # overlapping [1.0, 1.6]: 0.9-1.1, 1.1-1.4, 1.4-1.7 of the first; 1.6-1.7 of the second touches its end only;
+    # overlapping [2.05, 2.1]: 2.0-2.1 of the first
+    assert row["itl_reading_gaps"] == 4
+    assert row["itl_reading_p50_ms"] == pytest.approx(250.0) and row["itl_reading_p99_ms"] == pytest.approx(300.0)
+    assert row["itl_p50_ms"] == pytest.approx(100.0)  # every gap: mostly decoding alone
+    # records without token times (one-at-a-time rows): no such figures
+    assert "itl_reading_p99_ms" not in load_figures([record(0.0, 0.5, [0.05] * 9, 10)], wall=1.0)
+
+
 def test_busy_seconds_is_the_union_of_intervals():
     assert busy_seconds([(0, 1), (0.5, 2), (3, 4), (3.5, 3.6)]) == pytest.approx(3.0)
     assert busy_seconds([]) == 0.0

@@ -10,7 +10,11 @@ request's own clock (latencies from its arrival, SLOs, goodput).
   the range, both ends included; with `random.Random(f"{seed}:{what}")`, one draw per request in order.
 - Records: one dict per request, `arrival` (s from the workload's start), `ttft` and `e2e` (s from its
   arrival to its first and last token), `gaps` (s between its delivered tokens), `output_tokens`,
-  `prompt_tokens`, `finished`.
+  `prompt_tokens`, `finished`, and `times` (s from the workload's start of its delivered tokens).
+- While prompts are read: a gap counts when it overlaps some request's wait for its first token (from its
+  arrival to its first token, queueing for a slot included). Issue 43 states its ITL target over these gaps
+  (`itl_reading_p50_ms` / `itl_reading_p99_ms`): with a stream of fresh prompts the gaps between two reads are
+  decoding steps alone, and a median over every gap depends on how many of those there were.
 - SLOs: a request meets them when it finished, its TTFT <= `slo_ttft` and the p99 of its own gaps
   (`quantile(gaps, 0.99)`; its only gap for two tokens, none: met) <= `slo_itl`; goodput = output
   tokens of the requests that met them / the workload's wall time.
@@ -18,6 +22,7 @@ request's own clock (latencies from its arrival, SLOs, goodput).
 
 from __future__ import annotations
 
+import bisect
 import math
 import random
 import statistics
@@ -139,7 +144,8 @@ def request_record(request, arrival: float, begun: float, prompt_tokens: int) ->
     times = request.token_times
     end = request.finished_time or (times[-1] if times else None)
     return {"arrival": arrival, "ttft": None if request.first_token_time is None else request.first_token_time - at,
-            "gaps": [b - a for a, b in zip(times, times[1:])], "e2e": None if end is None else end - at,
+            "gaps": [b - a for a, b in zip(times, times[1:])], "times": [t - begun for t in times],
+            "e2e": None if end is None else end - at,
             "output_tokens": len(request.tokens), "prompt_tokens": prompt_tokens,
             "finished": request.status == "finished",
             # from its slot to its first token: the rest of its TTFT it waited for a slot
@@ -204,6 +210,7 @@ def load_figures(records: list[dict], wall: float, slo_ttft: float | None = None
         row[f"itl_p{p}_ms"] = quantile(gaps, p / 100)
         row[f"e2e_p{p}_seconds"] = quantile(e2e, p / 100)
     row["itl_max_ms"] = max(gaps) if gaps else None
+    row.update(reading_figures(records))
     read = [r for r in records if r["ttft"] is not None]
     prompt = sum(r["prompt_tokens"] or 0 for r in read)
     busy = busy_seconds([(r["arrival"], r["arrival"] + r["ttft"]) for r in read])
@@ -211,6 +218,35 @@ def load_figures(records: list[dict], wall: float, slo_ttft: float | None = None
                prompt_busy_seconds=busy, prompt_tokens_per_busy_second=prompt / busy if busy > 0 else None)
     row.update(slo_figures(records, wall, slo_ttft, slo_itl))
     return row
+
+
+def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of intervals, as sorted disjoint intervals."""
+    out: list[tuple[float, float]] = []
+    for start, stop in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], stop))
+        else:
+            out.append((start, stop))
+    return out
+
+
+def reading_figures(records: list[dict]) -> dict:
+    """ITL p50 / p99 (ms) over the gaps that overlap some request's wait for its first token (see the module),
+    and how many gaps those were; empty where the records carry no token times."""
+    if not any("times" in r for r in records):
+        return {}
+    waits = merged([(r["arrival"], r["arrival"] + r["ttft"]) for r in records if r["ttft"] is not None])
+    starts = [start for start, _ in waits]
+    during = []
+    for record in records:
+        times = record.get("times") or []
+        for a, b in zip(times, times[1:]):
+            i = bisect.bisect_left(starts, b) - 1  # the last wait that starts before the gap ends
+            if i >= 0 and waits[i][1] > a:
+                during.append(1000 * (b - a))
+    return {"itl_reading_p50_ms": quantile(during, 0.5), "itl_reading_p99_ms": quantile(during, 0.99),
+            "itl_reading_gaps": len(during)}
 
 
 def slo_figures(records: list[dict], wall: float, slo_ttft: float | None, slo_itl: float | None) -> dict:

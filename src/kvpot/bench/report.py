@@ -61,6 +61,8 @@ _COLUMNS = {
                    ("ITL p50 ms", "itl_p50_ms", lambda v: f"{v:.1f}"),
                    ("ITL p95 ms", "itl_p95_ms", lambda v: f"{v:.1f}"),
                    ("ITL p99 ms", "itl_p99_ms", lambda v: f"{v:.1f}"),
+                   ("ITL p50 reading ms", "itl_reading_p50_ms", lambda v: f"{v:.1f}"),
+                   ("ITL p99 reading ms", "itl_reading_p99_ms", lambda v: f"{v:.1f}"),
                    ("E2E p50 s", "e2e_p50_seconds", lambda v: f"{v:.2f}"),
                    ("E2E p95 s", "e2e_p95_seconds", lambda v: f"{v:.2f}"),
                    ("E2E p99 s", "e2e_p99_seconds", lambda v: f"{v:.2f}"),
@@ -75,10 +77,11 @@ _COLUMNS = {
 }
 
 
-# shown only where some row has them: the SLO columns need --slo-ttft or --slo-itl
-OPTIONAL = {"slo_met_share", "goodput_tokens_per_second"}
+# shown only where some row has them: the SLO columns need --slo-ttft or --slo-itl; the ITL while prompts are read
+# needs each token's time (not the one-at-a-time rows, which time decoding steps alone)
+OPTIONAL = {"slo_met_share", "goodput_tokens_per_second", "itl_reading_p50_ms", "itl_reading_p99_ms"}
 # left out of the terminal's table (summary.md and results.json have them): it must fit a terminal
-COMPACT_SKIP = {"ttft_p99_seconds", "itl_p95_ms", "e2e_p50_seconds", "e2e_p95_seconds"}
+COMPACT_SKIP = {"ttft_p99_seconds", "itl_p95_ms", "e2e_p50_seconds", "e2e_p95_seconds", "itl_reading_p50_ms"}
 
 
 def shown(columns: list, rows: list[dict]) -> list:

@@ -309,7 +309,8 @@ def _hf_record(result, arrival: float, begun: float, prompt_tokens: int) -> dict
         stamps = [result.created_time + s for s in stamps]
     at = begun + arrival
     return {"arrival": arrival, "ttft": stamps[0] - at if stamps else None,
-            "gaps": [b - a for a, b in zip(stamps, stamps[1:])], "e2e": stamps[-1] - at if stamps else None,
+            "gaps": [b - a for a, b in zip(stamps, stamps[1:])], "times": [t - begun for t in stamps],
+            "e2e": stamps[-1] - at if stamps else None,
             "output_tokens": len(result.generated_tokens), "prompt_tokens": prompt_tokens,
             "finished": not getattr(result, "error", None)}
 
