@@ -280,7 +280,8 @@ def load_record(record: dict) -> dict:
     finished = answered and record["finish_reason"] is not None
     return {"arrival": arrival, "ttft": None if record["ttft_seconds"] is None else record["ttft_seconds"] - arrival,
             "gaps": [b - a for a, b in zip(record["chunk_seconds"], record["chunk_seconds"][1:])],
-            "times": list(record["chunk_seconds"]), "e2e": record["end_seconds"] - arrival if finished else None, "output_tokens": made if answered else 0,
+            "times": list(record["chunk_seconds"]), "e2e": record["end_seconds"] - arrival if finished else None,
+            "output_tokens": made if answered else 0,
             "prompt_tokens": record["prompt_tokens"] or 0, "finished": finished}
 
 
