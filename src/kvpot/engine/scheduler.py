@@ -58,7 +58,7 @@ class Scheduler:
         `documents` at once; questions fed even alone), copied on write (`Method.copies_document`). Off by default.
     """
 
-    mix_waits = False  # after a mixed forward, chunks that could mix wait for the next one (`_prefill` says why not)
+    mix_waits = False  # mixable chunks wait after a mixed forward; off: TTFT p50 4.7 / 3.3 s (engine-core-h100/invariant/)
 
     def __init__(self, engine, slots: int | None = None, capacity: int | None = None, question_room: int = 512,
                  max_waiting: int | None = None, prefill_tokens: int = PREFILL_TOKENS, decode: str = "auto",
@@ -174,7 +174,7 @@ class Scheduler:
         chunks, budget = self._chunks(len(batch))
         self._stage(self._decode(batch, stepped, chunks, ended))
         decoded = time.perf_counter()
-        self._stage(self._prefill(ended, budget))
+        self._stage(self._prefill(ended, budget, {slot for slot, _, _ in chunks}))
         self.trace.end(self.report, chunks)
         # host wall time per phase: launches and Python, and (deliver) the wait for the device
         self.report["steps"] += 1
@@ -253,13 +253,13 @@ class Scheduler:
             peeked[plan.slots[-1]] = (last := peeked[plan.slots[-1]][0], last.reader.cut(plan.cut_to))
         return [(s, peeked[s][0], Chunk(peeked[s][0].run, *peeked[s][1])) for s in plan.slots], plan.budget_left
 
-    def _prefill(self, ended: list[Request], budget: int) -> list[int]:
+    def _prefill(self, ended: list[Request], budget: int, mixed: set[int]) -> list[int]:
         """Read chunks of prefilling requests in forwards of their own, oldest first, within what is left of the
-        step's token budget; returns the slots whose prompt was read (their first token is picked). `mix_waits`: a chunk
-        that could mix waits after a mixed forward; off since an H100 A/B (ITL p50 89 against 13.5 ms, TTFT p50 4.7
-        against 3.3 s, ITL p99 148 against 233: records/engine-core-h100/invariant/)."""
+        step's token budget; returns the slots whose prompt was read (their first token is picked). A request whose
+        chunk mixed in this step mixes its next (a question, most often) next step: apart, 10-12 such forwards a run
+        took 90-190 ms (engine-core-h200/packed-3/). `mix_waits`, every mixable chunk waiting, is off: see its A/B."""
         done, read = [], budget < self.prefill_tokens  # prompt tokens were read in this step's forward already
-        mixed = read and self.mix_waits  # (an A/B: `mix_rule_ab.py`, `mixed_probe.py --modes mix-apart`)
+        waits = read and self.mix_waits  # (an A/B: `mix_rule_ab.py`, `mixed_probe.py --modes mix-apart`)
         for slot, active in reading_order(self.active, self.prompt_order, time.perf_counter()):
             try:
                 # a forward costs at least the weights' read: not worth it for a sliver of budget. Forwards apart are
@@ -273,7 +273,7 @@ class Scheduler:
                         done.append(slot)
                         break
                     if budget < max(1, self.prefill_tokens // 4) or read and chunk[0].numel() > budget or \
-                            mixed and mixable(self.method, active.run):
+                            (waits or slot in mixed) and mixable(self.method, active.run):
                         break  # one forward past the budget only if none came; a mixable chunk mixes next step
                     self.engine._forward(active.run, *chunk)
                     read = True
