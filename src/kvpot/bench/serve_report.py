@@ -16,15 +16,15 @@ _COLUMNS = [
     ("failed", "failed", _COUNT),
     *(_THROUGHPUT[k] for k in ("output_tokens_per_second", "prompt_tokens_per_second", "ttft_p50_seconds",
                                "ttft_p95_seconds", "ttft_p99_seconds", "itl_p50_ms", "itl_p95_ms", "itl_p99_ms",
-                               "e2e_p50_seconds", "e2e_p95_seconds", "e2e_p99_seconds", "slo_met_share",
-                               "goodput_tokens_per_second")),  # as `bench throughput` shows them
+                               "itl_reading_p99_ms", "e2e_p50_seconds", "e2e_p95_seconds", "e2e_p99_seconds",
+                               "slo_met_share", "goodput_tokens_per_second")),  # as `bench throughput` shows them
     ("ITL p99 upload ms", "itl_p99_ms_during_upload", lambda v: f"{v:.1f}"),
     ("http / engine", "http_vs_engine", lambda v: f"{v:.2f}"),
 ]
 
 # shown only where some row has them (a terminal table is narrow)
 _OPTIONAL = {"rejected", "failed", "itl_p99_ms_during_upload", "http_vs_engine", "slo_met_share",
-             "goodput_tokens_per_second"}
+             "goodput_tokens_per_second", "itl_reading_p99_ms"}
 
 NOTES = (
     "Each user's streaming chat request is sent at its arrival (`load` above: all together, or Poisson arrivals; "
@@ -33,7 +33,8 @@ NOTES = (
     "arrival (queueing counts); prompt tok/s = prompt tokens (usage) / the wall time; SLO met and goodput as in "
     "`bench throughput` (TTFT and each request's p99 gap within the SLOs); ITL = gaps between a stream's content "
     "chunks (a chunk may hold more "
-    "than one token: see `tokens_per_chunk`). 429 = rejected requests, counted apart from failed ones. "
+    "than one token: see `tokens_per_chunk`), ITL reading = those that overlap some request's wait for its first "
+    "chunk. 429 = rejected requests, counted apart from failed ones. "
     "`[http]` = through the server, `[engine]` = the same token ids through kvpot's scheduler in this process "
     "(`bench throughput`'s `[batch]` row); http / engine = the ratio of their tok/s. ITL p99 upload = gaps that "
     "overlap the `--upload-during` document's upload."
