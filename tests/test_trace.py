@@ -95,8 +95,9 @@ def test_an_idle_wait_is_never_among_the_slowest_steps():
     assert [step["kind"] for step in summary["slowest"]] == ["decode"]
 
 
+@pytest.mark.parametrize("fixed", [False, True], ids=["eager-mix", "packed"])
 @pytest.mark.parametrize("name", ["infinipot-question", "snapkv"])
-def test_a_request_whose_chunk_mixed_reads_its_next_chunk_next_step(prompts, name, one_thread):  # noqa: F811
+def test_a_request_whose_chunk_mixed_reads_its_next_chunk_next_step(prompts, name, fixed, one_thread):  # noqa: F811
     """A request's question (or next chunk) after a chunk that rode in this step's mixed forward waits for the next
     step's, instead of a forward of its own in this one (on an H200 those took 90-190 ms, 10-12 a run); every request
     keeps the tokens it gets alone."""
@@ -106,6 +107,7 @@ def test_a_request_whose_chunk_mixed_reads_its_next_chunk_next_step(prompts, nam
     method, capacity = methods()[name]
     scheduler = Scheduler(kvpot.Engine(model, method=method), slots=3, capacity=capacity, decode="static",
                           mix=True, prefill_tokens=64)
+    scheduler.decoder.fixed_mix = fixed  # the packed step (a GPU's), run uncaptured
     mixed_runs, apart = set(), []
     plan, forward = scheduler._chunks, scheduler.engine._forward
 
