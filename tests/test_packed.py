@@ -320,8 +320,8 @@ def test_compiled_packed_steps_compile_nothing_new_once_every_form_was_seen(name
     finally:
         torch._dynamo.reset()
     assert scheduler.decoder.packed.steps > 0 and 0 < compiled[0] == compiled[1]
-    traced = {name for gm in graphs for n in gm.graph.nodes for name in ("in _write_chunks", "in _attend_chunks")
-              if name in (n.meta.get("stack_trace") or "")}
+    traced = {frame for gm in graphs for n in gm.graph.nodes for frame in ("in _write_chunks", "in _attend_chunks")
+              if frame in (n.meta.get("stack_trace") or "")}
     assert not traced
 
 

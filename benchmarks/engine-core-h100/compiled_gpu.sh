@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The captured mixed step through the compiled decoder layer (`kvpot.engine.packed.COMPILED`) on the GPU machine, in
 # one call of the device tool (~9 minutes): its GPU tests; if they pass, the open loop (`open_loop.sh`, issue 43's
-# workload) at $BUDGET (1,024) prompt tokens a step with `--compile-step` and compiled packed steps, then
+# workload) at $BUDGET (1,024) prompt tokens a step with `--compile-step` (packed steps compiled too), then
 # `prefill_ops.py --compile-step` (a 16K read beside 32 decoding rows). If they fail, the open loop runs uncompiled
 # with `--prompt-order shortest` instead. With ORDERS="shortest arrival" (no tests, no prefill_ops): the compiled open
 # loop once per prompt order.
@@ -13,7 +13,7 @@ echo "commit ${KVPOT_GIT_COMMIT:-unknown}" >> "$OUT/machine.txt"
 budget=${BUDGET:-1024}; mkdir -p /tmp/ol
 if [ -n "${ORDERS:-}" ]; then
   for order in $ORDERS; do
-    PACKED_COMPILED=1 OUT=/tmp/ol timeout "${LOOP_LIMIT:-255}" bash benchmarks/engine-core-h100/open_loop.sh \
+    OUT=/tmp/ol timeout "${LOOP_LIMIT:-255}" bash benchmarks/engine-core-h100/open_loop.sh \
       "compiled-$order" --prefill-tokens "$budget" --compile-step --prompt-order "$order" --sequential-users 1 \
       > "$OUT/open-loop-$order-log.txt" 2>&1
     cp "/tmp/ol/compiled-$order/results.json" "$OUT/open-loop-compiled-$order.json"
@@ -24,7 +24,7 @@ fi
 timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_packed.py -k compiled > "$OUT/compiled-tests.log" 2>&1
 tail -2 "$OUT/compiled-tests.log"
 if grep -q "2 passed" "$OUT/compiled-tests.log"; then
-  PACKED_COMPILED=1 OUT=/tmp/ol timeout "${LOOP_LIMIT:-320}" bash benchmarks/engine-core-h100/open_loop.sh compiled \
+  OUT=/tmp/ol timeout "${LOOP_LIMIT:-320}" bash benchmarks/engine-core-h100/open_loop.sh compiled \
     --prefill-tokens "$budget" --compile-step --sequential-users 1 > "$OUT/open-loop-log.txt" 2>&1
   cp /tmp/ol/compiled/results.json "$OUT/open-loop-compiled.json"
   timeout "${OPS_LIMIT:-110}" python3 benchmarks/engine-core-h100/prefill_ops.py --out /tmp/ops --scheduler "$budget" \

@@ -5,15 +5,10 @@
 # first requests one at a time, and with --mixed / --prompts-apart the batch with prompt chunks in the decoding
 # rows' forward / in forwards of their own; extra arguments add rows or change the budget (e.g. --baseline hf
 # --hf-timeout 200, --prefill-tokens 1024).
-# PACKED_COMPILED=1 sets `kvpot.engine.packed.COMPILED` (the captured mixed steps through the compiled layer under
-# --compile-step; the default since records/engine-core-h200/packed-3/, which ran it this way before).
 # Usage: OUT=DIR bash benchmarks/engine-core-h100/open_loop.sh NAME [kvpot bench throughput options...]
 set -euo pipefail
 name=$1; shift
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-kvpot=(python3 -m kvpot)
-[ "${PACKED_COMPILED:-0}" = 1 ] && kvpot=(python3 -c \
-  'import sys, kvpot.engine.packed as p; p.COMPILED = True; from kvpot.cli import main; sys.exit(main(sys.argv[1:]))')
-"${kvpot[@]}" bench throughput --shape llama3-8b --device cuda --method infinipot:pot_size=4096 \
+python3 -m kvpot bench throughput --shape llama3-8b --device cuda --method infinipot:pot_size=4096 \
     --users 48 --length-mix 2k-32k --new-tokens-mix 64-256 --arrival-rate 1 --seed 0 \
     --slo-ttft 1.5 --slo-itl 0.06 --out "$OUT/$name" "$@"

@@ -189,13 +189,18 @@ def meets_slo(record: dict, slo_ttft: float | None, slo_itl: float | None) -> bo
 
 def busy_seconds(intervals: list[tuple[float, float]]) -> float:
     """Length of the union of intervals."""
-    total, end = 0.0, None
+    return sum(stop - start for start, stop in merged(intervals))
+
+
+def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of intervals, as sorted disjoint intervals."""
+    out: list[tuple[float, float]] = []
     for start, stop in sorted(intervals):
-        if end is None or start > end:
-            total, end = total + stop - start, stop
-        elif stop > end:
-            total, end = total + stop - end, stop
-    return total
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], stop))
+        else:
+            out.append((start, stop))
+    return out
 
 
 def load_figures(records: list[dict], wall: float, slo_ttft: float | None = None,
@@ -218,17 +223,6 @@ def load_figures(records: list[dict], wall: float, slo_ttft: float | None = None
                prompt_busy_seconds=busy, prompt_tokens_per_busy_second=prompt / busy if busy > 0 else None)
     row.update(slo_figures(records, wall, slo_ttft, slo_itl))
     return row
-
-
-def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The union of intervals, as sorted disjoint intervals."""
-    out: list[tuple[float, float]] = []
-    for start, stop in sorted(intervals):
-        if out and start <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], stop))
-        else:
-            out.append((start, stop))
-    return out
 
 
 def reading_figures(records: list[dict]) -> dict:
