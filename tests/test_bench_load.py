@@ -376,6 +376,9 @@ def test_mixed_row_reads_prompt_chunks_in_the_decoding_forward(capsys, tmp_path)
     assert apart["steps"]["steps"] == apart["scheduler"]["steps"] - 1 and apart["steps"]["slowest"]
     summary = (out / "summary.md").read_text()
     assert "## Steps" in summary and "| streaming [batch, mixed] | 128 | mixed |" in summary
+    # the window's evictions after mixed chunks, split out
+    assert mixed["steps"]["kinds"]["mixed"]["compressing"]["steps"] > 0
+    assert "| streaming [batch, mixed] | 128 | mixed, compressing |" in summary
     assert mixed["output_tokens"] == apart["output_tokens"] == rows["streaming [batch]"]["output_tokens"] == 24
     assert mixed["scheduler"]["mixed_forwards"] > 0 and apart["scheduler"]["mixed_forwards"] == 0
     assert mixed["scheduler"]["forwards"] < apart["scheduler"]["forwards"]

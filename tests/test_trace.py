@@ -31,7 +31,7 @@ def test_a_step_kind_names_what_it_ran():
 def test_each_gap_is_charged_to_the_step_between_two_deliveries():
     trace, report = StepTrace(), _record()
     for delivered, (rows, mixed) in zip((0.0, 0.010, 0.130, 0.140), ((2, 0), (2, 1), (2, 0), (2, 0))):
-        trace.begin(report, delivered)
+        trace.begin(report, delivered, {})
         report["batched_rows"] += rows
         report["mixed_forwards"] += mixed
         report["forwards"] += 1
@@ -41,7 +41,7 @@ def test_each_gap_is_charged_to_the_step_between_two_deliveries():
     assert summary["kinds"]["mixed"] == {"steps": 1, "gap_p50_ms": 120.0, "gap_p99_ms": 120.0, "gap_max_ms": 120.0}
     assert summary["kinds"]["decode"]["steps"] == 2 and summary["kinds"]["decode"]["gap_max_ms"] == 10.0
     assert summary["slowest"] == [{"step": 1, **_record(batched_rows=2, mixed_forwards=1, forwards=1),
-                                   "mixed_tokens": 0, "kind": "mixed", "gap_ms": 120.0}]
+                                   "mixed_tokens": 0, "compressions": 0, "kind": "mixed", "gap_ms": 120.0}]
 
 
 def test_a_scheduler_traces_every_step_with_its_own_counts(prompts, one_thread):  # noqa: F811
@@ -67,6 +67,27 @@ def test_a_scheduler_traces_every_step_with_its_own_counts(prompts, one_thread):
     assert "mixed" in summary["kinds"] and len(summary["slowest"]) == 10
 
 
+@pytest.mark.parametrize("fixed", [False, True], ids=["eager-mix", "packed"])
+def test_a_trace_counts_the_compressions_of_each_mixed_step(prompts, fixed, one_thread):  # noqa: F811
+    """InfiniPot compresses at its pot's fill after the mixed forward: the trace charges each compression of a mixed
+    chunk's run to the step that read the chunk, and splits those steps' gaps out (`compressing`)."""
+    method, capacity = methods()["infinipot"]
+    scheduler = Scheduler(kvpot.Engine(build("llama3"), method=method), slots=3, capacity=capacity, decode="static",
+                          mix=True, prefill_tokens=64)
+    scheduler.decoder.fixed_mix = fixed
+    scheduler.trace = StepTrace()
+    requests = [Request(c, q, max_new_tokens=6, ignore_eos=True) for c, q in prompts]
+    run_all(scheduler, requests)
+    steps = scheduler.trace.steps
+    # every compression ran after a mixed forward or a forward apart; those of the mixed ones are in the trace
+    total = sum(r.stats.compressions for r in requests)
+    traced = sum(step["compressions"] for step in steps)
+    assert 0 < traced <= total
+    assert all(step["compressions"] == 0 for step in steps if not step["mixed_forwards"])
+    kinds = scheduler.trace.summary()["kinds"]
+    assert 0 < kinds["mixed"]["compressing"]["steps"] <= kinds["mixed"]["steps"]
+
+
 @pytest.mark.parametrize("mix", ["on", "off"])
 def test_a_traced_run_gives_the_tokens_of_an_untraced_one(prompts, mix, one_thread):  # noqa: F811
     method, capacity = methods()["infinipot"]
@@ -86,7 +107,7 @@ def test_an_idle_wait_is_never_among_the_slowest_steps():
     """Under open-loop load an idle step's gap is the wait for the next arrival: counted as `idle`, never slowest."""
     trace, report = StepTrace(), _record()
     for delivered, rows in zip((0.0, 0.010, 5.010, 5.020), (2, 0, 2, 2)):
-        trace.begin(report, delivered)
+        trace.begin(report, delivered, {})
         report["batched_rows"] += rows
         report["forwards"] += bool(rows)
         trace.end(report, [])

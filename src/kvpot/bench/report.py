@@ -199,15 +199,24 @@ def steps_markdown(results: dict) -> str:
     rows = [[row["method"], length_cell(row), kind, f"{s['steps']:,}", f"{s['gap_p50_ms']:.1f}", f"{s['gap_p99_ms']:.1f}",
              f"{s['gap_max_ms']:.1f}"]
             for row in results["rows"] if isinstance(row.get("steps"), dict)  # decode rows: a step count
-            for kind, s in row["steps"]["kinds"].items()]
+            for kind, s in _kinds(row["steps"]["kinds"])]
     if not rows:
         return ""
     return "\n".join(["## Steps", "", "What each batched step ran (`decode`: decoding rows alone; `mixed`: prompt "
                       "chunks in their forward; `apart`: prompt forwards of their own; `+eager`: rows stepped "
-                      "alone) and the gap its users saw until the next tokens (`steps` in results.json keeps the "
+                      "alone; `, compressing`: the steps of that kind whose chunks' method compressed after the "
+                      "forward) and the gap its users saw until the next tokens (`steps` in results.json keeps the "
                       "slowest steps).", "",
                       markdown_table(["method", "length", "step", "steps", "gap p50 ms", "gap p99 ms", "gap max ms"],
                                      rows)])
+
+
+def _kinds(kinds: dict):
+    """Each kind of step, then its steps that compressed (`kvpot.engine.trace`), as (name, figures)."""
+    for kind, figures in kinds.items():
+        yield kind, figures
+        if "compressing" in figures:
+            yield f"{kind}, compressing", figures["compressing"]
 
 
 def ttft_by_length_markdown(results: dict, groups: int = 4) -> str:

@@ -167,7 +167,7 @@ class Scheduler:
         self.agreement.agree(self)  # under tensor parallelism, rank 0's new requests and cancellations
         begun = time.perf_counter()
         self._deliver(ended)  # the previous step's tokens: the device ran ahead while the host came back here
-        self.trace.begin(self.report, delivered := time.perf_counter())
+        self.trace.begin(self.report, delivered := time.perf_counter(), self.active)
         self._drop_cancelled(ended)
         self._admit(ended)
         batch, stepped = self._decode_alone(ended)

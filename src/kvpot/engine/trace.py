@@ -25,7 +25,7 @@ COUNTS = ("batched_rows", "eager_rows", "fed_tokens", "mixed_forwards", "prefill
 class NoTrace:
     """The scheduler's default: keeps nothing."""
 
-    def begin(self, report: dict, delivered: float) -> None:
+    def begin(self, report: dict, delivered: float, active: dict) -> None:
         pass
 
     def end(self, report: dict, chunks: list) -> None:
@@ -39,8 +39,11 @@ class StepTrace:
         self.steps: list[dict] = []
         self._open: dict | None = None
 
-    def begin(self, report: dict, delivered: float) -> None:
-        self._open = {"delivered": delivered, "before": {name: report.get(name, 0) for name in COUNTS}}
+    def begin(self, report: dict, delivered: float, active: dict) -> None:
+        """`active`: the scheduler's requests by slot, whose runs' compression counts the step's are taken from."""
+        compressions = {id(a.run): a.run.stats.compressions for a in active.values() if a.run is not None}
+        self._open = {"delivered": delivered, "before": {name: report.get(name, 0) for name in COUNTS},
+                      "compressions": compressions}
 
     def end(self, report: dict, chunks: list[tuple[int, object, Chunk]]) -> None:
         if self._open is None:
@@ -48,6 +51,11 @@ class StepTrace:
         before = self._open.pop("before")
         record = {name: report.get(name, 0) - before[name] for name in COUNTS}
         record["mixed_tokens"] = sum(int(chunk.ids.numel()) for _, _, chunk in chunks)
+        # the compressions the mixed chunks' methods ran after this step's forward (InfiniPot's at a pot's fill): they
+        # run on the host after the replay, so they lengthen the step; a run admitted in this step counts from 0
+        seen = self._open.pop("compressions")
+        record["compressions"] = sum(chunk.run.stats.compressions - seen.get(id(chunk.run), 0)
+                                     for _, _, chunk in chunks)
         # `prefill_forwards` counts prompt chunks read, mixed or not; the forwards of their own are what is left of
         # the step's forwards after its rows stepped alone and its one batched forward (mixed or decoding alone)
         batched = 1 if record["mixed_forwards"] or record["batched_rows"] else 0
@@ -67,9 +75,10 @@ class StepTrace:
                           "gap_ms": round(gap, 2)})
         kinds = {}
         for kind in sorted({step["kind"] for step in steps}):
-            gaps = sorted(step["gap_ms"] for step in steps if step["kind"] == kind)
-            kinds[kind] = {"steps": len(gaps), "gap_p50_ms": _quantile(gaps, 0.5), "gap_p99_ms": _quantile(gaps, 0.99),
-                           "gap_max_ms": gaps[-1]}
+            kinds[kind] = _gaps([step for step in steps if step["kind"] == kind])
+            compressing = [step for step in steps if step["kind"] == kind and step.get("compressions")]
+            if compressing and kind != "idle":  # the same kind's steps whose chunks compressed, apart
+                kinds[kind]["compressing"] = _gaps(compressing)
         # an idle step's gap is the wait for the next arrival (open-loop load), not work: never among the slowest
         busy = [i for i, step in enumerate(steps) if step["kind"] != "idle"]
         order = sorted(busy, key=lambda i: -steps[i]["gap_ms"])[:slowest]
@@ -87,6 +96,13 @@ def kind_of(record: dict) -> str:
     if record["eager_rows"]:
         parts.append("eager")
     return "+".join(parts) or "idle"
+
+
+def _gaps(steps: list[dict]) -> dict:
+    """Count and gap p50 / p99 / max (ms) of `steps`."""
+    gaps = sorted(step["gap_ms"] for step in steps)
+    return {"steps": len(gaps), "gap_p50_ms": _quantile(gaps, 0.5), "gap_p99_ms": _quantile(gaps, 0.99),
+            "gap_max_ms": gaps[-1]}
 
 
 def _quantile(values: list[float], q: float) -> float:
