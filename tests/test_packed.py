@@ -102,6 +102,35 @@ def test_chunks_cut_to_fill_a_step_change_no_token(model, prompts, name, fixed, 
     assert cuts and all(7 <= limit < 112 for limit in cuts)  # cut to what was left, never a sliver under 112 // 16
 
 
+@pytest.mark.parametrize("fixed", [True, False], ids=["packed", "eager"])
+def test_a_catalyst_fits_the_step_s_budget(model, prompts, fixed, one_thread, monkeypatch):
+    """InfiniPot's catalyst rides in the forward that fills its pot: the plan counts its tokens against the step's
+    budget (`Candidate.tail`), so a mixed step never carries more than the budget (on a GPU: never pads to the next
+    token bucket), and every request keeps the tokens, entries and compressions it gets alone."""
+    from kvpot.engine import mixed
+
+    sizes, original = [], mixed.mixed_forward
+
+    def forward(decoder, slots, live, observe, chunks):
+        tails = [decoder.engine.method.tail_probe(c.run.cache, c.step) for c in chunks]
+        sizes.append((sum(c.ids.numel() for c in chunks), sum(len(t[0]) for t in tails if t is not None)))
+        return original(decoder, slots, live, observe, chunks)
+
+    monkeypatch.setattr("kvpot.engine.scheduler.mixed_forward", forward)
+    method, capacity = methods()["infinipot-question"]  # a pot of 64, its 5-token question as the catalyst
+    expected = alone(model, method, prompts)
+    scheduler = Scheduler(kvpot.Engine(model, method=method), slots=3, capacity=capacity, decode="static", mix=True,
+                          prefill_tokens=40)
+    scheduler.decoder.fixed_mix = fixed
+    requests = [Request(c, q, max_new_tokens=NEW, ignore_eos=True) for c, q in prompts]
+    run_all(scheduler, requests)
+    assert [r.tokens for r in requests] == [e.token_ids for e in expected]
+    assert [r.stats.max_kv_entries for r in requests] == [e.stats.max_kv_entries for e in expected]
+    assert [r.stats.compressions for r in requests] == [e.stats.compressions for e in expected]
+    assert all(chunk + tail <= 40 for chunk, tail in sizes), sizes
+    assert any(tail and chunk + tail == 40 for chunk, tail in sizes)  # a catalyst in a step of a whole budget
+
+
 def test_token_buckets_are_few_and_cover():
     assert [token_bucket(n) for n in (1, 64, 65, 200, 256, 257, 1088, 2048)] == [64, 64, 128, 256, 256, 512, 1280,
                                                                                  2048]

@@ -26,6 +26,24 @@ def test_a_cuttable_chunk_that_does_not_fit_is_cut_to_fill_the_budget():
     assert plan_chunks(whole, 1024, decoding=3) == ChunkPlan((4,), 724)
 
 
+def test_a_tail_probe_counts_against_the_budget():
+    """A chunk's tail probe (InfiniPot's catalyst at its pot's fill) rides in the forward: its tokens are spent too, so
+    a step never pads to the next token bucket for it."""
+    candidates = [Candidate(0, 500, cuttable=True, tail=11), Candidate(1, 600, cuttable=True)]
+    # 511 spent on the first; the second is cut to the 513 left
+    assert plan_chunks(candidates, 1024, decoding=2) == ChunkPlan((0, 1), 0, 513)
+    # a cut chunk keeps room for its tail, which it may still carry
+    tailed = [Candidate(0, 500), Candidate(1, 600, cuttable=True, tail=11)]
+    assert plan_chunks(tailed, 1024, decoding=2) == ChunkPlan((0, 1), 0, 513)
+    # a first chunk that fits the budget only without its tail is cut too, where it may be
+    assert plan_chunks([Candidate(0, 1020, cuttable=True, tail=11)], 1024, decoding=1) == ChunkPlan((0,), 0, 1013)
+    # one that may not be cut is read whole, tail and all: the step runs past its budget
+    assert plan_chunks([Candidate(0, 1020, tail=11)], 1024, decoding=1) == ChunkPlan((0,), -7)
+    # a whole chunk and its tail that fit exactly leave nothing
+    assert plan_chunks([Candidate(0, 1013, cuttable=True, tail=11), Candidate(1, 50)], 1024,
+                       decoding=1) == ChunkPlan((0,), 0)
+
+
 def test_a_sliver_of_budget_is_not_cut_for():
     """Below a sixteenth of the budget a cut chunk's row is not worth its method hook: the plan ends whole."""
     candidates = [Candidate(0, 980, cuttable=True), Candidate(1, 500, cuttable=True)]

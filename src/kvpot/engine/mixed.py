@@ -32,6 +32,7 @@ from kvpot.compat import cache_kwargs
 from kvpot.defaults import MIXES
 from kvpot.engine.packed import PackedStep
 from kvpot.engine.packed_cache import StepForwardLayer, as_rows, varlen_kernel
+from kvpot.engine.plan import Candidate
 from kvpot.engine.pool import SlotLayer
 from kvpot.engine.results import _Run
 from kvpot.engine.sampling import _as_ids
@@ -73,6 +74,20 @@ def resolve_mix(mix: bool | str, device: torch.device, head_dim: int, sharing: b
     from kvpot import kernels
 
     return device.type == "cuda" and kernels.available(device) and kernels.supports_head_dim(head_dim)
+
+
+def peek_candidate(method: Method, slot: int, run: _Run, reader, cuttable: bool) -> tuple[Candidate, tuple | None]:
+    """A reading request's next chunk (`reader.peek()`: ids, step) and what a plan weighs of it (`plan_chunks`): its
+    tokens, whether it can share a forward, and the tokens of the tail probe its method would add to that forward.
+    A peek that fails gives no chunk, and the request is left to read apart (where it fails alone)."""
+    try:
+        chunk = reader.peek()
+        fits = chunk is not None and mixable(method, run)
+        tail = method.tail_probe(run.cache, chunk[1]) if fits else None  # as `Engine._before_forward` will ask
+    except Exception:  # noqa: BLE001 - left to `Scheduler._prefill`, which fails this request alone
+        return Candidate(slot, 0, False, cuttable), None
+    tail_tokens = 0 if tail is None else torch.as_tensor(tail[0]).numel()
+    return Candidate(slot, 0 if chunk is None else chunk[0].numel(), fits, cuttable, tail_tokens), chunk
 
 
 def mixable(method: Method, run: _Run) -> bool:

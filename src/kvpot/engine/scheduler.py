@@ -23,9 +23,9 @@ from kvpot.engine.decoding import resolve_mode
 from kvpot.engine.delivery import TokenOutbox, hand_over
 from kvpot.engine.documents import copy_before_step, load_state, share_region, unshare
 from kvpot.engine.evict import evict_steady
-from kvpot.engine.mixed import Chunk, capture_mixed, mixable, mixed_forward, resolve_mix
+from kvpot.engine.mixed import Chunk, capture_mixed, mixable, mixed_forward, peek_candidate, resolve_mix
 from kvpot.defaults import MIX, PREFILL_TOKENS, PROMPT_ORDER, SLOT_MEMORY_FRACTION
-from kvpot.engine.plan import Candidate, check_options, plan_chunks, reading_order
+from kvpot.engine.plan import check_options, plan_chunks, reading_order
 from kvpot.engine.pool import SlotPool, slot_bytes, slot_capacity, slot_count
 from kvpot.engine.reading import PromptReader
 from kvpot.engine.requests import Active as _Active, QueueFull, Request, check_fits  # noqa: F401
@@ -241,12 +241,8 @@ class Scheduler:
         cuttable = self.chunk_cap is not None and not self.method.chunk_dependent  # a chunk cut to fill the step
         for slot, active in reading_order(self.active, self.prompt_order, time.perf_counter()):
             active.run.max_chunk = self.chunk_cap
-            try:
-                chunk = active.reader.peek()
-                fits = chunk is not None and mixable(self.method, active.run)
-            except Exception:  # noqa: BLE001 - left to `_prefill`, which fails this request alone
-                chunk, fits = None, False
-            candidates.append(Candidate(slot, chunk[0].numel() if chunk is not None else 0, fits, cuttable))
+            candidate, chunk = peek_candidate(self.method, slot, active.run, active.reader, cuttable)
+            candidates.append(candidate)
             peeked[slot] = (active, chunk)
         plan = plan_chunks(candidates, self.prefill_tokens, batch)
         if plan.cut_to is not None:
