@@ -59,6 +59,17 @@ def test_selection_matches_code_1_on_a_hand_built_example():
     assert select(None, nuc, 3, 0)[0].tolist() == [[3, 4, 5], [3, 4, 5]]
 
 
+@pytest.mark.parametrize("with_cap", [True, False])
+def test_ranking_every_layer_in_one_call_picks_what_each_layer_picks_alone(with_cap):
+    """`distill` ranks all layers at once ([layers, b, kv_heads, n]): the same indices as one `select` a layer."""
+    torch.manual_seed(0)
+    caps, nucs = torch.rand(5, 1, 4, 64), torch.rand(5, 1, 4, 64)
+    together = select(caps if with_cap else None, nucs, keep=24, nuc_slots=9)
+    alone = [select(caps[i] if with_cap else None, nucs[i], keep=24, nuc_slots=9) for i in range(5)]
+    assert together.shape == (5, 1, 4, 24)
+    assert all(torch.equal(together[i], alone[i]) for i in range(5))
+
+
 def test_equals_full_when_the_pot_holds_everything(model):
     torch.manual_seed(5)
     ids = torch.randint(3, VOCAB, (70,))

@@ -188,6 +188,15 @@ class InfiniPot(Method):
             cap = step.probe(catalyst, AttentionRequest(rows=None, row_reduce="sum", head_reduce="mean"))
         nuc_slots = round(float(self.nuc_ratio) * self.compress_size)
         layers = cache.layers
+        if self.share == "none" and _alike(layers):
+            # every layer ranked in one call: Code 1 ranks each head of each layer alone, which `select` does over
+            # any leading dims, so [layers, b, kv_heads, n] gives the same picks; one launch of each op for the
+            # model instead of one a layer (~2.5 ms of a compressing mixed step's device time on an 8B shape)
+            nucs = torch.stack([layer.score(NUC) for layer in layers])
+            keep = select(None if cap is None else torch.stack(list(cap)), nucs, self.compress_size, nuc_slots)
+            for layer, kept in zip(layers, keep):
+                layer.select(kept)
+            return
         groups = [range(len(layers))] if self.share == "model" else [[i] for i in range(len(layers))]
         for group in groups:  # the layers that keep one set of tokens (each alone unless share="model")
             caps = None if cap is None else [cap[i] for i in group]
@@ -202,6 +211,12 @@ class InfiniPot(Method):
                                      [all_heads(parallel, n) for n in nucs], self.compress_size, nuc_slots)
             for i in group:
                 layers[i].select(keep.to(layers[i].device))
+
+
+def _alike(layers) -> bool:
+    """Whether the layers' entries can be ranked in one call: one device, one count (a model split over GPUs ranks
+    each layer where it lives)."""
+    return len({layer.device for layer in layers}) == 1 and len({layer.n for layer in layers}) == 1
 
 
 def text_prompt_ids(text: str, setup: Setup, no_tokenizer: str) -> torch.Tensor:
