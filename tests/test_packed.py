@@ -131,6 +131,25 @@ def test_a_catalyst_fits_the_step_s_budget(model, prompts, fixed, one_thread, mo
     assert any(tail and chunk + tail == 40 for chunk, tail in sizes)  # a catalyst in a step of a whole budget
 
 
+@pytest.mark.parametrize("fixed", [True, False], ids=["packed", "eager"])
+@pytest.mark.parametrize("name", ["infinipot", "infinipot-question", "scissorhands", "citrus"])
+def test_rows_that_reshape_their_cache_ride_in_the_mixed_forward(model, prompts, name, fixed, one_thread):
+    """A decoding row whose method reshapes its cache at this token (InfiniPot's pot filling, a cache filling to its
+    budget) reads its token as a one-token chunk of its run in the step's mixed forward, its method's work after it,
+    instead of a forward of its own between steps: the tokens, entries and compressions it gets alone."""
+    method, capacity = methods()[name]
+    expected = alone(model, method, prompts, new=24)
+    scheduler = Scheduler(kvpot.Engine(model, method=method), slots=3, capacity=capacity, decode="static", mix=True,
+                          prefill_tokens=40)
+    scheduler.decoder.fixed_mix = fixed
+    requests = [Request(c, q, max_new_tokens=24, ignore_eos=True) for c, q in prompts]
+    run_all(scheduler, requests)
+    assert [r.tokens for r in requests] == [e.token_ids for e in expected]
+    assert [r.stats.max_kv_entries for r in requests] == [e.stats.max_kv_entries for e in expected]
+    assert [r.stats.compressions for r in requests] == [e.stats.compressions for e in expected]
+    assert scheduler.report["riding_rows"] > 0 and scheduler.report["eager_rows"] == 0
+
+
 def test_token_buckets_are_few_and_cover():
     assert [token_bucket(n) for n in (1, 64, 65, 200, 256, 257, 1088, 2048)] == [64, 64, 128, 256, 256, 512, 1280,
                                                                                  2048]

@@ -14,8 +14,8 @@ from kvpot.engine.trace import NoTrace, StepTrace, kind_of
 
 
 def _record(**counts) -> dict:
-    return {"batched_rows": 0, "eager_rows": 0, "fed_tokens": 0, "mixed_forwards": 0, "prefill_forwards": 0,
-            "forwards": 0, "apart_forwards": 0, **counts}
+    return {"batched_rows": 0, "eager_rows": 0, "riding_rows": 0, "fed_tokens": 0, "mixed_forwards": 0,
+            "prefill_forwards": 0, "forwards": 0, "apart_forwards": 0, **counts}
 
 
 def test_a_step_kind_names_what_it_ran():
@@ -132,8 +132,8 @@ def test_a_request_whose_chunk_mixed_reads_its_next_chunk_next_step(prompts, nam
     mixed_runs, apart = set(), []
     plan, forward = scheduler._chunks, scheduler.engine._forward
 
-    def chunks(batch):
-        planned = plan(batch)
+    def chunks(batch, rides):
+        planned = plan(batch, rides)
         mixed_runs.clear()
         mixed_runs.update(id(active.run) for _, active, _ in planned[0])
         return planned

@@ -11,9 +11,10 @@ The step has fixed shapes for a batch size, so on a GPU it is captured once per 
 sizes (1, 2, 4, ... up to the pool) as a CUDA graph and replayed; rows past the real batch point at
 the pool's scratch slot. What does not fit one fixed shape stays outside the graph, in the
 scheduler (`kvpot.engine.scheduler`): a row whose method reshapes its cache at this token
-(InfiniPot's distillation, CItruS' chunk eviction, InfiniteHiP's sparse attention) runs the
-one-sequence engine's forward on its slot instead, and a row at its budget (StreamingLLM, H2O,
-TOVA, D2O: "steady") appends in the batch and then evicts through the method's own `after_forward`.
+(InfiniPot's distillation, CItruS' chunk eviction, InfiniteHiP's sparse attention) reads its token
+as a one-token chunk of its run in the step's mixed forward where prompts mix (`ride`, `rode`), else
+runs the one-sequence engine's forward on its slot (`eager_step`), and a row at its budget
+(StreamingLLM, H2O, TOVA, D2O: "steady") appends in the batch, then evicts through `after_forward`.
 """
 
 from __future__ import annotations
@@ -218,11 +219,7 @@ def batched_method(method: Method) -> bool:
 
 def buckets(slots: int) -> list[int]:
     """Batch sizes a step is captured at: powers of two below the pool's size, and the size itself."""
-    sizes, size = [], 1
-    while size < slots:
-        sizes.append(size)
-        size *= 2
-    return sizes + [slots]
+    return [1 << i for i in range(max(slots - 1, 0).bit_length())] + [slots]
 
 
 class BatchDecoder:
@@ -283,10 +280,18 @@ class BatchDecoder:
         self.counter[rows] += 1
 
     def eager_step(self, slot: int, run) -> None:
-        """The one-sequence engine's forward on this slot (a distillation, a chunk eviction, a sparse
-        attention), fed the slot's last token; then its next token is picked."""
-        run.logits = self.logits[slot].clone()
-        self.engine._forward(run, self.last_token[slot : slot + 1].clone(), Step("decode", 1, segment_end=True))
+        """The one-sequence engine's forward on this slot (a distillation, an eviction, a sparse attention)."""
+        self.engine._forward(run, *self.ride(slot, run))
+        self.rode(slot, run)
+
+    def ride(self, slot: int, run) -> tuple[torch.Tensor, Step]:
+        """The forward `eager_step` runs, as (ids [1], step): the slot's last token, read as a one-token chunk of
+        its run (the scheduler may read it in a mixed forward instead, `kvpot.engine.mixed`); then `rode`."""
+        run.logits = self.logits[slot].clone()  # the token's NLL is scored from the logits that picked it
+        return self.last_token[slot : slot + 1].clone(), Step("decode", 1, segment_end=True)
+
+    def rode(self, slot: int, run) -> None:
+        """After `ride`'s forward and its method's work: the slot's logits, position, counts; its next token picked."""
         self.logits[slot].copy_(run.logits)
         self.next_position[slot] = run.next_position
         self.pool.sync_lengths(slot)

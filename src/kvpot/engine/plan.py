@@ -79,6 +79,18 @@ def plan_chunks(candidates: list[Candidate], budget: int, decoding: int) -> Chun
     return ChunkPlan(tuple(chosen), left, cut)
 
 
+def row_plan(scheduler, cache) -> str:
+    """What a decoding row's step does (`Method.decode_plan`), or "eager" (a forward of its own, or a ride in the
+    mixed forward) where the batched step cannot take it: not batching, a method's own attention without the decode
+    kernels' positions, an observation the batched step does not compute."""
+    if not scheduler.batched or (cache.attention is not None and not cache.policy.kernel_decoding):
+        return "eager"
+    plan = scheduler.method.decode_plan(cache)
+    if plan == "steady" and not scheduler.steady_ok or plan == "append" and not scheduler.append_ok:
+        return "eager"
+    return plan
+
+
 def reading_order(active: dict, order: str, now: float = 0.0, patience: float = PROMPT_PATIENCE) -> list:
     """The (slot, Active) pairs reading their prompt, in the order this step plans their chunks and reads them apart:
     `arrival`, oldest first; `shortest`, fewest prompt tokens left first, then oldest (shortest remaining first:

@@ -3,10 +3,11 @@
 A `Request` moves "waiting" (no slot) -> "prefilling" -> "decoding" -> "finished", "cancelled" or "failed".
 Callers feed and drain: `submit`, `step`, `cancel`, `abort`. One step (docs/design.md, *The batched engine*):
 cancelled requests leave; waiting ones take free slots, first come first served; rows whose method reshapes the
-cache at this token step alone; then one forward gives every other decoding row its token and reads the next
-chunk of prompts being read beside them, within `prefill_tokens` (`kvpot.engine.mixed`; which chunks:
-`kvpot.engine.plan`); prompt chunks that need a forward of their own follow; the new tokens are delivered at the
-start of the next step. A request that fails fails alone. Batch-invariant engines read prompts as alone.
+cache at this token step alone, or ride in the mixed forward as one-token chunks; then one forward gives every
+other decoding row its token and reads the next chunk of prompts being read beside them, within `prefill_tokens`
+(`kvpot.engine.mixed`; which chunks: `kvpot.engine.plan`); prompt chunks that need a forward of their own follow;
+the new tokens are delivered at the start of the next step. A request that fails fails alone. Batch-invariant
+engines read prompts as alone.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from kvpot.engine.decoding import resolve_mode
 from kvpot.engine.delivery import TokenOutbox, hand_over
 from kvpot.engine.documents import copy_before_step, load_state, share_region, unshare
 from kvpot.engine.evict import evict_steady
-from kvpot.engine.mixed import Chunk, capture_mixed, mixable, mixed_forward, peek_candidate, resolve_mix
+from kvpot.engine.mixed import (Chunk, capture_mixed, mixable, mixed_forward, peek_candidate, resolve_mix,
+                               tail_tokens)
 from kvpot.defaults import MIX, PREFILL_TOKENS, PROMPT_ORDER, SLOT_MEMORY_FRACTION
-from kvpot.engine.plan import check_options, plan_chunks, reading_order
+from kvpot.engine.plan import check_options, plan_chunks, reading_order, row_plan
 from kvpot.engine.pool import SlotPool, slot_bytes, slot_capacity, slot_count
 from kvpot.engine.reading import PromptReader
 from kvpot.engine.requests import Active as _Active, QueueFull, Request, check_fits  # noqa: F401
@@ -95,9 +97,9 @@ class Scheduler:
         self.steady_ok = batchable_request(self.method.decode_request("steady"))
         self.append_ok = batchable_request(self.method.decode_request("append"))
         self.outbox = TokenOutbox()  # the tokens of a step, delivered at the start of the next
-        self.report = {"steps": 0, "batched_rows": 0, "eager_rows": 0, "steady_rows": 0, "prefill_forwards": 0,
-                       "fed_tokens": 0, "mixed_forwards": 0, "forwards": 0, "decode_seconds": 0.0, "prefill_seconds": 0.0,
-                       "deliver_seconds": 0.0}
+        self.report = {"steps": 0, "batched_rows": 0, "eager_rows": 0, "riding_rows": 0, "steady_rows": 0,
+                       "prefill_forwards": 0, "fed_tokens": 0, "mixed_forwards": 0, "forwards": 0, "decode_seconds": 0.0,
+                       "prefill_seconds": 0.0, "deliver_seconds": 0.0}
         self.pool.documents = share_region(self, share_documents, documents)  # None unless sharing
         self.trace: StepTrace | NoTrace = NoTrace()  # a StepTrace keeps each step's work and gap (engine/trace.py)
 
@@ -170,12 +172,12 @@ class Scheduler:
         self.trace.begin(self.report, delivered := time.perf_counter(), self.active)
         self._drop_cancelled(ended)
         self._admit(ended)
-        batch, stepped = self._decode_alone(ended)
-        chunks, budget = self._chunks(len(batch))
-        self._stage(self._decode(batch, stepped, chunks, ended))
+        batch, stepped, rides = self._decode_alone(ended)
+        chunks, budget = self._chunks(len(batch) + len(rides), rides)
+        self._stage(self._decode(batch, stepped, rides, chunks, ended))
         decoded = time.perf_counter()
         self._stage(self._prefill(ended, budget, {slot for slot, _, _ in chunks}))
-        self.trace.end(self.report, chunks)
+        self.trace.end(self.report, rides + chunks)
         # host wall time per phase: launches and Python, and (deliver) the wait for the device
         self.report["steps"] += 1
         self.report["deliver_seconds"] += delivered - begun
@@ -233,10 +235,12 @@ class Scheduler:
         alone = self.pool.documents is None  # sharing documents, a forward of its own would copy the document
         return fits and (self.feed_questions == "always" or len(self.active) > 1 or bool(self.waiting) or not alone)
 
-    def _chunks(self, batch: int) -> tuple[list[tuple[int, _Active, Chunk]], int]:
-        """Prompt chunks joining this step's forward beside `batch` decoding rows (`plan_chunks`); tokens left."""
-        if not self.mix:
-            return [], self.prefill_tokens
+    def _chunks(self, batch: int, rides: list) -> tuple[list[tuple[int, _Active, Chunk]], int]:
+        """Prompt chunks joining this step's forward beside `batch` decoding rows (`plan_chunks`), within the budget
+        `rides` (rows riding as chunks) leave; tokens left."""
+        budget = self.prefill_tokens - sum(c.ids.numel() + tail_tokens(self.method, c.run, c.step) for *_, c in rides)
+        if not self.mix or budget < 1:  # (no riders without mixing)
+            return [], budget
         candidates, peeked = [], {}
         cuttable = self.chunk_cap is not None and not self.method.chunk_dependent  # a chunk cut to fill the step
         for slot, active in reading_order(self.active, self.prompt_order, time.perf_counter()):
@@ -244,7 +248,7 @@ class Scheduler:
             candidate, chunk = peek_candidate(self.method, slot, active.run, active.reader, cuttable)
             candidates.append(candidate)
             peeked[slot] = (active, chunk)
-        plan = plan_chunks(candidates, self.prefill_tokens, batch)
+        plan = plan_chunks(candidates, budget, batch)
         if plan.cut_to is not None:
             peeked[plan.slots[-1]] = (last := peeked[plan.slots[-1]][0], last.reader.cut(plan.cut_to))
         return [(s, peeked[s][0], Chunk(peeked[s][0].run, *peeked[s][1])) for s in plan.slots], plan.budget_left
@@ -304,26 +308,20 @@ class Scheduler:
         self.decoder.picking[slot] = picking(request.temperature, request.top_p)
         self.decoder.pick([slot])
 
-    def _plan(self, active: _Active) -> str:
-        cache = active.run.cache
-        if not self.batched or (cache.attention is not None and not cache.policy.kernel_decoding):
-            return "eager"
-        plan = self.method.decode_plan(cache)
-        if plan == "steady" and not self.steady_ok or plan == "append" and not self.append_ok:
-            return "eager"
-        return plan
-
-    def _decode_alone(self, ended: list[Request]) -> tuple[list[tuple[int, _Active]], list[int]]:
-        """The decoding rows (fed questions included): those whose method reshapes the cache at this token
-        step alone here; returns the others (the batch) and the slots stepped."""
+    def _decode_alone(self, ended: list[Request]) -> tuple[list[tuple[int, _Active]], list[int], list]:
+        """The decoding rows (fed questions included): those whose method reshapes the cache at this token step
+        alone, or where mixing is on ride in the mixed forward as a one-token chunk (alone: 85-272 ms on an H200,
+        engine-core-h200/packed-4/); returns the others (the batch), the slots stepped, the riders (slot, active, chunk)."""
         decoding = [(slot, a) for slot, a in sorted(self.active.items())
                     if a.request.status == "decoding" or a.feeding is not None]
         self._feed(decoding)
-        plans = {slot: self._plan(active) for slot, active in decoding}
+        plans = {slot: row_plan(self, active.run.cache) for slot, active in decoding}
         copy_before_step(self, decoding, plans)  # readers of a shared document whose step changes it copy first
-        stepped = []
+        stepped, rides = [], []
         for slot, active in decoding:
-            if plans[slot] == "eager":
+            if plans[slot] == "eager" and self.mix and mixable(self.method, active.run):
+                rides.append((slot, active, Chunk(active.run, *self.decoder.ride(slot, active.run))))
+            elif plans[slot] == "eager":
                 try:
                     self.decoder.eager_step(slot, active.run)
                     self.report["eager_rows"] += 1
@@ -334,23 +332,25 @@ class Scheduler:
         batch = [(slot, active) for slot, active in decoding if plans[slot] != "eager"]
         for slot, active in batch:
             active.plan = plans[slot]
-        return batch, stepped
+        return batch, stepped, rides
 
-    def _decode(self, batch: list[tuple[int, _Active]], stepped: list[int], chunks: list, ended: list[Request]):
-        """One forward: a token for each row of `batch`, the prompt `chunks` beside them; slots with a new token."""
-        if batch or chunks:
+    def _decode(self, batch: list[tuple[int, _Active]], stepped: list[int], rides: list, chunks: list,
+                ended: list[Request]):
+        """One forward: a token for each row of `batch`, the riders' and the prompt `chunks` beside them; slots with
+        a new token."""
+        if batch or chunks or rides:
             slots = [slot for slot, _ in batch]
             live = [active.plan == "append" for _, active in batch]
             observe = self.method.decode_request("steady" if not all(live) else "append") if batch else None
             try:
-                if chunks:
-                    mixed_forward(self.decoder, slots, live, observe, [chunk for _, _, chunk in chunks])
+                if chunks or rides:
+                    mixed_forward(self.decoder, slots, live, observe, [chunk for *_, chunk in rides + chunks])
                     self.report["mixed_forwards"] += 1
                 else:
                     self.decoder.step(slots, live, observe)
                 self.report["forwards"] += 1
             except Exception as err:  # noqa: BLE001 - a failed forward fails its rows, not the server
-                for request in [a.request for _, a in batch] + [a.request for _, a, _ in chunks]:
+                for request in [a.request for _, a in batch] + [a.request for _, a, _ in rides + chunks]:
                     self._fail(request, err, ended)
                 return stepped
             steady = []
@@ -365,6 +365,10 @@ class Scheduler:
                              lambda run, err: self._fail(next(a.request for _, _, a in steady if a.run is run), err,
                                                          ended))
             self.report["batched_rows"] += len(batch)
+            for slot, active, _ in rides:  # their method's work ran after the forward (`Engine._after_forward`)
+                self.decoder.rode(slot, active.run)
+                stepped.append(slot)
+            self.report["riding_rows"] += len(rides)
         picked = []
         for slot in stepped:
             active = self.active.get(slot)

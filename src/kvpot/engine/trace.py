@@ -19,7 +19,7 @@ from __future__ import annotations
 from kvpot.engine.mixed import Chunk
 
 # the scheduler's counts a step record keeps, as the step's own deltas
-COUNTS = ("batched_rows", "eager_rows", "fed_tokens", "mixed_forwards", "prefill_forwards", "forwards")
+COUNTS = ("batched_rows", "eager_rows", "riding_rows", "fed_tokens", "mixed_forwards", "prefill_forwards", "forwards")
 
 
 class NoTrace:
