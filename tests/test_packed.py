@@ -90,15 +90,7 @@ def test_chunks_cut_to_fill_a_step_change_no_token(model, prompts, name, fixed, 
     monkeypatch.setattr(PromptReader, "cut", lambda self, limit: cuts.append(limit) or original(self, limit))
     method, capacity = methods()[name]
     assert not method.chunk_dependent
-    expected = alone(model, method, prompts)
-    engine = kvpot.Engine(model, method=method)
-    scheduler = Scheduler(engine, slots=3, capacity=capacity, decode="static", mix=True, prefill_tokens=112)
-    scheduler.decoder.fixed_mix = fixed
-    requests = [Request(c, q, max_new_tokens=NEW, ignore_eos=True) for c, q in prompts]
-    run_all(scheduler, requests)
-    assert [r.tokens for r in requests] == [e.token_ids for e in expected]
-    assert [r.stats.max_kv_entries for r in requests] == [e.stats.max_kv_entries for e in expected]
-    assert [r.stats.compressions for r in requests] == [e.stats.compressions for e in expected]
+    mixed_as_alone(model, prompts, method, capacity, fixed, budget=112)
     assert cuts and all(7 <= limit < 112 for limit in cuts)  # cut to what was left, never a sliver under 112 // 16
 
 
@@ -118,15 +110,7 @@ def test_a_catalyst_fits_the_step_s_budget(model, prompts, fixed, one_thread, mo
 
     monkeypatch.setattr("kvpot.engine.scheduler.mixed_forward", forward)
     method, capacity = methods()["infinipot-question"]  # a pot of 64, its 5-token question as the catalyst
-    expected = alone(model, method, prompts)
-    scheduler = Scheduler(kvpot.Engine(model, method=method), slots=3, capacity=capacity, decode="static", mix=True,
-                          prefill_tokens=40)
-    scheduler.decoder.fixed_mix = fixed
-    requests = [Request(c, q, max_new_tokens=NEW, ignore_eos=True) for c, q in prompts]
-    run_all(scheduler, requests)
-    assert [r.tokens for r in requests] == [e.token_ids for e in expected]
-    assert [r.stats.max_kv_entries for r in requests] == [e.stats.max_kv_entries for e in expected]
-    assert [r.stats.compressions for r in requests] == [e.stats.compressions for e in expected]
+    mixed_as_alone(model, prompts, method, capacity, fixed, budget=40)
     assert all(chunk + tail <= 40 for chunk, tail in sizes), sizes
     assert any(tail and chunk + tail == 40 for chunk, tail in sizes)  # a catalyst in a step of a whole budget
 
@@ -138,16 +122,23 @@ def test_rows_that_reshape_their_cache_ride_in_the_mixed_forward(model, prompts,
     budget) reads its token as a one-token chunk of its run in the step's mixed forward, its method's work after it,
     instead of a forward of its own between steps: the tokens, entries and compressions it gets alone."""
     method, capacity = methods()[name]
-    expected = alone(model, method, prompts, new=24)
+    scheduler = mixed_as_alone(model, prompts, method, capacity, fixed, budget=40)
+    assert scheduler.report["riding_rows"] > 0 and scheduler.report["eager_rows"] == 0
+
+
+def mixed_as_alone(model, prompts, method, capacity, fixed: bool, budget: int) -> Scheduler:
+    """The prompts through a mixing scheduler (packed or eager mixed steps) at `budget` prompt tokens a step: each
+    request's tokens, largest cache and compressions as alone. Returns the scheduler."""
+    expected = alone(model, method, prompts)
     scheduler = Scheduler(kvpot.Engine(model, method=method), slots=3, capacity=capacity, decode="static", mix=True,
-                          prefill_tokens=40)
+                          prefill_tokens=budget)
     scheduler.decoder.fixed_mix = fixed
-    requests = [Request(c, q, max_new_tokens=24, ignore_eos=True) for c, q in prompts]
+    requests = [Request(c, q, max_new_tokens=NEW, ignore_eos=True) for c, q in prompts]
     run_all(scheduler, requests)
     assert [r.tokens for r in requests] == [e.token_ids for e in expected]
     assert [r.stats.max_kv_entries for r in requests] == [e.stats.max_kv_entries for e in expected]
     assert [r.stats.compressions for r in requests] == [e.stats.compressions for e in expected]
-    assert scheduler.report["riding_rows"] > 0 and scheduler.report["eager_rows"] == 0
+    return scheduler
 
 
 def test_token_buckets_are_few_and_cover():
