@@ -126,6 +126,30 @@ def test_rows_that_reshape_their_cache_ride_in_the_mixed_forward(model, prompts,
     assert scheduler.report["riding_rows"] > 0 and scheduler.report["eager_rows"] == 0
 
 
+def test_a_rider_that_fails_fails_alone(model, prompts, one_thread):
+    """A riding row whose work after the mixed forward raises (its pick here) fails its own request; the others keep
+    the tokens they get alone."""
+    method, capacity = methods()["infinipot"]
+    expected = alone(model, method, prompts)
+    scheduler = Scheduler(kvpot.Engine(model, method=method), slots=3, capacity=capacity, decode="static", mix=True,
+                          prefill_tokens=40)
+    rode, failed = scheduler.decoder.rode, []
+
+    def rode_once(slot, run):
+        if not failed:
+            failed.append(slot)
+            raise RuntimeError("a rider's pick broke")
+        return rode(slot, run)
+
+    scheduler.decoder.rode = rode_once
+    requests = [scheduler.submit(Request(c, q, max_new_tokens=NEW, ignore_eos=True)) for c, q in prompts]
+    scheduler.run()
+    broken = [r for r in requests if r.status == "failed"]
+    assert len(broken) == 1 and "a rider's pick broke" in broken[0].error
+    assert all(r.tokens == e.token_ids for r, e in zip(requests, expected) if r.status != "failed")
+    assert sum(r.status == "finished" for r in requests) == len(requests) - 1
+
+
 def mixed_as_alone(model, prompts, method, capacity, fixed: bool, budget: int) -> Scheduler:
     """The prompts through a mixing scheduler (packed or eager mixed steps) at `budget` prompt tokens a step: each
     request's tokens, largest cache and compressions as alone. Returns the scheduler."""

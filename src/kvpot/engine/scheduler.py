@@ -365,17 +365,16 @@ class Scheduler:
                              lambda run, err: self._fail(next(a.request for _, _, a in steady if a.run is run), err,
                                                          ended))
             self.report["batched_rows"] += len(batch)
-            for slot, active, _ in rides:  # their method's work ran after the forward (`Engine._after_forward`)
-                self.decoder.rode(slot, active.run)
-                stepped.append(slot)
             self.report["riding_rows"] += len(rides)
-        picked = []
-        for slot in stepped:
+        riders, picked = [slot for slot, _, _ in rides], []
+        for slot in stepped + riders:  # a rider's method work ran after the forward (`Engine._after_forward`)
             active = self.active.get(slot)
             try:
+                if active is not None and slot in riders:
+                    self.decoder.rode(slot, active.run)  # its logits, counts, and its next token picked
                 if active is not None and self._fed(active):
                     picked.append(slot)
-            except Exception as err:  # noqa: BLE001 - a fed question's first pick: its request fails alone
+            except Exception as err:  # noqa: BLE001 - a rider's pick, a fed question's first: its request fails alone
                 self._fail(active.request, err, ended)
         return picked + self._chunks_read(chunks, ended)
 
