@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvpot.engine.plan import Candidate, ChunkPlan, check_options, plan_chunks, reading_order
+from kvpot.engine.plan import Candidate, ChunkPlan, check_options, plan_chunks, reading_order, row_plan
 from kvpot.errors import KvpotError
 
 
@@ -152,3 +152,23 @@ def test_eager_mix_reads_in_the_rows_forward_without_the_fixed_shape_step(one_th
     eager = Scheduler(engine, slots=2, decode="static", mix="eager")
     assert eager.mix and not eager.decoder.fixed_mix
     assert Scheduler(engine, slots=2, decode="graph" if torch.cuda.is_available() else "static", mix="on").mix
+
+
+def test_a_row_steps_eagerly_where_the_batched_step_cannot_take_its_plan():
+    """`row_plan`: the method's plan, unless the pool does not batch, the method attends for itself without the
+    decode kernels' positions, or the batched step cannot compute the observation its plan asks for."""
+    from types import SimpleNamespace
+
+    def scheduler(plan, batched=True, steady_ok=True, append_ok=True):
+        method = SimpleNamespace(decode_plan=lambda cache: plan)
+        return SimpleNamespace(batched=batched, method=method, steady_ok=steady_ok, append_ok=append_ok)
+
+    plain = SimpleNamespace(attention=None)
+    assert [row_plan(scheduler(p), plain) for p in ("append", "steady", "eager")] == ["append", "steady", "eager"]
+    assert row_plan(scheduler("append", batched=False), plain) == "eager"
+    assert row_plan(scheduler("steady", steady_ok=False), plain) == "eager"
+    assert row_plan(scheduler("append", append_ok=False), plain) == "eager"
+    own = SimpleNamespace(attention=object(), policy=SimpleNamespace(kernel_decoding=False))
+    assert row_plan(scheduler("append"), own) == "eager"
+    kernels = SimpleNamespace(attention=object(), policy=SimpleNamespace(kernel_decoding=True))
+    assert row_plan(scheduler("append"), kernels) == "append"

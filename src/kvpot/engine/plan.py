@@ -9,6 +9,9 @@ does not (`Candidate.cuttable`) has its chunks capped at the whole budget alread
 chunk that does not fit what is left is cut to fill it (vLLM's chunked prefill): a step then reads its whole
 budget in the mixed forward, where the rest was read in forwards of their own after it (InfiniPot's pot cuts chunks
 short of the budget). On an H200's open loop that took ITL p99 from 116 to 68 ms (records/engine-core-h200/packed-2/).
+
+`row_plan` decides what each decoding row's step does, from the method's host-side counts: append in the batched
+step, evict back to its budget after it ("steady"), or step as the one-sequence engine does ("eager").
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ def plan_chunks(candidates: list[Candidate], budget: int, decoding: int) -> Chun
         cost = candidate.tokens + candidate.tail
         if cost > left:
             room = left - candidate.tail  # cut short of its pot's fill, a chunk may carry no tail: room kept anyway
-            if candidate.cuttable and max(1, budget // 16) <= room < candidate.tokens:
+            if candidate.cuttable and room >= max(1, budget // 16):
                 chosen.append(candidate.slot)
                 left, cut = 0, room
             elif not chosen:  # a step always reads
