@@ -227,6 +227,31 @@ class PotLayer(CacheLayerMixin):
             self.scores[name] = torch.zeros(shape, dtype=torch.float32, device=self.device)
         return self.scores[name][:, :, : self.n]
 
+    # The host-side counts (`n`, `n_new`, `max_rope`) mirror what the device did; they are written here only.
+    def mirror_append(self, count: int, last_position: int | None = None) -> None:
+        """The device appended `count` entries (a step's token, a chunk) that the host did not write: `n`, `n_new`,
+        and `max_rope` (ranked positions: the last rank; keys stored rotated: at least `last_position`, if given)."""
+        self.n += count
+        self.n_new = count
+        if not self.cache.policy.stores_rotated:
+            self.max_rope = self.n - 1
+        elif last_position is not None:
+            self.max_rope = max(self.max_rope, last_position)
+
+    def mirror_drop(self, n: int) -> None:
+        """The device evicted down to `n` entries (in place, or replaced out of stream order): ranked positions end
+        at `n - 1`; a CPU layer's rotated copy no longer matches its entries."""
+        self.n, self.n_new = n, 0
+        self.rotated_valid = 0
+        if not self.cache.policy.stores_rotated:
+            self.max_rope = n - 1
+
+    def set_counts(self, n: int, max_rope: int, n_new: int | None = None) -> None:
+        """Counts taken from elsewhere: a copied or loaded cache, the counts a captured step ends at."""
+        self.n, self.max_rope = n, max_rope
+        if n_new is not None:
+            self.n_new = n_new
+
     def select(self, keep: torch.Tensor) -> None:
         """Keep entries `keep` [b, kv_heads | 1, k] (ascending indices into the live entries)."""
         keep = keep.expand(self.batch, self.kv_heads, -1)

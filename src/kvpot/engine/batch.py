@@ -439,11 +439,7 @@ __all__ = ["BatchDecoder", "StepCache", "batchable_request", "batched_method", "
 def mirror_append(run) -> None:
     """The host-side counts of a run after a batched step appended its token (the device did the append)."""
     cache = run.cache
-    rank = not cache.policy.stores_rotated
     for layer in cache.layers:
-        layer.n += 1
-        layer.n_new = 1
-        if rank:
-            layer.max_rope = layer.n - 1
+        layer.mirror_append(1)
     cache.note_entries(max(layer.n for layer in cache.layers))
     run.next_position += 1

@@ -305,7 +305,7 @@ class Decoder:
 
     def _set_host_state(self, state) -> None:
         for layer, (n, n_new, max_rope) in zip(self.cache.layers, state):
-            layer.n, layer.n_new, layer.max_rope = n, n_new, max_rope
+            layer.set_counts(n, max_rope, n_new)
 
     def _replay(self, plan: str) -> None:
         self.graphs.follow(self._buffer_addresses())  # an eager step grew a buffer: the graphs are stale
@@ -331,10 +331,7 @@ class Decoder:
         cache = self.cache
         if plan == "append":
             for layer in cache.layers:
-                layer.n += 1
-                layer.n_new = 1
-                if not cache.policy.stores_rotated:
-                    layer.max_rope = layer.n - 1
+                layer.mirror_append(1)
                 cache.note_entries(layer.n)
         else:  # steady: back to the counts it was captured at
             self._set_host_state(effect)

@@ -104,10 +104,7 @@ def evict_rows(method: EvictionMethod, pool, caches: list, batch_rows: list[int]
         pool.lengths[index, rows] = keep
         for cache in caches:
             layer = cache.layers[index]
-            layer.n, layer.n_new = keep, 0
-            layer.rotated_valid = 0  # a CPU layer's rotated copy no longer matches its entries
-            if not pool.policy.stores_rotated:
-                layer.max_rope = keep - 1
+            layer.mirror_drop(keep)
             cache.unordered = cache.unordered or replacing
 
 

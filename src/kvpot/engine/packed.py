@@ -249,11 +249,9 @@ class PackedStep:
         for r, (chunk, (tail, request), (start, size)) in enumerate(zip(chunks, probes, spans)):
             cache, q = chunk.run.cache, chunk.ids.numel()
             before = cache.lengths()
-            rotated = cache.policy.stores_rotated
             last = chunk.run.next_position + size - 1  # the part's last stream position
             for layer in cache.layers:
-                layer.n, layer.n_new = layer.n + size, size
-                layer.max_rope = max(layer.max_rope, last) if rotated else layer.n - 1
+                layer.mirror_append(size, last)
             cache.note_entries(max(cache.lengths()))
             observed = None
             if tail is not None:  # the probe's attention over what it may score (read at once by the method)

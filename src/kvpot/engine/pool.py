@@ -165,7 +165,7 @@ class SlotPool:
                     getattr(layer, name)[:, :, :n] = getattr(other, name)[:, :, :n].to(self.device)
                 for name, buf in other.scores.items():
                     layer.storage.score(name)[slot : slot + 1, :, :n] = buf[:, :, :n].to(self.device)
-            layer.n, layer.max_rope = n, other.max_rope
+            layer.set_counts(n, other.max_rope)
         cache.max_entries = source.max_entries
         cache.attention = _clone_state(source.attention)
         cache.method_state = {key: _clone_state(value) for key, value in source.method_state.items()}

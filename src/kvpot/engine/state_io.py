@@ -262,7 +262,7 @@ class _Reader:
         return cache
 
     def layer(self, layer: PotLayer, entry: dict, at: str) -> None:
-        layer.n, layer.max_rope = entry["n"], entry["max_rope"]
+        layer.set_counts(entry["n"], entry["max_rope"])
         if not entry["initialized"]:
             return
         keys, values = self.tensors[f"{at}.keys"], self.tensors[f"{at}.values"]

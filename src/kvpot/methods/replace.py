@@ -181,11 +181,7 @@ def take_newest(layer, scores: torch.Tensor | None = None, sinks: int = 0, recen
 
 def took_newest(layer) -> None:
     """The host side of `take_newest` (a kernel that merged first moved the entries: D2O)."""
-    n, policy = layer.n, layer.cache.policy
-    layer.n, layer.n_new = n - 1, 0
-    layer.rotated_valid = 0  # a CPU layer's rotated copy no longer matches its places
-    if not policy.stores_rotated:
-        layer.max_rope = n - 2
+    layer.mirror_drop(layer.n - 1)
     layer.cache.unordered = True
 
 
@@ -204,5 +200,5 @@ def restore_order(cache) -> None:
         if layer.n:
             n_new = layer.n_new
             layer.select(layer.positions[:, :, : layer.n].argsort(dim=-1))
-            layer.n_new = n_new
+            layer.set_counts(layer.n, layer.max_rope, n_new)
     cache.unordered = False
