@@ -20,9 +20,9 @@ InfLLM's). A tail probe rides in the chunk's part as it does alone (`Engine._for
 catalyst at a pot's fill, CItruS' instruction, their attention observed and their entries rolled back.
 
 A decoding row whose method reshapes its cache at this token (InfiniPot's pot filling, a cache reaching its
-budget: `Method.decode_plan` "eager") joins as a chunk too: its last token, one-token chunk of its run, the forward
-`BatchDecoder.eager_step` would run alone (`BatchDecoder.ride`), its method's work after it, then its next token
-picked (`BatchDecoder.rode`). Alone, those forwards took 85-272 ms between steps on an H200.
+budget: `Method.decode_plan` "eager") joins as a chunk too: its last token as a one-token chunk of its run, the
+forward `BatchDecoder.eager_step` would run alone (`BatchDecoder.ride`), its method's work after it, then its next
+token picked (`BatchDecoder.rode`). Alone, those forwards took 85-272 ms between steps on an H200.
 """
 
 from __future__ import annotations

@@ -51,8 +51,8 @@ class StepTrace:
         before = self._open.pop("before")
         record = {name: report.get(name, 0) - before[name] for name in COUNTS}
         record["mixed_tokens"] = sum(int(chunk.ids.numel()) for _, _, chunk in chunks)
-        # the compressions the mixed chunks' methods ran after this step's forward (InfiniPot's at a pot's fill): they
-        # run on the host after the replay, so they lengthen the step; a run admitted in this step counts from 0
+        # the compressions the mixed chunks' methods ran after this step's forward (InfiniPot's at a pot's fill): their
+        # work follows the forward's, so they lengthen the step; a run admitted in this step counts from 0
         seen = self._open.pop("compressions")
         record["compressions"] = sum(chunk.run.stats.compressions - seen.get(id(chunk.run), 0)
                                      for _, _, chunk in chunks)
