@@ -61,6 +61,7 @@ class Scheduler:
     """
 
     mix_waits = False  # mixable chunks wait after a mixed forward; off: TTFT p50 4.7 / 3.3 s (engine-core-h100/invariant/)
+    rides = True  # mixing, rows whose method reshapes the cache ride in the mixed forward (False: alone; `mix_rule_ab.py`)
 
     def __init__(self, engine, slots: int | None = None, capacity: int | None = None, question_room: int = 512,
                  max_waiting: int | None = None, prefill_tokens: int = PREFILL_TOKENS, decode: str = "auto",
@@ -319,7 +320,7 @@ class Scheduler:
         copy_before_step(self, decoding, plans)  # readers of a shared document whose step changes it copy first
         stepped, rides = [], []
         for slot, active in decoding:
-            if plans[slot] == "eager" and self.mix and mixable(self.method, active.run):
+            if plans[slot] == "eager" and self.mix and self.rides and mixable(self.method, active.run):
                 rides.append((slot, active, Chunk(active.run, *self.decoder.ride(slot, active.run))))
             elif plans[slot] == "eager":
                 try:
