@@ -600,19 +600,23 @@ def test_padding_rows_keep_position_zero(model, prompts, one_thread):
 @pytest.mark.parametrize("mix", [False, True], ids=["apart", "mixed"])
 def test_shortest_prompts_first_reach_their_first_token_first_with_the_tokens_alone(mix, one_thread):
     """`prompt_order="shortest"`: of two prompts submitted together, the shorter is read first although it came
-    second (by arrival the longer goes first), in forwards of their own and in mixed steps; tokens equal alone."""
+    second (by arrival the longer goes first, and so with no patience), in forwards of their own and in mixed steps;
+    tokens equal alone."""
     model = build("llama3")
     torch.manual_seed(4)
     prompts = [(torch.randint(3, VOCAB, (n,)).tolist(), torch.randint(3, VOCAB, (5,)).tolist()) for n in (400, 60)]
     method = kvpot.InfiniPot(pot_size=64, catalyst=None)
     expected = alone(model, method, prompts)
     firsts = {}
-    for order in ("arrival", "shortest"):
+    for name, order, patience in (("arrival", "arrival", 10.0), ("shortest", "shortest", 10.0),
+                                  ("shortest-patience-0", "shortest", 0.0)):
         scheduler = Scheduler(kvpot.Engine(model, method=method), slots=3, decode="static", mix=mix,
-                              prefill_tokens=32, prompt_order=order)
+                              prefill_tokens=32, prompt_order=order, prompt_patience=patience)
         requests = [Request(c, q, max_new_tokens=NEW, ignore_eos=True) for c, q in prompts]
         run_all(scheduler, requests)
-        assert [r.tokens for r in requests] == [e.token_ids for e in expected], order
-        firsts[order] = [r.first_token_time for r in requests]
+        assert [r.tokens for r in requests] == [e.token_ids for e in expected], name
+        firsts[name] = [r.first_token_time for r in requests]
     assert firsts["arrival"][0] < firsts["arrival"][1]  # the longer, older prompt was read first
     assert firsts["shortest"][1] < firsts["shortest"][0]  # the shorter passed it
+    # no patience: the longer prompt's wait ran out at once, so it keeps its place
+    assert firsts["shortest-patience-0"][0] < firsts["shortest-patience-0"][1]

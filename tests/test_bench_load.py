@@ -220,7 +220,7 @@ def test_throughput_open_loop_rows(capsys, tmp_path):
                             "--method", "infinipot:pot_size=128", "--users", "3", "--length-mix", "64,96",
                             "--new-tokens-mix", "2-5", "--question-tokens", "4", "--arrival-rate", "20",
                             "--seed", "3", "--slo-ttft", "300", "--slo-itl", "300", "--baseline", "hf",
-                            "--prompt-order", "shortest")
+                            "--prompt-order", "shortest", "--prompt-patience", "0.5")
     assert code == 0, err
     results = json.loads((out / "results.json").read_text())
     config = results["config"]
@@ -242,7 +242,8 @@ def test_throughput_open_loop_rows(capsys, tmp_path):
     lengths = draw_mix("64,96", 3, seed=3, what="length")
     assert rows["infinipot [batch]"]["prompt_tokens"] == sum(lengths) + 3 * 4
     # each request's own figures, in arrival order: its prompt, its tokens, a TTFT of which reading is a part
-    assert rows["infinipot [batch]"]["prompt_order"] == "shortest"
+    assert (rows["infinipot [batch]"]["prompt_order"], rows["infinipot [batch]"]["prompt_patience"]) == ("shortest", 0.5)
+    assert config["prompt_patience"] == 0.5
     mine = rows["infinipot [batch]"]["per_request"]
     assert [r["prompt_tokens"] for r in mine] == [n + 4 for n in lengths]
     assert [r["output_tokens"] for r in mine] == drawn

@@ -79,11 +79,17 @@ def test_an_exhausted_budget_takes_no_more_chunks():
     ((0, None, "auto", "auto"), "prefill_tokens"), ((True, None, "auto", "auto"), "prefill_tokens"),
     ((64, -1, "auto", "auto"), "max_waiting"), ((64, None, "sometimes", "auto"), "feed_questions"),
     ((64, None, "auto", "eager"), "fixed-shape"), ((64, None, "auto", "auto", False, "longest"), "prompt_order"),
+    ((64, None, "auto", "auto", False, "shortest", -1.0), "prompt_patience"),
+    ((64, None, "auto", "auto", False, "shortest", "10"), "prompt_patience"),
+    ((64, None, "auto", "auto", False, "shortest", float("nan")), "prompt_patience"),
+    ((64, None, "auto", "auto", False, "shortest", True), "prompt_patience"),
 ])
 def test_scheduler_options_are_refused_in_one_sentence(options, fragment):
     with pytest.raises(KvpotError, match=fragment):
         check_options(*options)
     check_options(64, None, "auto", "graph")
+    check_options(64, None, "auto", "graph", False, "shortest", float("inf"))  # shortest first, never overtaken
+    check_options(64, None, "auto", "graph", False, "shortest", 0)  # (arrival order)
 
 
 def test_reading_order_by_arrival_or_by_prompt_tokens_left():
@@ -103,6 +109,9 @@ def test_reading_order_by_arrival_or_by_prompt_tokens_left():
     # past its patience a prompt goes before shorter ones (the oldest first among such): none is held back for good
     assert [slot for slot, _ in reading_order(actives, "shortest", now=11.5, patience=10.0)] == [1, 5, 3, 0]
     assert [slot for slot, _ in reading_order(actives, "shortest", now=13.5, patience=10.0)] == [1, 3, 0, 5]
+    # a patience of 0 is arrival order; an infinite one never lets a longer prompt overtake
+    assert [slot for slot, _ in reading_order(actives, "shortest", now=5.0, patience=0)] == [1, 3, 0, 5]
+    assert [slot for slot, _ in reading_order(actives, "shortest", now=1e9, patience=float("inf"))] == [5, 3, 0, 1]
 
 
 def test_mixing_is_on_where_the_varlen_kernel_runs_unless_told(monkeypatch):

@@ -224,6 +224,8 @@ def test_config_validation_and_sizes(tmp_path):
         ServeConfig(mix=True)
     with pytest.raises(KvpotError, match="--prompt-order must be arrival or shortest, got 'longest'"):
         ServeConfig(prompt_order="longest")
+    with pytest.raises(KvpotError, match="--prompt-patience must be a number of seconds >= 0, got -1"):
+        ServeConfig(prompt_patience=-1)
     with pytest.raises(KvpotError, match="--mix on and --share-documents"):
         ServeConfig(mix="on", share_documents=True)
     from kvpot.serve.config import EngineRecipe
@@ -247,6 +249,7 @@ def test_config_validation_and_sizes(tmp_path):
     (["--max-slots", "0"], "--max-slots must be a positive integer"),
     (["--prefill-tokens", "0"], "--prefill-tokens must be a positive integer"),
     (["--feed-tokens", "0"], "--feed-tokens must be a positive integer"),
+    (["--prompt-patience", "-2"], "--prompt-patience must be a number of seconds >= 0"),
     (["--batch-invariant", "--mix", "on"], "--batch-invariant reads prompts and questions as one request alone"),
     (["--batch-invariant", "--feed-questions", "always"], "it does not run with --mix on, --feed-questions always"),
     (["--batch-invariant", "--linear", "torch"], "--batch-invariant chooses the linear layers' kernel itself"),
@@ -260,17 +263,18 @@ def test_serve_command_refuses_bad_flags_in_one_line(argv, fragment, capsys):
 
 
 def test_the_pool_feeds_questions_as_configured(one_thread):
-    """`--feed-questions`, `--feed-tokens`, `--mix` and `--prompt-order` reach the server's scheduler."""
+    """`--feed-questions`, `--feed-tokens`, `--mix`, `--prompt-order` and `--prompt-patience` reach the server's
+    scheduler."""
     from kvpot.serve.service import Service
 
     engine = _engine(window=60)
     config = ServeConfig(method="streaming:sinks=4,window=60,chunk_size=32", feed_questions="never", feed_tokens=8,
-                         mix="on", prompt_order="shortest")
+                         mix="on", prompt_order="shortest", prompt_patience=2.5)
     service = Service(engine, config)
     try:
         scheduler = service._make_scheduler(engine, config.method, 2)
         assert (scheduler.feed_questions, scheduler.feed_tokens, scheduler.mix) == ("never", 8, True)
-        assert scheduler.prompt_order == "shortest"
+        assert (scheduler.prompt_order, scheduler.prompt_patience) == ("shortest", 2.5)
     finally:
         service.worker.shutdown()
 

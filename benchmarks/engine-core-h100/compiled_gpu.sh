@@ -4,7 +4,8 @@
 # workload) at $BUDGET (1,024) prompt tokens a step with `--compile-step` (packed steps compiled too), then
 # `prefill_ops.py --compile-step` (a 16K read beside 32 decoding rows). If they fail, the open loop runs uncompiled
 # with `--prompt-order shortest` instead. With ORDERS="shortest arrival" (no tests, no prefill_ops): the compiled open
-# loop once per prompt order.
+# loop once per prompt order; an item ORDER@SECONDS sets its --prompt-patience (ORDERS="shortest@3 shortest@5": the
+# patience that keeps shortest-first's median with less of its tail, ~4 minutes a run).
 # Usage: OUT=DIR bash benchmarks/engine-core-h100/compiled_gpu.sh
 set -uo pipefail
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -12,12 +13,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/mac
 echo "commit ${KVPOT_GIT_COMMIT:-unknown}" >> "$OUT/machine.txt"
 budget=${BUDGET:-1024}; mkdir -p /tmp/ol
 if [ -n "${ORDERS:-}" ]; then
-  for order in $ORDERS; do
+  for item in $ORDERS; do  # ORDER or ORDER@PATIENCE (seconds; --prompt-patience, default 10)
+    order=${item%@*}; patience=${item#*@}; [ "$patience" = "$item" ] && patience=10; tag=${item/@/-p}
     OUT=/tmp/ol timeout "${LOOP_LIMIT:-255}" bash benchmarks/engine-core-h100/open_loop.sh \
-      "compiled-$order" --prefill-tokens "$budget" --compile-step --prompt-order "$order" --sequential-users 1 \
-      > "$OUT/open-loop-$order-log.txt" 2>&1
-    cp "/tmp/ol/compiled-$order/results.json" "$OUT/open-loop-compiled-$order.json"
-    tail -12 "$OUT/open-loop-$order-log.txt" | cut -c1-300
+      "compiled-$tag" --prefill-tokens "$budget" --compile-step --prompt-order "$order" --prompt-patience "$patience" \
+      --sequential-users 1 > "$OUT/open-loop-$tag-log.txt" 2>&1
+    cp "/tmp/ol/compiled-$tag/results.json" "$OUT/open-loop-compiled-$tag.json"
+    tail -12 "$OUT/open-loop-$tag-log.txt" | cut -c1-300
   done
   exit 0
 fi

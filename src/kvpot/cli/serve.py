@@ -13,7 +13,7 @@ DEFAULT_METHOD = "infinipot:pot_size=4096"  # bounded, as `kvpot generate`'s def
 
 def register(subparsers) -> None:
     from kvpot.cli.args import METHOD_METAVAR, add_decode_argument, add_model_arguments, add_tp_argument
-    from kvpot.defaults import MIX, MIXES, PREFILL_TOKENS, PROMPT_ORDER, PROMPT_ORDERS
+    from kvpot.defaults import MIX, MIXES, PREFILL_TOKENS, PROMPT_ORDER, PROMPT_ORDERS, PROMPT_PATIENCE
 
     p = subparsers.add_parser(
         "serve",
@@ -72,6 +72,10 @@ def register(subparsers) -> None:
                    help="which prompts a step reads first: arrival (the oldest; no later request passes an earlier "
                         "one) or shortest (the fewest prompt tokens left: under load a lower median time to first "
                         f"token, the longest prompts waiting longer; default {PROMPT_ORDER})")
+    b.add_argument("--prompt-patience", type=float, default=PROMPT_PATIENCE, metavar="SECONDS",
+                   help="with --prompt-order shortest: a prompt whose request has held its slot this long is read "
+                        "before shorter ones, so none waits for good (0: arrival order; inf: never; default "
+                        f"{PROMPT_PATIENCE:g})")
     b.add_argument("--mix", choices=MIXES, default=MIX,
                    help="read prompt chunks in the same forward as the users decoding (one budgeted forward a "
                         "step, --prefill-tokens of prompt beside one token a user) instead of a forward of their "
@@ -170,7 +174,8 @@ def run(args) -> int:
         state_disk=None if args.state_disk is None else parse_bytes(args.state_disk, "--state-disk"),
         cache_min_tokens=args.cache_min_tokens, max_slots=args.max_slots,
         kv_memory_fraction=args.kv_memory_fraction, method_slots=args.method_slots,
-        prefill_tokens=args.prefill_tokens, mix=args.mix, prompt_order=args.prompt_order, slot_capacity=args.slot_capacity,
+        prefill_tokens=args.prefill_tokens, mix=args.mix, prompt_order=args.prompt_order,
+        prompt_patience=args.prompt_patience, slot_capacity=args.slot_capacity,
         feed_questions=args.feed_questions, feed_tokens=args.feed_tokens, share_documents=args.share_documents,
         read_timeout=args.read_timeout, tp_timeout=args.tp_timeout,
         shutdown_grace=args.shutdown_grace, allowed_hosts=tuple(args.allowed_hosts.split(",")),

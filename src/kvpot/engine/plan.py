@@ -110,7 +110,8 @@ def reading_order(active: dict, order: str, now: float = 0.0, patience: float = 
 
 
 def check_options(prefill_tokens: int, max_waiting: int | None, feed_questions: str, decode: str,
-                  invariant: bool = False, prompt_order: str = PROMPT_ORDER) -> str:
+                  invariant: bool = False, prompt_order: str = PROMPT_ORDER,
+                  prompt_patience: float = PROMPT_PATIENCE) -> str:
     """The scheduler's options, refused in one sentence each; returns how questions are fed (`invariant`,
     batch-invariant decoding: never, as one request alone reads its question in a forward)."""
     if isinstance(prefill_tokens, bool) or not isinstance(prefill_tokens, int) or prefill_tokens < 1:
@@ -119,6 +120,7 @@ def check_options(prefill_tokens: int, max_waiting: int | None, feed_questions: 
         raise KvpotError(f"max_waiting must be >= 0, got {max_waiting!r}.")
     if prompt_order not in PROMPT_ORDERS:
         raise KvpotError(f"prompt_order must be one of {PROMPT_ORDERS}, got {prompt_order!r}.")
+    check_patience(prompt_patience)
     if feed_questions not in ("auto", "always", "never"):
         raise KvpotError(f"feed_questions must be 'auto', 'always' or 'never', got {feed_questions!r}.")
     if decode == "eager":
@@ -127,3 +129,9 @@ def check_options(prefill_tokens: int, max_waiting: int | None, feed_questions: 
         raise KvpotError("feed_questions='always' under batch-invariant decoding: a question fed token by token "
                          "is read in other sums than alone; use 'auto' or 'never'.")
     return "never" if invariant else feed_questions
+
+
+def check_patience(patience) -> None:
+    """Refuse a prompt patience that is not a number of seconds >= 0 (`inf`: shortest first, never overtaken)."""
+    if isinstance(patience, bool) or not isinstance(patience, (int, float)) or not patience >= 0:
+        raise KvpotError(f"prompt_patience must be a number of seconds >= 0, got {patience!r}.")

@@ -26,7 +26,7 @@ from kvpot.engine.documents import copy_before_step, load_state, share_region, u
 from kvpot.engine.evict import evict_steady
 from kvpot.engine.mixed import (Chunk, capture_mixed, mixable, mixed_forward, peek_candidate, resolve_mix,
                                tail_tokens)
-from kvpot.defaults import MIX, PREFILL_TOKENS, PROMPT_ORDER, SLOT_MEMORY_FRACTION
+from kvpot.defaults import MIX, PREFILL_TOKENS, PROMPT_ORDER, PROMPT_PATIENCE, SLOT_MEMORY_FRACTION
 from kvpot.engine.plan import check_options, plan_chunks, reading_order, row_plan
 from kvpot.engine.pool import SlotPool, slot_bytes, slot_capacity, slot_count
 from kvpot.engine.reading import PromptReader
@@ -54,8 +54,8 @@ class Scheduler:
         for methods whose cache does not depend on how the question is cut (`Method.feeds_question`).
     mix: read prompt chunks in the decoding rows' forward (`kvpot.engine.mixed`): the same tokens, fewer forwards.
         "auto" (`kvpot.defaults.MIX`, `kvpot.engine.mixed.resolve_mix`): on a CUDA GPU; "on", "off", "eager" or a bool.
-    prompt_order: which prompts a step reads first, "arrival" (oldest) or "shortest" (fewest tokens left;
-        `kvpot.defaults.PROMPT_ORDER`, `kvpot.engine.plan.reading_order`).
+    prompt_order: which prompts a step reads first, "arrival" (oldest) or "shortest" (fewest tokens left; `prompt_patience`
+        seconds after taking its slot a prompt goes first; `kvpot.defaults.PROMPT_ORDER`, `kvpot.engine.plan.reading_order`).
     share_documents: readers of a stored `State` read its keys and values from one copy (`kvpot.engine.documents`,
         `documents` at once; questions fed even alone), copied on write (`Method.copies_document`). Off by default.
     """
@@ -67,12 +67,12 @@ class Scheduler:
                  max_waiting: int | None = None, prefill_tokens: int = PREFILL_TOKENS, decode: str = "auto",
                  max_slots: int = 256, memory_fraction: float = SLOT_MEMORY_FRACTION, feed_questions: str = "auto",
                  feed_tokens: int = 64, mix: bool | str = MIX, share_documents: bool = False, documents: int = 4,
-                 prompt_order: str = PROMPT_ORDER):
+                 prompt_order: str = PROMPT_ORDER, prompt_patience: float = PROMPT_PATIENCE):
         if len(engine.devices) > 1:
             raise KvpotError("batched decoding runs a model on one device; a model split over several GPUs "
                              "(device_map) decodes one sequence at a time with Engine.generate.")
         feed_questions = check_options(prefill_tokens, max_waiting, feed_questions, decode, engine.batch_invariant,
-                                       prompt_order)
+                                       prompt_order, prompt_patience)
         mode = "static" if decode == "auto" and engine.device.type != "cuda" else resolve_mode(decode, engine.device)
         self.engine, self.method = engine, engine.method
         self.capacity = slot_capacity(self.method, capacity, question_room)
@@ -81,9 +81,9 @@ class Scheduler:
         self.pool = SlotPool(engine.model.config, engine.rope, make_policy(engine.method.positions), slots, self.capacity,
                              dtype, engine.device, engine.parallel)
         self.agreement = StepAgreement.of(engine)  # tensor parallelism: every rank's step alike (engine/agreement.py)
-        self.decoder = BatchDecoder(engine, self.pool, graphs=mode == "graph")
-        self.mode = mode
+        self.decoder, self.mode = BatchDecoder(engine, self.pool, graphs=mode == "graph"), mode
         self.max_waiting, self.prefill_tokens, self.prompt_order = max_waiting, prefill_tokens, prompt_order
+        self.prompt_patience = prompt_patience
         self.chunk_cap = None if engine.batch_invariant else prefill_tokens  # invariant: prompts cut as alone
         self.admission = Admission(slots, max_waiting)  # the one admission test (kvpot.engine.admission)
         self.places: dict[int, Place] = {}  # request id -> its place, given back when it ends
@@ -244,7 +244,7 @@ class Scheduler:
             return [], budget
         candidates, peeked = [], {}
         cuttable = self.chunk_cap is not None and not self.method.chunk_dependent  # a chunk cut to fill the step
-        for slot, active in reading_order(self.active, self.prompt_order, time.perf_counter()):
+        for slot, active in reading_order(self.active, self.prompt_order, time.perf_counter(), self.prompt_patience):
             active.run.max_chunk = self.chunk_cap
             candidate, chunk = peek_candidate(self.method, slot, active.run, active.reader, cuttable)
             candidates.append(candidate)
@@ -261,7 +261,7 @@ class Scheduler:
         took 90-190 ms (engine-core-h200/packed-3/). `mix_waits`, every mixable chunk waiting, is off: see its A/B."""
         done, read = [], budget < self.prefill_tokens  # prompt tokens were read in this step's forward already
         waits = read and self.mix_waits  # (an A/B: `mix_rule_ab.py`, `mixed_probe.py --modes mix-apart`)
-        for slot, active in reading_order(self.active, self.prompt_order, time.perf_counter()):
+        for slot, active in reading_order(self.active, self.prompt_order, time.perf_counter(), self.prompt_patience):
             try:
                 # a forward costs at least the weights' read: not worth it for a sliver of budget. Forwards apart are
                 # capped at the whole budget, not what is left: cut to each remainder, a method's chunks could stay out

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvpot.defaults import MIX, MIXES, PREFILL_TOKENS, PROMPT_ORDER, PROMPT_ORDERS
+from kvpot.defaults import MIX, MIXES, PREFILL_TOKENS, PROMPT_ORDER, PROMPT_ORDERS, PROMPT_PATIENCE
 from kvpot.errors import KvpotError
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
@@ -43,6 +43,7 @@ class ServeConfig:
     prefill_tokens: int = PREFILL_TOKENS  # prompt tokens read per step beside the decoding rows (chunked prefill)
     mix: str = MIX  # prompt chunks in the decoding rows' forward: auto (a CUDA GPU), on, off (Scheduler)
     prompt_order: str = PROMPT_ORDER  # which prompts a step reads first: arrival or shortest (Scheduler)
+    prompt_patience: float = PROMPT_PATIENCE  # shortest first: seconds after which a prompt goes first (Scheduler)
     slot_capacity: int | None = None  # KV entries per slot for methods whose cache grows with the input
     feed_questions: str = "auto"  # a stored document's questions fed through the decoding steps (Scheduler)
     feed_tokens: int = 64  # the longest question fed so
@@ -97,6 +98,9 @@ class ServeConfig:
             raise KvpotError(f"--feed-questions must be auto, always or never, got {self.feed_questions!r}.")
         if self.prompt_order not in PROMPT_ORDERS:
             raise KvpotError(f"--prompt-order must be {' or '.join(PROMPT_ORDERS)}, got {self.prompt_order!r}.")
+        patience = self.prompt_patience
+        if isinstance(patience, bool) or not isinstance(patience, (int, float)) or not patience >= 0:
+            raise KvpotError(f"--prompt-patience must be a number of seconds >= 0, got {patience!r}.")
         if self.chat_template not in ("auto", "on", "off"):
             raise KvpotError("--chat-template must be auto, on or off.")
         if self.default_max_tokens > self.max_tokens_limit:
