@@ -18,7 +18,7 @@ them in: at seed 0 it gives arrival order a TTFT p50 / p95 of 2.13 / 9.50 s and 
         [--policies arrival,shortest@3,shortest@5,shortest@10,shortest@inf] [--step-ms 50]
 
 Writes DIR/order_model.json (per rate and policy: each seed's TTFT p50 / p95 / max / mean, and their median and range
-over the seeds) and DIR/summary.md, and prints the table.
+over the seeds), DIR/summary.md and DIR/order_model.png (p50 against p95, a point per policy), and prints the table.
 """
 
 from __future__ import annotations
@@ -116,7 +116,34 @@ def main(argv=None) -> None:
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     (args.out / "order_model.json").write_text(json.dumps({"config": config, "results": results}, indent=1))
     (args.out / "summary.md").write_text(f"# Prompt order, modelled (not measured)\n\n{table}\n")
+    plot(results, args.out / "order_model.png")
     print(table)
+
+
+def plot(results: list[dict], path: Path) -> None:
+    """TTFT p50 against p95 (medians over the seeds), a point per policy and a panel per rate: the trade to choose."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # (matplotlib is the bench extra's)
+        return
+    rates = sorted({row["rate"] for row in results})
+    fig, axes = plt.subplots(1, len(rates), figsize=(4.2 * len(rates), 3.8), squeeze=False)
+    for ax, rate in zip(axes[0], rates):
+        for row in (r for r in results if r["rate"] == rate):
+            s = row["over_seeds"]
+            label = "arrival" if row["order"] == "arrival" else f"{row['patience']:g} s"
+            ax.scatter(s["p95"]["median"], s["p50"]["median"], color="C3" if label == "arrival" else "C0")
+            ax.annotate(label, (s["p95"]["median"], s["p50"]["median"]), fontsize=8, xytext=(3, 3),
+                        textcoords="offset points")
+        ax.axhline(1.5, color="grey", lw=0.8, ls="--")
+        ax.set(title=f"{rate:g} requests/s", xlabel="TTFT p95 (s)", ylabel="TTFT p50 (s)")
+    fig.suptitle("Prompt order: arrival, or shortest first with a patience (modelled; medians over seeds)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
