@@ -104,6 +104,8 @@ def test_tensor_parallel_serve_stops_every_rank_on_sigterm(tp_server):
     psutil = pytest.importorskip("psutil")
     ranks = {int(p.environ()["RANK"]): p for p in psutil.Process(tp_server.process.pid).children()}
     assert sorted(ranks) == [0, 1]
+    document = tp_server.http("POST", "/v1/documents", json={"text": LONG})  # a state of its own: it runs alone too
+    assert document.status_code == 200, document.text
     ranks[0].send_signal(signal.SIGTERM)  # rank 0 drains, then tells rank 1 to stop
     assert tp_server.process.wait(timeout=60) == 0, tp_server.log.read_text()[-4000:]  # torchrun: every rank 0
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks.values())
