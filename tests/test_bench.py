@@ -14,6 +14,7 @@ from kvpot.models import shapes
 from conftest import assert_png, run
 from kvpot.cli import main
 from kvpot.engine import Engine
+from kvpot.errors import KvpotError
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -395,6 +396,18 @@ def test_machine_record_takes_the_commit_named_by_whoever_copied_the_tree(monkey
     assert machine("cpu")["git_commit"] == "0123456789abcdef"
     monkeypatch.delenv("KVPOT_GIT_COMMIT")
     assert machine("cpu")["git_commit"] != "0123456789abcdef"
+    for placeholder in ("REPLACE", "HEAD", "abc", "0123456789abcdef0123456789abcdef0123456789"):  # a name, not a hash
+        monkeypatch.setenv("KVPOT_GIT_COMMIT", placeholder)
+        with pytest.raises(KvpotError, match="is not a commit hash"):
+            machine("cpu")
+
+
+def test_a_placeholder_commit_stops_the_bench_before_it_runs(monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("KVPOT_GIT_COMMIT", "REPLACE")
+    code, _, err = run(capsys, "bench", "decode", "--shape", "tiny", "--device", "cpu", "--lengths", "64",
+                       "--method", "full", "--out", str(tmp_path / "out"))
+    assert code == 2 and "KVPOT_GIT_COMMIT='REPLACE' is not a commit hash" in err
+    assert not (tmp_path / "out" / "results.json").exists()
 
 
 def test_throughput_batch_one_at_a_time_and_transformers(capsys, tmp_path):

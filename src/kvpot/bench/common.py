@@ -41,10 +41,26 @@ def machine(device: str) -> dict:
                      "python": platform.python_version(), "cuda": torch.version.cuda},
         # A copy of the tree made without its git metadata (the GPU machine's) is told its commit by
         # whoever copied it; its own .git, if any, may be stale.
-        "git_commit": os.environ.get("KVPOT_GIT_COMMIT") or _git("rev-parse", "HEAD"),
+        "git_commit": named_commit() or _git("rev-parse", "HEAD"),
         "git_dirty": None if (status := _git("status", "--porcelain", "--untracked-files=no")) is None else bool(status),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+def named_commit() -> str | None:
+    """The commit `KVPOT_GIT_COMMIT` names (None when unset). Anything but a hash is refused before a run starts: a
+    record of a GPU call whose commit reads "REPLACE" (it happened) cannot be traced to its code."""
+    import re
+
+    from kvpot.errors import KvpotError
+
+    named = os.environ.get("KVPOT_GIT_COMMIT")
+    if named is None or not named.strip():
+        return None
+    if not re.fullmatch(r"[0-9a-fA-F]{7,40}", named.strip()):
+        raise KvpotError(f"KVPOT_GIT_COMMIT={named!r} is not a commit hash (7-40 hex digits); set it to the commit "
+                         "this tree holds (git rev-parse HEAD), or unset it to ask git.")
+    return named.strip()
 
 
 def _git(*argv: str) -> str | None:
