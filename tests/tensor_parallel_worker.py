@@ -96,12 +96,44 @@ def batched(model, tokenizer, method: kvpot.Method) -> dict:
             "steps": scheduler.report["steps"]}
 
 
+def shortest_first(model, tokenizer) -> dict:
+    """Three prompts read shortest first, a few tokens a step, with a patience that rank 0's clock never reaches in
+    the run: on the other ranks the clock runs 10,000 times faster, so a rank planning by its own clock would see
+    every prompt past its patience and read them in arrival order (other chunks in other forwards than rank 0's)."""
+    import time
+
+    engine = kvpot.Engine(model, tokenizer, method=kvpot.StreamingLLM(sinks=4, window=36, chunk_size=32))
+    _, question, contexts = inputs()
+    scheduler = Scheduler(engine, slots=3, capacity=256, prefill_tokens=24, prompt_order="shortest",
+                          prompt_patience=60.0)
+    requests = [Request(context_ids=c, question_ids=question.tolist(), max_new_tokens=NEW, ignore_eos=True)
+                for c in contexts]
+    real = time.perf_counter
+    rank = int(os.environ.get("RANK", "0"))
+    if rank != 0:
+        time.perf_counter = lambda: 10_000 * real()
+    try:
+        for request in requests:
+            scheduler.submit(request)
+        firsts = []
+        while not scheduler.idle:
+            firsts += [r.id for r in requests if r.tokens and r.id not in firsts]
+            scheduler.step()
+        firsts += [r.id for r in requests if r.tokens and r.id not in firsts]
+    finally:
+        time.perf_counter = real
+    return {"tokens": [r.tokens for r in requests], "first_token_order": [[r.id for r in requests].index(i)
+                                                                         for i in firsts],
+            "steps": scheduler.report["steps"]}
+
+
 def run(model, tokenizer) -> dict:
     torch.set_num_threads(1)  # two ranks on a shared 2-core machine
     methods = cases()
     routed_first = routed(model)  # before any Engine sets the model's attention to kvpot's
     out = {"one": {name: _logged(name, one, model, tokenizer, m) for name, m in methods.items()},
            "batched": {name: _logged(f"batched {name}", batched, model, tokenizer, methods[name]) for name in BATCHED}}
+    out["shortest_first"] = _logged("shortest first", shortest_first, model, tokenizer)
     out["kv_heads"] = sorted(_seen_heads(model, tokenizer))
     out["routed"] = routed_first
     return out

@@ -114,6 +114,16 @@ def test_tensor_parallel_scheduler_gives_the_tokens_it_gives_alone(ranks, alone,
         assert rank["batched"][name] == expected  # the same tokens, slots and step count on every rank
 
 
+def test_tensor_parallel_scheduler_orders_prompts_by_rank_0s_clock(ranks, alone):
+    """Shortest first with a patience: every rank reads the prompts in rank 0's order, though the other ranks' own
+    clocks run fast enough to put every prompt past its patience (`StepInputs.clock`)."""
+    expected = alone["shortest_first"]
+    assert "error" not in expected, expected
+    assert expected["first_token_order"] == [2, 1, 0]  # the shortest prompt (the last submitted) answered first
+    for rank in ranks:
+        assert rank["shortest_first"] == expected
+
+
 def test_tensor_parallel_matrix_vector_kernel_sees_each_rank_local_shard(ranks, alone):
     """The single-row mode (kvpot's matrix-vector kernel on a GPU) under transformers' TP forward: every
     projection reaches it as the rank's plain local shard (column-wise: half the rows, row-wise: half the

@@ -9,8 +9,10 @@ second, with rank 0 owning the inputs:
 - a step's plan is a pure function of the scheduler's state: the queue's order, which slots are free, each
   slot's cache lengths (equal on every rank: selections that span heads gather every rank's scores,
   `kvpot.models.parallel.all_heads`), the tokens (rank 0's, broadcast after every pick) and the options. Nothing in
-  it reads a clock or a random number that a rank draws alone (prompts read in a step are ordered by their
-  admission, which every rank does in the same order);
+  it reads a clock or a random number that a rank draws alone: the one clock it reads, for the prompt order's
+  patience (`kvpot.engine.plan.reading_order`: when a request took its slot, and now), is rank 0's, sent with the
+  step (`StepInputs.clock`; each process's `perf_counter` counts from its own origin, and two ranks reading their
+  own could order a step's prompts differently as one crosses its patience);
 - what comes from outside is the only thing that can differ: requests submitted (a server receives them on
   rank 0 only) and cancellations (set by another thread at any time). So at the start of every step rank 0
   broadcasts them, one small pickled object (`StepInputs`), and every rank applies the same ones at the
@@ -28,6 +30,7 @@ it): every rank must submit it itself.
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +49,7 @@ class StepInputs:
     new: list[tuple[int, str, dict | None]] = field(default_factory=list)  # (number, digest, payload)
     cancel: list[int] = field(default_factory=list)  # numbers of requests to cancel at this boundary
     stop: bool = False  # rank 0's server is stopping: followers leave `follow`
+    clock: float = 0.0  # rank 0's time.perf_counter() at this step: the step's clock on every rank
 
 
 def digest(request: Request) -> str:
@@ -71,7 +75,10 @@ def payload(request: Request) -> dict | None:
 class Alone:
     """A scheduler without tensor parallelism: nothing to agree on, a cancellation counts when it is flagged."""
 
+    clock = 0.0  # the step's time (`time.perf_counter()` at its start): what the step's plan reads as now
+
     def agree(self, scheduler, stop: bool = False) -> bool:
+        self.clock = time.perf_counter()
         return True
 
     def cancels(self, request: Request) -> bool:
@@ -95,6 +102,7 @@ class StepAgreement:
         self.numbers: dict[int, int] = {}  # id(request) -> its number, for the live ones
         self.requests: dict[int, Request] = {}  # number -> request
         self.cancelled: set[int] = set()  # id(request) of those cancelled at an agreed boundary
+        self.clock = 0.0  # the step's time, rank 0's (`StepInputs.clock`)
 
     def cancels(self, request: Request) -> bool:
         """Whether `request` is cancelled as of the current step (on every rank alike)."""
@@ -106,13 +114,14 @@ class StepAgreement:
             self.agreed = False
             return True
         self._forget_done()
-        mine = StepInputs(stop=stop) if self.parallel.rank == 0 else None
+        mine = StepInputs(stop=stop, clock=time.perf_counter()) if self.parallel.rank == 0 else None
         if mine is not None:
             mine.new = [self._announce(r) for r in scheduler.waiting if id(r) not in self.numbers]
             mine.cancel = sorted(n for n, r in self.requests.items() if r.cancel_requested and not r.done)
         inputs = self.parallel.broadcast_object(mine)
         if inputs.stop:
             return False
+        self.clock = inputs.clock
         if self.parallel.rank != 0:
             self._receive(scheduler, inputs.new)
         self.cancelled.update(id(self.requests[n]) for n in inputs.cancel if n in self.requests)

@@ -198,7 +198,7 @@ class Scheduler:
             request = self.waiting.popleft()
             slot = self.pool.acquire()
             request.slot, request.status = slot, "prefilling"
-            active = self.active[slot] = _Active(request, started=time.perf_counter())
+            active = self.active[slot] = _Active(request, started=self.agreement.clock)
             active.eos = frozenset() if request.ignore_eos else self.eos
             active.eos = active.eos | frozenset(request.stop_token_ids)
             try:
@@ -244,7 +244,7 @@ class Scheduler:
             return [], budget
         candidates, peeked = [], {}
         cuttable = self.chunk_cap is not None and not self.method.chunk_dependent  # a chunk cut to fill the step
-        for slot, active in reading_order(self.active, self.prompt_order, time.perf_counter(), self.prompt_patience):
+        for slot, active in reading_order(self.active, self.prompt_order, self.agreement.clock, self.prompt_patience):
             active.run.max_chunk = self.chunk_cap
             candidate, chunk = peek_candidate(self.method, slot, active.run, active.reader, cuttable)
             candidates.append(candidate)
@@ -261,7 +261,7 @@ class Scheduler:
         took 90-190 ms (engine-core-h200/packed-3/). `mix_waits`, every mixable chunk waiting, is off: see its A/B."""
         done, read = [], budget < self.prefill_tokens  # prompt tokens were read in this step's forward already
         waits = read and self.mix_waits  # (an A/B: `mix_rule_ab.py`, `mixed_probe.py --modes mix-apart`)
-        for slot, active in reading_order(self.active, self.prompt_order, time.perf_counter(), self.prompt_patience):
+        for slot, active in reading_order(self.active, self.prompt_order, self.agreement.clock, self.prompt_patience):
             try:
                 # a forward costs at least the weights' read: not worth it for a sliver of budget. Forwards apart are
                 # capped at the whole budget, not what is left: cut to each remainder, a method's chunks could stay out
