@@ -16,6 +16,8 @@ them in: at seed 0 it gives arrival order a TTFT p50 / p95 of 2.13 / 9.50 s and 
 
     python benchmarks/engine-core-h100/order_model.py --out DIR [--rates 0.8,1,1.2] [--seeds 20]
         [--policies arrival,shortest@3,shortest@5,shortest@10,shortest@inf] [--step-ms 50]
+    python benchmarks/engine-core-h100/order_model.py --out DIR --measured RESULTS_JSON [--measured ...]
+        (each measured run's TTFT beside the model's for its workload and policy: whether the model still holds)
 
 Writes DIR/order_model.json (per rate and policy: each seed's TTFT p50 / p95 / max / mean, and their median and range
 over the seeds), DIR/summary.md and DIR/order_model.png (p50 against p95, a point per policy), and prints the table.
@@ -92,7 +94,13 @@ def main(argv=None) -> None:
     p.add_argument("--budget", type=int, default=1024, help="prompt tokens a step (default 1,024)")
     p.add_argument("--step-ms", type=float, default=50.0, help="a step that reads (default 50: see the docstring)")
     p.add_argument("--decode-ms", type=float, default=6.9, help="a step that only decodes (default 6.9, an H200's)")
+    p.add_argument("--measured", type=Path, action="append", default=[], metavar="RESULTS_JSON",
+                   help="a `kvpot bench throughput` open-loop results.json (plain or packed in records/): its batch "
+                        "row's TTFT p50 / p95 beside the model's for the same workload and policy (repeatable)")
     args = p.parse_args(argv)
+    if args.measured:
+        compare(args)
+        return
     policies = [parse_policy(text.strip()) for text in args.policies.split(",")]
     rates = [float(r) for r in args.rates.split(",")]
     results = []
@@ -118,6 +126,29 @@ def main(argv=None) -> None:
     (args.out / "summary.md").write_text(f"# Prompt order, modelled (not measured)\n\n{table}\n")
     plot(results, args.out / "order_model.png")
     print(table)
+
+
+def compare(args) -> None:
+    """Measured against modelled: each results.json's `[batch]` row and the model on its workload and policy."""
+    from kvpot.defaults import PROMPT_PATIENCE
+    from kvpot.eval.recorded import read_json
+
+    lines = ["| run | policy | measured TTFT p50 / p95 s | modelled p50 / p95 s |", "| --- | --- | --- | --- |"]
+    for path in args.measured:
+        results = read_json(path)
+        config = results["config"]
+        for row in results["rows"]:
+            if not row["method"].endswith("[batch]") or row.get("arrival_rate") is None:
+                continue
+            order = row.get("prompt_order") or "arrival"
+            patience = row.get("prompt_patience") or PROMPT_PATIENCE  # (runs before the option: the default, 10 s)
+            model = simulate(order, patience, config["seed"], row["requests"], row["arrival_rate"],
+                             row["prefill_tokens_per_step"], args.step_ms, args.decode_ms, config["length_mix"],
+                             config["new_tokens_mix"])
+            name = order if order == "arrival" else f"shortest, {patience:g} s"
+            lines.append(f"| {path} | {name} | {row['ttft_p50_seconds']:.2f} / {row['ttft_p95_seconds']:.2f} | "
+                         f"{model['p50']:.2f} / {model['p95']:.2f} |")
+    print("\n".join(lines))
 
 
 def plot(results: list[dict], path: Path) -> None:
