@@ -279,6 +279,23 @@ def test_throughput_records_how_mixed_steps_ran(capsys, tmp_path):
         assert rows[name]["mixed_step"] == {"form": "eager", "packed_steps": 0}, name  # on a CPU both are eager
 
 
+def test_an_unbounded_patience_is_recorded_as_strict_json(capsys, tmp_path):
+    """`--prompt-patience inf` (shortest first, never overtaken) runs, and results.json stays JSON that strict readers
+    (jq) take: "inf", not Python's `Infinity`."""
+    out = tmp_path / "out"
+    code, _, err = run(capsys, "bench", "throughput", "--shape", "tiny", "--device", "cpu", "--out", str(out),
+                       "--method", "infinipot:pot_size=128", "--users", "2", "--lengths", "64", "--new-tokens", "2",
+                       "--prompt-order", "shortest", "--prompt-patience", "inf", "--sequential-users", "1")
+    assert code == 0, err
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    results = json.loads((out / "results.json").read_text(), parse_constant=refuse)
+    assert results["config"]["prompt_patience"] == "inf" and float(results["config"]["prompt_patience"]) == float("inf")
+    assert results["rows"][0]["prompt_patience"] == "inf"
+
+
 def test_load_options_errors(capsys, tmp_path):
     base = ["bench", "throughput", "--shape", "tiny", "--method", "full", "--out", str(tmp_path / "o")]
     for extra, message in ((["--lengths", "4k", "--length-mix", "2k-8k"], "not both"),

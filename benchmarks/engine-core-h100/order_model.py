@@ -108,13 +108,14 @@ def main(argv=None) -> None:
         for order, patience in policies:
             runs = [simulate(order, patience, seed, args.users, rate, args.budget, args.step_ms, args.decode_ms)
                     for seed in range(args.seeds)]
-            results.append({"rate": rate, "order": order, "patience": patience, "seeds": runs,
+            results.append({"rate": rate, "order": order, "patience": patience if patience != float("inf") else "inf",
+                            "seeds": runs,
                             "over_seeds": summarize(runs)})
     lines = ["| rate | policy | TTFT p50 s (median [range] over seeds) | p95 s | max s | seed 0 p50 / p95 s |",
              "| ---: | --- | --- | --- | --- | --- |"]
     for row in results:
         s = row["over_seeds"]
-        name = row["order"] if row["order"] == "arrival" else f"shortest, patience {row['patience']:g} s"
+        name = row["order"] if row["order"] == "arrival" else f"shortest, patience {float(row['patience']):g} s"
         cell = lambda k: f"{s[k]['median']:.2f} [{s[k]['min']:.2f}-{s[k]['max']:.2f}]"  # noqa: E731
         first = row["seeds"][0]
         lines.append(f"| {row['rate']:g} | {name} | {cell('p50')} | {cell('p95')} | {s['max']['median']:.2f} | "
@@ -141,7 +142,7 @@ def compare(args) -> None:
             if not row["method"].endswith("[batch]") or row.get("arrival_rate") is None:
                 continue
             order = row.get("prompt_order") or "arrival"
-            patience = row.get("prompt_patience") or PROMPT_PATIENCE  # (runs before the option: the default, 10 s)
+            patience = float(row.get("prompt_patience") or PROMPT_PATIENCE)  # (before the option: 10 s; "inf")
             model = simulate(order, patience, config["seed"], row["requests"], row["arrival_rate"],
                              row["prefill_tokens_per_step"], args.step_ms, args.decode_ms, config["length_mix"],
                              config["new_tokens_mix"])
@@ -165,7 +166,7 @@ def plot(results: list[dict], path: Path) -> None:
     for ax, rate in zip(axes[0], rates):
         for row in (r for r in results if r["rate"] == rate):
             s = row["over_seeds"]
-            label = "arrival" if row["order"] == "arrival" else f"{row['patience']:g} s"
+            label = "arrival" if row["order"] == "arrival" else f"{float(row['patience']):g} s"
             ax.scatter(s["p95"]["median"], s["p50"]["median"], color="C3" if label == "arrival" else "C0")
             ax.annotate(label, (s["p95"]["median"], s["p50"]["median"]), fontsize=8, xytext=(3, 3),
                         textcoords="offset points")

@@ -200,4 +200,11 @@ class BenchConfig:
         data = asdict(self)
         data["out"] = str(self.out)
         data["kvpress_path"] = None if self.kvpress_path is None else str(self.kvpress_path)
+        data["prompt_patience"] = json_seconds(self.prompt_patience)
         return data
+
+
+def json_seconds(value: float) -> float | str:
+    """A duration as results.json holds it: "inf" for an unbounded one (`--prompt-patience inf`), since JSON has no
+    infinity (Python would write `Infinity`, which jq and strict readers refuse); `float()` reads both back."""
+    return value if value != float("inf") else "inf"

@@ -135,4 +135,7 @@ class ServeBenchConfig:
         data["out"] = str(self.out)
         data["api_key"] = None if self.api_key is None else "(given)"  # never written to results
         data["mode"] = MODE
+        from kvpot.bench.config import json_seconds
+
+        data["prompt_patience"] = json_seconds(self.prompt_patience)
         return data

@@ -41,7 +41,7 @@ import time
 
 from kvpot.bench.common import IdTokenizer, checkpoint, free_memory, mark_oom, peak_memory, random_tokens, \
     reset_peak, synchronize
-from kvpot.bench.config import BenchConfig
+from kvpot.bench.config import BenchConfig, json_seconds
 from kvpot.bench.load import load_config, load_figures, request_record, request_row, run_open_loop, \
     workload_plan
 from kvpot.errors import KvpotError
@@ -182,7 +182,7 @@ def _batched(config: BenchConfig, engine, prompts: dict, state, mix: str = "auto
             "memory_before_bytes": before, "slots": scheduler.pool.slots, "capacity": scheduler.capacity,
             "slot_bytes": scheduler.slot_bytes(), "pool_bytes": scheduler.pool.nbytes,
             "prefill_tokens_per_step": scheduler.prefill_tokens, "mix": scheduler.mix, "steps": scheduler.trace.summary(),
-            "prompt_order": scheduler.prompt_order, "prompt_patience": scheduler.prompt_patience,
+            "prompt_order": scheduler.prompt_order, "prompt_patience": json_seconds(scheduler.prompt_patience),
             "batch_invariant": engine.batch_invariant,
             "scheduler": dict(scheduler.report),
             "graphs": {"captures": scheduler.decoder.captures, "captured_in_warmup": captured,
