@@ -9,10 +9,10 @@ second, with rank 0 owning the inputs:
 - a step's plan is a pure function of the scheduler's state: the queue's order, which slots are free, each
   slot's cache lengths (equal on every rank: selections that span heads gather every rank's scores,
   `kvpot.models.parallel.all_heads`), the tokens (rank 0's, broadcast after every pick) and the options. Nothing in
-  it reads a clock or a random number that a rank draws alone: the one clock it reads, for the prompt order's
-  patience (`kvpot.engine.plan.reading_order`: when a request took its slot, and now), is rank 0's, sent with the
-  step (`StepInputs.clock`; each process's `perf_counter` counts from its own origin, and two ranks reading their
-  own could order a step's prompts differently as one crosses its patience);
+  it reads a random number that a rank draws alone, nor a rank's own clock: the one time it reads, for the prompt
+  order's patience (`kvpot.engine.plan.reading_order`: when a request took its slot, and now), is rank 0's, sent
+  with the step (`StepInputs.clock`; two ranks reading their own could order a step's prompts differently as one
+  crosses its patience);
 - what comes from outside is the only thing that can differ: requests submitted (a server receives them on
   rank 0 only) and cancellations (set by another thread at any time). So at the start of every step rank 0
   broadcasts them, one small pickled object (`StepInputs`), and every rank applies the same ones at the

@@ -120,7 +120,7 @@ def check_options(prefill_tokens: int, max_waiting: int | None, feed_questions: 
         raise KvpotError(f"max_waiting must be >= 0, got {max_waiting!r}.")
     if prompt_order not in PROMPT_ORDERS:
         raise KvpotError(f"prompt_order must be one of {PROMPT_ORDERS}, got {prompt_order!r}.")
-    check_patience(prompt_patience)
+    check_patience(prompt_patience, "prompt_patience")
     if feed_questions not in ("auto", "always", "never"):
         raise KvpotError(f"feed_questions must be 'auto', 'always' or 'never', got {feed_questions!r}.")
     if decode == "eager":
@@ -131,7 +131,8 @@ def check_options(prefill_tokens: int, max_waiting: int | None, feed_questions: 
     return "never" if invariant else feed_questions
 
 
-def check_patience(patience) -> None:
-    """Refuse a prompt patience that is not a number of seconds >= 0 (`inf`: shortest first, never overtaken)."""
+def check_patience(patience, name: str) -> None:
+    """Refuse a prompt patience that is not a number of seconds >= 0 (`inf`: shortest first, never overtaken); `name`
+    is what the caller calls it (the library's argument, the server's flag)."""
     if isinstance(patience, bool) or not isinstance(patience, (int, float)) or not patience >= 0:
-        raise KvpotError(f"prompt_patience must be a number of seconds >= 0, got {patience!r}.")
+        raise KvpotError(f"{name} must be a number of seconds >= 0, got {patience!r}.")

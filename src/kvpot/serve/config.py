@@ -98,9 +98,9 @@ class ServeConfig:
             raise KvpotError(f"--feed-questions must be auto, always or never, got {self.feed_questions!r}.")
         if self.prompt_order not in PROMPT_ORDERS:
             raise KvpotError(f"--prompt-order must be {' or '.join(PROMPT_ORDERS)}, got {self.prompt_order!r}.")
-        patience = self.prompt_patience
-        if isinstance(patience, bool) or not isinstance(patience, (int, float)) or not patience >= 0:
-            raise KvpotError(f"--prompt-patience must be a number of seconds >= 0, got {patience!r}.")
+        from kvpot.engine.plan import check_patience  # the scheduler's own test, under the flag's name
+
+        check_patience(self.prompt_patience, "--prompt-patience")
         if self.chat_template not in ("auto", "on", "off"):
             raise KvpotError("--chat-template must be auto, on or off.")
         if self.default_max_tokens > self.max_tokens_limit:
