@@ -11,7 +11,9 @@ What it leaves out: InfiniPot's pot boundaries (its chunks stop at a pot's fill,
 the steps' spread (compressing steps take ~9 ms more), forwards read apart when nothing decodes. `--step-ms 50` folds
 them in: at seed 0 it gives arrival order a TTFT p50 / p95 of 2.13 / 9.50 s and shortest first (patience 10 s)
 1.22 / 11.47 s, where an H200 measured 2.04 / 9.27 and 1.19 / 11.23 s
-(records/engine-core-h200/packed-4/). Use it to choose the runs, then measure them (`compiled_gpu.sh`,
+(records/engine-core-h200/packed-4/). Unchanged, it gave 2.13 / 9.50 s for arrival order and 1.36 / 9.50 s for
+shortest first with a 4 s patience, where an H100 then measured 2.09 / 9.54 and 1.35-1.38 / 9.36-9.37 s
+(records/engine-core-h100/prompt-order/). Use it to choose the runs, then measure them (`compiled_gpu.sh`,
 `ORDERS="shortest@5 ..."`).
 
     python benchmarks/engine-core-h100/order_model.py --out DIR [--rates 0.8,1,1.2] [--seeds 20]
@@ -30,6 +32,8 @@ import json
 import statistics
 from pathlib import Path
 from types import SimpleNamespace
+
+BEFORE_THE_OPTION = 10.0  # seconds: the patience runs recorded before `--prompt-patience` existed ran at
 
 
 def parse_policy(text: str) -> tuple[str, float]:
@@ -131,7 +135,6 @@ def main(argv=None) -> None:
 
 def compare(args) -> None:
     """Measured against modelled: each results.json's `[batch]` row and the model on its workload and policy."""
-    from kvpot.defaults import PROMPT_PATIENCE
     from kvpot.eval.recorded import read_json
 
     lines = ["| run | policy | measured TTFT p50 / p95 s | modelled p50 / p95 s |", "| --- | --- | --- | --- |"]
@@ -142,7 +145,8 @@ def compare(args) -> None:
             if not row["method"].endswith("[batch]") or row.get("arrival_rate") is None:
                 continue
             order = row.get("prompt_order") or "arrival"
-            patience = float(row.get("prompt_patience") or PROMPT_PATIENCE)  # (before the option: 10 s; "inf")
+            # a row from before the option ran at the 10 s the scheduler then fixed (not today's default); "inf" reads
+            patience = float(row.get("prompt_patience", BEFORE_THE_OPTION))
             model = simulate(order, patience, config["seed"], row["requests"], row["arrival_rate"],
                              row["prefill_tokens_per_step"], args.step_ms, args.decode_ms, config["length_mix"],
                              config["new_tokens_mix"])

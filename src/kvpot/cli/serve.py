@@ -69,9 +69,9 @@ def register(subparsers) -> None:
                    help="prompt tokens read per step between decode steps: lower keeps streams smoother while a "
                         f"long prompt or document is read, higher reads it sooner (default {PREFILL_TOKENS})")
     b.add_argument("--prompt-order", choices=PROMPT_ORDERS, default=PROMPT_ORDER,
-                   help="which prompts a step reads first: arrival (the oldest; no later request passes an earlier "
-                        "one) or shortest (the fewest prompt tokens left: under load a lower median time to first "
-                        f"token, the longest prompts waiting longer; default {PROMPT_ORDER})")
+                   help="which prompts a step reads first: shortest (the fewest prompt tokens left, until a prompt "
+                        "has waited --prompt-patience: under load a lower median time to first token) or arrival (the "
+                        f"oldest; no later request passes an earlier one; default {PROMPT_ORDER})")
     b.add_argument("--prompt-patience", type=float, default=PROMPT_PATIENCE, metavar="SECONDS",
                    help="with --prompt-order shortest: a prompt whose request has held its slot this long is read "
                         "before shorter ones, so none waits for good (0: arrival order; inf: never; default "
