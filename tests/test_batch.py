@@ -620,3 +620,27 @@ def test_shortest_prompts_first_reach_their_first_token_first_with_the_tokens_al
     assert firsts["shortest"][1] < firsts["shortest"][0]  # the shorter passed it
     # no patience: the longer prompt's wait ran out at once, so it keeps its place
     assert firsts["shortest-patience-0"][0] < firsts["shortest-patience-0"][1]
+
+
+def test_online_schedulers_read_the_shortest_prompt_first_and_offline_jobs_in_arrival_order(one_thread):
+    """By default a `Scheduler` (the server's, the bench's) reads the prompt with the fewest tokens left first; an
+    offline job (`generate_many`: generate_batch, eval, lm-eval) plans in arrival order, from the requests alone, so
+    its step composition (bf16 tokens) cannot follow the clock. Tokens equal alone either way."""
+    from kvpot.defaults import OFFLINE_PROMPT_ORDER, PROMPT_ORDER, PROMPT_PATIENCE
+    from kvpot.engine.offline import generate_many
+
+    assert (PROMPT_ORDER, PROMPT_PATIENCE, OFFLINE_PROMPT_ORDER) == ("shortest", 4.0, "arrival")
+    model = build("llama3")
+    torch.manual_seed(4)
+    prompts = [(torch.randint(3, VOCAB, (n,)).tolist(), torch.randint(3, VOCAB, (5,)).tolist()) for n in (400, 60)]
+    method = kvpot.InfiniPot(pot_size=64, catalyst=None)
+    expected = [e.token_ids for e in alone(model, method, prompts)]
+    online = Scheduler(kvpot.Engine(model, method=method), slots=2, decode="static", prefill_tokens=32)
+    assert (online.prompt_order, online.prompt_patience) == ("shortest", 4.0)
+    served = [Request(c, q, max_new_tokens=NEW, ignore_eos=True) for c, q in prompts]
+    run_all(online, served)
+    offline = [Request(c, q, max_new_tokens=NEW, ignore_eos=True) for c, q in prompts]
+    generate_many(kvpot.Engine(model, method=method), offline, batch_size=2, decode="static")
+    assert [r.tokens for r in served] == [r.tokens for r in offline] == expected
+    assert served[1].first_token_time < served[0].first_token_time  # the shorter, younger prompt first
+    assert offline[0].first_token_time < offline[1].first_token_time  # the older first

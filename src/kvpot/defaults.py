@@ -29,10 +29,14 @@ MIXES = ("auto", "on", "off", "eager")  # its values (and True / False in the li
 # (records/engine-core-h100/prompt-order/). The median falls by a third and the tail does not grow: the default. With
 # 10 s the longest prompts waited longer (an H200: 1.19 / 11.23 s; records/engine-core-h200/packed-4/). The plan then
 # reads a clock (the step composition, so bf16 tokens outside batch-invariant decoding, can differ between runs of
-# the same job); arrival order, or shortest with an infinite patience, plans from the requests alone.
+# the same job); arrival order, or shortest with an infinite patience, plans from the requests alone (below).
 PROMPT_ORDER = "shortest"
 PROMPT_ORDERS = ("arrival", "shortest")
 PROMPT_PATIENCE = 4.0
+# Offline jobs (`Engine.generate_batch`, `kvpot eval --batch-size`, lm-eval's `batch_size`) submit a group at once and
+# wait for all of it, so no time to first token is at stake, while an evaluation's answers should come out the same
+# on every run: they plan in arrival order, from the requests alone.
+OFFLINE_PROMPT_ORDER = "arrival"
 
 # Share of the GPU memory free after loading that a batched pool sized by itself takes
 # (`Scheduler(memory_fraction=...)`): the rest is for a step's activations and the logits. `kvpot serve` gives

@@ -7,7 +7,7 @@ from collections import deque
 
 import torch
 
-from kvpot.defaults import MIX
+from kvpot.defaults import MIX, OFFLINE_PROMPT_ORDER
 from kvpot.engine.requests import Request
 from kvpot.engine.sampling import _as_ids
 from kvpot.engine.scheduler import Scheduler
@@ -63,7 +63,8 @@ def generate_many(engine, requests: list[Request], batch_size: int, progress: bo
     """Run `requests` through schedulers of `batch_size` slots, `batch_size` requests at a time (offline
     jobs: evaluation, lm-eval). A method whose cache grows with the input gets slots as large as the
     longest request of each group needs. Requests that fail are left failed (their `error` says why).
-    `mix`: `Scheduler(mix=...)`, where prompt chunks are read (default "auto": with the decoding rows on a GPU)."""
+    `mix`: `Scheduler(mix=...)`, where prompt chunks are read (default "auto": with the decoding rows on a GPU).
+    Prompts are read in arrival order (`kvpot.defaults.OFFLINE_PROMPT_ORDER`): a plan that reads no clock."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise KvpotError(f"batch_size must be a positive integer, got {batch_size!r}.")
     from tqdm.auto import tqdm
@@ -75,7 +76,7 @@ def generate_many(engine, requests: list[Request], batch_size: int, progress: bo
             if engine.method.max_entries() is None:
                 capacity = max(_needed(engine, request) for request in group)
             scheduler = Scheduler(engine, slots=len(group), capacity=capacity, decode=decode,
-                                  share_documents=share_documents, mix=mix)
+                                  share_documents=share_documents, mix=mix, prompt_order=OFFLINE_PROMPT_ORDER)
             for request in group:
                 try:
                     scheduler.submit(request)
