@@ -33,7 +33,7 @@ import statistics
 from pathlib import Path
 from types import SimpleNamespace
 
-BEFORE_THE_OPTION = 10.0  # seconds: the patience runs recorded before `--prompt-patience` existed ran at
+BEFORE_THE_OPTION = 10.0  # s: the fixed patience of runs recorded before `--prompt-patience` existed
 
 
 def parse_policy(text: str) -> tuple[str, float]:
@@ -145,7 +145,7 @@ def compare(args) -> None:
             if not row["method"].endswith("[batch]") or row.get("arrival_rate") is None:
                 continue
             order = row.get("prompt_order") or "arrival"
-            # a row from before the option ran at the 10 s the scheduler then fixed (not today's default); "inf" reads
+            # not today's default for a row without the field; "inf" parses as float
             patience = float(row.get("prompt_patience", BEFORE_THE_OPTION))
             model = simulate(order, patience, config["seed"], row["requests"], row["arrival_rate"],
                              row["prefill_tokens_per_step"], args.step_ms, args.decode_ms, config["length_mix"],
