@@ -78,6 +78,31 @@ def test_shared_document_kernel_reads_a_long_document_stored_rotated(shape):
     torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("tail_splits", [1, 3], ids=["merged-in-the-tail", "merged-apart"])
+@pytest.mark.parametrize("shape", [SHARED_SHAPES[0], SHARED_SHAPES[2]], ids=[SHARED_SHAPES[0][0], SHARED_SHAPES[2][0]])
+def test_shared_document_kernel_writes_every_partial_it_merges(shape, tail_splits, monkeypatch):
+    """The partials are not filled before the launches: a tail in one split merges the document's partials in its
+    own program, else a row reading no document has its document partials cleared by its tail's program. With
+    every fresh float buffer NaN, the output is still the reference's either way."""
+    from kvpot.kernels import shared
+
+    empty, default = torch.empty, shared.launch_shape
+
+    def poisoned(*size, **kwargs):
+        out = empty(*size, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    def shape_of(segment, *rest):
+        block_m, block_n, warps, stages, splits = default(segment, *rest)
+        return block_m, block_n, warps, stages, tail_splits if segment == "tail" else splits
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    monkeypatch.setattr(shared, "launch_shape", shape_of)
+    out, expected = run(shape, rope=True)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+
+
 def test_shared_document_kernel_with_an_observation_gives_the_reference():
     out, expected = run(SHARED_SHAPES[0], rope=True, probs=True)
     torch.testing.assert_close(out, expected)

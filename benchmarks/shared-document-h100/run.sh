@@ -6,11 +6,14 @@
 #   OUT=DIR bash benchmarks/shared-document-h100/run.sh tests   # the GPU tests (kernel vs reference, graphs)
 #   OUT=DIR bash benchmarks/shared-document-h100/run.sh 64      # 64 readers: copy per reader, then shared
 #   OUT=DIR bash benchmarks/shared-document-h100/run.sh 256     # 256 readers: the same two rows
+#   OUT=DIR bash benchmarks/shared-document-h100/run.sh sweep [shared_sweep.py options]
+#       # the GPU kernel tests, then the attention alone over launch shapes (shared_sweep.py; --baseline FILE
+#       # times an earlier copy of the kernel on the same inputs)
 # Extra arguments go to `kvpot bench throughput` (e.g. --slots 256, --question-tokens 16).
 # Rows: `infinipot [batch]` (a copy per reader) and `infinipot [batch, shared document]`; each row's
 # `scheduler` record holds the document loads, readers and copy-on-write events, `pool_bytes` the pool's memory.
 set -euo pipefail
-part=${1:?usage: run.sh tests|64|256 [kvpot bench throughput options...]}; shift
+part=${1:?usage: run.sh tests|64|256|sweep [options...]}; shift
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu-$part.csv" || true
@@ -38,5 +41,22 @@ for row in rows:
           f"  {row.get('error', '')}")
 PY
     ;;
-  *) echo "unknown part $part (tests, 64 or 256)" >&2; exit 2 ;;
+  sweep)
+    python3 -m pytest -q -p no:cacheprovider tests/test_shared_document_kernel.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -5
+    python3 benchmarks/shared-document-h100/shared_sweep.py "$@" > "$OUT/sweep.jsonl"
+    python3 - "$OUT/sweep.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+timed = [r for r in rows if "us" in r]
+for r in timed:
+    if r["kernel"] != "sweep":
+        print(r["kernel"], r.get("when", ""), r.get("shapes", ""), f"{r['us']:.1f} us", f"{r['step_ms']:.3f} ms a step")
+for segment in ("document", "tail"):
+    best = sorted((r for r in timed if r.get("segment") == segment), key=lambda r: r["us"])[:5]
+    for r in best:
+        print(segment, r["shape"], f"{r['us']:.1f} us", f"err {r['max_abs_error']:.2e}")
+print(sum("error" in r for r in rows), "configurations failed")
+PY
+    ;;
+  *) echo "unknown part $part (tests, 64, 256 or sweep)" >&2; exit 2 ;;
 esac

@@ -13,6 +13,11 @@ to one range of one row of a KV buffer, launched twice:
 
 Both write split-K partials (normalised outputs and log2-sum-exps) into one `[splits_a + splits_b, B * H, d]`
 buffer, and `kvpot.kernels.common.merge` merges them: the log-sum-exp merge of two segments is the split-K merge.
+Each program reads its range's ends itself (the document's length; a tail's slot, document and counts), and a
+tail's program writes "no key" into the document partials of a row that reads none, so a layer's attention is
+three launches and nothing else (a captured step runs every small index or fill operation as a launch of its
+own, once per layer). `launch_shape` gives each
+launch's tile, warps, stages and splits (`benchmarks/shared-document-h100/shared_sweep.py` sweeps them).
 Shapes and grids depend on tensor shapes only; groups are formed on the device (a stable sort of the rows by
 their document), so nothing synchronises with the host and the step can be captured in a CUDA graph.
 `probs` (an observation of the step: H2O, TOVA) is not written by this kernel: with `probs` the reference runs
@@ -34,24 +39,32 @@ from kvpot.kernels.shared_reference import check_shared_inputs, decode_attention
 BLOCK_N = 64  # entries per loop step
 
 
-@triton.jit(do_not_specialize=["N", "G", "KV", "SPLITS", "TILES", "stride_os", "stride_ls"])
+@triton.jit(do_not_specialize=["N", "G", "KV", "SPLITS", "TILES", "BASE", "stride_os", "stride_ls"])
 def _segment_kernel(
     Q,  # [B, H, D] one token's queries per batch row, un-rotated when ROPE (H = KV * G)
-    K, V,  # [R, KV, N, D] the buffer a group reads (the document region, or the pool's slots)
+    K, V,  # [R, KV, N, D] the buffer the launch reads (the document region, or the pool's slots)
     ROWS,  # [B] each batch row's pool slot (where its query position is)
-    MEMBERS,  # [B] batch rows ordered by group
-    GSTART,  # [NG + 1] group g's rows are MEMBERS[GSTART[g] : GSTART[g + 1]]
-    GSRC, GLO, GHI,  # [NG] the group's row of K/V and its entries [GLO, GHI)
+    MEMBERS,  # [B] batch rows ordered by document (DOC)
+    GSTART,  # [documents + 1] document g's readers are MEMBERS[GSTART[g] : GSTART[g + 1]] (DOC)
+    DOC_ROWS,  # [S] each slot's document row, -1: none
+    DOC_LENGTHS,  # [documents] each document row's entries
+    LENGTHS,  # [S] each slot's entries (its tail ends there)
     COS, SIN,  # [P, D] RoPE table (ROPE)
     KPOS,  # [R, KV, N] RoPE position of each entry (ROPE_K)
     QPOS,  # [S] or [S, KV] each slot's query position (ROPE)
-    OUT,  # [SPLITS, B * H, D] float32 normalised partials
-    LSE,  # [SPLITS, B * H] float32 log2-sum-exp of each partial's scores (-inf: it saw no key)
-    N, G, KV, SPLITS, TILES, scale,
-    stride_qb, stride_qh, stride_r,
+    OUT,  # [BASE + SPLITS, B * H, D] float32 normalised partials; this launch writes splits BASE..
+    LSE,  # [BASE + SPLITS, B * H] float32 log2-sum-exp of each partial's scores (-inf: it saw no key)
+    FINAL,  # [B * H, D] the attention's output (MERGE)
+    N, G, KV, SPLITS, TILES, BASE, scale,
+    stride_qb, stride_qh, stride_r, stride_dr, stride_dl, stride_len,
     stride_ks, stride_kh, stride_kn, stride_vs, stride_vh, stride_vn,
     stride_ps, stride_ph, stride_pn, stride_qs, stride_qk, stride_t,
     stride_os, stride_or, stride_ls,
+    # DOC: a program's group is a document row and its readers, else one batch row and its tail. MERGE (a tail in
+    # one split): the tail's program merges the document's partials (splits 0..BASE, written by the launch before)
+    # with its own and writes the output, else it writes its partials and clears the document partials of a row
+    # reading no document (nothing else writes them) for `merge`
+    DOC: tl.constexpr, MERGE: tl.constexpr,
     # ROPE: the queries are rotated here; ROPE_K: the keys too (not those of a document stored rotated)
     ROPE: tl.constexpr, ROPE_K: tl.constexpr, HALF: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -61,16 +74,33 @@ def _segment_kernel(
     grp = (pid // (KV * TILES)).to(tl.int64)
     h = pid // TILES % KV
     tile = pid % TILES
-    first = tl.load(GSTART + grp)
-    count = tl.load(GSTART + grp + 1) - first
     r = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # (member, query head of the group) pairs
-    row_ok = r < count * G
-    member = tl.load(MEMBERS + first + r // G, mask=row_ok, other=0).to(tl.int64)  # each tile row's batch row
+    if DOC:
+        first = tl.load(GSTART + grp)
+        count = tl.load(GSTART + grp + 1) - first
+        row_ok = r < count * G
+        member = tl.load(MEMBERS + first + r // G, mask=row_ok, other=0).to(tl.int64)  # each tile row's batch row
+        src = grp
+        start_at = 0
+        end_at = tl.load(DOC_LENGTHS + grp * stride_dl).to(tl.int32)
+    else:
+        count = 1
+        row_ok = r < G
+        member = grp + r * 0
+        src = tl.load(ROWS + grp * stride_r).to(tl.int64)
+        doc = tl.load(DOC_ROWS + src * stride_dr).to(tl.int64)
+        start_at = tl.where(doc >= 0, tl.load(DOC_LENGTHS + tl.maximum(doc, 0) * stride_dl), 0).to(tl.int32)
+        end_at = tl.load(LENGTHS + src * stride_len).to(tl.int32)
     head = h * G + r % G
     out_row = member * (KV * G) + head
-    src = tl.load(GSRC + grp).to(tl.int64)
     dh = tl.arange(0, HALF)
     dd = tl.arange(0, 2 * HALF)
+    if not DOC and not MERGE:
+        if (split == 0) & (doc < 0):  # the row reads no document: its document partials say "no key"
+            for s in range(0, BASE):
+                tl.store(OUT + s * stride_os + out_row[:, None] * stride_or + dd[None, :],
+                         tl.zeros([BLOCK_M, 2 * HALF], tl.float32), mask=row_ok[:, None])
+                tl.store(LSE + s * stride_ls + out_row, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
     K += src * stride_ks + h * stride_kh
     V += src * stride_vs + h * stride_vh
 
@@ -92,8 +122,7 @@ def _segment_kernel(
     q2 = (q2 * qk).to(K.dtype.element_ty)
 
     # this split's share of the group's range; a tile past the group's rows reads nothing
-    start_at = tl.load(GLO + grp).to(tl.int32)
-    end_at = tl.minimum(tl.load(GHI + grp).to(tl.int32), N)
+    end_at = tl.minimum(end_at, N)
     end_at = tl.where(tile * BLOCK_M < count * G, end_at, start_at)
     per = tl.cdiv(tl.cdiv(tl.maximum(end_at - start_at, 0), SPLITS), BLOCK_N) * BLOCK_N
     lo = start_at + split * per
@@ -109,25 +138,65 @@ def _segment_kernel(
         sc = tl.where(live[None, :], sc, float("-inf"))
         m_i, l_i, acc = online_softmax_step(sc, m_i, l_i, acc, V, j, live, dd, stride_vn, IEEE)
     safe = tl.where(l_i > 0, l_i, 1.0)
-    tl.store(OUT + split * stride_os + out_row[:, None] * stride_or + dd[None, :], acc / safe[:, None],
-             mask=row_ok[:, None])
-    tl.store(LSE + split * stride_ls + out_row, tl.where(l_i > 0, m_i + tl.log2(safe), float("-inf")), mask=row_ok)
+    lse_own = tl.where(l_i > 0, m_i + tl.log2(safe), float("-inf"))
+    if MERGE:  # as `kvpot.kernels.common.merge`, with this tail as the last split
+        reads = row_ok & (doc >= 0)
+        top = lse_own
+        for s in range(0, BASE):
+            top = tl.maximum(top, tl.load(LSE + s * stride_ls + out_row, mask=reads, other=float("-inf")))
+        top = tl.where(top == float("-inf"), 0.0, top)
+        w = tl.exp2(lse_own - top)
+        total = w
+        merged = (acc / safe[:, None]) * w[:, None]
+        for s in range(0, BASE):
+            w = tl.exp2(tl.load(LSE + s * stride_ls + out_row, mask=reads, other=float("-inf")) - top)
+            part = tl.load(OUT + s * stride_os + out_row[:, None] * stride_or + dd[None, :], mask=reads[:, None],
+                           other=0.0)
+            total += w
+            merged += part * w[:, None]
+        merged = merged / tl.where(total > 0, total, 1.0)[:, None]
+        tl.store(FINAL + out_row[:, None] * (2 * HALF) + dd[None, :], merged.to(FINAL.dtype.element_ty),
+                 mask=row_ok[:, None])
+    else:
+        at = BASE + split
+        tl.store(OUT + at * stride_os + out_row[:, None] * stride_or + dd[None, :], acc / safe[:, None],
+                 mask=row_ok[:, None])
+        tl.store(LSE + at * stride_ls + out_row, lse_own, mask=row_ok)
 
 
 def _block_m(rows: int) -> int:
     return min(64, max(16, next_power_of_2(rows)))
 
 
-def _splits(programs: int, capacity: int, device: torch.device) -> int:
+def _splits(programs: int, capacity: int, device: torch.device, block_n: int = BLOCK_N) -> int:
     """Splits of a range: about two programs per multiprocessor in all, at most one per block (shapes only)."""
-    return max(1, min(triton.cdiv(capacity, BLOCK_N), triton.cdiv(2 * multiprocessors(device), max(1, programs))))
+    return max(1, min(triton.cdiv(capacity, block_n), triton.cdiv(2 * multiprocessors(device), max(1, programs))))
 
 
-def _launch(query, keys, values, rows, members, gstart, gsrc, glo, ghi, rope, out, lse, g, kv, tiles, block_m,
-            scaling, rotated: bool = False):
+def launch_shape(segment: str, batch: int, kv: int, g: int, d: int, capacity: int,
+                 device: torch.device) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps, stages, splits) of one segment's launch, `segment` "document" or "tail": from
+    shapes only, so a captured step keeps its launches. `benchmarks/shared-document-h100/shared_sweep.py`
+    replaces it to time others."""
+    if segment == "document":  # a tile is up to 64 (reader, query head) pairs of one document's readers
+        block_m = _block_m(batch * g)
+        programs = kv * triton.cdiv(batch * g, block_m)
+    else:  # a tile is one row's query heads
+        block_m = _block_m(g)
+        programs = batch * kv * triton.cdiv(g, block_m)
+    return block_m, BLOCK_N, 4, 1 if d > 128 else 2, _splits(programs, capacity, device)
+
+
+def _launch(segment, query, keys, values, rows, groups, documents, lengths, rope, part, lse, base, shape, g, kv,
+            scaling, rotated: bool = False, final: torch.Tensor | None = None):
+    block_m, block_n, warps, stages, splits = shape
+    members, gstart = groups
+    doc_rows, doc_lengths = documents
     cos, sin, key_positions, query_positions = rope
-    splits = out.shape[0]
-    groups = gsrc.shape[0]
+    batch = query.shape[0]
+    document = segment == "document"
+    owners = doc_lengths.shape[0] if document else batch
+    tiles = triton.cdiv((batch if document else 1) * g, block_m)
     if cos is None:
         tables, rope_strides = (keys, keys, rows, rows), (0,) * 6
     else:
@@ -136,15 +205,14 @@ def _launch(query, keys, values, rows, members, gstart, gsrc, glo, ghi, rope, ou
         rope_strides = (*key_positions.stride(), query_positions.stride(0),
                         query_positions.stride(1) if per_head else 0, cos.stride(0))
     d = query.shape[-1]
-    _segment_kernel[(groups * kv * tiles, splits)](
-        query, keys, values, rows, members, gstart, gsrc, glo, ghi, *tables, out, lse,
-        keys.shape[2], g, kv, splits, tiles, scaling,
-        query.stride(0), query.stride(1), rows.stride(0),
+    _segment_kernel[(owners * kv * tiles, splits)](
+        query, keys, values, rows, members, gstart, doc_rows, doc_lengths, lengths, *tables, part, lse,
+        part if final is None else final, keys.shape[2], g, kv, splits, tiles, base, scaling,
+        query.stride(0), query.stride(1), rows.stride(0), doc_rows.stride(0), doc_lengths.stride(0), lengths.stride(0),
         *keys.stride()[:3], *values.stride()[:3], *rope_strides,
-        out.stride(0), out.stride(1), lse.stride(0),
-        ROPE=cos is not None, ROPE_K=cos is not None and not rotated, HALF=d // 2, IEEE=keys.dtype == torch.float32,
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-        num_warps=4, num_stages=1 if d > 128 else 2,
+        part.stride(0), part.stride(1), lse.stride(0),
+        DOC=document, MERGE=final is not None, ROPE=cos is not None, ROPE_K=cos is not None and not rotated, HALF=d // 2,
+        IEEE=keys.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
     )
 
 
@@ -187,25 +255,25 @@ def decode_attention_shared(query, keys, values, rows, lengths, doc_keys, doc_va
     query = query.contiguous()
     rows = rows.to(torch.int64)
     # groups, on the device: the rows sorted (stably) by their document, each document's run of rows
-    members, gstart = groups if groups is not None else shared_groups(rows, doc_rows, docs)
-    doc_of_row = doc_rows.to(torch.int64)[rows]  # [B], -1: none
-    n_doc = torch.where(doc_of_row >= 0, doc_lengths.to(torch.int64)[doc_of_row.clamp(min=0)], 0)
-    block_doc, block_tail = _block_m(batch * g), _block_m(g)
-    tiles_doc, tiles_tail = triton.cdiv(batch * g, block_doc), triton.cdiv(g, block_tail)
-    # a document's readers fill few programs (one per tile of readers and KV head): split its range
-    splits_doc = _splits(kv * tiles_doc, capacity, device)
-    splits_tail = _splits(batch * kv * tiles_tail, capacity, device)
-    part = torch.zeros(splits_doc + splits_tail, batch * heads, d, dtype=torch.float32, device=device)
-    lse = torch.full((splits_doc + splits_tail, batch * heads), float("-inf"), dtype=torch.float32, device=device)
-    arange = torch.arange(batch + 1, device=device, dtype=torch.int64)
-    _launch(query, doc_keys, doc_values, rows, members, gstart, torch.arange(docs, device=device),
-            torch.zeros(docs, dtype=torch.int64, device=device), doc_lengths.to(torch.int64),
-            (cos, sin, doc_key_positions, query_positions), part[:splits_doc], lse[:splits_doc], g, kv,
-            tiles_doc, block_doc, scaling, rotated=doc_rotated)
-    _launch(query, keys, values, rows, arange[:batch], arange, rows, n_doc, lengths.to(torch.int64)[rows],
-            (cos, sin, key_positions, query_positions), part[splits_doc:], lse[splits_doc:], g, kv, tiles_tail,
-            block_tail, scaling)
-    merge(part, lse, out.view(batch * heads, d))
+    groups = groups if groups is not None else shared_groups(rows, doc_rows, docs)
+    doc_shape = launch_shape("document", batch, kv, g, d, capacity, device)
+    tail_shape = launch_shape("tail", batch, kv, g, d, capacity, device)
+    splits_doc, splits_tail = doc_shape[-1], tail_shape[-1]
+    # a tail in one split merges in its own program (the document's partials are written by the launch before);
+    # otherwise a third launch merges. Every partial is written by a launch (a row reading no document: its
+    # tail's program clears its document partials), so nothing is filled first
+    merged = splits_tail == 1
+    partials = splits_doc + (0 if merged else splits_tail)
+    part = torch.empty(partials, batch * heads, d, dtype=torch.float32, device=device)
+    lse = torch.empty(partials, batch * heads, dtype=torch.float32, device=device)
+    documents = (doc_rows, doc_lengths)
+    _launch("document", query, doc_keys, doc_values, rows, groups, documents, lengths,
+            (cos, sin, doc_key_positions, query_positions), part, lse, 0, doc_shape, g, kv, scaling,
+            rotated=doc_rotated)
+    _launch("tail", query, keys, values, rows, groups, documents, lengths, (cos, sin, key_positions, query_positions),
+            part, lse, splits_doc, tail_shape, g, kv, scaling, final=out if merged else None)
+    if not merged:
+        merge(part, lse, out.view(batch * heads, d))
     return out
 
 

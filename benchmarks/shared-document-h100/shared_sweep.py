@@ -1,0 +1,155 @@
+"""The shared-document decode attention alone at the 64-reader step's shape, over launch shapes (issue 48's
+6,000 tok/s target: the attention was 3.3 ms of a 14.3 ms step on an H200, `records/shared-document-h200/`).
+
+One CUDA graph replays `--layers` calls of `kvpot.kernels.shared.decode_attention_shared` (a step's worth, on one
+layer's pool and region): `--batch` readers of one document of `--doc-entries` entries in a region of
+`--documents` rows, each with a private tail of `--tail` entries, `llama3-8b`'s 32 query and 8 KV heads of 128
+dims, bf16, InfiniPot's layout (the slots' keys rotated on load, the document's stored rotated). Each
+configuration replaces `kvpot.kernels.shared.launch_shape` for one segment (`document` or `tail`; the other keeps
+its default) and its output is checked against the default's. `--baseline FILE` also times another copy of the
+module (the kernel as it was: `git show COMMIT:src/kvpot/kernels/shared.py > FILE`) on the same inputs, first and
+last, so that the two sit side by side in one run. One JSON line per configuration: microseconds per call (the
+median of `--repeats` replays) and the step's share (x layers).
+
+    python benchmarks/shared-document-h100/shared_sweep.py [--baseline /tmp/shared_before.py] > sweep.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernel-tuning-h100"))
+from graphs import time_graph  # noqa: E402  (benchmarks/kernel-tuning-h100/graphs.py)
+
+import kvpot.kernels.shared as shared  # noqa: E402
+
+
+def inputs(args, seed: int = 0) -> dict:
+    """One layer's step: the pool's slots (and its scratch slot), the region, the RoPE table, the queries."""
+    device, kv, heads, d, capacity = args.device, args.kv_heads, args.heads, 128, args.capacity
+    g = torch.Generator(device=device).manual_seed(seed)
+    slots = args.batch + 1
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device, dtype=dtype, generator=g)
+
+    length = args.doc_entries + args.tail
+    freq = 1.0 / (500000.0 ** (torch.arange(0, d, 2, device=device).float() / d))
+    angles = torch.outer(torch.arange(capacity + 1, device=device).float(), freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    positions = torch.arange(capacity, device=device).view(1, 1, -1)
+    doc_rows = torch.full((slots,), -1, dtype=torch.long, device=device)
+    doc_rows[: args.batch] = 0
+    doc_lengths = torch.zeros(args.documents, dtype=torch.long, device=device)
+    doc_lengths[0] = args.doc_entries
+    return dict(
+        query=randn(args.batch, heads, d), keys=randn(slots, kv, capacity, d), values=randn(slots, kv, capacity, d),
+        rows=torch.arange(args.batch, device=device),
+        lengths=torch.full((slots,), length, dtype=torch.long, device=device),
+        doc_keys=randn(args.documents, kv, capacity, d), doc_values=randn(args.documents, kv, capacity, d),
+        doc_rows=doc_rows, doc_lengths=doc_lengths, scaling=d ** -0.5,
+        cos=angles.cos().to(dtype), sin=angles.sin().to(dtype),
+        key_positions=positions.expand(slots, kv, capacity).contiguous(),
+        doc_key_positions=positions.expand(args.documents, kv, capacity).contiguous(),
+        query_positions=torch.full((slots,), length, dtype=torch.long, device=device), doc_rotated=True,
+    )
+
+
+def timed(module, data: dict, args) -> float:
+    if args.device != "cuda":  # a smoke run under Triton's interpreter: no timing
+        module.decode_attention_shared(**data)
+        return float("nan")
+    groups = module.shared_groups(data["rows"], data["doc_rows"], args.documents)  # once a step, as the step does
+    return time_graph([lambda: module.decode_attention_shared(**data, groups=groups)] * args.layers, args.repeats)
+
+
+def load(path: str):
+    spec = importlib.util.spec_from_file_location("shared_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def configs(args) -> list[tuple[str, tuple]]:
+    out = []
+    for block_m, block_n, warps, stages, splits in itertools.product(args.doc_block_m, args.block_n, args.warps,
+                                                                     args.stages, args.doc_splits):
+        out.append(("document", (block_m, block_n, warps, stages, splits)))
+    for block_n, warps, stages, splits in itertools.product(args.block_n, args.warps, args.stages, args.tail_splits):
+        out.append(("tail", (16, block_n, warps, stages, splits)))
+    return out
+
+
+def run(args) -> None:
+    data = inputs(args)
+    reference = shared.decode_attention_shared(**data).float()
+    default_shape = shared.launch_shape
+    common = dict(batch=args.batch, doc_entries=args.doc_entries, tail=args.tail, documents=args.documents)
+    baseline = load(args.baseline) if args.baseline else None
+
+    def emit(row):
+        print(json.dumps({**common, **row}), flush=True)
+
+    def baseline_row(when):
+        if baseline is not None:
+            error = (baseline.decode_attention_shared(**data).float() - reference).abs().max().item()
+            us = timed(baseline, data, args)
+            emit(dict(kernel="baseline", file=args.baseline, when=when, us=round(us, 2),
+                      step_ms=round(us * args.layers / 1000, 3), max_abs_error=error))
+
+    baseline_row("first")
+    shapes = {s: default_shape(s, args.batch, args.kv_heads, args.heads // args.kv_heads, 128, args.capacity,
+                               torch.device(args.device)) for s in ("document", "tail")}
+    us = timed(shared, data, args)
+    emit(dict(kernel="default", shapes=shapes, us=round(us, 2), step_ms=round(us * args.layers / 1000, 3)))
+    for segment, shape in configs(args):
+        def patched(seg, *rest, _segment=segment, _shape=shape):
+            return _shape if seg == _segment else default_shape(seg, *rest)
+
+        shared.launch_shape = patched
+        try:
+            error = (shared.decode_attention_shared(**data).float() - reference).abs().max().item()
+            us = timed(shared, data, args)
+            emit(dict(kernel="sweep", segment=segment, shape=shape, us=round(us, 2),
+                      step_ms=round(us * args.layers / 1000, 3), max_abs_error=error))
+        except Exception as error:  # a shape that does not fit shared memory or registers
+            emit(dict(kernel="sweep", segment=segment, shape=shape, error=f"{type(error).__name__}: {str(error)[:200]}"))
+        finally:
+            shared.launch_shape = default_shape
+    baseline_row("last")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=64, help="readers of the document")
+    p.add_argument("--doc-entries", type=int, default=2993, help="the stored 128K document's entries per layer "
+                   "(InfiniPot, pot 4,096: records/shared-document-h200/)")
+    p.add_argument("--tail", type=int, default=160, help="each reader's private entries (32-token question, half "
+                   "of 256 new tokens)")
+    p.add_argument("--capacity", type=int, default=4384, help="entries a slot (and a document row) holds")
+    p.add_argument("--documents", type=int, default=4, help="rows of the document region (Scheduler's default)")
+    p.add_argument("--doc-block-m", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--block-n", type=int, nargs="+", default=[32, 64, 128])
+    p.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--doc-splits", type=int, nargs="+", default=[2, 4, 8, 16])
+    p.add_argument("--tail-splits", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=21)
+    p.add_argument("--baseline", help="another copy of kvpot/kernels/shared.py to time on the same inputs")
+    p.add_argument("--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1, untimed")
+    run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
