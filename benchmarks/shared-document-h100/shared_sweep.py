@@ -106,8 +106,9 @@ def run(args) -> None:
                       step_ms=round(us * args.layers / 1000, 3), max_abs_error=error))
 
     baseline_row("first")
+    size = data["keys"].element_size()
     shapes = {s: default_shape(s, args.batch, args.kv_heads, args.heads // args.kv_heads, 128, args.capacity,
-                               torch.device(args.device)) for s in ("document", "tail")}
+                               torch.device(args.device), size) for s in ("document", "tail")}
     us = timed(shared, data, args)
     emit(dict(kernel="default", shapes=shapes, us=round(us, 2), step_ms=round(us * args.layers / 1000, 3)))
     for segment, shape in configs(args):

@@ -36,7 +36,7 @@ from kvpot.kernels.common import half_scores, load_keys, online_softmax_step, me
 from kvpot.kernels.decode_reference import check_decode_batch_inputs
 from kvpot.kernels.shared_reference import check_shared_inputs, decode_attention_shared_reference
 
-BLOCK_N = 64  # entries per loop step
+BLOCK_N = 64  # entries per loop step of the document segment
 
 
 @triton.jit(do_not_specialize=["N", "G", "KV", "SPLITS", "TILES", "BASE", "stride_os", "stride_ls"])
@@ -168,23 +168,30 @@ def _block_m(rows: int) -> int:
     return min(64, max(16, next_power_of_2(rows)))
 
 
-def _splits(programs: int, capacity: int, device: torch.device, block_n: int = BLOCK_N) -> int:
-    """Splits of a range: about two programs per multiprocessor in all, at most one per block (shapes only)."""
-    return max(1, min(triton.cdiv(capacity, block_n), triton.cdiv(2 * multiprocessors(device), max(1, programs))))
+def _splits(programs: int, capacity: int, device: torch.device, block_n: int, per_sm: float) -> int:
+    """Splits of a range: about `per_sm` programs per multiprocessor in all, at most one per block (shapes only)."""
+    target = max(1, round(per_sm * multiprocessors(device)))
+    return max(1, min(triton.cdiv(capacity, block_n), triton.cdiv(target, max(1, programs))))
 
 
 def launch_shape(segment: str, batch: int, kv: int, g: int, d: int, capacity: int,
-                 device: torch.device) -> tuple[int, int, int, int, int]:
+                 device: torch.device, element_size: int = 2) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, warps, stages, splits) of one segment's launch, `segment` "document" or "tail": from
     shapes only, so a captured step keeps its launches. `benchmarks/shared-document-h100/shared_sweep.py`
-    replaces it to time others."""
+    replaces it to time others. Chosen on an H100 at 64 readers of a 2,993-entry document with 160-entry tails
+    (`records/shared-document-h100/`): the document's tiles in 8 warps, three stages deep, its range split to
+    about half a program per multiprocessor (2 splits: 77 us a layer against 127 at two programs per
+    multiprocessor: every split is one more partial for each row's tail program to merge); tails 32 entries a
+    loop step, three stages deep (114 against 125 us at 64)."""
+    # the loop's stages hold K and V blocks in shared memory: three of 64 x 128 in 2 bytes fit, not in 4 or at 256
+    deep = 3 if element_size <= 2 and d <= 128 else 2 if d <= 128 else 1
     if segment == "document":  # a tile is up to 64 (reader, query head) pairs of one document's readers
         block_m = _block_m(batch * g)
         programs = kv * triton.cdiv(batch * g, block_m)
-    else:  # a tile is one row's query heads
-        block_m = _block_m(g)
-        programs = batch * kv * triton.cdiv(g, block_m)
-    return block_m, BLOCK_N, 4, 1 if d > 128 else 2, _splits(programs, capacity, device)
+        return block_m, BLOCK_N, 8, deep, _splits(programs, capacity, device, BLOCK_N, 0.5)
+    block_m = _block_m(g)  # a tile is one row's query heads
+    programs = batch * kv * triton.cdiv(g, block_m)
+    return block_m, 32, 4, deep, _splits(programs, capacity, device, 32, 2.0)
 
 
 def _launch(segment, query, keys, values, rows, groups, documents, lengths, rope, part, lse, base, shape, g, kv,
@@ -256,8 +263,8 @@ def decode_attention_shared(query, keys, values, rows, lengths, doc_keys, doc_va
     rows = rows.to(torch.int64)
     # groups, on the device: the rows sorted (stably) by their document, each document's run of rows
     groups = groups if groups is not None else shared_groups(rows, doc_rows, docs)
-    doc_shape = launch_shape("document", batch, kv, g, d, capacity, device)
-    tail_shape = launch_shape("tail", batch, kv, g, d, capacity, device)
+    doc_shape = launch_shape("document", batch, kv, g, d, capacity, device, keys.element_size())
+    tail_shape = launch_shape("tail", batch, kv, g, d, capacity, device, keys.element_size())
     splits_doc, splits_tail = doc_shape[-1], tail_shape[-1]
     # a tail in one split merges in its own program (the document's partials are written by the launch before);
     # otherwise a third launch merges. Every partial is written by a launch (a row reading no document: its
