@@ -81,6 +81,8 @@ def main(argv=None) -> None:
                    help="comma-separated KIND:DECODE[:APPEND]: KIND shared or copied, DECODE graph or static, APPEND "
                         "reference to run the batched step's cache append in PyTorch (kvpot.kernels.append_reference) "
                         "instead of its Triton kernel")
+    p.add_argument("--compile-step", action="store_true",
+                   help="the step's layers through torch.compile, as `kvpot bench throughput --compile-step` runs them")
     p.add_argument("--launch-shape", default=None, metavar="BLOCK_N,WARPS,STAGES,SPLITS",
                    help="run the batched decode attention at this launch shape instead of the library's "
                         "(kvpot.kernels.decode.launch_shape and default_splits; engine-core-h100/decode_sweep.py)")
@@ -106,7 +108,8 @@ def main(argv=None) -> None:
     report = {"args": {k: str(v) for k, v in vars(args).items()}, "modes": {}}
     append_kernel = batch.append_kernel
     with sdpa_backends("no-cudnn", device):
-        engine = Engine(model, IdTokenizer(vocab), method=build_method(args.method), chat_template=False)
+        engine = Engine(model, IdTokenizer(vocab), method=build_method(args.method), chat_template=False,
+                        compile_step=args.compile_step)
         document = torch.randint(3, vocab, (int(args.length.lower().replace('k', '')) * 1024 if args.length.lower().endswith('k') else int(args.length),), generator=torch.Generator().manual_seed(0))
         state = engine.prefill_ids(document.tolist())
         report["document_entries"] = [layer.n for layer in state.cache.layers][:1]
