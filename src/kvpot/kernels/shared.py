@@ -180,9 +180,10 @@ def launch_shape(segment: str, batch: int, kv: int, g: int, d: int, capacity: in
     shapes only, so a captured step keeps its launches. `benchmarks/shared-document-h100/shared_sweep.py`
     replaces it to time others. Chosen on an H100 at 64 readers of a 2,993-entry document with 160-entry tails
     (`records/shared-document-h100/`): the document's tiles in 8 warps, three stages deep, its range split to
-    about half a program per multiprocessor (2 splits: 77 us a layer against 127 at two programs per
-    multiprocessor: every split is one more partial for each row's tail program to merge); tails 32 entries a
-    loop step, three stages deep (114 against 125 us at 64)."""
+    about half a program per multiprocessor (3 splits there: 63.1 us a layer for both segments, against 68.5 at 2,
+    72.1 at 4 and 97.2 at 1; the former rule, two programs per multiprocessor, gave 9: every split is one more
+    partial for each row's tail program to merge); tails 32 entries a loop step, three stages deep (114 against
+    125 us at 64, with the document at its former shape)."""
     # the loop's stages hold K and V blocks in shared memory: three of 64 x 128 in 2 bytes fit, not in 4 or at 256
     deep = 3 if element_size <= 2 and d <= 128 else 2 if d <= 128 else 1
     if segment == "document":  # a tile is up to 64 (reader, query head) pairs of one document's readers
