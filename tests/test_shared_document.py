@@ -244,18 +244,16 @@ def test_shared_document_refusals(model, monkeypatch):
     engine = kvpot.Engine(model, method=kvpot.Full(chunk_size=64))
     with pytest.raises(KvpotError, match="documents"):
         Scheduler(engine, slots=2, capacity=64, decode="static", share_documents=True, documents=0)
-    with pytest.raises(KvpotError, match="mix"):
-        Scheduler(engine, slots=2, capacity=64, decode="static", share_documents=True, mix=True)
     with monkeypatch.context() as patch:  # where mix="auto" would mix (a CUDA GPU), shared documents stay apart
         real = scheduler_module.resolve_mix
         patch.setattr(kvpot.kernels, "available", lambda device: True)
         patch.setattr(kvpot.kernels, "supports_head_dim", lambda head_dim: True)  # the tiny model's 16
         patch.setattr(scheduler_module, "resolve_mix", lambda mix, _, *args, **kw: real(mix, torch.device("cuda"),
                                                                                           *args, **kw))
-        with pytest.raises(KvpotError, match="mix"):
-            Scheduler(engine, slots=2, capacity=64, decode="static", share_documents=True, mix="on")
         shared = Scheduler(engine, slots=2, capacity=64, decode="static", share_documents=True)
         assert shared.mix is False and shared.pool.documents is not None
+        mixing = Scheduler(engine, slots=2, capacity=64, decode="static", share_documents=True, mix="on")
+        assert mixing.mix is True and mixing.pool.documents is not None  # asked for: they mix
         assert Scheduler(engine, slots=2, capacity=64, decode="static").mix is True
     plain = Scheduler(engine, slots=2, capacity=64, decode="static")
     assert plain.pool.documents is None and "copy_on_write" not in plain.report  # the default path: untouched
@@ -326,9 +324,13 @@ def test_shared_document_serve_readers_of_an_uploaded_document(tmp_path):
         server.stop()
 
 
-def test_shared_document_readers_beside_fresh_prompts_and_a_cancellation(model, context, one_thread):
+@pytest.mark.parametrize("mix", ["auto", "on"])
+def test_shared_document_readers_beside_fresh_prompts_and_a_cancellation(model, context, mix, one_thread,
+                                                                          monkeypatch):
     """Fresh prompts decode beside a document's readers (their rows read no document); a reader cancelled
-    mid-answer drops its reference at once, and the others keep the tokens they get alone."""
+    mid-answer drops its reference at once, and the others keep the tokens they get alone. With mix="on" the
+    fresh prompts' chunks are read in the readers' forward (their rows attending the shared document there), and
+    a reader whose pot fills copies its document, then rides in that forward as a one-token chunk."""
     method = kvpot.InfiniPot(pot_size=64, catalyst=None)
     engine = kvpot.Engine(model, method=method, decode="eager")
     state = engine.prefill_ids(context)
@@ -337,7 +339,13 @@ def test_shared_document_readers_beside_fresh_prompts_and_a_cancellation(model, 
     expected = [engine.generate_ids(question_ids=q, state=state, max_new_tokens=NEW, ignore_eos=True).token_ids
                 for q in QUESTIONS[:3]]
     expected += [engine.generate_ids(c, q, max_new_tokens=NEW, ignore_eos=True).token_ids for c, q in fresh]
-    scheduler = Scheduler(kvpot.Engine(model, method=method), slots=6, decode="static", share_documents=True)
+    scheduler = Scheduler(kvpot.Engine(model, method=method), slots=6, decode="static", share_documents=True,
+                          mix=mix)
+    sharing = []  # each mixed forward: the readers of the shared document in it
+    forward = scheduler_module.mixed_forward
+    monkeypatch.setattr(scheduler_module, "mixed_forward",
+                        lambda decoder, slots, *a: sharing.append(sum(scheduler.pool.documents.shares(s) for s in slots))
+                        or forward(decoder, slots, *a))
     readers_ = [scheduler.submit(Request(None, q, state=state, max_new_tokens=NEW, ignore_eos=True))
                 for q in QUESTIONS[:4]]
     others = [scheduler.submit(Request(c, q, max_new_tokens=NEW, ignore_eos=True)) for c, q in fresh]
@@ -352,3 +360,11 @@ def test_shared_document_readers_beside_fresh_prompts_and_a_cancellation(model, 
     scheduler.run()
     assert [r.tokens for r in readers_[:3] + others] == expected
     assert region.readers == 0 and scheduler.pool.used == 0
+    report = scheduler.report
+    assert report["document_loads"] == 1
+    if mix == "on":  # chunks beside the readers' rows, and the riders (copied first: nothing reads a slot's zeros)
+        assert report["mixed_forwards"] == len(sharing) > 0 and report["riding_rows"] > 0
+        assert max(sharing) >= 2  # readers' rows read the region inside mixed forwards
+        assert 0 < report["copy_on_write_eager"] <= report["riding_rows"]  # (fresh prompts' pots fill and ride too)
+    else:
+        assert report["mixed_forwards"] == 0

@@ -183,8 +183,6 @@ def share_region(scheduler, share: bool, rows: int) -> DocumentRegion | None:
         return None
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
         raise KvpotError(f"documents (stored documents loaded at once) must be a positive integer, got {rows!r}.")
-    if scheduler.mix:
-        raise KvpotError("share_documents does not run with mix=True ('on') yet: give one or the other, or mix='auto'.")
     if scheduler.engine.parallel is not None:
         raise KvpotError("share_documents does not run under tensor parallelism yet.")
     if scheduler.engine.batch_invariant:

@@ -80,9 +80,6 @@ class ServeConfig:
             raise KvpotError(f"--{'read' if self.read_timeout == 0 else 'tp'}-timeout must be positive.")
         if self.mix not in MIXES:
             raise KvpotError(f"--mix must be one of {', '.join(MIXES)}, got {self.mix!r}.")
-        if self.mix in ("on", "eager") and self.share_documents:
-            raise KvpotError(f"--mix {self.mix} and --share-documents do not run together yet (a shared document's readers "
-                             "do not mix): drop one; --mix auto leaves shared documents apart.")
         self.allowed_hosts = tuple(h.strip().lower() for h in self.allowed_hosts if h.strip())
         if not 0 < self.kv_memory_fraction <= 1:
             raise KvpotError(f"--kv-memory-fraction must be in (0, 1], got {self.kv_memory_fraction!r}.")
