@@ -294,32 +294,56 @@ def test_shared_document_bench_throughput_row_beside_copy_per_reader(capsys, tmp
     assert code == 2 and "give --document" in capsys.readouterr().err  # sharing needs a stored document
 
 
-def test_shared_document_serve_readers_of_an_uploaded_document(tmp_path):
+@pytest.mark.parametrize("mix", ["auto", "on"])
+def test_shared_document_serve_readers_of_an_uploaded_document(tmp_path, mix):
     """`kvpot serve --share-documents`: questions about one uploaded document (POST /v1/documents), asked at once,
-    read it from one copy; /metrics shows the document, its readers and no copy (InfiniPot's pot never fills)."""
+    read it from one copy; /metrics shows the document, its readers and no copy (InfiniPot's pot never fills).
+    With `--mix on` the pool mixes (a fresh prompt asked beside the readers is read in their forward)."""
     pytest.importorskip("openai")
     pytest.importorskip("fastapi")
+    import threading
     from concurrent.futures import ThreadPoolExecutor
 
     from serve_process import MODEL, PASSKEY, QUESTION, Server
 
-    server = Server(tmp_path / "states", "--share-documents", "--max-slots", "4")
+    server = Server(tmp_path / "states", "--share-documents", "--max-slots", "4", "--mix", mix)
     try:
+        pools = server.http("GET", "/health").json()["pools"]
+        assert [pool["mix"] for pool in pools] == [mix == "on"]  # "auto" leaves shared documents' readers apart
         created = server.http("POST", "/v1/documents", json={"text": PASSKEY * 4})
         assert created.status_code == 200, created.text
         document = created.json()["id"]
         client = server.client()
 
-        def ask(_):
-            out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
-                                                 max_tokens=8, temperature=0, extra_body={"document_id": document})
+        decoding = threading.Event()  # set at the first reader's first streamed token
+
+        def ask(_):  # streamed: the fresh prompt below is asked once the readers decode
+            stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
+                                                    max_tokens=48, temperature=0, stream=True,
+                                                    extra_body={"document_id": document})
+            text = ""
+            for chunk in stream:
+                decoding.set()
+                text += chunk.choices[0].delta.content or "" if chunk.choices else ""
+            return text
+
+        def fresh():  # the passkey in a prompt of its own, read while the readers decode (not the document's text,
+            # which the server would find stored and answer from: a reader whose question is read apart)
+            assert decoding.wait(60)
+            out = client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, messages=[
+                {"role": "user", "content": PASSKEY * 3 + "\n" + QUESTION}])
             return out.choices[0].message.content
 
-        with ThreadPoolExecutor(3) as pool:
+        with ThreadPoolExecutor(4) as pool:
+            other = pool.submit(fresh)
             answers = list(pool.map(ask, range(3)))
         assert answers.count(answers[0]) == 3 and "12345" in answers[0]
+        assert "12345" in other.result()
+        # its prompt in the readers' forward where mixing is asked for, apart otherwise
+        assert (server.metric("mixed_forwards_total") > 0) == (mix == "on")
         assert server.metric("shared_documents") == 1 and server.metric("shared_document_readers") == 0
-        assert server.metric("copy_on_write_total") == 0
+        shared = server.http("GET", "/health").json()["pools"][0]["shared"]
+        assert server.metric("copy_on_write_total") == 0, {k: v for k, v in shared.items() if v}
     finally:
         server.stop()
 
