@@ -94,6 +94,41 @@ def test_each_request_of_a_batch_gets_its_tokens_alone(model, prompts, name, one
         assert report["batched_rows"] > 0
 
 
+@pytest.mark.parametrize("name", [n for n, (m, _) in methods().items() if m.batch_scores])
+def test_scores_a_method_writes_in_batch_append_are_its_own_at_every_new_entry(model, prompts, name, monkeypatch,
+                                                                             one_thread):
+    """A method's `batch_scores` are not zeroed by the step's append (`StepLayer.update`): its `batch_append`
+    writes every row's new entry. With each such array NaN past the live entries before every batched step, the
+    new entries hold their token's score after it (the -log p the method was given) and the tokens are alone's."""
+    from kvpot.engine import batch as batch_module
+
+    method, capacity = methods()[name]
+    expected = alone(model, method, prompts[:3])
+    written = []
+    step, end_rows = batch_module.BatchDecoder.step, batch_module.BatchDecoder.end_rows
+
+    def poisoned(decoder, slots, *args, **kwargs):
+        for layer, lengths in zip(decoder.pool.layers, decoder.pool.lengths):
+            for name_ in method.batch_scores:
+                for slot in slots:
+                    layer.score(name_)[slot, :, int(lengths[slot]):] = float("nan")
+        return step(decoder, slots, *args, **kwargs)
+
+    def check(decoder, bucket, logits, mode, nll):
+        end_rows(decoder, bucket, logits, mode, nll)
+        rows = decoder.rows[:bucket]
+        for layer, at in zip(decoder.pool.layers, decoder.cache.appended):
+            heads = torch.arange(layer.kv_heads).view(1, -1)
+            for name_ in method.batch_scores:
+                written.append(layer.score(name_)[rows[:, None], heads, at[:, None]].isfinite().all().item())
+
+    monkeypatch.setattr(batch_module.BatchDecoder, "step", poisoned)
+    monkeypatch.setattr(batch_module.BatchDecoder, "end_rows", check)
+    _, requests = batched(model, method, prompts[:3], capacity=capacity)
+    assert [r.tokens for r in requests] == [e.token_ids for e in expected]
+    assert written and all(written)
+
+
 @pytest.mark.parametrize("name", ["full", "streaming", "infinipot", "h2o", "snapkv"])
 def test_mixed_chunks_take_the_varlen_kernel(model, prompts, name, one_thread, monkeypatch):
     """A mixed step attends its prompt chunks over their pool slots in one varlen launch a layer

@@ -76,9 +76,10 @@ class StepLayer(CacheLayerMixin):
         append_kernel(keys.device)(storage.keys, storage.values, storage.positions, storage.rope_positions,
                                    storage.query_position, lengths, rows, index, keys[:, :, 0], value_states[:, :, 0],
                                    step.stream_positions, rotated)
-        if storage.scores:
+        fresh = [score for name, score in storage.scores.items() if name not in step.written]
+        if fresh:  # a new entry starts at zero, unless the method's `batch_append` writes it (`batch_scores`)
             at = (rows[:, None], self.heads, index[:, None])  # [B, kv_heads] each
-            for score in storage.scores.values():
+            for score in fresh:
                 score[at] = self.zero
         step.policy.decode_positions(storage.positions, storage.rope_positions, storage.query_position, rows, index)
         self.appended = index
@@ -107,6 +108,7 @@ class StepCache(Cache):
         self.request: AttentionRequest | None = None
         self.groups: tuple | None = None  # shared documents' readers grouped for this step (`_attend_shared`)
         self.split_entries: int | None = None  # the decode kernel's fixed split size (`Engine(batch_invariant=True)`)
+        self.written: frozenset[str] = frozenset()  # scores the method writes at each new entry (`batch_scores`)
         super().__init__(layers=[StepLayer(self, i) for i in range(pool.num_layers)])
 
     @property
@@ -241,7 +243,7 @@ class BatchDecoder:
         self.live = torch.zeros(pool.slots, dtype=torch.float32, device=device)  # 1: the row's append is the whole step
         self.zeros = torch.zeros(pool.slots, 1, dtype=torch.long, device=device)  # position_ids: RoPE is kvpot's
         self.cache = StepCache(pool)
-        self.cache.split_entries = engine.split_entries
+        self.cache.split_entries, self.cache.written = engine.split_entries, frozenset(self.method.batch_scores)
         self.buckets = buckets(pool.slots)
         self.graphs_on = graphs
         self.graphs = StepGraphs()  # sampling draws from each row's seed and counter: no generator to register

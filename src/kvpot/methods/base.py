@@ -112,6 +112,9 @@ class Method:
     # batched scheduler then feeds a question asked of a stored state through the decoding steps it
     # runs anyway, instead of one eager forward per request that every decoding user waits for.
     feeds_question: ClassVar[bool] = False
+    # Score arrays that `batch_append` writes at every row's new entry (InfiniPot's NuC, SirLLM's entropy): a
+    # batched step's append leaves them to it instead of zeroing them first (one scatter a layer less).
+    batch_scores: ClassVar[tuple[str, ...]] = ()
     # Float32 score arrays the method keeps per entry at most (H2O's sums, InfiniPot's NuC): a batched pool
     # counts them in each slot's bytes before it sizes itself from free memory.
     score_arrays: ClassVar[int] = 2

@@ -70,6 +70,7 @@ class InfiniPot(Method):
     paper = "Kim et al. 2024, InfiniPot: Infinite Context Processing on Memory-Constrained LLMs"
     bound = "pot_size (cache + chunk + catalyst)"
     needs_token_nll = True
+    batch_scores = (NUC,)  # written by `batch_append` (store_batch) at every new entry
     # the pot distills when full, wherever forwards end; a token's NuC uses the logits before it either way
     chunk_dependent = False
     evicts_while_decoding = True  # the pot distills whenever it fills, during decoding too
