@@ -13,11 +13,12 @@ to one range of one row of a KV buffer, launched twice:
 
 Both write split-K partials (normalised outputs and log2-sum-exps) into one `[splits_a + splits_b, B * H, d]`
 buffer, and `kvpot.kernels.common.merge` merges them: the log-sum-exp merge of two segments is the split-K merge.
-Each program reads its range's ends itself (the document's length; a tail's slot, document and counts), and a
-tail's program writes "no key" into the document partials of a row that reads none, so a layer's attention is
-three launches and nothing else (a captured step runs every small index or fill operation as a launch of its
-own, once per layer). `launch_shape` gives each
-launch's tile, warps, stages and splits (`benchmarks/shared-document-h100/shared_sweep.py` sweeps them).
+Each program reads its range's ends itself (the document's length; a tail's slot, document and counts). A tail
+in one split merges the document's partials in its own program and writes the output; otherwise its program
+writes "no key" into the document partials of a row that reads none, and `merge` runs. So a layer's attention is
+two launches (three when tails split) and nothing else: a captured step runs every small index or fill operation
+as a launch of its own, once per layer. `launch_shape` gives each launch's tile, warps, stages and splits
+(`benchmarks/shared-document-h100/shared_sweep.py` sweeps them).
 Shapes and grids depend on tensor shapes only; groups are formed on the device (a stable sort of the rows by
 their document), so nothing synchronises with the host and the step can be captured in a CUDA graph.
 `probs` (an observation of the step: H2O, TOVA) is not written by this kernel: with `probs` the reference runs
