@@ -79,8 +79,9 @@ def register(subparsers) -> None:
     b.add_argument("--mix", choices=MIXES, default=MIX,
                    help="read prompt chunks in the same forward as the users decoding (one budgeted forward a "
                         "step, --prefill-tokens of prompt beside one token a user) instead of a forward of their "
-                        f"own that every user waits for; auto: on a CUDA GPU, where its varlen kernel runs "
-                        f"(default {MIX}); eager: on, never in the captured fixed-shape step")
+                        f"own that every user waits for; auto: on a CUDA GPU, where its varlen kernel runs, "
+                        f"but not with --share-documents (default {MIX}); eager: on, never in the captured "
+                        "fixed-shape step (with --share-documents, 'on' mixes in eager steps too)")
     b.add_argument("--feed-questions", choices=["auto", "always", "never"], default="auto",
                    help="a question about a stored document is read one token per decoding step beside the users "
                         "already decoding (auto: while others run or wait; alone, one forward answers sooner), "
