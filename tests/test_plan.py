@@ -155,8 +155,7 @@ def test_eager_mix_reads_in_the_rows_forward_without_the_fixed_shape_step(one_th
     assert resolve_mix("eager", torch.device("cpu"), 64) is True
     with pytest.raises(KvpotError, match="batch-invariant"):
         resolve_mix("eager", torch.device("cpu"), 64, invariant=True)
-    with pytest.raises(KvpotError, match="--mix eager and --share-documents"):
-        ServeConfig(mix="eager", share_documents=True)
+    assert ServeConfig(mix="eager", share_documents=True).mix == "eager"  # shared documents mix when asked
     engine = kvpot.Engine(build("llama3"), method=kvpot.StreamingLLM(sinks=4, window=44, chunk_size=16))
     eager = Scheduler(engine, slots=2, decode="static", mix="eager")
     assert eager.mix and not eager.decoder.fixed_mix
