@@ -40,6 +40,7 @@ class PoolLayer:
         self.rope_positions = torch.zeros(rows, kv_heads, capacity, dtype=torch.long, device=device)
         self.query_position = torch.zeros(rows, dtype=torch.long, device=device)  # the batched step's query
         self.scores: dict[str, torch.Tensor] = {}  # name -> [rows, kv_heads, capacity] float32
+        self.heads = torch.arange(kv_heads, device=device).view(1, -1)  # [1, kv_heads]: a step's per-head index
         self.probs: torch.Tensor | None = None  # [rows, kv_heads, capacity]: a batched step's observation
 
     def score(self, name: str) -> torch.Tensor:

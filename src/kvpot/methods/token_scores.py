@@ -27,6 +27,5 @@ def store_append(cache, name: str, step: Step) -> None:
 def store_batch(layers, name: str, rows: torch.Tensor, index: list[torch.Tensor], step: Step) -> None:
     """A batched step: row i's new entry (slot `rows[i]`, entry `index[l][i]` in layer l) gets its token's score."""
     nll = step.token_nll[:, None]  # [B, 1]
-    for layer, at in zip(layers, index):
-        heads = torch.arange(layer.kv_heads, device=rows.device).view(1, -1)
-        layer.score(name)[rows[:, None], heads, at[:, None]] = nll.expand(-1, layer.kv_heads)
+    for layer, at in zip(layers, index):  # (the pool layer's own head index: no arange launched a layer a step)
+        layer.score(name)[rows[:, None], layer.heads, at[:, None]] = nll.expand(-1, layer.kv_heads)
