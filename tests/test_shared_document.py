@@ -270,9 +270,11 @@ def test_shared_document_generate_batch_answers_questions_of_one_state(one_threa
     assert all(r.stats.max_kv_entries <= 256 for r in shared)
 
 
-def test_shared_document_bench_throughput_row_beside_copy_per_reader(capsys, tmp_path):
+@pytest.mark.parametrize("mix", ["auto", "on"])
+def test_shared_document_bench_throughput_row_beside_copy_per_reader(capsys, tmp_path, mix):
     """`kvpot bench throughput --document --share-documents`: a shared-document row beside the copy-per-reader
-    row, the same output tokens, its scheduler record counting the document and its readers' copies."""
+    row, the same output tokens, its scheduler record counting the document and its readers' copies; `--mix`
+    reaches the shared row too ("auto" leaves it apart)."""
     import json
 
     from kvpot.cli import main
@@ -280,10 +282,11 @@ def test_shared_document_bench_throughput_row_beside_copy_per_reader(capsys, tmp
     out = tmp_path / "out"
     code = main(["bench", "throughput", "--shape", "tiny", "--device", "cpu", "--out", str(out), "--method",
                  "infinipot:pot_size=128", "--users", "3", "--lengths", "96", "--new-tokens", "4",
-                 "--question-tokens", "4", "--document", "--share-documents", "--sequential-users", "1"])
+                 "--question-tokens", "4", "--document", "--share-documents", "--sequential-users", "1", "--mix", mix])
     assert code == 0, capsys.readouterr().err
     rows = {row["method"]: row for row in json.loads((out / "results.json").read_text())["rows"]}
     shared, copied = rows["infinipot [batch, shared document]"], rows["infinipot [batch]"]
+    assert shared["mix"] is (mix == "on") and copied["mix"] is (mix == "on")  # (auto: off on a CPU anyway)
     assert shared["completed"] == copied["completed"] == 3 and shared["output_tokens"] == copied["output_tokens"] == 12
     record = shared["scheduler"]
     assert record["document_loads"] == 1 and record["copy_on_write"] == 0 and record["shared_readers"] == 0

@@ -15,8 +15,8 @@ Rows per method and length:
   scheduler with prompt chunks read in the decoding rows' forward, or in forwards of their own, whatever
   `--mix` gives `METHOD [batch]` (each row records its `mix`);
 - `METHOD [batch, shared document]` (`--document --share-documents`): the same scheduler with its readers sharing
-  the stored document's entries (`Scheduler(share_documents=True)`, `kvpot.engine.documents`); its `scheduler`
-  record counts the shared documents, their readers and the copy-on-write events;
+  the stored document's entries (`Scheduler(share_documents=True)`, `kvpot.engine.documents`) at the same `--mix`;
+  its `scheduler` record counts the shared documents, their readers and the copy-on-write events;
 - `METHOD [one at a time]`: `Engine.generate_ids` for each user after the other (the engine before
   batching), `--sequential-users` of them (default all), in arrival order, each starting at its
   arrival or when the one before it ends, whichever is later;
@@ -117,7 +117,7 @@ def _kvpot_row(config: BenchConfig, model, run, prompts: dict, kind: str, tokeni
         extra["document_prefill_seconds"] = time.perf_counter() - begun
     if kind == "sequential":
         return {**extra, **_sequential(config, engine, prompts, state)}
-    mix = {"mixed": "on", "apart": "off", "shared": "auto"}.get(kind, config.mix)  # "auto": shared documents apart
+    mix = {"mixed": "on", "apart": "off"}.get(kind, config.mix)  # shared documents: --mix as given ("auto": apart)
     return {**extra, **_batched(config, engine, prompts, state, mix=mix, share=kind == "shared")}
 
 
