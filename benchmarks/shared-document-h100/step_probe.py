@@ -6,13 +6,18 @@ copied per reader.
     python benchmarks/shared-document-h100/step_probe.py --out DIR [--readers 64] [--length 128k] [--modes ...]
 
 Writes DIR/step_probe.json: per mode (shared, copied) the graph step's p50/mean ms over `--steps` steps, the
-eager step's, and the profiler's top operators of `--profile-steps` eager steps.
+eager step's, and the profiler's top operators of `--profile-steps` eager steps. `--start-steps N` adds each of the
+first steps' times from the readers' submission (admission, fed questions, their first tokens) and host profiles of
+the slowest.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import time
 from pathlib import Path
 
@@ -49,14 +54,33 @@ def probe(engine, state, args, share: bool, decode: str) -> dict:
     for request in requests:
         scheduler.submit(request)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    while any(r.status != "decoding" for r in requests):
+    start, hosts = [], {}
+    while any(r.status != "decoding" for r in requests) or len(start) < args.start_steps:
+        # the steps from the readers' submission on, each timed with the device (and its host profile kept):
+        # admission, the fed questions, the step where they start decoding
+        profiler = cProfile.Profile() if args.start_steps else None
+        sync()
+        begun = time.perf_counter()
+        if profiler is not None:
+            profiler.enable()
         scheduler.step()
+        if profiler is not None:
+            profiler.disable()
+            hosts[len(start)] = profiler
+        sync()
+        start.append(round((time.perf_counter() - begun) * 1000, 2))
         failed = [r.error for r in requests if r.status == "failed"]
         if failed:
             raise SystemExit(f"a request failed: {failed[0]}")
+    slowest = sorted(range(len(start)), key=lambda i: -start[i])[:3]
+    start_profiles = {}
+    for i in slowest if args.start_steps else ():
+        text = io.StringIO()
+        pstats.Stats(hosts[i], stream=text).sort_stats("cumulative").print_stats(40)
+        start_profiles[str(i)] = text.getvalue()
     _steps(scheduler, 8, sync)  # warm
     out = {"decode": decode, **_stats(_steps(scheduler, args.steps, sync)), "report": dict(scheduler.report),
-           "pool_bytes": scheduler.pool.nbytes}
+           "pool_bytes": scheduler.pool.nbytes, "start_ms": start, "start_profiles": start_profiles}
     if args.profile_steps and torch.cuda.is_available():
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=activities, record_shapes=True) as profiler:
@@ -77,6 +101,9 @@ def main(argv=None) -> None:
     p.add_argument("--length", default="128k")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--profile-steps", type=int, default=3)
+    p.add_argument("--start-steps", type=int, default=0,
+                   help="time each of the first N steps from the readers' submission (at least until all decode), "
+                        "with host profiles (cProfile) of the three slowest in the JSON")
     p.add_argument("--modes", default="shared:graph,copied:graph,shared:static",
                    help="comma-separated KIND:DECODE[:APPEND]: KIND shared or copied, DECODE graph or static, APPEND "
                         "reference to run the batched step's cache append in PyTorch (kvpot.kernels.append_reference) "
@@ -118,7 +145,7 @@ def main(argv=None) -> None:
             batch.append_kernel = append_kernel if append != ["reference"] else (lambda device: append_rows_reference)
             result = probe(engine, state, args, kind == "shared", decode)
             report["modes"][mode] = result
-            print(mode, {k: v for k, v in result.items() if k not in ("profile", "report")}, flush=True)
+            print(mode, {k: v for k, v in result.items() if k not in ("profile", "report", "start_profiles")}, flush=True)
             if "profile" in result:
                 print(result["profile"], flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
