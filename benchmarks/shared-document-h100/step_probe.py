@@ -8,13 +8,14 @@ copied per reader.
 Writes DIR/step_probe.json: per mode (shared, copied) the graph step's p50/mean ms over `--steps` steps, the
 eager step's, and the profiler's top operators of `--profile-steps` eager steps. `--start-steps N` adds each of the
 first steps' times from the readers' submission (admission, fed questions, their first tokens) and host profiles of
-the slowest.
+the slowest, and the garbage collector's pauses in each (ms, full passes).
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import pstats
@@ -42,23 +43,37 @@ def _stats(times: list[float]) -> dict:
 def probe(engine, state, args, share: bool, decode: str) -> dict:
     import torch
 
+    from kvpot.engine import heap
     from kvpot.engine.requests import Request
     from kvpot.engine.scheduler import Scheduler
 
     vocab = engine.model.config.vocab_size
     scheduler = Scheduler(engine, slots=args.readers, prefill_tokens=2048, decode=decode, share_documents=share)
     scheduler.capture()
+    if args.gc == "freeze":  # as `kvpot serve` and `kvpot bench throughput` do once ready (kvpot.engine.heap)
+        heap.freeze()
     gen = torch.Generator().manual_seed(1)
     requests = [Request(None, torch.randint(3, vocab, (32,), generator=gen).tolist(), state=state,
                         max_new_tokens=10_000, ignore_eos=True) for _ in range(args.readers)]
     for request in requests:
         scheduler.submit(request)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    start, hosts = [], {}
+    start, hosts, pauses = [], {}, []
+    collected = [0.0, 0]  # the collector's pauses (ms, full passes) in the step being timed
+
+    def pause(phase, info, began=[0.0]):
+        if phase == "start":
+            began[0] = time.perf_counter()
+        else:
+            collected[0] += (time.perf_counter() - began[0]) * 1000
+            collected[1] += info["generation"] == 2
+
+    gc.callbacks.append(pause)
     while any(r.status != "decoding" for r in requests) or len(start) < args.start_steps:
         # the steps from the readers' submission on, each timed with the device (and its host profile kept):
         # admission, the fed questions, the step where they start decoding
         profiler = cProfile.Profile() if args.start_steps else None
+        collected[:] = [0.0, 0]
         sync()
         begun = time.perf_counter()
         if profiler is not None:
@@ -69,9 +84,11 @@ def probe(engine, state, args, share: bool, decode: str) -> dict:
             hosts[len(start)] = profiler
         sync()
         start.append(round((time.perf_counter() - begun) * 1000, 2))
+        pauses.append([round(collected[0], 2), collected[1]])
         failed = [r.error for r in requests if r.status == "failed"]
         if failed:
             raise SystemExit(f"a request failed: {failed[0]}")
+    gc.callbacks.remove(pause)
     slowest = sorted(range(len(start)), key=lambda i: -start[i])[:3]
     start_profiles = {}
     for i in slowest if args.start_steps else ():
@@ -80,7 +97,8 @@ def probe(engine, state, args, share: bool, decode: str) -> dict:
         start_profiles[str(i)] = text.getvalue()
     _steps(scheduler, 8, sync)  # warm
     out = {"decode": decode, **_stats(_steps(scheduler, args.steps, sync)), "report": dict(scheduler.report),
-           "pool_bytes": scheduler.pool.nbytes, "start_ms": start, "start_profiles": start_profiles}
+           "pool_bytes": scheduler.pool.nbytes, "start_ms": start, "start_gc": pauses,
+           "start_profiles": start_profiles}
     if args.profile_steps and torch.cuda.is_available():
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=activities, record_shapes=True) as profiler:
@@ -89,6 +107,7 @@ def probe(engine, state, args, share: bool, decode: str) -> dict:
             sort_by="self_cuda_time_total", row_limit=45, max_name_column_width=60, max_shapes_column_width=90)
         out["profile_total_cuda_ms"] = sum(e.self_device_time_total for e in profiler.key_averages()) / 1000
     scheduler.abort()
+    heap.thaw()
     return out
 
 
@@ -101,6 +120,8 @@ def main(argv=None) -> None:
     p.add_argument("--length", default="128k")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--profile-steps", type=int, default=3)
+    p.add_argument("--gc", choices=("freeze", "default"), default="freeze",
+                   help="freeze the collector's heap after the capture, as the server does (kvpot.engine.heap), or not")
     p.add_argument("--start-steps", type=int, default=0,
                    help="time each of the first N steps from the readers' submission (at least until all decode), "
                         "with host profiles (cProfile) of the three slowest in the JSON")
@@ -144,6 +165,9 @@ def main(argv=None) -> None:
             kind, decode, *append = mode.split(":")
             batch.append_kernel = append_kernel if append != ["reference"] else (lambda device: append_rows_reference)
             result = probe(engine, state, args, kind == "shared", decode)
+            gc.collect()  # the mode's pool goes before the next one's is sized from free memory
+            if device == "cuda":
+                torch.cuda.empty_cache()
             report["modes"][mode] = result
             print(mode, {k: v for k, v in result.items() if k not in ("profile", "report", "start_profiles")}, flush=True)
             if "profile" in result:
