@@ -101,9 +101,6 @@ def free_memory(device: str) -> None:
 
     import torch
 
-    from kvpot.engine import heap
-
-    heap.thaw()  # a row's scheduler was frozen after its warm-up (`kvpot.engine.heap`): its cycles go now
     gc.collect()
     if _cuda(device):
         torch.cuda.empty_cache()

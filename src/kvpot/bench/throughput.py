@@ -44,7 +44,6 @@ from kvpot.bench.common import IdTokenizer, checkpoint, free_memory, mark_oom, p
 from kvpot.bench.config import BenchConfig, json_seconds
 from kvpot.bench.load import load_config, load_figures, request_record, request_row, run_open_loop, \
     workload_plan
-from kvpot.engine import heap
 from kvpot.errors import KvpotError
 
 WARMUP_PROMPT = 256  # warm-up prompts: long enough for one chunk of every method, short enough to cost nothing
@@ -168,7 +167,6 @@ def _batched(config: BenchConfig, engine, prompts: dict, state, mix: str = "auto
             for index, q in enumerate(prompts["questions"][: scheduler.pool.slots])]
     run_all(scheduler, warm)
     scheduler.capture()  # every batch size, as the server does at its start
-    heap.freeze()  # as the server does once ready; thawed by `free_memory` after the row
     scheduler.report = dict.fromkeys(scheduler.report, 0)  # the timed workload's counts alone
     captured = scheduler.decoder.captures
     scheduler.trace = StepTrace()  # each timed step's work and the gap its users saw (`steps` below)

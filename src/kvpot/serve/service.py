@@ -22,7 +22,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from kvpot.engine import heap
 from kvpot.errors import Cancelled, KvpotError
 from kvpot.serve.config import ServeConfig
 from kvpot.serve.metrics import Metrics
@@ -144,9 +143,6 @@ class Service:
             packed = scheduler.decoder.packed
             log.info("captured %d graphs: decoding steps at %d batch sizes, %d mixed steps", captured,
                      len(scheduler.decoder.buckets), packed.graphs.captures if packed is not None else 0)
-        # the objects alive now live as long as the server: the collector's full passes skip them (a pass over a
-        # compiled model's took hundreds of ms inside a step, `kvpot.engine.heap`); `stop` gives them back
-        log.info("kept %d objects out of garbage collection", heap.freeze())
         return scheduler
 
     async def drain(self, grace: float) -> None:
@@ -175,7 +171,6 @@ class Service:
             except Exception:
                 log.exception("could not write the states held in memory")
         await asyncio.to_thread(self.worker.shutdown)
-        heap.thaw()
 
     # ---------------------------------------------------------------- engines and keys
     def engine_for(self, spec: str | None):
