@@ -43,15 +43,12 @@ def _stats(times: list[float]) -> dict:
 def probe(engine, state, args, share: bool, decode: str) -> dict:
     import torch
 
-    from kvpot.engine import heap
     from kvpot.engine.requests import Request
     from kvpot.engine.scheduler import Scheduler
 
     vocab = engine.model.config.vocab_size
     scheduler = Scheduler(engine, slots=args.readers, prefill_tokens=2048, decode=decode, share_documents=share)
     scheduler.capture()
-    if args.gc == "freeze":  # as `kvpot serve` and `kvpot bench throughput` do once ready (kvpot.engine.heap)
-        heap.freeze()
     gen = torch.Generator().manual_seed(1)
     requests = [Request(None, torch.randint(3, vocab, (32,), generator=gen).tolist(), state=state,
                         max_new_tokens=10_000, ignore_eos=True) for _ in range(args.readers)]
@@ -107,7 +104,6 @@ def probe(engine, state, args, share: bool, decode: str) -> dict:
             sort_by="self_cuda_time_total", row_limit=45, max_name_column_width=60, max_shapes_column_width=90)
         out["profile_total_cuda_ms"] = sum(e.self_device_time_total for e in profiler.key_averages()) / 1000
     scheduler.abort()
-    heap.thaw()
     return out
 
 
@@ -120,8 +116,6 @@ def main(argv=None) -> None:
     p.add_argument("--length", default="128k")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--profile-steps", type=int, default=3)
-    p.add_argument("--gc", choices=("freeze", "default"), default="freeze",
-                   help="freeze the collector's heap after the capture, as the server does (kvpot.engine.heap), or not")
     p.add_argument("--start-steps", type=int, default=0,
                    help="time each of the first N steps from the readers' submission (at least until all decode), "
                         "with host profiles (cProfile) of the three slowest in the JSON")

@@ -201,19 +201,19 @@ def load_state(scheduler, slot: int, state, question: torch.Tensor):
     """Slot `slot`'s cache for a request that continues `state`: a reader of the shared document where its
     question is fed through the batched steps (so nothing reads the slot's keys before it decodes), else a copy."""
     pool, region = scheduler.pool, scheduler.pool.documents
-    if region is None:
-        return pool.load(slot, state.cache)
+    if region is None:  # (every load deferred: the scheduler flushes the step's admissions at once)
+        return pool.load(slot, state.cache, defer=True)
     method = scheduler.method
     fed = (method.feeds_question and scheduler.batched and scheduler.feed_questions != "never"
            and 0 < question.numel() <= scheduler.feed_tokens and state.last_logits is not None
            and state.cache.attention is None and not state.cache.host_storage)
     if not fed:
         region.copied("question")
-        return pool.load(slot, state.cache)
+        return pool.load(slot, state.cache, defer=True)
     if not region.attach(slot, state):
         region.copied("full")
-        return pool.load(slot, state.cache)
-    return pool.load(slot, state.cache, keys=False)
+        return pool.load(slot, state.cache, defer=True)
+    return pool.load(slot, state.cache, keys=False, defer=True)
 
 
 def copy_reason(scheduler, cache, plan: str) -> str | None:

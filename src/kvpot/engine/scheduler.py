@@ -199,12 +199,12 @@ class Scheduler:
             slot = self.pool.acquire()
             request.slot, request.status = slot, "prefilling"
             active = self.active[slot] = _Active(request, started=self.agreement.clock)
-            active.eos = frozenset() if request.ignore_eos else self.eos
-            active.eos = active.eos | frozenset(request.stop_token_ids)
+            active.eos = (frozenset() if request.ignore_eos else self.eos) | frozenset(request.stop_token_ids)
             try:
                 self._begin_read(active)
             except Exception as err:  # noqa: BLE001 - whatever one request raises fails it alone
                 self._fail(request, err, ended)
+        self.pool.flush()  # the stored states' copies into the slots admitted, one per state (`load_state`)
 
     def _begin_read(self, active: _Active) -> None:
         """Start reading the request's prompt into its slot (nothing is read until `_prefill`)."""
