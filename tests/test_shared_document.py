@@ -405,13 +405,14 @@ def test_shared_document_serve_readers_of_an_uploaded_document(tmp_path, mix):
         server.stop()
 
 
-@pytest.mark.parametrize("mix", ["auto", "on"])
+@pytest.mark.parametrize("mix", ["auto", "on", "packed"])
 def test_shared_document_readers_beside_fresh_prompts_and_a_cancellation(model, context, mix, one_thread,
                                                                           monkeypatch):
     """Fresh prompts decode beside a document's readers (their rows read no document); a reader cancelled
     mid-answer drops its reference at once, and the others keep the tokens they get alone. With mix="on" the
     fresh prompts' chunks are read in the readers' forward (their rows attending the shared document there), and
-    a reader whose pot fills copies its document, then rides in that forward as a one-token chunk."""
+    a reader whose pot fills copies its document, then rides in that forward as a one-token chunk. "packed": the
+    same in the fixed-shape mixed step a GPU captures (`kvpot.engine.packed`; uncaptured here)."""
     method = kvpot.InfiniPot(pot_size=64, catalyst=None)
     engine = kvpot.Engine(model, method=method, decode="eager")
     state = engine.prefill_ids(context)
@@ -421,7 +422,8 @@ def test_shared_document_readers_beside_fresh_prompts_and_a_cancellation(model, 
                 for q in QUESTIONS[:3]]
     expected += [engine.generate_ids(c, q, max_new_tokens=NEW, ignore_eos=True).token_ids for c, q in fresh]
     scheduler = Scheduler(kvpot.Engine(model, method=method), slots=6, decode="static", share_documents=True,
-                          mix=mix)
+                          mix="on" if mix == "packed" else mix)
+    scheduler.decoder.fixed_mix = mix == "packed" or scheduler.decoder.fixed_mix
     sharing = []  # each mixed forward: the readers of the shared document in it
     forward = scheduler_module.mixed_forward
     monkeypatch.setattr(scheduler_module, "mixed_forward",
@@ -443,9 +445,39 @@ def test_shared_document_readers_beside_fresh_prompts_and_a_cancellation(model, 
     assert region.readers == 0 and scheduler.pool.used == 0
     report = scheduler.report
     assert report["document_loads"] == 1
-    if mix == "on":  # chunks beside the readers' rows, and the riders (copied first: nothing reads a slot's zeros)
+    if mix != "auto":  # chunks beside the readers' rows, and the riders (copied first: nothing reads a slot's zeros)
         assert report["mixed_forwards"] == len(sharing) > 0 and report["riding_rows"] > 0
+        packed = scheduler.decoder.packed
+        assert (packed is not None and packed.steps > 0) == (mix == "packed" or scheduler.decoder.fixed_mix)
         assert max(sharing) >= 2  # readers' rows read the region inside mixed forwards
         assert 0 < report["copy_on_write_eager"] <= report["riding_rows"]  # (fresh prompts' pots fill and ride too)
     else:
         assert report["mixed_forwards"] == 0
+
+
+@pytest.mark.gpu
+def test_shared_document_captured_packed_steps_beside_readers_on_cuda():
+    """On a GPU, fresh prompts read in captured packed steps beside readers of a shared document (float32, the
+    Triton kernels: head dim 32): every request gets its tokens alone, the readers' rows read the region inside
+    replayed steps, and readers whose pot fills copy their document, then ride."""
+    from conftest import build_llama
+
+    model = build_llama(head_dim=32, hidden_size=128, num_attention_heads=4, num_key_value_heads=2).cuda()
+    method = kvpot.InfiniPot(pot_size=64, catalyst=None)
+    engine = kvpot.Engine(model, method=method, decode="eager")
+    context = torch.randint(3, VOCAB, (120,), generator=torch.Generator().manual_seed(3)).tolist()
+    state = engine.prefill_ids(context)
+    g = torch.Generator().manual_seed(9)
+    fresh = [(torch.randint(3, VOCAB, (n,), generator=g).tolist(), [7, 8]) for n in (50, 90, 130)]
+    expected = [engine.generate_ids(question_ids=q, state=state, max_new_tokens=NEW, ignore_eos=True).token_ids
+                for q in QUESTIONS]
+    expected += [engine.generate_ids(c, q, max_new_tokens=NEW, ignore_eos=True).token_ids for c, q in fresh]
+    scheduler = Scheduler(kvpot.Engine(model, method=method), slots=7, decode="graph", share_documents=True, mix="on",
+                          prefill_tokens=32)
+    requests = [Request(None, q, state=state, max_new_tokens=NEW, ignore_eos=True) for q in QUESTIONS]
+    requests += [Request(c, q, max_new_tokens=NEW, ignore_eos=True) for c, q in fresh]
+    run_all(scheduler, requests)
+    assert [r.tokens for r in requests] == expected
+    packed, report = scheduler.decoder.packed, scheduler.report
+    assert packed is not None and packed.steps > 0 and packed.graphs.replays > 0
+    assert report["document_loads"] == 1 and report["riding_rows"] > 0

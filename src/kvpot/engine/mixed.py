@@ -62,7 +62,7 @@ def resolve_mix(mix: bool | str, device: torch.device, head_dim: int, sharing: b
     (`sequence_attention`), and the mixed step measured slower than prompts read apart (an H200,
     records/engine-core-h100/); with it, faster (an H100, records/engine-core-h100/varlen/). "auto" stays off
     for shared documents (`sharing`: "on" mixes them, the readers' rows attending their documents as in a decoding
-    step, but in eager mixed steps, since the captured packed step does not take them; not yet measured on a GPU)
+    step, in the packed step on a GPU; its speed not yet measured there)
     and under tensor parallelism (`parallel`: the mixed step is untested there). Batch-invariant decoding
     (`invariant`) reads prompts as one request alone does, in forwards of their own: "auto" is off there and
     "on" refused."""

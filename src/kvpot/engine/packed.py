@@ -17,8 +17,8 @@ picking mode)`, so the same body is captured once and replayed (`StepGraphs`, as
 `PackedStep.takes` says which steps it runs; the others take the eager mixed step: a method's own attention or
 `before_forward` (not `mixable`), CItruS' instruction cache, positions other than `absolute` or ranked ones, RoPE
 without a table, an observation other than `head_reduce="mean"` over every key, more than `ROWS` chunks (or more
-observing chunks than `OBSERVED_BYTES` holds rows for), more tokens than the buckets captured ahead (`capture`), shared
-documents and tensor parallelism. On a CPU the body runs uncaptured, with the kernels' PyTorch references, and gives
+observing chunks than `OBSERVED_BYTES` holds rows for), more tokens than the buckets captured ahead (`capture`), and
+tensor parallelism. On a CPU the body runs uncaptured, with the kernels' PyTorch references, and gives
 the eager step's tokens; it is off there (`BatchDecoder.fixed_mix`), since padding buys nothing uncaptured.
 
 The cache the model is handed, its layers and the step's device inputs are in `kvpot.engine.packed_cache`.
@@ -123,10 +123,12 @@ class PackedStep:
 
     @property
     def usable(self) -> bool:
-        """Whether any step of this pool can be packed: not with shared documents or tensor parallelism, dynamic
-        RoPE, or positions other than absolute and ranked ones."""
+        """Whether any step of this pool can be packed: not under tensor parallelism, with dynamic RoPE, or with
+        positions other than absolute and ranked ones. Readers of shared documents pack: their rows attend through
+        `StepCache.attend` (the cascade kernel, groups made again each step by `begin_rows`), and their chunks
+        (riders) copied their document first (`copy_before_step`)."""
         pool, policy = self.pool, self.pool.policy
-        if pool.documents is not None or self.engine.parallel is not None or pool.rope.dynamic or policy.raw_keys:
+        if self.engine.parallel is not None or pool.rope.dynamic or policy.raw_keys:
             return False
         return policy.stores_rotated or isinstance(policy, Rank)
 
