@@ -248,6 +248,12 @@ def test_shared_document_a_slot_reused_before_the_flush_keeps_its_last_load(mode
             assert torch.equal(storage.positions[row, :, :n], source.positions[0, :, :n])
             assert torch.equal(storage.keys[row, :, :n], source.keys[0, :, :n])
     assert pool.lengths[:, b].tolist() == [layer.n for layer in second.cache.layers]
+    for layer in second.cache.layers:  # a state's buffers in other dtypes are cast, as a copy casts
+        layer.positions = layer.positions.int()
+    pool.load(a, second.cache)
+    for storage, source in zip(pool.layers, second.cache.layers):
+        assert storage.positions.dtype == torch.long
+        assert torch.equal(storage.positions[a, :, : source.n], source.positions[0, :, : source.n].long())
 
 
 def test_shared_document_lru_keeps_documents_with_readers(model, one_thread):

@@ -188,10 +188,13 @@ class SlotPool:
                 n = other.n
                 if not n:
                     continue
+                # (an indexed write takes no other dtype: a state's buffers are cast to the pool's, as a copy casts)
                 for name in ("keys", "values", "positions", "rope_positions")[0 if keys else 2 :]:
-                    getattr(storage, name)[rows, :, :n] = getattr(other, name)[:, :, :n].to(self.device)
+                    target = getattr(storage, name)
+                    target[rows, :, :n] = getattr(other, name)[:, :, :n].to(self.device, target.dtype)
                 for name, buf in other.scores.items():
-                    storage.score(name)[rows, :, :n] = buf[:, :, :n].to(self.device)
+                    target = storage.score(name)
+                    target[rows, :, :n] = buf[:, :, :n].to(self.device, target.dtype)
             counts = torch.tensor([layer.n for layer in source.layers], dtype=torch.long)
             self.lengths[:, rows] = counts[:, None].to(self.device, non_blocking=True)
 
