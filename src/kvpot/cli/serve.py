@@ -80,8 +80,8 @@ def register(subparsers) -> None:
                    help="read prompt chunks in the same forward as the users decoding (one budgeted forward a "
                         "step, --prefill-tokens of prompt beside one token a user) instead of a forward of their "
                         f"own that every user waits for; auto: on a CUDA GPU, where its varlen kernel runs, "
-                        f"but not with --share-documents (default {MIX}); eager: on, never in the captured "
-                        "fixed-shape step (with --share-documents, 'on' mixes in eager steps too)")
+                        f"but not with --share-documents, whose mixed steps are not measured yet (default {MIX}); "
+                        "eager: on, never in the captured fixed-shape step")
     b.add_argument("--feed-questions", choices=["auto", "always", "never"], default="auto",
                    help="a question about a stored document is read one token per decoding step beside the users "
                         "already decoding (auto: while others run or wait; alone, one forward answers sooner), "
