@@ -12,6 +12,11 @@ last, so that the two sit side by side in one run. One JSON line per configurati
 median of `--repeats` replays) and the step's share (x layers).
 
     python benchmarks/shared-document-h100/shared_sweep.py [--baseline /tmp/shared_before.py] > sweep.jsonl
+
+`--segments` times each launch of a layer alone instead (one graph of `--layers` launches of one segment): the
+document's at each of `--doc-splits`, and the tail's (merging the document's partials, as a step runs it) at each
+of `--block-n` and `--warps`, with its keys rotated on load (as InfiniPot's slots store them) and not (what a tail
+stored rotated would cost; its output is then not the attention, only its time is).
 """
 
 from __future__ import annotations
@@ -128,6 +133,51 @@ def run(args) -> None:
     baseline_row("last")
 
 
+def segments(args) -> None:
+    """Each segment's launch alone, microseconds a launch (`--segments`)."""
+    data = inputs(args)
+    kv, g, d = args.kv_heads, args.heads // args.kv_heads, 128
+    batch, device, size = args.batch, torch.device(args.device), data["keys"].element_size()
+    groups = shared.shared_groups(data["rows"], data["doc_rows"], args.documents)
+    documents = (data["doc_rows"], data["doc_lengths"])
+    doc_default = shared.launch_shape("document", batch, kv, g, d, args.capacity, device, size)
+    tail_default = shared.launch_shape("tail", batch, kv, g, d, args.capacity, device, size)
+    splits = max(args.doc_splits + [doc_default[-1]])
+    part = torch.zeros(splits, batch * args.heads, d, dtype=torch.float32, device=device)
+    lse = torch.zeros(splits, batch * args.heads, dtype=torch.float32, device=device)
+    out = torch.empty(batch, args.heads, d, dtype=data["query"].dtype, device=device)
+    common = dict(batch=batch, doc_entries=args.doc_entries, tail=args.tail, documents=args.documents)
+    rope_doc = (data["cos"], data["sin"], data["doc_key_positions"], data["query_positions"])
+    rope_tail = (data["cos"], data["sin"], data["key_positions"], data["query_positions"])
+
+    def document(shape):
+        return lambda: shared._launch("document", data["query"], data["doc_keys"], data["doc_values"], data["rows"],
+                                      groups, documents, data["lengths"], rope_doc, part, lse, 0, shape, g, kv,
+                                      data["scaling"], rotated=True)
+
+    def tail(shape, rotated, base):
+        return lambda: shared._launch("tail", data["query"], data["keys"], data["values"], data["rows"], groups,
+                                      documents, data["lengths"], rope_tail, part, lse, base, shape, g, kv,
+                                      data["scaling"], rotated=rotated, final=out)
+
+    def emit(segment, shape, launch, **extra):
+        us = float("nan") if args.device != "cuda" else time_graph([launch] * args.layers, args.repeats)
+        if args.device != "cuda":
+            launch()
+        print(json.dumps({**common, "kernel": "segment", "segment": segment, "shape": shape, "us": round(us, 2),
+                          **extra}), flush=True)
+
+    for n in sorted(set(args.doc_splits) | {doc_default[-1]}):
+        shape = (*doc_default[:-1], n)
+        emit("document", shape, document(shape), default=shape == doc_default)
+    base = doc_default[-1]
+    document(doc_default)()
+    for block_n, warps in itertools.product(args.block_n, args.warps):
+        shape = (tail_default[0], block_n, warps, tail_default[3], 1)
+        for rotated in (False, True):
+            emit("tail", shape, tail(shape, rotated, base), keys_rotated=rotated, default=shape == tail_default)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=64, help="readers of the document")
@@ -149,7 +199,9 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=21)
     p.add_argument("--baseline", help="another copy of kvpot/kernels/shared.py to time on the same inputs")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1, untimed")
-    run(p.parse_args(argv))
+    p.add_argument("--segments", action="store_true", help="time each segment's launch alone (see above)")
+    args = p.parse_args(argv)
+    segments(args) if args.segments else run(args)
 
 
 if __name__ == "__main__":
