@@ -123,7 +123,7 @@ def _decode_kernel(
     for start in range(lo, hi, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         live = j < hi
-        k1, k2 = load_keys(K, KPOS, COS, SIN, j, live, dh, stride_kn, stride_pn, stride_t, HALF, ROPE)
+        k1, k2 = load_keys(K, KPOS, COS, SIN, j, live, dh, stride_kn, stride_pn, stride_t, HALF, ROPE, False)
         sc = half_scores(q1, q2, k1, k2, IEEE)  # [BLOCK_M, BLOCK_N], log2 units
         sc = tl.where(live[None, :], sc, float("-inf"))
         if PROBS:

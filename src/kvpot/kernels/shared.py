@@ -66,8 +66,10 @@ def _segment_kernel(
     # with its own and writes the output, else it writes its partials and clears the document partials of a row
     # reading no document (nothing else writes them) for `merge`
     DOC: tl.constexpr, MERGE: tl.constexpr,
-    # ROPE: the queries are rotated here; ROPE_K: the keys too (not those of a document stored rotated)
-    ROPE: tl.constexpr, ROPE_K: tl.constexpr, HALF: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+    # ROPE: the queries are rotated here; ROPE_K: the keys too (not those of a document stored rotated); RANKED: at
+    # their indices (a rank policy's positions: KPOS is not read)
+    ROPE: tl.constexpr, ROPE_K: tl.constexpr, RANKED: tl.constexpr, HALF: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -134,7 +136,7 @@ def _segment_kernel(
     for begin in range(lo, hi, BLOCK_N):
         j = begin + tl.arange(0, BLOCK_N)
         live = j < hi
-        k1, k2 = load_keys(K, KPOS, COS, SIN, j, live, dh, stride_kn, stride_pn, stride_t, HALF, ROPE_K)
+        k1, k2 = load_keys(K, KPOS, COS, SIN, j, live, dh, stride_kn, stride_pn, stride_t, HALF, ROPE_K, RANKED)
         sc = half_scores(q1, q2, k1, k2, IEEE)  # log2 units
         sc = tl.where(live[None, :], sc, float("-inf"))
         m_i, l_i, acc = online_softmax_step(sc, m_i, l_i, acc, V, j, live, dd, stride_vn, IEEE)
@@ -197,7 +199,7 @@ def launch_shape(segment: str, batch: int, kv: int, g: int, d: int, capacity: in
 
 
 def _launch(segment, query, keys, values, rows, groups, documents, lengths, rope, part, lse, base, shape, g, kv,
-            scaling, rotated: bool = False, final: torch.Tensor | None = None):
+            scaling, rotated: bool = False, final: torch.Tensor | None = None, ranked: bool = False):
     block_m, block_n, warps, stages, splits = shape
     members, gstart = groups
     doc_rows, doc_lengths = documents
@@ -220,7 +222,8 @@ def _launch(segment, query, keys, values, rows, groups, documents, lengths, rope
         query.stride(0), query.stride(1), rows.stride(0), doc_rows.stride(0), doc_lengths.stride(0), lengths.stride(0),
         *keys.stride()[:3], *values.stride()[:3], *rope_strides,
         part.stride(0), part.stride(1), lse.stride(0),
-        DOC=document, MERGE=final is not None, ROPE=cos is not None, ROPE_K=cos is not None and not rotated, HALF=d // 2,
+        DOC=document, MERGE=final is not None, ROPE=cos is not None, ROPE_K=cos is not None and not rotated, RANKED=ranked,
+        HALF=d // 2,
         IEEE=keys.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
     )
 
