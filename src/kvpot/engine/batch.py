@@ -109,6 +109,7 @@ class StepCache(Cache):
         self.groups: tuple | None = None  # shared documents' readers grouped for this step (`_attend_shared`)
         self.split_entries: int | None = None  # the decode kernel's fixed split size (`Engine(batch_invariant=True)`)
         self.written: frozenset[str] = frozenset()  # scores the method writes at each new entry (`batch_scores`)
+        self.ranked = self.policy.renumbers  # each entry's RoPE position is its index: the kernels skip reading them
         super().__init__(layers=[StepLayer(self, i) for i in range(pool.num_layers)])
 
     @property
@@ -139,7 +140,7 @@ class StepCache(Cache):
             cos, sin = rope.table(storage.capacity + 1, query)
             out = kernel(query[:, :, 0], storage.keys, storage.values, self.rows, lengths, scaling, cos=cos, sin=sin,
                          key_positions=storage.rope_positions, query_positions=storage.query_position, probs=probs,
-                         split_entries=self.split_entries)
+                         split_entries=self.split_entries, ranked=self.ranked)
         return out.view(b, 1, heads, d)
 
     def _attend_shared(self, layer: StepLayer, query: torch.Tensor, scaling: float, probs) -> torch.Tensor:
@@ -167,7 +168,7 @@ class StepCache(Cache):
         cos, sin = rope.table(storage.capacity + 1, query)
         return kernel(query[:, :, 0], storage.keys, storage.values, self.rows, layer.lengths, *documents, scaling,
                       cos=cos, sin=sin, key_positions=storage.rope_positions, doc_key_positions=doc_positions,
-                      query_positions=storage.query_position, probs=probs, doc_rotated=rotated)
+                      query_positions=storage.query_position, probs=probs, doc_rotated=rotated, ranked=self.ranked)
 
 
 def append_kernel(device: torch.device):

@@ -166,6 +166,7 @@ def decode_attention_batch_reference(
     probs: torch.Tensor | None = None,
     num_splits: int | None = None,
     split_entries: int | None = None,
+    ranked: bool = False,
 ) -> torch.Tensor:
     """Attention [B, heads, d] (query.dtype) of each batch row's `query` [B, heads, d] over the live
     entries `[0, lengths[rows[b]])` of its pool slot in `keys`/`values` [S, kv_heads, capacity, d], in
@@ -174,9 +175,10 @@ def decode_attention_batch_reference(
     cos/sin [P, d], keys are rotated at `key_positions` [S, kv_heads, capacity] and each row's query
     at its slot's `query_positions` ([S] or [S, kv_heads]); without, both are taken as already
     rotated. `probs` [B, kv_heads, capacity] float32, when given, receives per row each KV group's
-    mean attention probabilities (0 past the length). `num_splits` and `split_entries` are ignored here. Rows
+    mean attention probabilities (0 past the length). `num_splits`, `split_entries` and `ranked` (a promise
+    that `key_positions` hold each entry's index, which the kernel then does not read) are ignored here. Rows
     go through batched einsums, in chunks sized from the shapes alone."""
-    del num_splits, split_entries
+    del num_splits, split_entries, ranked
     check_decode_batch_inputs(query, keys, values, rows, lengths, cos, sin, key_positions, query_positions, probs,
                               kernel=False)
     batch, heads, d = query.shape

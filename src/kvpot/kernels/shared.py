@@ -243,12 +243,14 @@ def shared_groups(rows: torch.Tensor, doc_rows: torch.Tensor, documents: int) ->
 
 def decode_attention_shared(query, keys, values, rows, lengths, doc_keys, doc_values, doc_rows, doc_lengths,
                             scaling: float, cos=None, sin=None, key_positions=None, doc_key_positions=None,
-                            query_positions=None, probs=None, groups=None, doc_rotated: bool = False) -> torch.Tensor:
+                            query_positions=None, probs=None, groups=None, doc_rotated: bool = False,
+                            ranked: bool = False) -> torch.Tensor:
     """`decode_attention_shared_reference` on Triton (same arguments and result): the document segment read once
     per tile of its readers, each row's tail, merged by log-sum-exp. `groups`: `shared_groups(rows, doc_rows,
     documents)` if made already (once per step). `doc_rotated`: the document's keys are stored rotated at their
     positions (`kvpot.engine.documents`: loaded once, so rotated once), and only the queries are rotated here.
-    No host synchronisation."""
+    `ranked`: every live entry's key position is its index (a rank policy's), so neither launch reads them
+    (`kvpot.kernels.decode.decode_attention_batch`'s `ranked`). No host synchronisation."""
     if probs is not None:  # the observation is not written here: the reference (exact, capture-safe) writes it
         return decode_attention_shared_reference(query, keys, values, rows, lengths, doc_keys, doc_values, doc_rows,
                                                  doc_lengths, scaling, cos, sin, key_positions, doc_key_positions,
@@ -281,9 +283,9 @@ def decode_attention_shared(query, keys, values, rows, lengths, doc_keys, doc_va
     documents = (doc_rows, doc_lengths)
     _launch("document", query, doc_keys, doc_values, rows, groups, documents, lengths,
             (cos, sin, doc_key_positions, query_positions), part, lse, 0, doc_shape, g, kv, scaling,
-            rotated=doc_rotated)
+            rotated=doc_rotated, ranked=ranked)
     _launch("tail", query, keys, values, rows, groups, documents, lengths, (cos, sin, key_positions, query_positions),
-            part, lse, splits_doc, tail_shape, g, kv, scaling, final=out if merged else None)
+            part, lse, splits_doc, tail_shape, g, kv, scaling, final=out if merged else None, ranked=ranked)
     if not merged:
         merge(part, lse, out.view(batch * heads, d))
     return out
