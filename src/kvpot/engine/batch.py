@@ -109,7 +109,7 @@ class StepCache(Cache):
         self.groups: tuple | None = None  # shared documents' readers grouped for this step (`_attend_shared`)
         self.split_entries: int | None = None  # the decode kernel's fixed split size (`Engine(batch_invariant=True)`)
         self.written: frozenset[str] = frozenset()  # scores the method writes at each new entry (`batch_scores`)
-        self.ranked = self.policy.renumbers  # each entry's RoPE position is its index: the kernels skip reading them
+        self.ranked = False  # each live entry's RoPE position is its index (`Method.keeps_order`): not read
         super().__init__(layers=[StepLayer(self, i) for i in range(pool.num_layers)])
 
     @property
@@ -245,6 +245,7 @@ class BatchDecoder:
         self.zeros = torch.zeros(pool.slots, 1, dtype=torch.long, device=device)  # position_ids: RoPE is kvpot's
         self.cache = StepCache(pool)
         self.cache.split_entries, self.cache.written = engine.split_entries, frozenset(self.method.batch_scores)
+        self.cache.ranked = pool.policy.renumbers and self.method.keeps_order
         self.buckets = buckets(pool.slots)
         self.graphs_on = graphs
         self.graphs = StepGraphs()  # sampling draws from each row's seed and counter: no generator to register

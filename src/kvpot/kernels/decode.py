@@ -322,6 +322,7 @@ def decode_attention(
     probs: torch.Tensor | None = None,
     num_splits: int | None = None,
     split_entries: int | None = None,
+    ranked: bool = False,
 ) -> torch.Tensor:
     """Attention [heads, dv] (query.dtype) of one token's `query` [heads, d] over entries
     `[0, length)` of `keys`/`values` [kv_heads, capacity, d] (any strides but the last).
@@ -333,8 +334,8 @@ def decode_attention(
     `probs` [kv_heads, capacity] float32, when given, receives each KV group's mean attention
     probabilities over the live entries (0 past `length`). `num_splits` overrides the split-K
     count (default: `default_splits`, from shapes and the SM count); `split_entries` fixes each split's
-    entries (as in `decode_attention_batch`). No host synchronisation and
-    no allocation sized from device values: safe to capture in a CUDA graph.
+    entries and `ranked` says each key's position is its index (as in `decode_attention_batch`). No host
+    synchronisation and no allocation sized from device values: safe to capture in a CUDA graph.
 
     The batch of one row over one slot: `decode_attention_batch` on views, so one kernel serves both.
     """
@@ -345,7 +346,7 @@ def decode_attention(
     out = decode_attention_batch(
         query[None], keys[None], values[None], rows, length.reshape(1), scaling, cos, sin,
         None if key_positions is None else key_positions[None], query_position,
-        None if probs is None else probs[None], num_splits, split_entries,
+        None if probs is None else probs[None], num_splits, split_entries, ranked,
     )
     return out[0]
 

@@ -123,14 +123,16 @@ def decode_attention_reference(
     probs: torch.Tensor | None = None,
     num_splits: int | None = None,
     split_entries: int | None = None,
+    ranked: bool = False,
 ) -> torch.Tensor:
     """Attention [heads, dv] (query.dtype) of `query` [heads, d] over entries `[0, length)` of
     `keys`/`values` [kv_heads, capacity, d], in float32. With cos/sin [P, d], keys are rotated at
     `key_positions` [kv_heads, capacity] and the query at `query_position` ([] or [kv_heads]);
     without, both are taken as already rotated. `probs` [kv_heads, capacity] float32, when given,
     receives each KV group's mean attention probabilities (0 past `length`). `num_splits` is the
-    kernel's tuning knob and is ignored here, as is `split_entries` (the kernel's fixed split size)."""
-    del num_splits, split_entries
+    kernel's tuning knob and is ignored here, as are `split_entries` (the kernel's fixed split size) and
+    `ranked` (the promise that each key's position is its index)."""
+    del num_splits, split_entries, ranked
     check_decode_inputs(query, keys, values, length, cos, sin, key_positions, query_position, probs, kernel=False)
     heads, d = query.shape
     kv, capacity, _ = keys.shape
