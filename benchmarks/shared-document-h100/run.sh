@@ -7,8 +7,8 @@
 #   OUT=DIR bash benchmarks/shared-document-h100/run.sh 64      # 64 readers: copy per reader, then shared
 #   OUT=DIR bash benchmarks/shared-document-h100/run.sh 256     # 256 readers: the same two rows
 #   OUT=DIR bash benchmarks/shared-document-h100/run.sh sweep [shared_sweep.py options]
-#       # the GPU kernel tests, then the attention alone over launch shapes (shared_sweep.py; --baseline FILE
-#       # times an earlier copy of the kernel on the same inputs)
+#       # the GPU kernel tests, then the attention alone over launch shapes (shared_sweep.py; --segments: each
+#       # launch alone; --baseline FILE times an earlier copy of the kernel on the same inputs)
 # Extra arguments go to `kvpot bench throughput` (e.g. --slots 256, --question-tokens 16).
 # Rows: `infinipot [batch]` (a copy per reader) and `infinipot [batch, shared document]`; each row's
 # `scheduler` record holds the document loads, readers and copy-on-write events, `pool_bytes` the pool's memory.
@@ -50,11 +50,12 @@ rows = [json.loads(line) for line in open(sys.argv[1])]
 timed = [r for r in rows if "us" in r]
 for r in timed:
     if r["kernel"] != "sweep":
-        print(r["kernel"], r.get("when", ""), r.get("shapes", ""), f"{r['us']:.1f} us", f"{r['step_ms']:.3f} ms a step")
+        print(r["kernel"], r.get("when", ""), r.get("shapes", r.get("segment", "")), r.get("shape", ""), r.get("keys", ""),
+              f"{r['us']:.1f} us", f"{r['step_ms']:.3f} ms a step")
 for segment in ("document", "tail"):
     best = sorted((r for r in timed if r.get("segment") == segment), key=lambda r: r["us"])[:5]
     for r in best:
-        print(segment, r["shape"], f"{r['us']:.1f} us", f"err {r['max_abs_error']:.2e}")
+        print(segment, r["shape"], r.get("keys", ""), f"{r['us']:.1f} us", f"err {r.get('max_abs_error', float('nan')):.2e}")
 print(sum("error" in r for r in rows), "configurations failed")
 PY
     ;;

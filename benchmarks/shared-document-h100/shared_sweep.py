@@ -167,7 +167,7 @@ def segments(args) -> None:
         if args.device != "cuda":
             launch()
         print(json.dumps({**common, "kernel": "segment", "segment": segment, "shape": shape, "us": round(us, 2),
-                          **extra}), flush=True)
+                          "step_ms": round(us * args.layers / 1000, 3), **extra}), flush=True)
 
     for n in sorted(set(args.doc_splits) | {doc_default[-1]}):
         shape = (*doc_default[:-1], n)
