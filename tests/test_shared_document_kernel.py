@@ -163,3 +163,26 @@ def test_shared_document_kernel_in_the_batched_step(name, monkeypatch):
         run_all(scheduler, requests)
         tokens[share] = [r.tokens for r in requests]
     assert tokens[True] == tokens[False] and calls  # the shared kernel ran, and changed no token
+
+
+def test_shared_sweep_segments_times_each_launch_form(capsys):
+    """`benchmarks/shared-document-h100/shared_sweep.py --segments` (a smoke run, untimed off a GPU): one row per
+    document split and per tail form (positions loaded, ranked, stored rotated), each launch run once."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "shared-document-h100" / "shared_sweep.py"
+    spec = importlib.util.spec_from_file_location("shared_sweep_smoke", path)
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    device = "cpu" if KERNEL_DEVICE == "cpu" else "cuda"
+    sweep.main(["--segments", "--device", device, "--batch", "3", "--doc-entries", "40", "--tail", "9",
+                "--capacity", "64", "--layers", "1", "--repeats", "1", "--block-n", "32", "--warps", "4",
+                "--doc-splits", "2"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    documents = [r for r in rows if r["segment"] == "document"]
+    default = [r["shape"][-1] for r in documents if r["default"]]
+    assert len(default) == 1 and [r["shape"][-1] for r in documents] == sorted({2, *default})
+    assert [r["keys"] for r in rows if r["segment"] == "tail"] == ["positions", "ranked", "stored rotated"]
+    assert len(rows) == len(documents) + 3
