@@ -18,8 +18,9 @@ def load_keys(K, KPOS, COS, SIN, j, live, dh, stride_kn, stride_pn, stride_t, HA
               ROPE: tl.constexpr, RANKED: tl.constexpr):
     """Keys `j` [BLOCK_N] of one KV head's row (`K`, `KPOS` offset to it) as two halves [BLOCK_N, HALF], rotated
     on load at their RoPE positions when ROPE (in float32, then back to the keys' dtype), zero where not `live`.
-    RANKED: every entry's RoPE position is its index (a rank policy's, `kvpot.positions.Rank`), so `KPOS` is not
-    read: the table's rows follow from `j` alone, with no load that the table's loads wait for."""
+    RANKED: every entry's RoPE position is its index (a rank policy's, where the method keeps its entries in order:
+    `Method.keeps_order`), so `KPOS` is not read: the table's rows follow from `j` alone, with no load that the
+    table's loads wait for."""
     k_ptr = K + j[:, None] * stride_kn + dh[None, :]
     k1 = tl.load(k_ptr, mask=live[:, None], other=0.0)
     k2 = tl.load(k_ptr + HALF, mask=live[:, None], other=0.0)

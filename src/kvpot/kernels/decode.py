@@ -246,9 +246,9 @@ def decode_attention_batch(
     `BLOCK_N`) instead fixes each split's entries, and the launch shape with it: a row's output then
     depends on its slot's live entries alone, not on the batch or the capacity (batch-invariant decoding,
     `kvpot.kernels.invariant`). `ranked` promises that every live entry's key position is its index (a rank
-    policy's, `kvpot.positions.Rank`): the kernel then rotates keys from the entries' indices and never reads
-    `key_positions`, so a key block's table rows wait on no load (the result is the same). No host
-    synchronisation and no allocation sized from device values: safe to capture in a CUDA graph.
+    policy's where the method keeps its entries in order, `Method.keeps_order`): the kernel then rotates keys from
+    the entries' indices and never reads `key_positions`, so a key block's table rows wait on no load (the result
+    is the same). No host synchronisation and no allocation sized from device values: safe to capture in a CUDA graph.
     """
     check_decode_batch_inputs(query, keys, values, rows, lengths, cos, sin, key_positions, query_positions, probs)
     if keys.stride(-1) != 1 or values.stride(-1) != 1:

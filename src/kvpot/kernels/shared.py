@@ -69,8 +69,7 @@ def _segment_kernel(
     # ROPE: the queries are rotated here; ROPE_K: the keys too (not those of a document stored rotated); RANKED: at
     # their indices (a rank policy's positions: KPOS is not read)
     ROPE: tl.constexpr, ROPE_K: tl.constexpr, RANKED: tl.constexpr, HALF: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -222,9 +221,9 @@ def _launch(segment, query, keys, values, rows, groups, documents, lengths, rope
         query.stride(0), query.stride(1), rows.stride(0), doc_rows.stride(0), doc_lengths.stride(0), lengths.stride(0),
         *keys.stride()[:3], *values.stride()[:3], *rope_strides,
         part.stride(0), part.stride(1), lse.stride(0),
-        DOC=document, MERGE=final is not None, ROPE=cos is not None, ROPE_K=cos is not None and not rotated, RANKED=ranked,
-        HALF=d // 2,
-        IEEE=keys.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+        DOC=document, MERGE=final is not None, ROPE=cos is not None, ROPE_K=cos is not None and not rotated,
+        RANKED=ranked, HALF=d // 2, IEEE=keys.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=warps, num_stages=stages,
     )
 
 
