@@ -165,32 +165,6 @@ def test_the_bound_holds_in_every_slot_at_every_step(model, prompts, name, one_t
     assert all(r.stats.max_kv_entries <= method.max_entries() for r in requests)
 
 
-RANKED = [name for name, (method, _) in methods().items() if method.positions in ("shift", "reset")]
-
-
-@pytest.mark.parametrize("mix", [False, True], ids=["apart", "mixed"])
-@pytest.mark.parametrize("name", RANKED)
-def test_a_rank_policys_entries_sit_at_their_indices_as_the_method_declares(model, prompts, name, mix, one_thread):
-    """What the batched decode kernels take on trust (`ranked`: `Method.keeps_order` under a rank policy): every live
-    entry's RoPE position is its index after every chunk, eviction, distillation and appended token. A method
-    declaring otherwise does move entries out of order here (its declaration costs the kernels' shortcut)."""
-    method, _ = methods()[name]
-    scheduler = Scheduler(kvpot.Engine(model, method=method), slots=2, decode="static", mix=mix)
-    assert scheduler.decoder.cache.ranked == method.keeps_order
-    for c, q in prompts:
-        scheduler.submit(Request(c, q, max_new_tokens=NEW, ignore_eos=True))
-    steps, out_of_place = 0, 0
-    while not scheduler.idle:
-        scheduler.step()
-        steps += 1
-        for slot, active in scheduler.active.items():
-            for storage, layer in zip(scheduler.pool.layers, active.run.cache.layers):
-                ranks = torch.arange(layer.n).expand(storage.kv_heads, -1)
-                out_of_place += not torch.equal(storage.rope_positions[slot, :, : layer.n], ranks)
-    assert steps > NEW
-    assert (out_of_place == 0) == method.keeps_order, out_of_place
-
-
 def test_many_readers_of_one_state_leave_it_unchanged(model, prompts, one_thread):
     method = kvpot.InfiniPot(pot_size=64, catalyst=None)
     engine = kvpot.Engine(model, method=method, decode="eager")

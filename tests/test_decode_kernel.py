@@ -279,23 +279,6 @@ def test_decode_attention_batch_matches_the_reference(shape, dtype, rope, with_p
     check_batch(out, ref, probs, ref_probs, lengths, rows, dtype)
 
 
-@pytest.mark.parametrize("shape", [BATCH_SHAPES[1], BATCH_SHAPES[3]], ids=[BATCH_IDS[1], BATCH_IDS[3]])
-def test_ranked_batch_attention_rotates_keys_at_their_indices_without_reading_positions(shape):
-    """`ranked=True` (a rank policy's slots: each entry's RoPE position is its index) gives the reference's
-    attention at positions 0..n-1, with the positions the kernel is handed scrambled: it never reads them."""
-    from kvpot.kernels.decode import decode_attention_batch
-
-    capacity = shape[4]
-    query, keys, values, rows, lengths, extra = make_batch_inputs(shape, torch.float32, seed=7)
-    ranks = torch.arange(capacity, device=DEVICE).expand_as(extra["key_positions"]).contiguous()
-    ref = decode_attention_batch_reference(query, keys, values, rows, lengths, 0.1, **{**extra, "key_positions": ranks})
-    out = decode_attention_batch(query, keys, values, rows, lengths, 0.1, **extra, ranked=True)
-    check_batch(out, ref, None, None, shape[5], shape[6], torch.float32)
-    unranked = decode_attention_batch(query, keys, values, rows, lengths, 0.1, **extra)
-    live = [b for b, slot in enumerate(shape[6]) if shape[5][slot] > 1]
-    assert rel_error(unranked[live], ref[live]) > 1e-3  # the scrambled positions would have changed it
-
-
 @pytest.mark.parametrize("launch", [(32, 4, 3), (64, 4, 2), (128, 8, 1)], ids=["32x3", "64x2", "128x1"])
 @pytest.mark.parametrize("shape", [BATCH_SHAPES[1], BATCH_SHAPES[3]], ids=[BATCH_IDS[1], BATCH_IDS[3]])
 def test_every_launch_shape_gives_the_same_batch_attention(shape, launch, monkeypatch):

@@ -71,31 +71,6 @@ def test_shared_document_kernel_reads_a_document_stored_rotated(shape):
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("doc_rotated", [False, True], ids=["document-rotated-on-load", "document-stored-rotated"])
-@pytest.mark.parametrize("shape", SHARED_SHAPES[:3], ids=[s[0] for s in SHARED_SHAPES[:3]])
-def test_shared_document_kernel_ranked_reads_no_key_positions(shape, doc_rotated):
-    """`ranked=True` (a rank policy's positions: each entry's index) gives the reference's attention with the entries'
-    indices as their positions, though the positions the kernel is handed are scrambled."""
-    from kvpot.kernels.decode_reference import _rotate_at
-    from kvpot.kernels.shared import decode_attention_shared
-
-    shared, _, rope_args, (key_positions, doc_positions, _) = shared_inputs(shape, True)
-    shared = tuple(t.to(KERNEL_DEVICE) for t in shared)
-    rope_args = {k: v.to(KERNEL_DEVICE) for k, v in rope_args.items()}
-    capacity = shape[4]
-    ranks = dict(key_positions=torch.arange(capacity).expand_as(key_positions).contiguous().to(KERNEL_DEVICE),
-                 doc_key_positions=torch.arange(capacity).expand_as(doc_positions).contiguous().to(KERNEL_DEVICE))
-    expected = decode_attention_shared_reference(*shared, 0.125, **rope_args, **ranks)
-    mine = list(shared)
-    if doc_rotated:
-        mine[5] = _rotate_at(shared[5].float(), rope_args["cos"].float(), rope_args["sin"].float(),
-                             ranks["doc_key_positions"].long())
-    scrambled = dict(key_positions=torch.flip(ranks["key_positions"], [-1]).contiguous(),
-                     doc_key_positions=torch.flip(ranks["doc_key_positions"], [-1]).contiguous())
-    out = decode_attention_shared(*mine, 0.125, **rope_args, **scrambled, ranked=True, doc_rotated=doc_rotated)
-    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", LONG_SHAPES, ids=[s[0] for s in LONG_SHAPES])
 def test_shared_document_kernel_reads_a_long_document_stored_rotated(shape):
@@ -167,7 +142,7 @@ def test_shared_document_kernel_in_the_batched_step(name, monkeypatch):
 
 def test_shared_sweep_segments_times_each_launch_form(capsys):
     """`benchmarks/shared-document-h100/shared_sweep.py --segments` (a smoke run, untimed off a GPU): one row per
-    document split and per tail form (positions loaded, ranked, stored rotated), each launch run once."""
+    document split and per tail form (positions loaded, stored rotated), each launch run once."""
     import importlib.util
     import json
     from pathlib import Path
@@ -184,5 +159,5 @@ def test_shared_sweep_segments_times_each_launch_form(capsys):
     documents = [r for r in rows if r["segment"] == "document"]
     default = [r["shape"][-1] for r in documents if r["default"]]
     assert len(default) == 1 and [r["shape"][-1] for r in documents] == sorted({2, *default})
-    assert [r["keys"] for r in rows if r["segment"] == "tail"] == ["positions", "ranked", "stored rotated"]
-    assert len(rows) == len(documents) + 3
+    assert [r["keys"] for r in rows if r["segment"] == "tail"] == ["positions", "stored rotated"]
+    assert len(rows) == len(documents) + 2

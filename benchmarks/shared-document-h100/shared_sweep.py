@@ -15,9 +15,9 @@ median of `--repeats` replays) and the step's share (x layers).
 
 `--segments` times each launch of a layer alone instead (one graph of `--layers` launches of one segment): the
 document's at each of `--doc-splits`, and the tail's (merging the document's partials, as a step runs it) at each
-of `--block-n` and `--warps`, with its keys rotated on load (as InfiniPot's slots store them: `keys` "positions"
-reads each entry's RoPE position, "ranked" takes its index, as a rank policy's is) and not ("stored rotated": what
-a tail stored rotated would cost; its output is then not the attention, only its time is).
+of `--block-n` and `--warps`, with its keys rotated on load (`keys` "positions", as InfiniPot's slots store them)
+and not ("stored rotated": what a tail stored rotated would cost; its output is then not the attention, only its
+time is).
 """
 
 from __future__ import annotations
@@ -156,11 +156,10 @@ def segments(args) -> None:
                                       groups, documents, data["lengths"], rope_doc, part, lse, 0, shape, g, kv,
                                       data["scaling"], rotated=True)
 
-    def tail(shape, keys, base):
+    def tail(shape, rotated, base):
         return lambda: shared._launch("tail", data["query"], data["keys"], data["values"], data["rows"], groups,
                                       documents, data["lengths"], rope_tail, part, lse, base, shape, g, kv,
-                                      data["scaling"], rotated=keys == "stored rotated", final=out,
-                                      ranked=keys == "ranked")
+                                      data["scaling"], rotated=rotated, final=out)
 
     def emit(segment, shape, launch, **extra):
         us = float("nan") if args.device != "cuda" else time_graph([launch] * args.layers, args.repeats)
@@ -176,8 +175,8 @@ def segments(args) -> None:
     document(doc_default)()
     for block_n, warps in itertools.product(args.block_n, args.warps):
         shape = (tail_default[0], block_n, warps, tail_default[3], 1)
-        for keys in ("positions", "ranked", "stored rotated"):
-            emit("tail", shape, tail(shape, keys, base), keys=keys, default=shape == tail_default)
+        for keys in ("positions", "stored rotated"):
+            emit("tail", shape, tail(shape, keys == "stored rotated", base), keys=keys, default=shape == tail_default)
 
 
 def main(argv=None) -> None:

@@ -109,7 +109,6 @@ class StepCache(Cache):
         self.groups: tuple | None = None  # shared documents' readers grouped for this step (`_attend_shared`)
         self.split_entries: int | None = None  # the decode kernel's fixed split size (`Engine(batch_invariant=True)`)
         self.written: frozenset[str] = frozenset()  # scores the method writes at each new entry (`batch_scores`)
-        self.ranked = False  # each live entry's RoPE position is its index (`Method.keeps_order`): not read
         super().__init__(layers=[StepLayer(self, i) for i in range(pool.num_layers)])
 
     @property
@@ -140,7 +139,7 @@ class StepCache(Cache):
             cos, sin = rope.table(storage.capacity + 1, query)
             out = kernel(query[:, :, 0], storage.keys, storage.values, self.rows, lengths, scaling, cos=cos, sin=sin,
                          key_positions=storage.rope_positions, query_positions=storage.query_position, probs=probs,
-                         split_entries=self.split_entries, ranked=self.ranked)
+                         split_entries=self.split_entries)
         return out.view(b, 1, heads, d)
 
     def _attend_shared(self, layer: StepLayer, query: torch.Tensor, scaling: float, probs) -> torch.Tensor:
@@ -168,7 +167,7 @@ class StepCache(Cache):
         cos, sin = rope.table(storage.capacity + 1, query)
         return kernel(query[:, :, 0], storage.keys, storage.values, self.rows, layer.lengths, *documents, scaling,
                       cos=cos, sin=sin, key_positions=storage.rope_positions, doc_key_positions=doc_positions,
-                      query_positions=storage.query_position, probs=probs, doc_rotated=rotated, ranked=self.ranked)
+                      query_positions=storage.query_position, probs=probs, doc_rotated=rotated)
 
 
 def append_kernel(device: torch.device):
@@ -245,7 +244,6 @@ class BatchDecoder:
         self.zeros = torch.zeros(pool.slots, 1, dtype=torch.long, device=device)  # position_ids: RoPE is kvpot's
         self.cache = StepCache(pool)
         self.cache.split_entries, self.cache.written = engine.split_entries, frozenset(self.method.batch_scores)
-        self.cache.ranked = pool.policy.renumbers and self.method.keeps_order
         self.buckets = buckets(pool.slots)
         self.graphs_on = graphs
         self.graphs = StepGraphs()  # sampling draws from each row's seed and counter: no generator to register

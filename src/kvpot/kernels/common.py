@@ -15,20 +15,14 @@ import triton.language as tl
 
 @triton.jit
 def load_keys(K, KPOS, COS, SIN, j, live, dh, stride_kn, stride_pn, stride_t, HALF: tl.constexpr,
-              ROPE: tl.constexpr, RANKED: tl.constexpr):
+              ROPE: tl.constexpr):
     """Keys `j` [BLOCK_N] of one KV head's row (`K`, `KPOS` offset to it) as two halves [BLOCK_N, HALF], rotated
-    on load at their RoPE positions when ROPE (in float32, then back to the keys' dtype), zero where not `live`.
-    RANKED: every entry's RoPE position is its index (a rank policy's, where the method keeps its entries in order:
-    `Method.keeps_order`), so `KPOS` is not read: the table's rows follow from `j` alone, with no load that the
-    table's loads wait for."""
+    on load at their RoPE positions when ROPE (in float32, then back to the keys' dtype), zero where not `live`."""
     k_ptr = K + j[:, None] * stride_kn + dh[None, :]
     k1 = tl.load(k_ptr, mask=live[:, None], other=0.0)
     k2 = tl.load(k_ptr + HALF, mask=live[:, None], other=0.0)
     if ROPE:
-        if RANKED:
-            pos = j
-        else:
-            pos = tl.load(KPOS + j * stride_pn, mask=live, other=0)
+        pos = tl.load(KPOS + j * stride_pn, mask=live, other=0)
         kt = pos[:, None] * stride_t + dh[None, :]
         kc1 = tl.load(COS + kt, mask=live[:, None], other=0.0).to(tl.float32)
         kc2 = tl.load(COS + kt + HALF, mask=live[:, None], other=0.0).to(tl.float32)

@@ -78,7 +78,7 @@ def _decode_kernel(
     stride_ps, stride_ph, stride_pn, stride_qs, stride_qk, stride_t,
     stride_os, stride_or, stride_ls,
     ROPE: tl.constexpr, PROBS: tl.constexpr, SPLIT: tl.constexpr, HALF: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RANKED: tl.constexpr,  # RANKED: KPOS is each entry's index
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     tiles = tl.cdiv(G, BLOCK_M)
     pid = tl.program_id(0)
@@ -123,7 +123,7 @@ def _decode_kernel(
     for start in range(lo, hi, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         live = j < hi
-        k1, k2 = load_keys(K, KPOS, COS, SIN, j, live, dh, stride_kn, stride_pn, stride_t, HALF, ROPE, RANKED)
+        k1, k2 = load_keys(K, KPOS, COS, SIN, j, live, dh, stride_kn, stride_pn, stride_t, HALF, ROPE)
         sc = half_scores(q1, q2, k1, k2, IEEE)  # [BLOCK_M, BLOCK_N], log2 units
         sc = tl.where(live[None, :], sc, float("-inf"))
         if PROBS:
@@ -229,7 +229,6 @@ def decode_attention_batch(
     probs: torch.Tensor | None = None,
     num_splits: int | None = None,
     split_entries: int | None = None,
-    ranked: bool = False,
 ) -> torch.Tensor:
     """Attention [B, heads, d] (query.dtype) of each batch row's `query` [B, heads, d] over the live
     entries `[0, lengths[rows[b]])` of its pool slot in `keys`/`values` [S, kv_heads, capacity, d]
@@ -245,10 +244,8 @@ def decode_attention_batch(
     count (default: `default_splits`, from shapes and the SM count). `split_entries` (a multiple of
     `BLOCK_N`) instead fixes each split's entries, and the launch shape with it: a row's output then
     depends on its slot's live entries alone, not on the batch or the capacity (batch-invariant decoding,
-    `kvpot.kernels.invariant`). `ranked` promises that every live entry's key position is its index (a rank
-    policy's where the method keeps its entries in order, `Method.keeps_order`): the kernel then rotates keys from
-    the entries' indices and never reads `key_positions`, so a key block's table rows wait on no load (the result
-    is the same). No host synchronisation and no allocation sized from device values: safe to capture in a CUDA graph.
+    `kvpot.kernels.invariant`). No host synchronisation and no allocation sized from device values: safe
+    to capture in a CUDA graph.
     """
     check_decode_batch_inputs(query, keys, values, rows, lengths, cos, sin, key_positions, query_positions, probs)
     if keys.stride(-1) != 1 or values.stride(-1) != 1:
@@ -296,7 +293,7 @@ def decode_attention_batch(
         *keys.stride()[:3], *values.stride()[:3], *rope_strides,
         part.stride(0), part.stride(1), batch * heads,
         ROPE=cos is not None, PROBS=probs is not None, SPLIT=splits > 1, HALF=d // 2,
-        IEEE=keys.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, RANKED=ranked and cos is not None,
+        IEEE=keys.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=warps, num_stages=stages,
     )
     if splits > 1:
@@ -322,7 +319,6 @@ def decode_attention(
     probs: torch.Tensor | None = None,
     num_splits: int | None = None,
     split_entries: int | None = None,
-    ranked: bool = False,
 ) -> torch.Tensor:
     """Attention [heads, dv] (query.dtype) of one token's `query` [heads, d] over entries
     `[0, length)` of `keys`/`values` [kv_heads, capacity, d] (any strides but the last).
@@ -334,8 +330,8 @@ def decode_attention(
     `probs` [kv_heads, capacity] float32, when given, receives each KV group's mean attention
     probabilities over the live entries (0 past `length`). `num_splits` overrides the split-K
     count (default: `default_splits`, from shapes and the SM count); `split_entries` fixes each split's
-    entries and `ranked` says each key's position is its index (as in `decode_attention_batch`). No host
-    synchronisation and no allocation sized from device values: safe to capture in a CUDA graph.
+    entries (as in `decode_attention_batch`). No host synchronisation and
+    no allocation sized from device values: safe to capture in a CUDA graph.
 
     The batch of one row over one slot: `decode_attention_batch` on views, so one kernel serves both.
     """
@@ -346,7 +342,7 @@ def decode_attention(
     out = decode_attention_batch(
         query[None], keys[None], values[None], rows, length.reshape(1), scaling, cos, sin,
         None if key_positions is None else key_positions[None], query_position,
-        None if probs is None else probs[None], num_splits, split_entries, ranked,
+        None if probs is None else probs[None], num_splits, split_entries,
     )
     return out[0]
 

@@ -123,16 +123,14 @@ def decode_attention_reference(
     probs: torch.Tensor | None = None,
     num_splits: int | None = None,
     split_entries: int | None = None,
-    ranked: bool = False,
 ) -> torch.Tensor:
     """Attention [heads, dv] (query.dtype) of `query` [heads, d] over entries `[0, length)` of
     `keys`/`values` [kv_heads, capacity, d], in float32. With cos/sin [P, d], keys are rotated at
     `key_positions` [kv_heads, capacity] and the query at `query_position` ([] or [kv_heads]);
     without, both are taken as already rotated. `probs` [kv_heads, capacity] float32, when given,
     receives each KV group's mean attention probabilities (0 past `length`). `num_splits` is the
-    kernel's tuning knob and is ignored here, as are `split_entries` (the kernel's fixed split size) and
-    `ranked` (the promise that each key's position is its index)."""
-    del num_splits, split_entries, ranked
+    kernel's tuning knob and is ignored here, as is `split_entries` (the kernel's fixed split size)."""
+    del num_splits, split_entries
     check_decode_inputs(query, keys, values, length, cos, sin, key_positions, query_position, probs, kernel=False)
     heads, d = query.shape
     kv, capacity, _ = keys.shape
@@ -168,7 +166,6 @@ def decode_attention_batch_reference(
     probs: torch.Tensor | None = None,
     num_splits: int | None = None,
     split_entries: int | None = None,
-    ranked: bool = False,
 ) -> torch.Tensor:
     """Attention [B, heads, d] (query.dtype) of each batch row's `query` [B, heads, d] over the live
     entries `[0, lengths[rows[b]])` of its pool slot in `keys`/`values` [S, kv_heads, capacity, d], in
@@ -177,10 +174,9 @@ def decode_attention_batch_reference(
     cos/sin [P, d], keys are rotated at `key_positions` [S, kv_heads, capacity] and each row's query
     at its slot's `query_positions` ([S] or [S, kv_heads]); without, both are taken as already
     rotated. `probs` [B, kv_heads, capacity] float32, when given, receives per row each KV group's
-    mean attention probabilities (0 past the length). `num_splits`, `split_entries` and `ranked` (a promise
-    that `key_positions` hold each entry's index, which the kernel then does not read) are ignored here. Rows
+    mean attention probabilities (0 past the length). `num_splits` and `split_entries` are ignored here. Rows
     go through batched einsums, in chunks sized from the shapes alone."""
-    del num_splits, split_entries, ranked
+    del num_splits, split_entries
     check_decode_batch_inputs(query, keys, values, rows, lengths, cos, sin, key_positions, query_positions, probs,
                               kernel=False)
     batch, heads, d = query.shape

@@ -182,7 +182,7 @@ def _varlen_columns_kernel(
             K += slot * stride_ks + kv * stride_kh
         KPOS += slot * stride_ps + kv * stride_ph
         k1, k2 = load_keys(K, KPOS, COS, SIN, cols, col_ok, dh, stride_kn, stride_pn, stride_t, HALF,
-                           ROPE and not KEYS_BY_ROW, False)
+                           ROPE and not KEYS_BY_ROW)
         acc = tl.zeros([BLOCK_N], tl.float32)
         for m0 in range(0, G * count, BLOCK_M):
             folded = m0 + tl.arange(0, BLOCK_M)

@@ -66,10 +66,9 @@ def _segment_kernel(
     # with its own and writes the output, else it writes its partials and clears the document partials of a row
     # reading no document (nothing else writes them) for `merge`
     DOC: tl.constexpr, MERGE: tl.constexpr,
-    # ROPE: the queries are rotated here; ROPE_K: the keys too (not those of a document stored rotated); RANKED: at
-    # their indices (a rank policy's positions: KPOS is not read)
-    ROPE: tl.constexpr, ROPE_K: tl.constexpr, RANKED: tl.constexpr, HALF: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    # ROPE: the queries are rotated here; ROPE_K: the keys too (not those of a document stored rotated)
+    ROPE: tl.constexpr, ROPE_K: tl.constexpr, HALF: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -135,7 +134,7 @@ def _segment_kernel(
     for begin in range(lo, hi, BLOCK_N):
         j = begin + tl.arange(0, BLOCK_N)
         live = j < hi
-        k1, k2 = load_keys(K, KPOS, COS, SIN, j, live, dh, stride_kn, stride_pn, stride_t, HALF, ROPE_K, RANKED)
+        k1, k2 = load_keys(K, KPOS, COS, SIN, j, live, dh, stride_kn, stride_pn, stride_t, HALF, ROPE_K)
         sc = half_scores(q1, q2, k1, k2, IEEE)  # log2 units
         sc = tl.where(live[None, :], sc, float("-inf"))
         m_i, l_i, acc = online_softmax_step(sc, m_i, l_i, acc, V, j, live, dd, stride_vn, IEEE)
@@ -198,7 +197,7 @@ def launch_shape(segment: str, batch: int, kv: int, g: int, d: int, capacity: in
 
 
 def _launch(segment, query, keys, values, rows, groups, documents, lengths, rope, part, lse, base, shape, g, kv,
-            scaling, rotated: bool = False, final: torch.Tensor | None = None, ranked: bool = False):
+            scaling, rotated: bool = False, final: torch.Tensor | None = None):
     block_m, block_n, warps, stages, splits = shape
     members, gstart = groups
     doc_rows, doc_lengths = documents
@@ -221,9 +220,8 @@ def _launch(segment, query, keys, values, rows, groups, documents, lengths, rope
         query.stride(0), query.stride(1), rows.stride(0), doc_rows.stride(0), doc_lengths.stride(0), lengths.stride(0),
         *keys.stride()[:3], *values.stride()[:3], *rope_strides,
         part.stride(0), part.stride(1), lse.stride(0),
-        DOC=document, MERGE=final is not None, ROPE=cos is not None, ROPE_K=cos is not None and not rotated,
-        RANKED=ranked, HALF=d // 2, IEEE=keys.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=warps, num_stages=stages,
+        DOC=document, MERGE=final is not None, ROPE=cos is not None, ROPE_K=cos is not None and not rotated, HALF=d // 2,
+        IEEE=keys.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
     )
 
 
@@ -242,14 +240,12 @@ def shared_groups(rows: torch.Tensor, doc_rows: torch.Tensor, documents: int) ->
 
 def decode_attention_shared(query, keys, values, rows, lengths, doc_keys, doc_values, doc_rows, doc_lengths,
                             scaling: float, cos=None, sin=None, key_positions=None, doc_key_positions=None,
-                            query_positions=None, probs=None, groups=None, doc_rotated: bool = False,
-                            ranked: bool = False) -> torch.Tensor:
+                            query_positions=None, probs=None, groups=None, doc_rotated: bool = False) -> torch.Tensor:
     """`decode_attention_shared_reference` on Triton (same arguments and result): the document segment read once
     per tile of its readers, each row's tail, merged by log-sum-exp. `groups`: `shared_groups(rows, doc_rows,
     documents)` if made already (once per step). `doc_rotated`: the document's keys are stored rotated at their
     positions (`kvpot.engine.documents`: loaded once, so rotated once), and only the queries are rotated here.
-    `ranked`: every live entry's key position is its index (a rank policy's), so neither launch reads them
-    (`kvpot.kernels.decode.decode_attention_batch`'s `ranked`). No host synchronisation."""
+    No host synchronisation."""
     if probs is not None:  # the observation is not written here: the reference (exact, capture-safe) writes it
         return decode_attention_shared_reference(query, keys, values, rows, lengths, doc_keys, doc_values, doc_rows,
                                                  doc_lengths, scaling, cos, sin, key_positions, doc_key_positions,
@@ -282,9 +278,9 @@ def decode_attention_shared(query, keys, values, rows, lengths, doc_keys, doc_va
     documents = (doc_rows, doc_lengths)
     _launch("document", query, doc_keys, doc_values, rows, groups, documents, lengths,
             (cos, sin, doc_key_positions, query_positions), part, lse, 0, doc_shape, g, kv, scaling,
-            rotated=doc_rotated, ranked=ranked)
+            rotated=doc_rotated)
     _launch("tail", query, keys, values, rows, groups, documents, lengths, (cos, sin, key_positions, query_positions),
-            part, lse, splits_doc, tail_shape, g, kv, scaling, final=out if merged else None, ranked=ranked)
+            part, lse, splits_doc, tail_shape, g, kv, scaling, final=out if merged else None)
     if not merged:
         merge(part, lse, out.view(batch * heads, d))
     return out

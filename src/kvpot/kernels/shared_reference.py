@@ -57,7 +57,6 @@ def decode_attention_shared_reference(
     query_positions: torch.Tensor | None = None,
     probs: torch.Tensor | None = None,
     doc_rotated: bool = False,
-    ranked: bool = False,
 ) -> torch.Tensor:
     """Attention [B, heads, d] (query.dtype) of each row's `query` [B, heads, d] over its document's entries
     `[0, n_doc)` in `doc_keys`/`doc_values` [D, kv_heads, capacity, d] (row `doc_rows[rows[b]]`, `n_doc` its
@@ -65,9 +64,7 @@ def decode_attention_shared_reference(
     d], merged by log-sum-exp, in float32. RoPE as `decode_attention_batch_reference`, the document's keys at
     `doc_key_positions` [D, kv_heads, capacity]. `probs` [B, kv_heads, capacity] receives each KV group's mean
     probabilities at the entries' indices (document entries below `n_doc`), 0 past the length. `doc_rotated`: the
-    document's keys are stored rotated at their positions (only the queries are rotated here). `ranked` (a promise
-    that the key positions are the entries' indices, which the kernel then does not read) is ignored here."""
-    del ranked
+    document's keys are stored rotated at their positions (only the queries are rotated here)."""
     check_decode_batch_inputs(query, keys, values, rows, lengths, cos, sin, key_positions, query_positions, probs,
                               kernel=False)
     check_shared_inputs(query, keys, doc_keys, doc_values, doc_rows, doc_lengths, doc_key_positions, cos, doc_rotated)

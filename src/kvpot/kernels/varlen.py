@@ -109,14 +109,14 @@ def _varlen_kernel(
                 j = start + tl.arange(0, BLOCK_N)
                 live = j < hi
                 k1, k2 = load_keys(K, KPOS, COS, SIN, j, live, dh, stride_kn, stride_pn, stride_t, HALF,
-                                   ROPE and not KEYS_BY_ROW, False)
+                                   ROPE and not KEYS_BY_ROW)
                 sc = half_scores(q1, q2, k1, k2, IEEE)
                 m_i, l_i, acc = online_softmax_step(sc, m_i, l_i, acc, V, j, live, dd, stride_vn, IEEE)
         for start in range(masked, hi, BLOCK_N):
             j = start + tl.arange(0, BLOCK_N)
             live = j < hi
             k1, k2 = load_keys(K, KPOS, COS, SIN, j, live, dh, stride_kn, stride_pn, stride_t, HALF,
-                               ROPE and not KEYS_BY_ROW, False)
+                               ROPE and not KEYS_BY_ROW)
             sc = half_scores(q1, q2, k1, k2, IEEE)  # log2 units
             sc = tl.where(live[None, :] & (j[None, :] <= sees[:, None]), sc, float("-inf"))
             m_i, l_i, acc = online_softmax_step(sc, m_i, l_i, acc, V, j, live, dd, stride_vn, IEEE)
@@ -229,7 +229,7 @@ def _rotate_rows_kernel(
         live = (j < n) & (j < N)
         dh = tl.arange(0, HALF)
         k1, k2 = load_keys(K + slot * stride_ks + h * stride_kh, KPOS + slot * stride_ps + h * stride_ph, COS, SIN,
-                           j, live, dh, stride_kn, stride_pn, stride_t, HALF, True, False)
+                           j, live, dh, stride_kn, stride_pn, stride_t, HALF, True)
         o_ptr = OUT + r.to(tl.int64) * stride_or + h * stride_oh + j[:, None].to(tl.int64) * stride_on + dh[None, :]
         tl.store(o_ptr, k1, mask=live[:, None])
         tl.store(o_ptr + HALF, k2, mask=live[:, None])

@@ -106,11 +106,6 @@ class Method:
     # A question read in a forward (longer than the scheduler's `feed_tokens`, or none) copies for every method.
     copies_document: ClassVar[str] = "at_admission"
 
-    # Entries stay in stream order in their places: evictions compact (`select`) and never refill a freed place
-    # (`kvpot.methods.replace`, CaM's merges). Under a rank policy each live entry's RoPE position is then its
-    # index, so the batched decode kernels rotate keys from their indices instead of loading positions (`ranked`;
-    # tests/test_batch.py checks each declaration both ways). False is always safe.
-    keeps_order: ClassVar[bool] = False
     needs_token_nll: ClassVar[bool] = False  # engine fills Step.token_nll (InfiniPot's NuC)
     # Reading a question one token per decoding step leaves the same cache as reading it in forwards
     # (nothing the method does depends on the phase, on where a forward ends, or on `prompt_end`): the

@@ -64,7 +64,6 @@ class CItruS(Method):
     merges = False
     grows = False
     copies_document = "at_admission"  # its question is read in a forward of its own, which reads and evicts the cache
-    keeps_order = True  # its evictions compact the kept entries in stream order
     chunk_size: int = 256
     keep: int = 768
     cache: str = "shared"

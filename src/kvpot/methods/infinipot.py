@@ -77,7 +77,6 @@ class InfiniPot(Method):
     merges = False
     grows = False
     copies_document = "when_full"  # at the step its pot fills and distils (fed question or decoding)
-    keeps_order = True  # its evictions compact the kept entries in stream order
     feeds_question = True  # its question appends, or fills the pot as a decoded token would
     pot_size: int = 2048
     compress_size: int | None = None

@@ -44,7 +44,6 @@ class Scissorhands(EvictionMethod):
     merges = False
     grows = False
     copies_document = "at_admission"  # its question is read in a forward of its own, which reads and evicts the cache
-    keeps_order = True  # its evictions compact the kept entries in stream order
     budget: int = 1024
     drop: int | None = None  # None: 40% of the budget, the paper's setting
     history: int = 400

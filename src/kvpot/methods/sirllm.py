@@ -47,7 +47,6 @@ class SirLLM(Method):
     merges = False
     grows = False
     copies_document = "when_full"  # at the step its pot fills and it evicts
-    keeps_order = True  # its evictions compact the kept entries in stream order
     feeds_question = True  # a question appends, or fills the pot, as decoded tokens would
     pot_size: int = 2048
     compress_size: int | None = None
