@@ -70,11 +70,9 @@ def _segment_kernel(
     ROPE: tl.constexpr, ROPE_K: tl.constexpr, HALF: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    # a group's programs are dispatched together (its index is the grid's slower dimension): the region's idle rows
-    # (documents no row reads) come after the read ones instead of taking places between their splits
     pid = tl.program_id(0)
-    grp = tl.program_id(1).to(tl.int64)
-    split = pid // (KV * TILES)
+    split = tl.program_id(1)
+    grp = (pid // (KV * TILES)).to(tl.int64)
     h = pid // TILES % KV
     tile = pid % TILES
     r = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # (member, query head of the group) pairs
@@ -216,7 +214,7 @@ def _launch(segment, query, keys, values, rows, groups, documents, lengths, rope
         rope_strides = (*key_positions.stride(), query_positions.stride(0),
                         query_positions.stride(1) if per_head else 0, cos.stride(0))
     d = query.shape[-1]
-    _segment_kernel[(splits * kv * tiles, owners)](
+    _segment_kernel[(owners * kv * tiles, splits)](
         query, keys, values, rows, members, gstart, doc_rows, doc_lengths, lengths, *tables, part, lse,
         part if final is None else final, keys.shape[2], g, kv, splits, tiles, base, scaling,
         query.stride(0), query.stride(1), rows.stride(0), doc_rows.stride(0), doc_lengths.stride(0), lengths.stride(0),
