@@ -168,15 +168,46 @@ def segments(args) -> None:
         print(json.dumps({**common, "kernel": "segment", "segment": segment, "shape": shape, "us": round(us, 2),
                           "step_ms": round(us * args.layers / 1000, 3), **extra}), flush=True)
 
-    for n in sorted(set(args.doc_splits) | {doc_default[-1]}):
-        shape = (*doc_default[:-1], n)
-        emit("document", shape, document(shape), default=shape == doc_default)
+    pick = [v if v else [doc_default[i]] for i, v in enumerate(
+        (args.doc_block_m if args.doc_shapes else None, args.doc_block_n, args.doc_warps, args.doc_stages))]
+    for shape in itertools.product(*pick, sorted(set(args.doc_splits) | {doc_default[-1]})):
+        try:
+            emit("document", shape, document(shape), default=shape == doc_default)
+        except Exception as error:  # a shape that does not fit shared memory or registers
+            print(json.dumps({**common, "kernel": "segment", "segment": "document", "shape": shape,
+                              "error": f"{type(error).__name__}: {str(error)[:200]}"}), flush=True)
+    if args.yardstick and args.device == "cuda":
+        yardstick(args, data, common)
+    if args.no_tail:
+        return
     base = doc_default[-1]
     document(doc_default)()
     for block_n, warps in itertools.product(args.block_n, args.warps):
         shape = (tail_default[0], block_n, warps, tail_default[3], 1)
         for keys in ("positions", "stored rotated"):
             emit("tail", shape, tail(shape, keys == "stored rotated", base), keys=keys, default=shape == tail_default)
+
+
+def yardstick(args, data: dict, common: dict) -> None:
+    """PyTorch's flash attention over the same document, its readers' query rows as one sequence a KV head
+    ([1, KV, batch x G, d] against the document's [1, KV, n_doc, d]): what a fused library kernel takes for the
+    document segment's arithmetic and reading, without RoPE, gathering or partials."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kv, g, n = args.kv_heads, args.heads // args.kv_heads, args.doc_entries
+    q = data["query"].view(args.batch, kv, g, 128).permute(1, 0, 2, 3).reshape(1, kv, args.batch * g, 128).contiguous()
+    k = data["doc_keys"][0:1, :, :n].contiguous()
+    v = data["doc_values"][0:1, :, :n].contiguous()
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+        try:
+            with sdpa_kernel([backend]):
+                us = time_graph([lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)] * args.layers,
+                                args.repeats)
+            row = {"us": round(us, 2), "step_ms": round(us * args.layers / 1000, 3)}
+        except Exception as error:
+            row = {"error": f"{type(error).__name__}: {str(error)[:200]}"}
+        print(json.dumps({**common, "kernel": "yardstick", "segment": "document", "backend": backend.name, **row}),
+              flush=True)
 
 
 def main(argv=None) -> None:
@@ -201,7 +232,21 @@ def main(argv=None) -> None:
     p.add_argument("--baseline", help="another copy of kvpot/kernels/shared.py to time on the same inputs")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1, untimed")
     p.add_argument("--segments", action="store_true", help="time each segment's launch alone (see above)")
+    p.add_argument("--doc-shapes", action="store_true", help="--segments: sweep the document's BLOCK_M too "
+                   "(--doc-block-m), not only its splits")
+    p.add_argument("--doc-block-n", type=int, nargs="+", help="--segments: the document's entries a loop step "
+                   "(default: launch_shape's)")
+    p.add_argument("--doc-warps", type=int, nargs="+", help="--segments: the document's warps (default: launch_shape's)")
+    p.add_argument("--doc-stages", type=int, nargs="+", help="--segments: the document's stages (default: "
+                   "launch_shape's)")
+    p.add_argument("--no-tail", action="store_true", help="--segments: time the document's launch only")
+    p.add_argument("--yardstick", action="store_true", help="--segments: also time PyTorch's fused attention over "
+                   "the document (no RoPE, no partials), as a yardstick")
+    p.add_argument("--variant", help="another copy of kvpot/kernels/shared.py to time instead (--segments)")
     args = p.parse_args(argv)
+    if args.variant:
+        global shared
+        shared = load(args.variant)
     segments(args) if args.segments else run(args)
 
 
