@@ -70,9 +70,12 @@ def _segment_kernel(
     ROPE: tl.constexpr, ROPE_K: tl.constexpr, HALF: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
+    # a group is the grid's slower dimension: its programs are dispatched together, and the region's idle rows
+    # (documents no row reads) come after the read ones, exiting at once, instead of holding multiprocessors
+    # between the read one's splits (records/shared-document-h100/)
     pid = tl.program_id(0)
-    split = tl.program_id(1)
-    grp = (pid // (KV * TILES)).to(tl.int64)
+    grp = tl.program_id(1).to(tl.int64)
+    split = pid // (KV * TILES)
     h = pid // TILES % KV
     tile = pid % TILES
     r = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # (member, query head of the group) pairs
@@ -92,77 +95,78 @@ def _segment_kernel(
         doc = tl.load(DOC_ROWS + src * stride_dr).to(tl.int64)
         start_at = tl.where(doc >= 0, tl.load(DOC_LENGTHS + tl.maximum(doc, 0) * stride_dl), 0).to(tl.int32)
         end_at = tl.load(LENGTHS + src * stride_len).to(tl.int32)
-    head = h * G + r % G
-    out_row = member * (KV * G) + head
-    dh = tl.arange(0, HALF)
-    dd = tl.arange(0, 2 * HALF)
-    if not DOC and not MERGE:
-        if (split == 0) & (doc < 0):  # the row reads no document: its document partials say "no key"
+    if tile * BLOCK_M < count * G:  # a tile past its group's rows (an idle document's: all) does nothing
+        head = h * G + r % G
+        out_row = member * (KV * G) + head
+        dh = tl.arange(0, HALF)
+        dd = tl.arange(0, 2 * HALF)
+        if not DOC and not MERGE:
+            if (split == 0) & (doc < 0):  # the row reads no document: its document partials say "no key"
+                for s in range(0, BASE):
+                    tl.store(OUT + s * stride_os + out_row[:, None] * stride_or + dd[None, :],
+                             tl.zeros([BLOCK_M, 2 * HALF], tl.float32), mask=row_ok[:, None])
+                    tl.store(LSE + s * stride_ls + out_row, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
+        K += src * stride_ks + h * stride_kh
+        V += src * stride_vs + h * stride_vh
+
+        q_ptr = Q + member[:, None] * stride_qb + head[:, None] * stride_qh + dh[None, :]
+        q1 = tl.load(q_ptr, mask=row_ok[:, None], other=0.0).to(tl.float32)  # [BLOCK_M, HALF]
+        q2 = tl.load(q_ptr + HALF, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        if ROPE:  # each tile row rotated at its own slot's query position
+            slot = tl.load(ROWS + member * stride_r, mask=row_ok, other=0).to(tl.int64)
+            qt = tl.load(QPOS + slot * stride_qs + h * stride_qk, mask=row_ok, other=0)[:, None] * stride_t \
+                + dh[None, :]
+            c1 = tl.load(COS + qt, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            c2 = tl.load(COS + qt + HALF, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            s1 = tl.load(SIN + qt, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            s2 = tl.load(SIN + qt + HALF, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            q1, q2 = q1 * c1 - q2 * s1, q2 * c2 + q1 * s2  # rotate_half: (-x2, x1)
+        if ROPE_K:
+            KPOS += src * stride_ps + h * stride_ph
+        qk = scale * 1.4426950408889634
+        q1 = (q1 * qk).to(K.dtype.element_ty)
+        q2 = (q2 * qk).to(K.dtype.element_ty)
+
+        # this split's share of the group's range
+        end_at = tl.minimum(end_at, N)
+        per = tl.cdiv(tl.cdiv(tl.maximum(end_at - start_at, 0), SPLITS), BLOCK_N) * BLOCK_N
+        lo = start_at + split * per
+        hi = tl.minimum(lo + per, end_at)
+        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, 2 * HALF], tl.float32)
+        for begin in range(lo, hi, BLOCK_N):
+            j = begin + tl.arange(0, BLOCK_N)
+            live = j < hi
+            k1, k2 = load_keys(K, KPOS, COS, SIN, j, live, dh, stride_kn, stride_pn, stride_t, HALF, ROPE_K)
+            sc = half_scores(q1, q2, k1, k2, IEEE)  # log2 units
+            sc = tl.where(live[None, :], sc, float("-inf"))
+            m_i, l_i, acc = online_softmax_step(sc, m_i, l_i, acc, V, j, live, dd, stride_vn, IEEE)
+        safe = tl.where(l_i > 0, l_i, 1.0)
+        lse_own = tl.where(l_i > 0, m_i + tl.log2(safe), float("-inf"))
+        if MERGE:  # as `kvpot.kernels.common.merge`, with this tail as the last split
+            reads = row_ok & (doc >= 0)
+            top = lse_own
             for s in range(0, BASE):
-                tl.store(OUT + s * stride_os + out_row[:, None] * stride_or + dd[None, :],
-                         tl.zeros([BLOCK_M, 2 * HALF], tl.float32), mask=row_ok[:, None])
-                tl.store(LSE + s * stride_ls + out_row, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
-    K += src * stride_ks + h * stride_kh
-    V += src * stride_vs + h * stride_vh
-
-    q_ptr = Q + member[:, None] * stride_qb + head[:, None] * stride_qh + dh[None, :]
-    q1 = tl.load(q_ptr, mask=row_ok[:, None], other=0.0).to(tl.float32)  # [BLOCK_M, HALF]
-    q2 = tl.load(q_ptr + HALF, mask=row_ok[:, None], other=0.0).to(tl.float32)
-    if ROPE:  # each tile row rotated at its own slot's query position
-        slot = tl.load(ROWS + member * stride_r, mask=row_ok, other=0).to(tl.int64)
-        qt = tl.load(QPOS + slot * stride_qs + h * stride_qk, mask=row_ok, other=0)[:, None] * stride_t + dh[None, :]
-        c1 = tl.load(COS + qt, mask=row_ok[:, None], other=0.0).to(tl.float32)
-        c2 = tl.load(COS + qt + HALF, mask=row_ok[:, None], other=0.0).to(tl.float32)
-        s1 = tl.load(SIN + qt, mask=row_ok[:, None], other=0.0).to(tl.float32)
-        s2 = tl.load(SIN + qt + HALF, mask=row_ok[:, None], other=0.0).to(tl.float32)
-        q1, q2 = q1 * c1 - q2 * s1, q2 * c2 + q1 * s2  # rotate_half: (-x2, x1)
-    if ROPE_K:
-        KPOS += src * stride_ps + h * stride_ph
-    qk = scale * 1.4426950408889634
-    q1 = (q1 * qk).to(K.dtype.element_ty)
-    q2 = (q2 * qk).to(K.dtype.element_ty)
-
-    # this split's share of the group's range; a tile past the group's rows reads nothing
-    end_at = tl.minimum(end_at, N)
-    end_at = tl.where(tile * BLOCK_M < count * G, end_at, start_at)
-    per = tl.cdiv(tl.cdiv(tl.maximum(end_at - start_at, 0), SPLITS), BLOCK_N) * BLOCK_N
-    lo = start_at + split * per
-    hi = tl.minimum(lo + per, end_at)
-    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, 2 * HALF], tl.float32)
-    for begin in range(lo, hi, BLOCK_N):
-        j = begin + tl.arange(0, BLOCK_N)
-        live = j < hi
-        k1, k2 = load_keys(K, KPOS, COS, SIN, j, live, dh, stride_kn, stride_pn, stride_t, HALF, ROPE_K)
-        sc = half_scores(q1, q2, k1, k2, IEEE)  # log2 units
-        sc = tl.where(live[None, :], sc, float("-inf"))
-        m_i, l_i, acc = online_softmax_step(sc, m_i, l_i, acc, V, j, live, dd, stride_vn, IEEE)
-    safe = tl.where(l_i > 0, l_i, 1.0)
-    lse_own = tl.where(l_i > 0, m_i + tl.log2(safe), float("-inf"))
-    if MERGE:  # as `kvpot.kernels.common.merge`, with this tail as the last split
-        reads = row_ok & (doc >= 0)
-        top = lse_own
-        for s in range(0, BASE):
-            top = tl.maximum(top, tl.load(LSE + s * stride_ls + out_row, mask=reads, other=float("-inf")))
-        top = tl.where(top == float("-inf"), 0.0, top)
-        w = tl.exp2(lse_own - top)
-        total = w
-        merged = (acc / safe[:, None]) * w[:, None]
-        for s in range(0, BASE):
-            w = tl.exp2(tl.load(LSE + s * stride_ls + out_row, mask=reads, other=float("-inf")) - top)
-            part = tl.load(OUT + s * stride_os + out_row[:, None] * stride_or + dd[None, :], mask=reads[:, None],
-                           other=0.0)
-            total += w
-            merged += part * w[:, None]
-        merged = merged / tl.where(total > 0, total, 1.0)[:, None]
-        tl.store(FINAL + out_row[:, None] * (2 * HALF) + dd[None, :], merged.to(FINAL.dtype.element_ty),
-                 mask=row_ok[:, None])
-    else:
-        at = BASE + split
-        tl.store(OUT + at * stride_os + out_row[:, None] * stride_or + dd[None, :], acc / safe[:, None],
-                 mask=row_ok[:, None])
-        tl.store(LSE + at * stride_ls + out_row, lse_own, mask=row_ok)
+                top = tl.maximum(top, tl.load(LSE + s * stride_ls + out_row, mask=reads, other=float("-inf")))
+            top = tl.where(top == float("-inf"), 0.0, top)
+            w = tl.exp2(lse_own - top)
+            total = w
+            merged = (acc / safe[:, None]) * w[:, None]
+            for s in range(0, BASE):
+                w = tl.exp2(tl.load(LSE + s * stride_ls + out_row, mask=reads, other=float("-inf")) - top)
+                part = tl.load(OUT + s * stride_os + out_row[:, None] * stride_or + dd[None, :], mask=reads[:, None],
+                               other=0.0)
+                total += w
+                merged += part * w[:, None]
+            merged = merged / tl.where(total > 0, total, 1.0)[:, None]
+            tl.store(FINAL + out_row[:, None] * (2 * HALF) + dd[None, :], merged.to(FINAL.dtype.element_ty),
+                     mask=row_ok[:, None])
+        else:
+            at = BASE + split
+            tl.store(OUT + at * stride_os + out_row[:, None] * stride_or + dd[None, :], acc / safe[:, None],
+                     mask=row_ok[:, None])
+            tl.store(LSE + at * stride_ls + out_row, lse_own, mask=row_ok)
 
 
 def _block_m(rows: int) -> int:
@@ -214,7 +218,7 @@ def _launch(segment, query, keys, values, rows, groups, documents, lengths, rope
         rope_strides = (*key_positions.stride(), query_positions.stride(0),
                         query_positions.stride(1) if per_head else 0, cos.stride(0))
     d = query.shape[-1]
-    _segment_kernel[(owners * kv * tiles, splits)](
+    _segment_kernel[(splits * kv * tiles, owners)](
         query, keys, values, rows, members, gstart, doc_rows, doc_lengths, lengths, *tables, part, lse,
         part if final is None else final, keys.shape[2], g, kv, splits, tiles, base, scaling,
         query.stride(0), query.stride(1), rows.stride(0), doc_rows.stride(0), doc_lengths.stride(0), lengths.stride(0),
