@@ -197,6 +197,76 @@ def test_tokens_past_the_bucket_are_not_written():
     assert not torch.allclose(out[32:], ref[32:])  # left as `torch.empty` made them
 
 
+def shared_document_inputs(shape, dtype):
+    """`inputs` with every other row's slot reading the first half of its cached entries from a document region
+    (one region row each, plus an unread one): the region holds them (keys rotated at their positions, as
+    `kvpot.engine.documents` stores them), the slot holds NaN there. Returns (those arguments, the same rows with
+    the entries in their slots instead, the longest row)."""
+    from kvpot.kernels.decode_reference import _rotate_at
+
+    args, longest = inputs(shape, dtype)
+    keys, values = args["keys"].clone(), args["values"].clone()
+    slots, kv, capacity, d = keys.shape
+    readers = [(slot, before // 2) for i, (slot, before, _) in enumerate(shape[5]) if i % 2 == 0 and before >= 2]
+    doc_keys = torch.full((len(readers) + 1, kv, capacity, d), float("nan"), dtype=dtype, device=DEVICE)
+    doc_values = doc_keys.clone()
+    doc_rows = torch.full((slots,), -1, dtype=torch.long, device=DEVICE)
+    doc_lengths = torch.zeros(len(readers) + 1, dtype=torch.long, device=DEVICE)
+    for row, (slot, n_doc) in enumerate(readers):
+        k = keys[slot, :, :n_doc]
+        if "cos" in args:  # the region's keys stored rotated (in float32, then the keys' dtype)
+            k = _rotate_at(k.float(), args["cos"].float(), args["sin"].float(),
+                           args["key_positions"][slot, :, :n_doc]).to(dtype)
+        doc_keys[row, :, :n_doc], doc_values[row, :, :n_doc] = k, values[slot, :, :n_doc]
+        doc_rows[slot], doc_lengths[row] = row, n_doc
+        keys[slot, :, :n_doc], values[slot, :, :n_doc] = float("nan"), float("nan")  # never read from the slot
+    assert readers, "a shape with a reader"
+    shared = dict(args, keys=keys, values=values, document=(doc_keys, doc_values, doc_rows, doc_lengths))
+    return shared, args, longest
+
+
+SHARED_SHAPES = [s for s in SHAPES if any(i % 2 == 0 and r[1] >= 2 for i, r in enumerate(s[5]))]
+
+
+@pytest.mark.parametrize("prefix", [False, True], ids=["masked", "unmasked-prefix"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).split(".")[-1])
+@pytest.mark.parametrize("shape", SHARED_SHAPES, ids=[s[0] for s in SHARED_SHAPES])
+def test_shared_document_rows_read_their_document_from_the_region(shape, dtype, prefix, monkeypatch):
+    """A chunk of a shared document's reader (`document=`): its slot's first entries come from the region row, the
+    rest from its slot, which gives what the slot holding them all gives (the copy-per-reader path); the kernel
+    matches the reference, with keys rotated on load or rotated ahead (`row_keys`)."""
+    from kvpot.kernels import varlen
+
+    monkeypatch.setattr(varlen, "UNMASKED_PREFIX", prefix)
+    shared, copied, longest = shared_document_inputs(shape, dtype)
+    full, full_lse = varlen_attention_reference(**copied)
+    ref, ref_lse = varlen_attention_reference(**shared)
+    assert not ref.isnan().any()
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(ref.float(), full.float(), **tol)
+    torch.testing.assert_close(ref_lse, full_lse, **tol)
+    out, lse = varlen.varlen_attention(**shared, max_tokens=max(longest, 1))
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+    torch.testing.assert_close(lse, ref_lse, **tol)
+    if "cos" in shared:  # keys rotated ahead: the reader's slot rows rotated (their NaN too, never read)
+        rows = torch.empty(shared["slots"].shape[0], *shared["keys"].shape[1:], dtype=dtype, device=DEVICE)
+        varlen.rotate_rows(shared["keys"], shared["key_positions"], shared["cos"], shared["sin"], shared["slots"],
+                           shared["starts"], shared["cached"], rows)
+        ahead, ahead_lse = varlen.varlen_attention(**shared, max_tokens=max(longest, 1), row_keys=rows)
+        torch.testing.assert_close(ahead.float(), ref.float(), **tol)
+        torch.testing.assert_close(ahead_lse, ref_lse, **tol)
+
+
+def test_a_bad_document_is_refused_in_one_sentence():
+    shared, _, _ = shared_document_inputs(SHAPES[2], torch.float32)
+    doc_keys, doc_values, doc_rows, doc_lengths = shared["document"]
+    for bad in ((doc_keys[:, :1], doc_values[:, :1], doc_rows, doc_lengths), (doc_keys, doc_values, doc_rows[:1],
+                                                                              doc_lengths), (doc_keys,)):
+        with pytest.raises(KvpotError) as err:
+            varlen_attention_reference(**dict(shared, document=bad))
+        assert "\n" not in str(err.value)
+
+
 def test_bad_inputs_are_refused_in_one_sentence():
     from kvpot.kernels.varlen import varlen_attention
 

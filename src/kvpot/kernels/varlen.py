@@ -27,7 +27,7 @@ import triton.language as tl
 
 from kvpot.errors import KvpotError
 from kvpot.kernels.common import half_scores, load_keys, load_query, online_softmax_step, next_power_of_2
-from kvpot.kernels.varlen_reference import check_varlen_inputs, varlen_attention_reference
+from kvpot.kernels.varlen_reference import check_document, check_varlen_inputs, varlen_attention_reference
 
 __all__ = ["varlen_attention", "varlen_attention_reference"]
 
@@ -59,13 +59,17 @@ def _varlen_kernel(
     KPOS,  # [S, KV, N] int RoPE position of each entry (ROPE); a token's query takes its own entry's
     OUT,  # [T, H, D] output dtype
     LSE,  # [T, H] float32 natural log-sum-exp
+    DK, DV,  # [D, KV, N, D] a shared document region, keys stored rotated (DOC)
+    DOC_ROWS, DOC_LENGTHS,  # [S] each slot's document row (-1: none), [D] each document's entries (DOC)
     N, TILES, scale,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_kn, stride_vs, stride_vh, stride_vn,
     stride_ps, stride_ph, stride_pn, stride_t, stride_ot, stride_oh,
+    stride_dks, stride_dkh, stride_dkn, stride_dvs, stride_dvh, stride_dvn, stride_dr, stride_dl,
     G: tl.constexpr, G_PAD: tl.constexpr, KV: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr,
     IEEE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     KEYS_BY_ROW: tl.constexpr = False,  # K is [R, KV, N, D]: each row's keys rotated already (`rotate_rows`)
     PREFIX: tl.constexpr = False,  # UNMASKED_PREFIX
+    DOC: tl.constexpr = False,  # a slot reading a shared document takes its first entries from its region row
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)  # KV head
@@ -102,15 +106,32 @@ def _varlen_kernel(
         m_i = tl.full([BLOCK_Q * G_PAD], -1.0e30, tl.float32)
         l_i = tl.zeros([BLOCK_Q * G_PAD], tl.float32)
         acc = tl.zeros([BLOCK_Q * G_PAD, 2 * HALF], tl.float32)
-        masked = 0
-        if PREFIX:  # whole blocks before the tile's first token: every folded row sees them all
-            masked = tl.minimum((before + tile * BLOCK_Q + 1) // BLOCK_N * BLOCK_N, hi)
-            for start in range(0, masked, BLOCK_N):
+        first_entry = 0  # the slot's first entry read (past a shared document's, read from its region below)
+        if DOC:  # every token of the tile sees the whole document: no causal mask, keys stored rotated
+            doc = tl.load(DOC_ROWS + slot * stride_dr).to(tl.int64)
+            n_doc = tl.where(doc >= 0, tl.load(DOC_LENGTHS + tl.maximum(doc, 0) * stride_dl), 0).to(tl.int32)
+            n_doc = tl.minimum(n_doc, hi)
+            first_entry = n_doc
+            DK += tl.maximum(doc, 0) * stride_dks + h * stride_dkh
+            DV += tl.maximum(doc, 0) * stride_dvs + h * stride_dvh
+            for start in range(0, n_doc, BLOCK_N):
                 j = start + tl.arange(0, BLOCK_N)
-                live = j < hi
+                live = j < n_doc
+                k1, k2 = load_keys(DK, DK, DK, DK, j, live, dh, stride_dkn, 0, 0, HALF, False)
+                sc = half_scores(q1, q2, k1, k2, IEEE)
+                sc = tl.where(live[None, :], sc, float("-inf"))
+                m_i, l_i, acc = online_softmax_step(sc, m_i, l_i, acc, DV, j, live, dd, stride_dvn, IEEE)
+        masked = first_entry
+        if PREFIX:  # whole blocks before the tile's first token: every folded row sees them all
+            masked = tl.maximum(tl.minimum((before + tile * BLOCK_Q + 1) // BLOCK_N * BLOCK_N, hi), first_entry)
+            for start in range(first_entry, masked, BLOCK_N):
+                j = start + tl.arange(0, BLOCK_N)
+                live = j < masked
                 k1, k2 = load_keys(K, KPOS, COS, SIN, j, live, dh, stride_kn, stride_pn, stride_t, HALF,
                                    ROPE and not KEYS_BY_ROW)
                 sc = half_scores(q1, q2, k1, k2, IEEE)
+                if DOC:  # past a document, blocks start unaligned: the last may run past `masked`
+                    sc = tl.where(live[None, :], sc, float("-inf"))
                 m_i, l_i, acc = online_softmax_step(sc, m_i, l_i, acc, V, j, live, dd, stride_vn, IEEE)
         for start in range(masked, hi, BLOCK_N):
             j = start + tl.arange(0, BLOCK_N)
@@ -158,6 +179,7 @@ def varlen_attention(
     sin: torch.Tensor | None = None,
     key_positions: torch.Tensor | None = None,
     row_keys: torch.Tensor | None = None,
+    document: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of packed rows over their pool slots, as `varlen_attention_reference` defines it: query
     [T, heads, d] -> (out [T, heads, d] in query.dtype, lse [T, heads] float32, natural log).
@@ -170,6 +192,7 @@ def varlen_attention(
     covers, are left unwritten. No host synchronisation and no allocation sized
     from device values: safe to capture in a CUDA graph."""
     check_varlen_inputs(query, keys, values, slots, starts, cached, cos, sin, key_positions)
+    check_document(document, keys, slots)
     if keys.stride(-1) != 1 or values.stride(-1) != 1:
         raise KvpotError("varlen attention reads keys/values rows in place: their last dimension must be contiguous")
     if max_tokens < 1:
@@ -201,12 +224,21 @@ def varlen_attention(
         raise KvpotError(f"row_keys must be [>= {rows}, {', '.join(map(str, keys.shape[1:]))}] in {keys.dtype} with "
                          f"a contiguous last dimension, beside a RoPE table; got {tuple(row_keys.shape)}")
     source = row_keys if by_row else keys
+    if document is not None:
+        doc_keys, doc_values, doc_rows, doc_lengths = document
+        if doc_keys.stride(-1) != 1 or doc_values.stride(-1) != 1:
+            raise KvpotError("varlen attention reads a document's rows in place: their last dimension must be "
+                             "contiguous")
+        region = (doc_keys, doc_values, doc_rows, doc_lengths)
+        region_strides = (*doc_keys.stride()[:3], *doc_values.stride()[:3], doc_rows.stride(0), doc_lengths.stride(0))
+    else:
+        region, region_strides = (keys, values, slots, slots), (0,) * 8
     _varlen_kernel[(rows * tiles, kv)](
-        query, source, values, slots, starts, cached, *tables, out, lse, keys.shape[2], tiles, scaling,
+        query, source, values, slots, starts, cached, *tables, out, lse, *region, keys.shape[2], tiles, scaling,
         query.stride(0), query.stride(1), *source.stride()[:3], *values.stride()[:3], *rope_strides,
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), *region_strides,
         G=g, G_PAD=g_pad, KV=kv, ROPE=rope, HALF=d // 2, IEEE=keys.dtype == torch.float32, BLOCK_Q=block_q,
-        KEYS_BY_ROW=by_row, PREFIX=UNMASKED_PREFIX, **_launch(keys.dtype, d),
+        KEYS_BY_ROW=by_row, PREFIX=UNMASKED_PREFIX, DOC=document is not None, **_launch(keys.dtype, d),
     )
     return out, lse
 

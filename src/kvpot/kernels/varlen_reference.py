@@ -45,6 +45,24 @@ def check_varlen_inputs(query, keys, values, slots, starts, cached, cos, sin, ke
             raise KvpotError(f"key_positions must be {list(keys.shape[:3])}; got {tuple(key_positions.shape)}")
 
 
+def check_document(document: tuple | None, keys: torch.Tensor, slots: torch.Tensor) -> None:
+    """A `document` argument's shapes: (doc_keys, doc_values [documents, kv_heads, capacity, d] as `keys` but the
+    first dimension, doc_rows [slots] int, doc_lengths [documents] int)."""
+    if document is None:
+        return
+    if len(document) != 4:
+        raise KvpotError("document must be (doc_keys, doc_values, doc_rows, doc_lengths)")
+    doc_keys, doc_values, doc_rows, doc_lengths = document
+    if doc_keys.dim() != 4 or doc_keys.shape[1:] != keys.shape[1:] or doc_values.shape != doc_keys.shape \
+            or doc_keys.dtype != keys.dtype:
+        raise KvpotError(f"a document region must be [documents, {', '.join(map(str, keys.shape[1:]))}] in "
+                         f"{keys.dtype}; got {tuple(doc_keys.shape)}, {tuple(doc_values.shape)} in {doc_keys.dtype}")
+    if doc_rows.shape != (keys.shape[0],) or doc_lengths.shape != (doc_keys.shape[0],) \
+            or doc_rows.dtype not in INTS or doc_lengths.dtype not in INTS:
+        raise KvpotError(f"doc_rows must be [{keys.shape[0]}] (one per slot) and doc_lengths [{doc_keys.shape[0]}], "
+                         f"integers; got {tuple(doc_rows.shape)}, {tuple(doc_lengths.shape)}")
+
+
 def varlen_attention_reference(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -57,12 +75,19 @@ def varlen_attention_reference(
     sin: torch.Tensor | None = None,
     key_positions: torch.Tensor | None = None,
     row_keys: torch.Tensor | None = None,
+    document: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of packed rows over their pool slots: query [T, heads, d] (un-rotated when cos is given) ->
     (out [T, heads, d] in query.dtype, lse [T, heads] float32, natural log). Tokens no row covers get zeros and
     lse -inf. Reads the row bounds on the host (a reference: not for capture). `row_keys` (the kernel's keys
-    rotated ahead, `rotate_rows`) is not read: the reference rotates the slot's keys itself, the same result."""
+    rotated ahead, `rotate_rows`) is not read: the reference rotates the slot's keys itself, the same result.
+
+    `document` (doc_keys, doc_values, doc_rows, doc_lengths): slots that read a shared document
+    (`kvpot.engine.documents`): slot `s` with `doc_rows[s] >= 0` takes its first `doc_lengths[doc_rows[s]]` entries
+    from that row of `doc_keys`/`doc_values` ([documents, kv_heads, capacity, d], keys stored rotated at their
+    positions), not from its own slot; the rest as above."""
     check_varlen_inputs(query, keys, values, slots, starts, cached, cos, sin, key_positions)
+    check_document(document, keys, slots)
     tokens, heads, d = query.shape
     g = heads // keys.shape[1]
     out = torch.zeros(tokens, heads, d, dtype=query.dtype, device=query.device)
@@ -82,6 +107,11 @@ def varlen_attention_reference(
             k = _rotate_at(k.float(), cos.float(), sin.float(), key_positions[slot, :, :n]).to(keys.dtype)
             at = key_positions[slot, :, before[r] : n].repeat_interleave(g, dim=0)  # [heads, q]: their own entries'
             qs = _rotate_at(qs.float(), cos.float(), sin.float(), at)
+        if document is not None and int(document[2][slot]) >= 0:  # the shared document's entries, from its row
+            row = int(document[2][slot])
+            n_doc = int(document[3][row])
+            k = torch.cat([document[0][row, :, :n_doc], k[:, n_doc:]], dim=1)
+            v = torch.cat([document[1][row, :, :n_doc], v[:, n_doc:]], dim=1)
         k = k.float().repeat_interleave(g, dim=0)
         v = v.float().repeat_interleave(g, dim=0)
         scores = (qs.float() * scaling) @ k.transpose(-1, -2)  # [heads, q, n]
