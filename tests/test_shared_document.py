@@ -111,9 +111,10 @@ def context():
 QUESTIONS = [torch.randint(3, VOCAB, (k,), generator=torch.Generator().manual_seed(k)).tolist() for k in (3, 6, 2, 5)]
 
 
-def readers(model, method, capacity, state, share: bool, slots: int = 3, documents: int = 2, questions=QUESTIONS):
+def readers(model, method, capacity, state, share: bool, slots: int = 3, documents: int = 2, questions=QUESTIONS,
+            **options):
     scheduler = Scheduler(kvpot.Engine(model, method=method), slots=slots, capacity=capacity, decode="static",
-                          share_documents=share, documents=documents)
+                          share_documents=share, documents=documents, **options)
     requests = [Request(None, q, state=state, max_new_tokens=NEW, ignore_eos=True) for q in questions]
     run_all(scheduler, requests)
     return scheduler, requests
@@ -146,6 +147,30 @@ def test_shared_document_readers_get_the_copy_per_reader_tokens(model, context, 
         assert report["document_loads"] == 0  # nobody read the region: it was never loaded
 
 
+SHARING = [name for name, (method, _) in sorted(methods().items()) if method.copies_document != "at_admission"]
+
+
+@pytest.mark.parametrize("name", SHARING)
+def test_shared_document_questions_read_as_chunks_over_the_region(model, context, name, one_thread):
+    """Mixing on: a reader's question is read as a chunk of the mixed step, attending the document in the region
+    (`documents.question_chunk`), where its method's chunk only appends (`Method.chunk_appends`); the others are fed.
+    The tokens are the one-sequence engine's, no reader copies for its question, and no question token is fed
+    that a chunk could read."""
+    method, capacity = methods()[name]
+    engine = kvpot.Engine(model, method=method, decode="eager")
+    state = engine.prefill_ids(context, [4, 5] if name == "infinipot-question" else None)
+    alone = [engine.generate_ids(question_ids=q, state=state, max_new_tokens=NEW, ignore_eos=True) for q in QUESTIONS]
+    scheduler, shared = readers(model, method, capacity, state, share=True, slots=4, mix="on")
+    assert [r.tokens for r in shared] == [a.token_ids for a in alone]
+    chunked = [method.chunk_appends(state.cache, len(q)) for q in QUESTIONS]
+    report = scheduler.report
+    assert any(chunked) and report["mixed_forwards"] >= 1
+    assert report["fed_tokens"] == sum(len(q) for q, c in zip(QUESTIONS, chunked) if not c)
+    assert report["copy_on_write_question"] == 0 and report["document_loads"] == 1
+    filled = sum(a.stats.compressions > state.stats.compressions for a in alone)
+    assert report["copy_on_write"] == report["copy_on_write_eager"] == filled
+
+
 def test_shared_document_every_method_declares_when_it_copies():
     from kvpot.methods import METHODS
 
@@ -155,14 +180,17 @@ def test_shared_document_every_method_declares_when_it_copies():
         assert (cls.copies_document == "never") == (not cls.evicts_while_decoding and cls.feeds_question), name
 
 
-def test_shared_document_readers_read_the_region_not_their_slot(model, context, one_thread):
+@pytest.mark.parametrize("mix", ["off", "on"])  # questions fed, or read as chunks of the mixed step
+def test_shared_document_readers_read_the_region_not_their_slot(model, context, mix, one_thread):
     """While shared, a reader's slot holds no copy of the document's keys (zeros), yet its tokens are right."""
     method = kvpot.Full(chunk_size=64)
     state = kvpot.Engine(model, method=method, decode="eager").prefill_ids(context)
     scheduler = Scheduler(kvpot.Engine(model, method=method), slots=4, capacity=256, decode="static",
-                          share_documents=True)
+                          share_documents=True, mix=mix)
     requests = [scheduler.submit(Request(None, q, state=state, max_new_tokens=NEW, ignore_eos=True)) for q in QUESTIONS]
-    scheduler.step()
+    for _ in range(3):  # admitted, questions read (fed, or as chunks), decoding
+        scheduler.step()
+    assert (scheduler.report["fed_tokens"] == 0) == (mix == "on")
     region, n = scheduler.pool.documents, state.cache.layers[0].n
     assert region.readers == 4 and region.documents == 1 and scheduler.report["shared_readers"] == 4
     assert len(region.loaded[id(state)].readers) == 4  # one document, four references
@@ -487,3 +515,4 @@ def test_shared_document_captured_packed_steps_beside_readers_on_cuda():
     packed, report = scheduler.decoder.packed, scheduler.report
     assert packed is not None and packed.steps > 0 and packed.graphs.replays > 0
     assert report["document_loads"] == 1 and report["riding_rows"] > 0
+    assert report["fed_tokens"] == 0 and report["copy_on_write_question"] == 0  # questions read as chunks, shared

@@ -197,23 +197,42 @@ def share_region(scheduler, share: bool, rows: int) -> DocumentRegion | None:
     return region
 
 
-def load_state(scheduler, slot: int, state, question: torch.Tensor):
-    """Slot `slot`'s cache for a request that continues `state`: a reader of the shared document where its
-    question is fed through the batched steps (so nothing reads the slot's keys before it decodes), else a copy."""
+def load_state(scheduler, slot: int, state, question: torch.Tensor) -> tuple:
+    """(slot `slot`'s cache for a request that continues `state`, whether its question is read as a chunk over the
+    shared document): a reader of the shared document where its question is fed through the batched steps or read
+    as a chunk of the mixed step (`question_chunk`), so nothing reads the slot's first keys; else a copy."""
     pool, region = scheduler.pool, scheduler.pool.documents
     if region is None:  # (every load deferred: the scheduler flushes the step's admissions at once)
-        return pool.load(slot, state.cache, defer=True)
+        return pool.load(slot, state.cache, defer=True), False
     method = scheduler.method
     fed = (method.feeds_question and scheduler.batched and scheduler.feed_questions != "never"
            and 0 < question.numel() <= scheduler.feed_tokens and state.last_logits is not None
            and state.cache.attention is None and not state.cache.host_storage)
-    if not fed:
+    chunk = question_chunk(scheduler, state, question)
+    if not fed and not chunk:
         region.copied("question")
-        return pool.load(slot, state.cache, defer=True)
+        return pool.load(slot, state.cache, defer=True), False
     if not region.attach(slot, state):
         region.copied("full")
-        return pool.load(slot, state.cache, defer=True)
-    return pool.load(slot, state.cache, keys=False, defer=True)
+        return pool.load(slot, state.cache, defer=True), False
+    return pool.load(slot, state.cache, keys=False, defer=True), chunk
+
+
+def question_chunk(scheduler, state, question: torch.Tensor) -> bool:
+    """Whether a reader's question is read as one chunk of the mixed step over the shared document (attended in
+    the region by the varlen kernel), rather than fed a token a step: mixing is on, `feed_questions` is not
+    "always", the whole question is one chunk, and the method's chunk only appends (`Method.chunk_appends`: no
+    tail probe, nothing compressed after it). The region's keys must be what the kernel reads: stored rotated."""
+    from kvpot.methods.base import Method
+
+    region, pool = scheduler.pool.documents, scheduler.pool
+    cache = state.cache
+    return (region is not None and bool(scheduler.mix) and scheduler.batched and scheduler.feed_questions != "always"
+            and 0 < question.numel() <= min(scheduler.prefill_tokens, scheduler.chunk_cap or question.numel())
+            and cache.attention is None and not cache.host_storage and not cache.static
+            and (region.rotated or pool.policy.stores_rotated) and not pool.policy.raw_keys
+            and type(scheduler.method).before_forward is Method.before_forward  # as `mixed.mixable`
+            and scheduler.method.chunk_appends(cache, question.numel()))
 
 
 def copy_reason(scheduler, cache, plan: str) -> str | None:
@@ -239,6 +258,11 @@ def copy_before_step(scheduler, rows, plans: dict[int, str]) -> None:
             reason = copy_reason(scheduler, active.run.cache, plans[slot])
             if reason is not None:
                 region.copy_out(slot, reason)
+
+
+def shares(pool, slot: int) -> bool:
+    """Whether pool slot `slot` reads a shared document now."""
+    return pool.documents is not None and pool.documents.shares(slot)
 
 
 def unshare(scheduler, slot: int, reason: str) -> None:

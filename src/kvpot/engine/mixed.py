@@ -36,7 +36,7 @@ from kvpot.attention import AttentionRequest, observe, sequence_attention
 from kvpot.compat import cache_kwargs
 from kvpot.defaults import MIXES
 from kvpot.engine.packed import PackedStep
-from kvpot.engine.packed_cache import StepForwardLayer, as_rows, varlen_kernel
+from kvpot.engine.packed_cache import StepForwardLayer, as_rows, chunk_documents, varlen_kernel
 from kvpot.engine.plan import Candidate
 from kvpot.engine.pool import SlotLayer
 from kvpot.engine.results import _Run
@@ -145,7 +145,7 @@ class MixedCache(Cache):
             self.spans.append((start, start + size))
             start += size
         super().__init__(layers=[MixedLayer(self, i) for i in range(len(step.layers))])
-        self.varlen = self._varlen()
+        self.varlen = varlen_chunks(self.step, self.caches)
         self.bounds: dict[tuple, torch.Tensor] = {}  # the varlen launch's slots, starts and cached counts
         self.longest = max((stop - start for start, stop in self.spans), default=0)
 
@@ -168,18 +168,6 @@ class MixedCache(Cache):
                 outputs.append(sequence_attention(cache, part, query[:, :, start:stop], key, value, scaling))
         return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
 
-    def _varlen(self) -> bool:
-        """Whether the chunks can be attended in one varlen launch over their pool slots: each chunk's keys
-        are in its slot's row (the run's cache is the slot's, `SlotPool.cache`: not CItruS' instruction cache),
-        stored rotated or with their RoPE positions (then rotated on load from a fixed table: not `dynamic`
-        RoPE). A chunk that observes its attention (a tail probe, an observation request) gets it from
-        `observe` with the kernel's log-sum-exp, as `sequence_attention` does alone."""
-        rope, policy = self.step.rope, self.step.policy
-        if not self.caches or policy.raw_keys or (rope.dynamic and not policy.stores_rotated):
-            return False
-        return all(not cache.static and cache.attention is None
-                   and all(isinstance(layer, SlotLayer) for layer in cache.layers) for cache in self.caches)
-
     def _attend_varlen(self, layer: MixedLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """query [1, heads, T, d] of the chunks, un-rotated -> [1, T, heads, d] (`kvpot.kernels.varlen`)."""
         parts = [cache.layers[layer.index] for cache in self.caches]
@@ -200,7 +188,7 @@ class MixedCache(Cache):
             tables = (*rope.table(max(part.max_rope for part in parts) + 1, query), storage.rope_positions)
         out, lse = varlen_kernel(device, query.shape[-1])(
             query[0].transpose(0, 1), storage.keys, storage.values, bounds[:count], bounds[count : 2 * count + 1],
-            bounds[2 * count + 1 :], scaling, self.longest, *tables)
+            bounds[2 * count + 1 :], scaling, self.longest, *tables, **chunk_documents(layer.step_layer))
         # the log-sum-exp goes to `observe` where the chunk's attention alone usually gives it one
         # (`attend_with_lse`: half precision on CUDA); elsewhere `observe` normalises itself, as alone
         with_lse = query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
@@ -222,7 +210,9 @@ def mixed_forward(decoder, slots: list[int], live: list[bool], observe: Attentio
     engine = decoder.engine
     probes = [engine._before_forward(chunk.run, chunk.step) for chunk in chunks]  # (tail, request) each
     packed = _packed(decoder)
-    if packed is not None and packed.takes(chunks, probes):
+    takes = packed is not None and packed.takes(chunks, probes)
+    _copy_readers(decoder, chunks, probes, takes)
+    if takes:
         b = decoder.load_rows(slots, live, packed.rows_floor)
         for chunk, (tail, request) in zip(chunks, probes):
             chunk.run.cache.begin_forward(None, -1, tail[1] if tail is not None else request)
@@ -233,6 +223,35 @@ def mixed_forward(decoder, slots: list[int], live: list[bool], observe: Attentio
         decoder.steps += 1
     for chunk, (hidden, observation) in zip(chunks, results):
         engine._after_forward(chunk.run, chunk.ids, chunk.step, hidden, observation)
+
+
+def _copy_readers(decoder, chunks: list[Chunk], probes: list, packed: bool) -> None:
+    """Copy on write for chunks of shared documents' readers that would read their slot's first entries: a chunk
+    attends its document in the region only through the varlen kernel (the packed step, or the eager step's
+    `varlen_chunks`), and nothing else of the forward may read the document's keys (a tail probe, an observation).
+    The scheduler reads a reader's question as a chunk only where neither happens (`documents.question_chunk`);
+    this keeps every other case exact."""
+    region = decoder.pool.documents
+    if region is None:
+        return
+    varlen = packed or varlen_chunks(decoder.cache, [chunk.run.cache for chunk in chunks])
+    for chunk, (tail, request) in zip(chunks, probes):
+        slot = getattr(chunk.run.cache.layers[0], "row", None)
+        if slot is not None and region.shares(slot) and (tail is not None or request is not None or not varlen):
+            region.copy_out(slot, "question")
+
+
+def varlen_chunks(step, caches: list) -> bool:
+    """Whether the chunks can be attended in one varlen launch over their pool slots: each chunk's keys
+    are in its slot's row (the run's cache is the slot's, `SlotPool.cache`: not CItruS' instruction cache),
+    stored rotated or with their RoPE positions (then rotated on load from a fixed table: not `dynamic`
+    RoPE). A chunk that observes its attention (a tail probe, an observation request) gets it from
+    `observe` with the kernel's log-sum-exp, as `sequence_attention` does alone."""
+    rope, policy = step.rope, step.policy
+    if not caches or policy.raw_keys or (rope.dynamic and not policy.stores_rotated):
+        return False
+    return all(not cache.static and cache.attention is None
+               and all(isinstance(layer, SlotLayer) for layer in cache.layers) for cache in caches)
 
 
 def capture_mixed(decoder, method: Method, prefill_tokens: int) -> int:

@@ -127,12 +127,22 @@ class PackedCache(Cache):
         packed = query[0].transpose(0, 1)  # [T, heads, d]
         out, lse = varlen_kernel(query.device, query.shape[-1])(
             packed, storage.keys, storage.values, meta.row_slot, meta.starts, layer.cached, scaling, self.tokens,
-            *tables, **ahead)
+            *tables, **ahead, **chunk_documents(layer.step_layer))
         if self.observes:
             observe_kernel(query.device, query.shape[-1])(
                 packed, storage.keys, meta.row_slot, meta.starts, layer.cached, meta.row0, meta.count, meta.mean,
                 scaling, self.observed[layer.index], lse, *tables, **ahead)
         return out
+
+
+def chunk_documents(step_layer) -> dict:
+    """The varlen kernel's `document` argument where the pool shares documents (`kvpot.engine.documents`): a
+    reader's chunk (its question) attends the document's entries in the region, the rest in its slot. Rows of
+    slots reading none are unchanged by it."""
+    if step_layer.documents is None:
+        return {}
+    doc_keys, doc_values, _, doc_lengths, of_slot = step_layer.documents
+    return {"document": (doc_keys, doc_values, of_slot, doc_lengths)}
 
 
 def varlen_kernel(device: torch.device, head_dim: int):

@@ -22,7 +22,7 @@ from kvpot.engine.agreement import StepAgreement
 from kvpot.engine.batch import BatchDecoder, batchable_request, batches_rows, mirror_append, step_observations
 from kvpot.engine.decoding import resolve_mode
 from kvpot.engine.delivery import TokenOutbox, hand_over
-from kvpot.engine.documents import copy_before_step, load_state, share_region, unshare
+from kvpot.engine.documents import copy_before_step, load_state, share_region, shares, unshare
 from kvpot.engine.evict import evict_steady
 from kvpot.engine.mixed import (Chunk, capture_mixed, mixable, mixed_forward, peek_candidate, resolve_mix,
                                tail_tokens)
@@ -57,7 +57,8 @@ class Scheduler:
     prompt_order: which prompts a step reads first, "arrival" (oldest) or "shortest" (fewest tokens left; `prompt_patience`
         seconds after taking its slot a prompt goes first; `kvpot.defaults.PROMPT_ORDER`, `kvpot.engine.plan.reading_order`).
     share_documents: readers of a stored `State` read its keys and values from one copy (`kvpot.engine.documents`,
-        `documents` at once; questions fed even alone), copied on write (`Method.copies_document`). Off by default.
+        `documents` at once), copied on write (`Method.copies_document`). Off by default. A reader's question is read
+        as a chunk of the mixed step where mixing is on and it only appends (`documents.question_chunk`), else fed.
     """
 
     mix_waits = False  # mixable chunks wait after a mixed forward; off: TTFT p50 4.7 / 3.3 s (engine-core-h100/invariant/)
@@ -83,8 +84,7 @@ class Scheduler:
         self.agreement = StepAgreement.of(engine)  # tensor parallelism: every rank's step alike (engine/agreement.py)
         self.decoder, self.mode = BatchDecoder(engine, self.pool, graphs=mode == "graph"), mode
         self.max_waiting, self.prefill_tokens, self.prompt_order = max_waiting, prefill_tokens, prompt_order
-        self.prompt_patience = prompt_patience
-        self.chunk_cap = None if engine.batch_invariant else prefill_tokens  # invariant: prompts cut as alone
+        self.prompt_patience, self.chunk_cap = prompt_patience, None if engine.batch_invariant else prefill_tokens
         self.admission = Admission(slots, max_waiting)  # the one admission test (kvpot.engine.admission)
         self.places: dict[int, Place] = {}  # request id -> its place, given back when it ends
         self.feed_questions, self.feed_tokens = feed_questions, feed_tokens
@@ -214,17 +214,17 @@ class Scheduler:
                                           lambda _tokens: self.pool.cache(slot))
         else:
             question = _as_ids(request.question_ids, engine.device, "question_ids")
-            cache = load_state(self, slot, request.state, question)
+            cache, chunked = load_state(self, slot, request.state, question)  # chunked: read over the region
             run = engine._resumed(request.state, cache, question)
             segments = [("question", question)] if question.numel() else []
-            if request.max_new_tokens and self._feeds(run, question):
-                active.run, active.feeding = run, question.tolist()
-                # greedy while fed (its picks are overwritten); `_start_decoding` sets the request's own
+            if request.max_new_tokens and self._feeds(run, question) and not chunked:
+                active.run, active.feeding = run, question.tolist()  # greedy while fed (its picks overwritten)
                 self.decoder.start(slot, run.logits, run.next_position, 0.0, 1.0, 0,
                                    question.numel() + request.max_new_tokens)
                 active.read_started = time.perf_counter()
                 return
-            unshare(self, slot, "question")  # read in a forward of its own: the forward reads the slot's keys
+            if not chunked:  # read in a forward of its own: the forward reads the slot's keys
+                unshare(self, slot, "question")
         active.run, active.reader = run, PromptReader(self.method, run, segments)
         active.read_started = time.perf_counter()
 
@@ -256,9 +256,9 @@ class Scheduler:
 
     def _prefill(self, ended: list[Request], budget: int, mixed: set[int]) -> list[int]:
         """Read chunks of prefilling requests in forwards of their own, oldest first, within what is left of the
-        step's token budget; returns the slots whose prompt was read (their first token is picked). A request whose
-        chunk mixed in this step mixes its next (a question, most often) next step: apart, 10-12 such forwards a run
-        took 90-190 ms (engine-core-h200/packed-3/). `mix_waits`, every mixable chunk waiting, is off: see its A/B."""
+        step's token budget; returns the slots whose prompt was read (their first token is picked). A chunk mixed this
+        step mixes its next one too: apart, 10-12 such forwards took 90-190 ms (engine-core-h200/packed-3/). A shared
+        document's reader mixes always. `mix_waits` (every mixable chunk waits) is off: see its A/B."""
         done, read = [], budget < self.prefill_tokens  # prompt tokens were read in this step's forward already
         waits = read and self.mix_waits  # (an A/B: `mix_rule_ab.py`, `mixed_probe.py --modes mix-apart`)
         for slot, active in reading_order(self.active, self.prompt_order, self.agreement.clock, self.prompt_patience):
@@ -274,8 +274,9 @@ class Scheduler:
                         done.append(slot)
                         break
                     if budget < max(1, self.prefill_tokens // 4) or read and chunk[0].numel() > budget or \
-                            (waits or slot in mixed) and mixable(self.method, active.run):
+                            (waits or slot in mixed or shares(self.pool, slot)) and mixable(self.method, active.run):
                         break  # one forward past the budget only if none came; a mixable chunk mixes next step
+                    unshare(self, slot, "question")  # (a reader's question read apart reads the slot's keys)
                     self.engine._forward(active.run, *chunk)
                     read = True
                     size = active.reader.advance()

@@ -106,6 +106,14 @@ class Method:
     # A question read in a forward (longer than the scheduler's `feed_tokens`, or none) copies for every method.
     copies_document: ClassVar[str] = "at_admission"
 
+    def chunk_appends(self, cache: PotCache, tokens: int) -> bool:
+        """Whether reading `tokens` more tokens into `cache` as one chunk only appends them: no tail probe or
+        observation, nothing compressed or evicted after the forward. A reader of a shared document may then read
+        its question as a chunk of the mixed step without copying the document (the chunk attends it in its
+        region, `kvpot.engine.documents`). From host-side counts only; methods that never change a reader's
+        entries say so with `copies_document = "never"`."""
+        return self.copies_document == "never"
+
     needs_token_nll: ClassVar[bool] = False  # engine fills Step.token_nll (InfiniPot's NuC)
     # Reading a question one token per decoding step leaves the same cache as reading it in forwards
     # (nothing the method does depends on the phase, on where a forward ends, or on `prompt_end`): the

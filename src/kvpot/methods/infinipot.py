@@ -160,6 +160,9 @@ class InfiniPot(Method):
         full = self._filled(cache) + 1 + self._catalyst_len(cache) >= self.pot_size
         return "eager" if full else "append"
 
+    def chunk_appends(self, cache, tokens: int) -> bool:
+        return self._filled(cache) + tokens + self._catalyst_len(cache) < self.pot_size  # no probe, no distillation
+
     def decode_append(self, cache, step: Step) -> None:
         store_append(cache, NUC, step)
 

@@ -95,6 +95,9 @@ class SirLLM(Method):
     def decode_plan(self, cache) -> str:
         return "eager" if max(cache.lengths()) + 1 >= self.pot_size else "append"  # the filling step compresses
 
+    def chunk_appends(self, cache, tokens: int) -> bool:
+        return max(cache.lengths()) + tokens < self.pot_size  # the pot does not fill: nothing is compressed
+
     def decode_append(self, cache, step: Step) -> None:
         store_append(cache, SCORE, step)
 
