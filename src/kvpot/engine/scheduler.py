@@ -56,9 +56,8 @@ class Scheduler:
         "auto" (`kvpot.defaults.MIX`, `kvpot.engine.mixed.resolve_mix`): on a CUDA GPU; "on", "off", "eager" or a bool.
     prompt_order: which prompts a step reads first, "arrival" (oldest) or "shortest" (fewest tokens left; `prompt_patience`
         seconds after taking its slot a prompt goes first; `kvpot.defaults.PROMPT_ORDER`, `kvpot.engine.plan.reading_order`).
-    share_documents: readers of a stored `State` read its keys and values from one copy (`kvpot.engine.documents`,
-        `documents` at once), copied on write (`Method.copies_document`). Off by default. A reader's question is read
-        as a chunk of the mixed step where mixing is on and it only appends (`documents.question_chunk`), else fed.
+    share_documents: readers of a stored `State` read its keys and values from one copy, copied on write (`documents`
+        at once; `kvpot.engine.documents`); a question read as a mixed step's chunk where it only appends, else fed.
     """
 
     mix_waits = False  # mixable chunks wait after a mixed forward; off: TTFT p50 4.7 / 3.3 s (engine-core-h100/invariant/)
