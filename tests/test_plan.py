@@ -180,3 +180,12 @@ def test_a_row_steps_eagerly_where_the_batched_step_cannot_take_its_plan():
     assert row_plan(scheduler("append"), own) == "eager"
     kernels = SimpleNamespace(attention=object(), policy=SimpleNamespace(kernel_decoding=True))
     assert row_plan(scheduler("append"), kernels) == "append"
+
+
+def test_a_step_reads_at_most_its_rows_of_chunks_and_the_rest_wait():
+    """`max_chunks` (the packed step's rows): the chunks past it wait for the next step, none read apart."""
+    readers = [Candidate(slot, 32) for slot in range(12)]
+    assert plan_chunks(readers, 1024, decoding=50, max_chunks=8) == ChunkPlan(tuple(range(8)), 0)
+    assert plan_chunks(readers, 1024, decoding=50) == ChunkPlan(tuple(range(12)), 1024 - 12 * 32)
+    assert plan_chunks(readers[:3], 1024, decoding=50, max_chunks=8) == ChunkPlan((0, 1, 2), 1024 - 3 * 32)
+    assert plan_chunks(readers, 1024, decoding=50, max_chunks=0) == ChunkPlan((), 0)

@@ -36,7 +36,7 @@ from kvpot.attention import AttentionRequest, observe, sequence_attention
 from kvpot.compat import cache_kwargs
 from kvpot.defaults import MIXES
 from kvpot.engine.packed import PackedStep
-from kvpot.engine.packed_cache import StepForwardLayer, as_rows, chunk_documents, varlen_kernel
+from kvpot.engine.packed_cache import ROWS, StepForwardLayer, as_rows, chunk_documents, varlen_kernel
 from kvpot.engine.plan import Candidate
 from kvpot.engine.pool import SlotLayer
 from kvpot.engine.results import _Run
@@ -223,6 +223,12 @@ def mixed_forward(decoder, slots: list[int], live: list[bool], observe: Attentio
         decoder.steps += 1
     for chunk, (hidden, observation) in zip(chunks, results):
         engine._after_forward(chunk.run, chunk.ids, chunk.step, hidden, observation)
+
+
+def chunk_rows(decoder, rides: list) -> int | None:
+    """The chunks a mixed step may read beside `rides` (rows riding as chunks): the packed step's rows where its
+    mixed steps are captured (more would run eagerly), else no limit."""
+    return max(0, ROWS - len(rides)) if decoder.fixed_mix else None
 
 
 def _copy_readers(decoder, chunks: list[Chunk], probes: list, packed: bool) -> None:

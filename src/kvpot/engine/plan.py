@@ -41,7 +41,7 @@ class ChunkPlan:
     cut_to: int | None = None  # the last slot's chunk is cut to this many tokens (None: read whole)
 
 
-def plan_chunks(candidates: list[Candidate], budget: int, decoding: int) -> ChunkPlan:
+def plan_chunks(candidates: list[Candidate], budget: int, decoding: int, max_chunks: int | None = None) -> ChunkPlan:
     """The chunks that join a forward beside `decoding` rows, within `budget` prompt tokens.
 
     - a chunk costs its tokens and its tail probe's: the probe rides in the forward, so a step of a whole budget
@@ -57,13 +57,20 @@ def plan_chunks(candidates: list[Candidate], budget: int, decoding: int) -> Chun
     - a chunk that cannot share a forward ends the plan too (it is read in a forward of its own, with
       what is left of the budget, before any younger request's chunk);
     - mixing pays beside decoding rows, or for two chunks or more: otherwise nothing joins, and the
-      whole budget is left.
+      whole budget is left;
+    - at most `max_chunks` chunks (the packed step's rows, `kvpot.engine.packed_cache.ROWS`, less the rows riding):
+      a step of more would run eagerly (64 readers' questions at 32 a step: ~400 ms each on an H100 against ~10 for
+      a captured one, records/shared-document-h100/). The rest wait for the next step, none read apart: no budget
+      is left.
     """
     if budget < 1:
         raise ValueError(f"budget must be positive, got {budget}.")
     chosen, left, cut = [], budget, None
     for candidate in candidates:
         if not candidate.mixable or left <= 0:
+            break
+        if max_chunks is not None and len(chosen) >= max_chunks:
+            left = 0
             break
         cost = candidate.tokens + candidate.tail
         if cost > left:

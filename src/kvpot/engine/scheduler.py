@@ -24,7 +24,7 @@ from kvpot.engine.decoding import resolve_mode
 from kvpot.engine.delivery import TokenOutbox, hand_over
 from kvpot.engine.documents import copy_before_step, load_state, share_region, shares, unshare
 from kvpot.engine.evict import evict_steady
-from kvpot.engine.mixed import (Chunk, capture_mixed, mixable, mixed_forward, peek_candidate, resolve_mix,
+from kvpot.engine.mixed import (Chunk, capture_mixed, chunk_rows, mixable, mixed_forward, peek_candidate, resolve_mix,
                                tail_tokens)
 from kvpot.defaults import MIX, PREFILL_TOKENS, PROMPT_ORDER, PROMPT_PATIENCE, SLOT_MEMORY_FRACTION
 from kvpot.engine.plan import check_options, plan_chunks, reading_order, row_plan
@@ -248,7 +248,7 @@ class Scheduler:
             candidate, chunk = peek_candidate(self.method, slot, active.run, active.reader, cuttable)
             candidates.append(candidate)
             peeked[slot] = (active, chunk)
-        plan = plan_chunks(candidates, budget, batch)
+        plan = plan_chunks(candidates, budget, batch, chunk_rows(self.decoder, rides))
         if plan.cut_to is not None:
             peeked[plan.slots[-1]] = (last := peeked[plan.slots[-1]][0], last.reader.cut(plan.cut_to))
         return [(s, peeked[s][0], Chunk(peeked[s][0].run, *peeked[s][1])) for s in plan.slots], plan.budget_left
