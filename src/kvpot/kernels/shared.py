@@ -184,17 +184,19 @@ def launch_shape(segment: str, batch: int, kv: int, g: int, d: int, capacity: in
     """(BLOCK_M, BLOCK_N, warps, stages, splits) of one segment's launch, `segment` "document" or "tail": from
     shapes only, so a captured step keeps its launches. `benchmarks/shared-document-h100/shared_sweep.py`
     replaces it to time others. Chosen on an H100 at 64 readers of a 2,993-entry document with 160-entry tails
-    (`records/shared-document-h100/`): the document's tiles in 8 warps, three stages deep, its range split to
-    about half a program per multiprocessor (3 splits there: 63.1 us a layer for both segments, against 68.5 at 2,
-    72.1 at 4 and 97.2 at 1; the former rule, two programs per multiprocessor, gave 9: every split is one more
-    partial for each row's tail program to merge); tails 32 entries a loop step, three stages deep (114 against
+    (`records/shared-document-h100/`): the document's tiles in 8 warps, three stages deep, its range split so that
+    its programs fill one wave of multiprocessors (4 splits there: the document's launch alone 22.1 us, against
+    27.3 at 3, 31.9 at 6 and 37.0 at 2, once an idle document's programs exit at once; before that, when they held
+    multiprocessors, 3 splits were fastest at 37.4); tails 32 entries a loop step, three stages deep (114 against
     125 us at 64, with the document at its former shape)."""
     # the loop's stages hold K and V blocks in shared memory: three of 64 x 128 in 2 bytes fit, not in 4 or at 256
     deep = 3 if element_size <= 2 and d <= 128 else 2 if d <= 128 else 1
     if segment == "document":  # a tile is up to 64 (reader, query head) pairs of one document's readers
         block_m = _block_m(batch * g)
         programs = kv * triton.cdiv(batch * g, block_m)
-        return block_m, BLOCK_N, 8, deep, _splits(programs, capacity, device, BLOCK_N, 0.5)
+        # one wave: as many splits as leave every program a multiprocessor (an idle document's programs exit at once)
+        wave = max(1, multiprocessors(device) // programs)
+        return block_m, BLOCK_N, 8, deep, max(1, min(triton.cdiv(capacity, BLOCK_N), wave))
     block_m = _block_m(g)  # a tile is one row's query heads
     programs = batch * kv * triton.cdiv(g, block_m)
     return block_m, 32, 4, deep, _splits(programs, capacity, device, 32, 2.0)
