@@ -171,6 +171,35 @@ def test_shared_document_questions_read_as_chunks_over_the_region(model, context
     assert report["copy_on_write"] == report["copy_on_write_eager"] == filled
 
 
+def test_shared_document_questions_fill_packed_steps_of_their_rows(model, context, one_thread, monkeypatch):
+    """The fixed-shape mixed step (a GPU's, uncaptured here): 12 readers' questions read as chunks at most
+    `packed_cache.ROWS` (8) a step, every such step packed (none eager: 32 a step ran eagerly on an H100), the
+    readers' chunks attending the region; tokens as alone, nothing fed, nothing copied for a question."""
+    from kvpot.engine.packed_cache import ROWS
+
+    method = kvpot.Full(chunk_size=64)
+    engine = kvpot.Engine(model, method=method, decode="eager")
+    state = engine.prefill_ids(context)
+    g = torch.Generator().manual_seed(5)
+    questions = [torch.randint(3, VOCAB, (4,), generator=g).tolist() for _ in range(12)]
+    expected = [engine.generate_ids(question_ids=q, state=state, max_new_tokens=4, ignore_eos=True).token_ids
+                for q in questions]
+    scheduler = Scheduler(kvpot.Engine(model, method=method), slots=12, capacity=256, decode="static",
+                          share_documents=True, mix="on")
+    scheduler.decoder.fixed_mix = True
+    chunks, forward = [], scheduler_module.mixed_forward
+    monkeypatch.setattr(scheduler_module, "mixed_forward",
+                        lambda decoder, slots, live, observe, parts: chunks.append(len(parts))
+                        or forward(decoder, slots, live, observe, parts))
+    requests = [Request(None, q, state=state, max_new_tokens=4, ignore_eos=True) for q in questions]
+    run_all(scheduler, requests)
+    assert [r.tokens for r in requests] == expected
+    assert sorted(chunks, reverse=True)[:2] == [ROWS, 12 - ROWS]  # 8, then the 4 that waited
+    assert scheduler.decoder.packed.steps == len(chunks)  # every mixed step packed
+    report = scheduler.report
+    assert report["fed_tokens"] == 0 and report["copy_on_write"] == 0 and report["document_loads"] == 1
+
+
 def test_shared_document_every_method_declares_when_it_copies():
     from kvpot.methods import METHODS
 
