@@ -407,6 +407,7 @@ def test_shared_document_bench_throughput_row_beside_copy_per_reader(capsys, tmp
     assert shared["completed"] == copied["completed"] == 3 and shared["output_tokens"] == copied["output_tokens"] == 12
     record = shared["scheduler"]
     assert record["document_loads"] == 1 and record["copy_on_write"] == 0 and record["shared_readers"] == 0
+    assert (record["fed_tokens"] == 0) == (mix == "on")  # mixing: the questions read as chunks over the region
     assert shared["pool_bytes"] > copied["pool_bytes"]  # the document region, counted once beside the slots
     assert "copy_on_write" not in copied["scheduler"]
     code = main(["bench", "throughput", "--shape", "tiny", "--device", "cpu", "--out", str(out), "--method", "full",
