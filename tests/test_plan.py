@@ -189,3 +189,10 @@ def test_a_step_reads_at_most_its_rows_of_chunks_and_the_rest_wait():
     assert plan_chunks(readers, 1024, decoding=50) == ChunkPlan(tuple(range(12)), 1024 - 12 * 32)
     assert plan_chunks(readers[:3], 1024, decoding=50, max_chunks=8) == ChunkPlan((0, 1, 2), 1024 - 3 * 32)
     assert plan_chunks(readers, 1024, decoding=50, max_chunks=0) == ChunkPlan((), 0)
+
+
+def test_a_shared_documents_reader_mixes_even_alone():
+    """Nobody decoding and one chunk: nothing joins, unless the chunk is a shared document's reader's (read apart,
+    it would copy the document)."""
+    assert plan_chunks([Candidate(0, 32)], 1024, decoding=0) == ChunkPlan((), 1024)
+    assert plan_chunks([Candidate(0, 32, shared=True)], 1024, decoding=0) == ChunkPlan((0,), 1024 - 32)

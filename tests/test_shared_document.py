@@ -200,6 +200,25 @@ def test_shared_document_questions_fill_packed_steps_of_their_rows(model, contex
     assert report["fed_tokens"] == 0 and report["copy_on_write"] == 0 and report["document_loads"] == 1
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["eager", "packed"])
+def test_shared_document_a_reader_alone_reads_its_question_as_a_chunk(model, context, packed, one_thread):
+    """A reader with nobody decoding beside it: its question still mixes (a mixed step of one chunk and no rows),
+    rather than wait for rows that never come or be read apart, copying the document."""
+    method = kvpot.InfiniPot(pot_size=64, catalyst=None)
+    engine = kvpot.Engine(model, method=method, decode="eager")
+    state = engine.prefill_ids(context)
+    expected = engine.generate_ids(question_ids=QUESTIONS[0], state=state, max_new_tokens=4, ignore_eos=True)
+    scheduler = Scheduler(kvpot.Engine(model, method=method), slots=2, decode="static", share_documents=True,
+                          mix="on")
+    scheduler.decoder.fixed_mix = packed
+    request = Request(None, QUESTIONS[0], state=state, max_new_tokens=4, ignore_eos=True)
+    run_all(scheduler, [request])
+    assert request.tokens == expected.token_ids
+    report = scheduler.report
+    assert report["mixed_forwards"] >= 1 and report["fed_tokens"] == 0 and report["copy_on_write_question"] == 0
+    assert (scheduler.decoder.packed is not None and scheduler.decoder.packed.steps >= 1) == packed
+
+
 def test_shared_document_every_method_declares_when_it_copies():
     from kvpot.methods import METHODS
 

@@ -82,17 +82,20 @@ def resolve_mix(mix: bool | str, device: torch.device, head_dim: int, sharing: b
     return device.type == "cuda" and kernels.available(device) and kernels.supports_head_dim(head_dim)
 
 
-def peek_candidate(method: Method, slot: int, run: _Run, reader, cuttable: bool) -> tuple[Candidate, tuple | None]:
+def peek_candidate(method: Method, slot: int, run: _Run, reader, cuttable: bool,
+                   pool=None) -> tuple[Candidate, tuple | None]:
     """A reading request's next chunk (`reader.peek()`: ids, step) and what a plan weighs of it (`plan_chunks`): its
-    tokens, whether it can share a forward, and the tokens of the tail probe its method would add to that forward.
-    A peek that fails gives no chunk, and the request is left to read apart (where it fails alone)."""
+    tokens, whether it can share a forward, the tokens of the tail probe its method would add to that forward, and
+    whether the slot reads a shared document of `pool`. A peek that fails gives no chunk, and the request is left to
+    read apart (where it fails alone)."""
+    shared = pool is not None and pool.documents is not None and pool.documents.shares(slot)
     try:
         chunk = reader.peek()
         fits = chunk is not None and mixable(method, run)
         tail = tail_tokens(method, run, chunk[1]) if fits else 0
     except Exception:  # noqa: BLE001 - left to `Scheduler._prefill`, which fails this request alone
         return Candidate(slot, 0, False, cuttable), None
-    return Candidate(slot, 0 if chunk is None else chunk[0].numel(), fits, cuttable, tail), chunk
+    return Candidate(slot, 0 if chunk is None else chunk[0].numel(), fits, cuttable, tail, shared), chunk
 
 
 def tail_tokens(method: Method, run: _Run, step: Step) -> int:

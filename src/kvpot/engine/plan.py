@@ -32,6 +32,7 @@ class Candidate:
     mixable: bool = True
     cuttable: bool = False  # the chunk may be read in a shorter forward (the method is not chunk_dependent)
     tail: int = 0  # tokens of the tail probe that rides in the chunk's forward (InfiniPot's catalyst at a pot's fill)
+    shared: bool = False  # a shared document's reader (`kvpot.engine.documents`): read apart, it would copy it
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,8 @@ def plan_chunks(candidates: list[Candidate], budget: int, decoding: int, max_chu
     - a chunk that cannot share a forward ends the plan too (it is read in a forward of its own, with
       what is left of the budget, before any younger request's chunk);
     - mixing pays beside decoding rows, or for two chunks or more: otherwise nothing joins, and the
-      whole budget is left;
+      whole budget is left; but a shared document's reader mixes even alone (its chunk attends the document only
+      in a mixed step);
     - at most `max_chunks` chunks (the packed step's rows, `kvpot.engine.packed_cache.ROWS`, less the rows riding):
       a step of more would run eagerly (64 readers' questions at 32 a step: ~400 ms each on an H100 against ~10 for
       a captured one, records/shared-document-h100/). The rest wait for the next step, none read apart: no budget
@@ -84,7 +86,7 @@ def plan_chunks(candidates: list[Candidate], budget: int, decoding: int, max_chu
             break
         chosen.append(candidate.slot)
         left -= cost
-    if not decoding and len(chosen) < 2:
+    if not decoding and len(chosen) < 2 and not any(c.shared for c in candidates if c.slot in chosen):
         return ChunkPlan((), budget)
     return ChunkPlan(tuple(chosen), left, cut)
 

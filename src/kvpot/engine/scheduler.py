@@ -245,7 +245,7 @@ class Scheduler:
         cuttable = self.chunk_cap is not None and not self.method.chunk_dependent  # a chunk cut to fill the step
         for slot, active in reading_order(self.active, self.prompt_order, self.agreement.clock, self.prompt_patience):
             active.run.max_chunk = self.chunk_cap
-            candidate, chunk = peek_candidate(self.method, slot, active.run, active.reader, cuttable)
+            candidate, chunk = peek_candidate(self.method, slot, active.run, active.reader, cuttable, self.pool)
             candidates.append(candidate)
             peeked[slot] = (active, chunk)
         plan = plan_chunks(candidates, budget, batch, chunk_rows(self.decoder, rides))
