@@ -35,6 +35,7 @@ from transformers.cache_utils import Cache
 from kvpot.attention import AttentionRequest, observe, sequence_attention
 from kvpot.compat import cache_kwargs
 from kvpot.defaults import MIXES
+from kvpot.engine.documents import shares
 from kvpot.engine.packed import PackedStep
 from kvpot.engine.packed_cache import ROWS, StepForwardLayer, as_rows, chunk_documents, varlen_kernel
 from kvpot.engine.plan import Candidate
@@ -88,7 +89,7 @@ def peek_candidate(method: Method, slot: int, run: _Run, reader, cuttable: bool,
     tokens, whether it can share a forward, the tokens of the tail probe its method would add to that forward, and
     whether the slot reads a shared document of `pool`. A peek that fails gives no chunk, and the request is left to
     read apart (where it fails alone)."""
-    shared = pool is not None and pool.documents is not None and pool.documents.shares(slot)
+    shared = pool is not None and shares(pool, slot)
     try:
         chunk = reader.peek()
         fits = chunk is not None and mixable(method, run)
