@@ -47,7 +47,8 @@ def probe(engine, state, args, share: bool, decode: str) -> dict:
     from kvpot.engine.scheduler import Scheduler
 
     vocab = engine.model.config.vocab_size
-    scheduler = Scheduler(engine, slots=args.readers, prefill_tokens=2048, decode=decode, share_documents=share)
+    scheduler = Scheduler(engine, slots=args.readers, prefill_tokens=args.prefill_tokens, decode=decode,
+                          share_documents=share, mix=args.mix)
     scheduler.capture()
     gen = torch.Generator().manual_seed(1)
     requests = [Request(None, torch.randint(3, vocab, (32,), generator=gen).tolist(), state=state,
@@ -66,6 +67,11 @@ def probe(engine, state, args, share: bool, decode: str) -> dict:
             collected[1] += info["generation"] == 2
 
     gc.callbacks.append(pause)
+    profiler_start = None
+    if args.profile_start and torch.cuda.is_available():  # the GPU's kernels over the start steps
+        profiler_start = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                            torch.profiler.ProfilerActivity.CUDA], record_shapes=True)
+        profiler_start.__enter__()
     while any(r.status != "decoding" for r in requests) or len(start) < args.start_steps:
         # the steps from the readers' submission on, each timed with the device (and its host profile kept):
         # admission, the fed questions, the step where they start decoding
@@ -86,6 +92,11 @@ def probe(engine, state, args, share: bool, decode: str) -> dict:
         if failed:
             raise SystemExit(f"a request failed: {failed[0]}")
     gc.callbacks.remove(pause)
+    if profiler_start is not None:
+        profiler_start.__exit__(None, None, None)
+        start_table = profiler_start.key_averages(group_by_input_shape=True).table(
+            sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=60, max_shapes_column_width=90)
+        print(start_table, flush=True)
     slowest = sorted(range(len(start)), key=lambda i: -start[i])[:3]
     start_profiles = {}
     for i in slowest if args.start_steps else ():
@@ -95,7 +106,8 @@ def probe(engine, state, args, share: bool, decode: str) -> dict:
     _steps(scheduler, 8, sync)  # warm
     out = {"decode": decode, **_stats(_steps(scheduler, args.steps, sync)), "report": dict(scheduler.report),
            "pool_bytes": scheduler.pool.nbytes, "start_ms": start, "start_gc": pauses,
-           "start_profiles": start_profiles}
+           "start_profiles": start_profiles,
+           "start_profile": start_table if profiler_start is not None else None}
     if args.profile_steps and torch.cuda.is_available():
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=activities, record_shapes=True) as profiler:
@@ -123,6 +135,11 @@ def main(argv=None) -> None:
                    help="comma-separated KIND:DECODE[:APPEND]: KIND shared or copied, DECODE graph or static, APPEND "
                         "reference to run the batched step's cache append in PyTorch (kvpot.kernels.append_reference) "
                         "instead of its Triton kernel")
+    p.add_argument("--mix", default="auto", help="Scheduler(mix=...): on reads each reader's question as a chunk of "
+                   "a mixed step over the shared document (docs/design.md, *A reader's question read as a chunk*)")
+    p.add_argument("--prefill-tokens", type=int, default=1024, help="the scheduler's prompt tokens a step")
+    p.add_argument("--profile-start", action="store_true",
+                   help="torch.profiler's kernel table over the --start-steps (printed and kept in the JSON)")
     p.add_argument("--compile-step", action="store_true",
                    help="the step's layers through torch.compile, as `kvpot bench throughput --compile-step` runs them")
     p.add_argument("--launch-shape", default=None, metavar="BLOCK_N,WARPS,STAGES,SPLITS",
