@@ -248,10 +248,18 @@ def test_shared_document_rows_read_their_document_from_the_region(shape, dtype, 
     out, lse = varlen.varlen_attention(**shared, max_tokens=max(longest, 1))
     torch.testing.assert_close(out.float(), ref.float(), **tol)
     torch.testing.assert_close(lse, ref_lse, **tol)
-    if "cos" in shared:  # keys rotated ahead: the reader's slot rows rotated (their NaN too, never read)
-        rows = torch.empty(shared["slots"].shape[0], *shared["keys"].shape[1:], dtype=dtype, device=DEVICE)
-        varlen.rotate_rows(shared["keys"], shared["key_positions"], shared["cos"], shared["sin"], shared["slots"],
-                           shared["starts"], shared["cached"], rows)
+    if "cos" in shared:  # keys rotated ahead: a reader's entries past its document only (the region has the rest)
+        bounds = (shared["keys"], shared["key_positions"], shared["cos"], shared["sin"], shared["slots"],
+                  shared["starts"], shared["cached"])
+        rows, every = (torch.full((shared["slots"].shape[0], *shared["keys"].shape[1:]), 7.0, dtype=dtype,
+                                  device=DEVICE) for _ in range(2))
+        varlen.rotate_rows(*bounds, rows, document=shared["document"])
+        varlen.rotate_rows(*bounds, every)
+        _, _, doc_rows, doc_lengths = shared["document"]
+        for r, slot in enumerate(shared["slots"].tolist()):
+            n_doc = int(doc_lengths[doc_rows[slot]]) if int(doc_rows[slot]) >= 0 else 0
+            assert (rows[r, :, :n_doc] == 7).all()  # the slot's empty lanes: neither read nor written
+            assert torch.equal(rows[r, :, n_doc:], every[r, :, n_doc:])
         ahead, ahead_lse = varlen.varlen_attention(**shared, max_tokens=max(longest, 1), row_keys=rows)
         torch.testing.assert_close(ahead.float(), ref.float(), **tol)
         torch.testing.assert_close(ahead_lse, ref_lse, **tol)

@@ -122,7 +122,7 @@ class PackedCache(Cache):
             from kvpot.kernels.varlen import rotate_rows
 
             rotate_rows(storage.keys, storage.rope_positions, tables[0], tables[1], meta.row_slot, meta.starts,
-                        layer.cached, self.row_keys)
+                        layer.cached, self.row_keys, **chunk_documents(layer.step_layer))
             ahead = {"row_keys": self.row_keys}
         packed = query[0].transpose(0, 1)  # [T, heads, d]
         out, lse = varlen_kernel(query.device, query.shape[-1])(

@@ -250,14 +250,20 @@ def _rotate_rows_kernel(
     COS, SIN,  # [P, D] RoPE table
     SLOTS, STARTS, CACHED,  # [R], [R + 1], [R] as `varlen_attention`'s
     OUT,  # [>= R, KV, N, D]: row r's entries [0, cached[r] + its tokens) rotated
+    DOC_ROWS, DOC_LENGTHS,  # [S] each slot's document row (-1: none), [D] each document's entries (DOC)
     N, stride_ks, stride_kh, stride_kn, stride_ps, stride_ph, stride_pn, stride_t, stride_or, stride_oh, stride_on,
-    HALF: tl.constexpr, BLOCK_N: tl.constexpr,
+    stride_dr, stride_dl,
+    HALF: tl.constexpr, BLOCK_N: tl.constexpr, DOC: tl.constexpr = False,
 ):
     block, h, r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = tl.load(CACHED + r).to(tl.int32) + (tl.load(STARTS + r + 1) - tl.load(STARTS + r)).to(tl.int32)
-    if block * BLOCK_N < n:  # blocks past the row's entries end at once
-        slot = tl.load(SLOTS + r).to(tl.int64)
-        j = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    slot = tl.load(SLOTS + r).to(tl.int64)
+    begin = 0  # a slot reading a shared document: its first entries are the region's, which the kernel reads there
+    if DOC:
+        doc = tl.load(DOC_ROWS + slot * stride_dr).to(tl.int64)
+        begin = tl.where(doc >= 0, tl.load(DOC_LENGTHS + tl.maximum(doc, 0) * stride_dl), 0).to(tl.int32)
+    if begin + block * BLOCK_N < n:  # blocks past the row's entries end at once
+        j = begin + block * BLOCK_N + tl.arange(0, BLOCK_N)
         live = (j < n) & (j < N)
         dh = tl.arange(0, HALF)
         k1, k2 = load_keys(K + slot * stride_ks + h * stride_kh, KPOS + slot * stride_ps + h * stride_ph, COS, SIN,
@@ -268,17 +274,26 @@ def _rotate_rows_kernel(
 
 
 def rotate_rows(keys: torch.Tensor, key_positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                slots: torch.Tensor, starts: torch.Tensor, cached: torch.Tensor, out: torch.Tensor) -> None:
+                slots: torch.Tensor, starts: torch.Tensor, cached: torch.Tensor, out: torch.Tensor,
+                document: tuple | None = None) -> None:
     """Each row's live keys (its slot's first `cached[r]` entries and its own tokens') rotated at their RoPE
     positions into `out[r]`, with the roundings `load_keys` applies on load, so `varlen_attention(row_keys=out)`
     gives what rotating on load gives. One pass a layer instead of one per tile that reads them. Bounds are read on
-    the device and the grid is sized from the capacity: safe to capture in a CUDA graph."""
+    the device and the grid is sized from the capacity: safe to capture in a CUDA graph.
+
+    `document` (`varlen_attention`'s): a row whose slot reads a shared document has its first `n_doc` entries in the
+    region, which the varlen kernel reads there; they are neither read nor written here (`out[r, :, :n_doc]` is left
+    as it was). Rotating the slot's empty lanes too took 41 us a layer of a packed step reading 8 questions over a
+    2,993-entry document on the 8B shape (an H100, records/shared-document-h100/, call15)."""
     kv, capacity, d = keys.shape[1:]
     if out.shape[1:] != keys.shape[1:] or out.shape[0] < slots.shape[0] or out.dtype != keys.dtype:
         raise KvpotError(f"rotate_rows writes [>= {slots.shape[0]}, {kv}, {capacity}, {d}] in {keys.dtype}; "
                          f"got {tuple(out.shape)} in {out.dtype}")
+    check_document(document, keys, slots)
+    doc_rows, doc_lengths = (slots, slots) if document is None else document[2:]
     block = 64
     _rotate_rows_kernel[(triton.cdiv(capacity, block), kv, slots.shape[0])](
-        keys, key_positions, cos, sin, slots, starts, cached, out, capacity, *keys.stride()[:3],
-        *key_positions.stride(), cos.stride(0), *out.stride()[:3], HALF=d // 2, BLOCK_N=block,
+        keys, key_positions, cos, sin, slots, starts, cached, out, doc_rows, doc_lengths, capacity, *keys.stride()[:3],
+        *key_positions.stride(), cos.stride(0), *out.stride()[:3], doc_rows.stride(0), doc_lengths.stride(0),
+        HALF=d // 2, BLOCK_N=block, DOC=document is not None,
     )
