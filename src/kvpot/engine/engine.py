@@ -44,7 +44,6 @@ from kvpot.scoring import token_nll
 from kvpot.engine.state_io import model_fingerprint
 
 
-
 class Engine(TextApi, Scoring):
     """Runs a Hugging Face causal LM over long inputs with a kvpot method.
 
@@ -112,10 +111,9 @@ class Engine(TextApi, Scoring):
                    compile_step=compile_step, linear=linear, batch_invariant=batch_invariant)
 
     def step_decoder(self):
-        """The decoder that fixed-shape decoding steps run: with `compile_step`, its decoder layer
-        `torch.compile`d once per engine and reused for every layer (`kvpot.engine.regions`), so the norms,
-        activations, residual adds and cache writes around the weights fuse into fewer kernels (the step
-        is then captured as a CUDA graph as before)."""
+        """The decoder that fixed-shape decoding steps run: with `compile_step`, its decoder layer `torch.compile`d
+        once per engine and reused for every layer (`kvpot.engine.regions`), so the norms, activations, residual
+        adds and cache writes around the weights fuse into fewer kernels (the step is then captured as before)."""
         if not self.compile_step:
             return self.decoder
         if self._step_decoder is None:
@@ -247,10 +245,8 @@ class Engine(TextApi, Scoring):
             raise KvpotError("this state was spent by generate(..., keep_state=False); prefill again, or pass "
                              "keep_state=True to ask a state more than once.")
         if state.method_config != self.method.config():
-            raise KvpotError(
-                f"this state was prefilled with {state.method_config}, but the engine now runs "
-                f"{self.method.config()}; prefill again with the current method."
-            )
+            raise KvpotError(f"this state was prefilled with {state.method_config}, but the engine now runs "
+                             f"{self.method.config()}; prefill again with the current method.")
 
     def _begin(self, cache: PotCache, question: torch.Tensor | None) -> None:
         setup = Setup(self.model.config, self.tokenizer, question, self.device)
@@ -307,12 +303,15 @@ class Engine(TextApi, Scoring):
         return tail, request
 
     def _after_forward(self, run: _Run, ids: torch.Tensor, step: Step, hidden: torch.Tensor,
-                       observation=None) -> torch.Tensor:
-        """After a forward of `ids` gave `hidden` [q, hidden]: the run's logits and position, then the
-        method's compression (`after_forward`). Returns `hidden`."""
-        with self.single_row() if ids.numel() == 1 else nullcontext():  # as the decoding paths' head
-            logits = self.head(hidden[-1]).float()  # [vocab]
-        token_nll = self._token_nll(run.logits, hidden, ids) if self.method.needs_token_nll else None
+                       observation=None, heads: tuple | None = None) -> torch.Tensor:
+        """After a forward of `ids` gave `hidden` [q, hidden]: the run's logits and position, then the method's
+        compression (`after_forward`). `heads`: (the last logits [vocab], the tokens' -log p or None) where the mixed
+        step computed its chunks' at once (`kvpot.engine.mixed.chunk_heads`). Returns `hidden`."""
+        if heads is None:
+            with self.single_row() if ids.numel() == 1 else nullcontext():  # as the decoding paths' head
+                heads = (self.head(hidden[-1]).float(),
+                         self._token_nll(run.logits, hidden, ids) if self.method.needs_token_nll else None)
+        logits, token_nll = heads
         run.logits = logits
         run.next_position += ids.numel()
         step = dataclasses.replace(step, token_nll=token_nll, tail_observation=observation,
@@ -345,8 +344,8 @@ class Engine(TextApi, Scoring):
         return hidden[:q], observation
 
     def _token_nll(self, previous_logits, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """-log p(x_t | cache) for the forward's tokens [q]; the first uses the previous logits
-        (0 for the very first token of a stream, which nothing predicts)."""
+        """-log p(x_t | cache) for the forward's tokens [q]; the first uses the previous logits (0 for the very first
+        token of a stream, which nothing predicts)."""
         nll = torch.zeros(ids.numel(), dtype=torch.float32, device=ids.device)
         if previous_logits is not None:
             first = ids[:1].to(previous_logits.device)  # logits live on the head's device

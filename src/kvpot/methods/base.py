@@ -40,6 +40,8 @@ class Step:
     tail_observation: in `after_forward`, when the method asked for a tail probe (`tail_probe`),
         its per-layer attention over the entries before it (`[b, kv_heads, n]`); its own entries
         are already rolled back.
+    scores_stored: the forward's token scores (`Method.token_score`) are in the cache already: the mixed step
+        writes every chunk's at once (`kvpot.engine.mixed.after_chunks`).
     """
 
     phase: str
@@ -49,6 +51,7 @@ class Step:
     probe: Callable[..., list[torch.Tensor]] | None = None
     token_nll: torch.Tensor | None = None
     tail_observation: list[torch.Tensor] | None = None
+    scores_stored: bool = False
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,9 @@ class Method:
         return self.copies_document == "never"
 
     needs_token_nll: ClassVar[bool] = False  # engine fills Step.token_nll (InfiniPot's NuC)
+    # The score buffer `after_forward` writes each forward's token -log p into (`token_scores.store_forward`), or
+    # None: the mixed step writes its chunks' in one write a layer (`Step.scores_stored`)
+    token_score: ClassVar[str | None] = None
     # Reading a question one token per decoding step leaves the same cache as reading it in forwards
     # (nothing the method does depends on the phase, on where a forward ends, or on `prompt_end`): the
     # batched scheduler then feeds a question asked of a stored state through the decoding steps it

@@ -71,6 +71,7 @@ class InfiniPot(Method):
     bound = "pot_size (cache + chunk + catalyst)"
     needs_token_nll = True
     batch_scores = (NUC,)  # written by `batch_append` (store_batch) at every new entry
+    token_score = NUC  # and by `after_forward` (store_forward) after each forward
     # the pot distills when full, wherever forwards end; a token's NuC uses the logits before it either way
     chunk_dependent = False
     evicts_while_decoding = True  # the pot distills whenever it fills, during decoding too

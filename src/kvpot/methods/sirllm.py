@@ -41,6 +41,7 @@ class SirLLM(Method):
     bound = "pot_size (cache + chunk)"
     needs_token_nll = True
     batch_scores = (SCORE,)  # written by `batch_append` (store_batch) at every new entry
+    token_score = SCORE  # and by `after_forward` (store_forward) after each forward
     # the pot compresses when full, wherever forwards end; a token's entropy uses the logits before it either way
     chunk_dependent = False
     evicts_while_decoding = True  # the pot compresses whenever it fills, during decoding too

@@ -9,7 +9,10 @@ from kvpot.methods.base import Step
 
 
 def store_forward(cache, name: str, step: Step) -> None:
-    """After a forward: the `step.n_new` newest entries of every layer get their tokens' scores."""
+    """After a forward: the `step.n_new` newest entries of every layer get their tokens' scores (unless the mixed
+    step wrote them already, `store_chunks`)."""
+    if step.scores_stored:
+        return
     nll = {step.token_nll.device: step.token_nll}  # one copy per device of a model split over GPUs
     for layer in cache.layers:
         if layer.device not in nll:
@@ -29,3 +32,23 @@ def store_batch(layers, name: str, rows: torch.Tensor, index: list[torch.Tensor]
     nll = step.token_nll[:, None]  # [B, 1]
     for layer, at in zip(layers, index):  # (the pool layer's own head index: no arange launched a layer a step)
         layer.score(name)[rows[:, None], layer.heads, at[:, None]] = nll.expand(-1, layer.kv_heads)
+
+
+def store_chunks(caches: list, name: str, scores: list[torch.Tensor]) -> bool:
+    """After a mixed forward: each of `caches`' newest `len(scores[i])` entries get `scores[i]`, what `store_forward`
+    writes for each alone, in one indexed write a layer for them all. Only where every cache is a pool slot's
+    (`kvpot.engine.pool.SlotLayer` layers) with one count in every layer, all of one pool; else nothing is written
+    (False) and each chunk's `after_forward` writes its own."""
+    counts = [{layer.n for layer in cache.layers} for cache in caches]
+    if not caches or any(len(c) != 1 for c in counts) or any(
+            getattr(cache.layers[i], "storage", None) is not getattr(layer, "storage", False)
+            for cache in caches for i, layer in enumerate(caches[0].layers)):
+        return False  # (a slot's layers are views of its pool's: `storage` is the pool layer)
+    device = caches[0].layers[0].device
+    rows = torch.cat([torch.full((len(s),), cache.layers[0].row, dtype=torch.long) for cache, s in zip(caches, scores)])
+    entries = torch.cat([torch.arange(n - len(s), n) for (n,), s in zip(counts, scores)])
+    rows, entries = rows.to(device, non_blocking=True)[:, None], entries.to(device, non_blocking=True)[:, None]
+    values = torch.cat([s.to(device) for s in scores])[:, None]
+    for storage in (layer.storage for layer in caches[0].layers):
+        storage.score(name)[rows, storage.heads, entries] = values.expand(-1, storage.kv_heads)
+    return True
