@@ -107,3 +107,15 @@ def test_chunk_scores_of_caches_it_cannot_index_are_left_to_each_chunk(model):
 
     plain = PotCache(len(caches[0].layers), caches[0].rope, caches[0].policy)
     assert not store_chunks([caches[0], plain], NUC, [torch.ones(2), torch.ones(2)])
+
+
+def test_a_slot_s_views_are_made_once(model):
+    """Each new sequence in a slot takes the views of its row made at the slot's first use (`PoolLayer.row_views`),
+    and they are views of the pool: a write through them lands there."""
+    pool, caches = slot_caches(model, [3, 5])
+    again = pool.cache(0)
+    for layer, before in zip(again.layers, caches[0].layers):
+        assert layer.keys is before.keys and layer.rope_positions is before.rope_positions
+        assert layer.keys.data_ptr() == layer.storage.keys[0].data_ptr()
+    again.layers[0].values[0, 0, 0, 0] = 42.0
+    assert pool.layers[0].values[0, 0, 0, 0] == 42.0 and pool.layers[0].values[1, 0, 0, 0] != 42.0
