@@ -132,7 +132,6 @@ def test_mixing_is_on_where_the_varlen_kernel_runs_unless_told(monkeypatch):
     assert resolve_mix("auto", cuda, 64) is True
     assert resolve_mix("auto", cuda, 48) is False  # a head dim the kernels refuse: each chunk attended alone
     assert resolve_mix("auto", cpu, 64) is False  # Triton's interpreter on a CPU: the mixed step's reference path
-    assert resolve_mix("auto", cuda, 64, sharing=True) is False  # shared documents mix only when asked ("on")
     assert resolve_mix("auto", cuda, 64, parallel=True) is False  # nor is the mixed step tested under TP
     assert resolve_mix("on", cuda, 64, parallel=True) is True
     monkeypatch.setattr(kernels, "available", lambda device: False)

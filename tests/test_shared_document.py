@@ -380,16 +380,16 @@ def test_shared_document_refusals(model, monkeypatch):
     engine = kvpot.Engine(model, method=kvpot.Full(chunk_size=64))
     with pytest.raises(KvpotError, match="documents"):
         Scheduler(engine, slots=2, capacity=64, decode="static", share_documents=True, documents=0)
-    with monkeypatch.context() as patch:  # where mix="auto" would mix (a CUDA GPU), shared documents stay apart
+    with monkeypatch.context() as patch:  # where mix="auto" mixes (a CUDA GPU), shared documents' pools mix too
         real = scheduler_module.resolve_mix
         patch.setattr(kvpot.kernels, "available", lambda device: True)
         patch.setattr(kvpot.kernels, "supports_head_dim", lambda head_dim: True)  # the tiny model's 16
         patch.setattr(scheduler_module, "resolve_mix", lambda mix, _, *args, **kw: real(mix, torch.device("cuda"),
                                                                                           *args, **kw))
         shared = Scheduler(engine, slots=2, capacity=64, decode="static", share_documents=True)
-        assert shared.mix is False and shared.pool.documents is not None
-        mixing = Scheduler(engine, slots=2, capacity=64, decode="static", share_documents=True, mix="on")
-        assert mixing.mix is True and mixing.pool.documents is not None  # asked for: they mix
+        assert shared.mix is True and shared.pool.documents is not None
+        apart = Scheduler(engine, slots=2, capacity=64, decode="static", share_documents=True, mix="off")
+        assert apart.mix is False and apart.pool.documents is not None  # asked for: apart
         assert Scheduler(engine, slots=2, capacity=64, decode="static").mix is True
     plain = Scheduler(engine, slots=2, capacity=64, decode="static")
     assert plain.pool.documents is None and "copy_on_write" not in plain.report  # the default path: untouched

@@ -117,7 +117,7 @@ def _kvpot_row(config: BenchConfig, model, run, prompts: dict, kind: str, tokeni
         extra["document_prefill_seconds"] = time.perf_counter() - begun
     if kind == "sequential":
         return {**extra, **_sequential(config, engine, prompts, state)}
-    mix = {"mixed": "on", "apart": "off"}.get(kind, config.mix)  # shared documents: --mix as given ("auto": apart)
+    mix = {"mixed": "on", "apart": "off"}.get(kind, config.mix)  # shared documents: --mix as given
     return {**extra, **_batched(config, engine, prompts, state, mix=mix, share=kind == "shared")}
 
 

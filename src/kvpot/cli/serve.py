@@ -79,8 +79,9 @@ def register(subparsers) -> None:
     b.add_argument("--mix", choices=MIXES, default=MIX,
                    help="read prompt chunks in the same forward as the users decoding (one budgeted forward a "
                         "step, --prefill-tokens of prompt beside one token a user) instead of a forward of their "
-                        f"own that every user waits for; auto: on a CUDA GPU, where its varlen kernel runs, "
-                        f"but not with --share-documents, whose mixed steps are not measured yet (default {MIX}); "
+                        f"own that every user waits for; auto: on a CUDA GPU, where its varlen kernel runs, with "
+                        f"--share-documents too: a reader's question is then read whole over the shared document "
+                        f"(default {MIX}); "
                         "eager: on, never in the captured fixed-shape step")
     b.add_argument("--feed-questions", choices=["auto", "always", "never"], default="auto",
                    help="a question about a stored document is read one token per decoding step beside the users "

@@ -58,18 +58,18 @@ class Chunk:
     step: Step
 
 
-def resolve_mix(mix: bool | str, device: torch.device, head_dim: int, sharing: bool = False,
-                parallel: bool = False, invariant: bool = False) -> bool:
-    """`Scheduler(mix=...)`: True/"on", False/"off", "eager" (on, each mixed step in its own shapes, never the
-    captured fixed-shape step of `kvpot.engine.packed`: to compare), or "auto": on where the varlen Triton kernel attends the
+def resolve_mix(mix: bool | str, device: torch.device, head_dim: int, parallel: bool = False,
+                invariant: bool = False) -> bool:
+    """`Scheduler(mix=...)`: True/"on", False/"off", "eager" (on, each mixed step in its own shapes, never the captured
+    fixed-shape step of `kvpot.engine.packed`: to compare), or "auto": on where the varlen Triton kernel attends the
     chunks (a CUDA device with Triton, a head dim the kernels take). Without it each chunk is attended alone
     (`sequence_attention`), and the mixed step measured slower than prompts read apart (an H200,
-    records/engine-core-h100/); with it, faster (an H100, records/engine-core-h100/varlen/). "auto" stays off
-    for shared documents (`sharing`: "on" mixes them, the readers' rows attending their documents as in a decoding
-    step, in the packed step on a GPU; its speed not yet measured there)
-    and under tensor parallelism (`parallel`: the mixed step is untested there). Batch-invariant decoding
-    (`invariant`) reads prompts as one request alone does, in forwards of their own: "auto" is off there and
-    "on" refused."""
+    records/engine-core-h100/); with it, faster (an H100, records/engine-core-h100/varlen/). With shared documents
+    too, where a reader's question is read as a chunk over the region: 64 readers on an H100 got 6,188 tok/s, against
+    5,140-5,575 with their questions fed a token a step in three earlier runs (records/shared-document-h100/). "auto"
+    stays off under tensor parallelism (`parallel`: the mixed step is untested there). Batch-invariant decoding
+    (`invariant`) reads prompts as one request alone does, in forwards of their own: "auto" is off there and "on"
+    refused."""
     if mix not in (*MIXES, True, False):
         raise KvpotError(f"mix must be one of {MIXES} (or a bool), got {mix!r}.")
     if invariant and mix in ("on", "eager", True):
@@ -79,7 +79,7 @@ def resolve_mix(mix: bool | str, device: torch.device, head_dim: int, sharing: b
         return mix
     if mix != "auto":
         return mix in ("on", "eager")
-    if sharing or parallel or invariant:
+    if parallel or invariant:
         return False
     from kvpot import kernels
 

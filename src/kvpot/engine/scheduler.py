@@ -91,8 +91,8 @@ class Scheduler:
         self.active: dict[int, _Active] = {}  # slot -> its request
         self.eos = frozenset(_eos_ids(engine.model))
         self.batched = batches_rows(engine, self.pool.policy)
-        self.mix = resolve_mix(mix, engine.device, self.pool.layers[0].head_dim, share_documents,
-                               engine.parallel is not None, engine.batch_invariant) and self.batched  # in one forward
+        self.mix = resolve_mix(mix, engine.device, self.pool.layers[0].head_dim, engine.parallel is not None,
+                               engine.batch_invariant) and self.batched  # in one forward
         self.decoder.fixed_mix = self.decoder.fixed_mix and mix != "eager"  # captured (`kvpot.engine.packed`) or not
         self.steady_ok = batchable_request(self.method.decode_request("steady"))
         self.append_ok = batchable_request(self.method.decode_request("append"))
