@@ -24,6 +24,8 @@ case "$part" in
     # the CPU-side tests on this machine too (every method's tokens, refcounts, LRU, bytes)
     python3 -m pytest -q -p no:cacheprovider -k shared_document tests/test_shared_document.py 2>&1 \
         | tee "$OUT/shared-tests.log" | tail -5
+    # a mixed step's heads and token scores at once (readers' questions read as chunks)
+    python3 -m pytest -q -p no:cacheprovider tests/test_mixed_heads.py 2>&1 | tee "$OUT/mixed-tests.log" | tail -3
     ;;
   64|256)
     # one user one at a time keeps the third row short

@@ -28,6 +28,7 @@ token picked (`BatchDecoder.rode`). Alone, those forwards took 85-272 ms between
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -261,7 +262,7 @@ def chunk_heads(engine, chunks: list[Chunk], hiddens: list[torch.Tensor]) -> lis
     hidden = torch.cat([hiddens[i] if nll else hiddens[i][-1:] for i in picked])  # [R, hidden]
     ids = [chunks[i].ids.to(hidden.device) for i in picked]
     sizes = [len(chunk_ids) if nll else 1 for chunk_ids in ids]
-    ends = torch.tensor(sizes).cumsum(0)
+    ends = list(accumulate(sizes))  # each chunk's rows end there
     # each row's next token (its -log p); a chunk's last row predicts what follows it: no target there
     targets = torch.cat([torch.cat([chunk_ids[1:], chunk_ids.new_full((1,), -100)]) if nll else
                          chunk_ids.new_full((1,), -100) for chunk_ids in ids])
@@ -272,9 +273,10 @@ def chunk_heads(engine, chunks: list[Chunk], hiddens: list[torch.Tensor]) -> lis
     for start in range(0, hidden.shape[0], step):
         stop = min(hidden.shape[0], start + step)
         logits = engine.head(hidden[start:stop]).float()  # [s, vocab]
-        losses[start:stop] = F.cross_entropy(logits, targets[start:stop].to(logits.device), reduction="none",
-                                             ignore_index=-100).to(losses.device)
-        lasts = [int(end) - 1 - start for end in ends if start < int(end) <= stop]
+        if nll:
+            losses[start:stop] = F.cross_entropy(logits, targets[start:stop].to(logits.device), reduction="none",
+                                                 ignore_index=-100).to(losses.device)
+        lasts = [end - 1 - start for end in ends if start < end <= stop]
         if lasts:
             last.append(logits[lasts])
     last_logits = torch.cat(last)  # [chunks, vocab]
@@ -285,8 +287,7 @@ def chunk_heads(engine, chunks: list[Chunk], hiddens: list[torch.Tensor]) -> lis
             first = torch.zeros(1, dtype=torch.float32, device=losses.device)
             if run.logits is not None:
                 first = F.cross_entropy(run.logits.view(1, -1), chunk_ids[:1].to(run.logits.device)).view(1)
-            end = int(ends[k])
-            token_nll = torch.cat([first.to(losses.device), losses[end - sizes[k] : end - 1]])
+            token_nll = torch.cat([first.to(losses.device), losses[ends[k] - sizes[k] : ends[k] - 1]])
         out[i] = (last_logits[k], token_nll)
     return out
 
