@@ -118,8 +118,8 @@ class Method:
         return self.copies_document == "never"
 
     needs_token_nll: ClassVar[bool] = False  # engine fills Step.token_nll (InfiniPot's NuC)
-    # The score buffer `after_forward` writes each forward's token -log p into (`token_scores.store_forward`), or
-    # None: the mixed step writes its chunks' in one write a layer (`Step.scores_stored`)
+    # The score buffer `after_forward` writes each forward's token -log p into (`token_scores.store_forward`), if
+    # any; a mixed step writes its chunks' there at once, one write a layer (`Step.scores_stored`)
     token_score: ClassVar[str | None] = None
     # Reading a question one token per decoding step leaves the same cache as reading it in forwards
     # (nothing the method does depends on the phase, on where a forward ends, or on `prompt_end`): the
