@@ -11,6 +11,7 @@ import torch
 
 import kvpot
 from conftest import VOCAB, build_llama
+from kvpot import scoring
 from kvpot.engine import mixed
 from kvpot.engine.scheduler import Scheduler
 from kvpot.methods.base import Step
@@ -38,8 +39,8 @@ def chunks_of(lengths: list[int], hidden_size: int, seed: int = 0):
 def test_chunk_heads_give_each_chunk_its_own_products(model, method, slice_rows, monkeypatch):
     """Each chunk's last logits and (InfiniPot) its tokens' -log p, the first from the logits before it (0 at a
     stream's start), as `Engine._after_forward` computes them alone; a one-token chunk (a riding row) is left to its
-    own head. With the rows cut in slices of 3 logits rows, the chunks' last rows fall in different slices."""
-    monkeypatch.setattr(mixed, "MAX_LOGIT_ELEMENTS", slice_rows * VOCAB)
+    own head. With `token_nll`'s rows cut in slices of 3, the chunks' rows fall in different slices."""
+    monkeypatch.setattr(scoring, "MAX_LOGIT_ELEMENTS", slice_rows * VOCAB)
     engine = kvpot.Engine(model, method=kvpot.InfiniPot(pot_size=64, catalyst=None) if method == "infinipot"
                           else kvpot.Full())
     chunks, hiddens = chunks_of([5, 1, 7, 2, 4], model.config.hidden_size)

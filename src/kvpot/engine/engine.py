@@ -343,14 +343,14 @@ class Engine(TextApi, Scoring):
         run.cache.truncate(before)
         return hidden[:q], observation
 
-    def _token_nll(self, previous_logits, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _token_nll(self, previous_logits, hidden: torch.Tensor, ids: torch.Tensor, rest=None) -> torch.Tensor:
         """-log p(x_t | cache) for the forward's tokens [q]; the first uses the previous logits (0 for the very first
-        token of a stream, which nothing predicts)."""
+        token of a stream, which nothing predicts). `rest`: the later tokens' [q - 1], if computed already."""
         nll = torch.zeros(ids.numel(), dtype=torch.float32, device=ids.device)
         if previous_logits is not None:
             first = ids[:1].to(previous_logits.device)  # logits live on the head's device
             nll[0] = torch.nn.functional.cross_entropy(previous_logits.view(1, -1), first).to(nll.device)
-        nll[1:] = token_nll(self.head, hidden[:-1], ids[1:]).to(nll.device)
+        nll[1:] = (token_nll(self.head, hidden[:-1], ids[1:]) if rest is None else rest).to(nll.device)
         return nll
 
     def _run_model(self, run: _Run, ids: torch.Tensor, request: AttentionRequest | None) -> torch.Tensor:

@@ -28,10 +28,8 @@ token picked (`BatchDecoder.rode`). Alone, those forwards took 85-272 ms between
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from itertools import accumulate
 
 import torch
-import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
 from kvpot.attention import AttentionRequest, observe, sequence_attention
@@ -47,7 +45,7 @@ from kvpot.engine.sampling import _as_ids
 from kvpot.errors import KvpotError
 from kvpot.methods.base import Method, Step
 from kvpot.methods.token_scores import store_chunks
-from kvpot.scoring import MAX_LOGIT_ELEMENTS
+from kvpot.scoring import token_nll
 
 
 @dataclass
@@ -251,44 +249,24 @@ def after_chunks(engine, chunks: list[Chunk], results: list) -> None:
 
 def chunk_heads(engine, chunks: list[Chunk], hiddens: list[torch.Tensor]) -> list[tuple | None]:
     """Per chunk, what `Engine._after_forward` takes of the head: (its last logits [vocab] float32, its tokens'
-    -log p [q] where the method keeps them, else None), from products over every chunk's rows at once, in row
-    slices of `MAX_LOGIT_ELEMENTS` logits as `token_nll` computes them. None for a one-token chunk (a riding row,
-    whose head runs as a decoding row's) and where fewer than two chunks would share the products."""
+    -log p [q] where the method keeps them, else None): one product over every chunk's last row, and `token_nll`
+    over all their other rows at once. None for a one-token chunk (a riding row, whose head runs as a decoding
+    row's) and where fewer than two chunks would share the products."""
     picked = [i for i, chunk in enumerate(chunks) if chunk.ids.numel() > 1]
     out: list[tuple | None] = [None] * len(chunks)
     if len(picked) < 2:
         return out
-    nll = engine.method.needs_token_nll
-    hidden = torch.cat([hiddens[i] if nll else hiddens[i][-1:] for i in picked])  # [R, hidden]
-    ids = [chunks[i].ids.to(hidden.device) for i in picked]
-    sizes = [len(chunk_ids) if nll else 1 for chunk_ids in ids]
-    ends = list(accumulate(sizes))  # each chunk's rows end there
-    # each row's next token (its -log p); a chunk's last row predicts what follows it: no target there
-    targets = torch.cat([torch.cat([chunk_ids[1:], chunk_ids.new_full((1,), -100)]) if nll else
-                         chunk_ids.new_full((1,), -100) for chunk_ids in ids])
-    losses = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-    last: list[torch.Tensor] = []
-    vocab = engine.head.out_features if hasattr(engine.head, "out_features") else engine.head.weight.shape[0]
-    step = max(1, MAX_LOGIT_ELEMENTS // vocab)
-    for start in range(0, hidden.shape[0], step):
-        stop = min(hidden.shape[0], start + step)
-        logits = engine.head(hidden[start:stop]).float()  # [s, vocab]
-        if nll:
-            losses[start:stop] = F.cross_entropy(logits, targets[start:stop].to(logits.device), reduction="none",
-                                                 ignore_index=-100).to(losses.device)
-        lasts = [end - 1 - start for end in ends if start < end <= stop]
-        if lasts:
-            last.append(logits[lasts])
-    last_logits = torch.cat(last)  # [chunks, vocab]
+    lasts = engine.head(torch.stack([hiddens[i][-1] for i in picked])).float()  # [chunks, vocab]
+    rests = [None] * len(picked)
+    if engine.method.needs_token_nll:
+        ids = [chunks[i].ids.to(hiddens[i].device) for i in picked]
+        rest = token_nll(engine.head, torch.cat([hiddens[i][:-1] for i in picked]), torch.cat([x[1:] for x in ids]))
+        rests = rest.split([x.numel() - 1 for x in ids])
     for k, i in enumerate(picked):
-        run, chunk_ids = chunks[i].run, ids[k]
-        token_nll = None
-        if nll:  # as `Engine._token_nll`: the first token's from the logits before the chunk (0 at a stream's start)
-            first = torch.zeros(1, dtype=torch.float32, device=losses.device)
-            if run.logits is not None:
-                first = F.cross_entropy(run.logits.view(1, -1), chunk_ids[:1].to(run.logits.device)).view(1)
-            token_nll = torch.cat([first.to(losses.device), losses[ends[k] - sizes[k] : ends[k] - 1]])
-        out[i] = (last_logits[k], token_nll)
+        nll = None
+        if rests[k] is not None:
+            nll = engine._token_nll(chunks[i].run.logits, hiddens[i], chunks[i].ids.to(hiddens[i].device), rests[k])
+        out[i] = (lasts[k], nll)
     return out
 
 

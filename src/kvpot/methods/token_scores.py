@@ -36,19 +36,18 @@ def store_batch(layers, name: str, rows: torch.Tensor, index: list[torch.Tensor]
 
 def store_chunks(caches: list, name: str, scores: list[torch.Tensor]) -> bool:
     """After a mixed forward: each of `caches`' newest `len(scores[i])` entries get `scores[i]`, what `store_forward`
-    writes for each alone, in one indexed write a layer for them all. Only where every cache is a pool slot's
-    (`kvpot.engine.pool.SlotLayer` layers) with one count in every layer, all of one pool; else nothing is written
-    (False) and each chunk's `after_forward` writes its own."""
+    writes for each alone, as `store_batch` writes a batched step's rows: one indexed write a layer for them all.
+    Only where every cache is a pool slot's (its layers' `storage` is the pool layer) with one count in every layer,
+    all of one pool; else nothing is written (False) and each chunk's `after_forward` writes its own."""
+    storages = [getattr(layer, "storage", None) for layer in caches[0].layers] if caches else [None]
     counts = [{layer.n for layer in cache.layers} for cache in caches]
-    if not caches or any(len(c) != 1 for c in counts) or any(
-            getattr(cache.layers[i], "storage", None) is not getattr(layer, "storage", False)
-            for cache in caches for i, layer in enumerate(caches[0].layers)):
-        return False  # (a slot's layers are views of its pool's: `storage` is the pool layer)
+    if None in storages or any(len(c) != 1 for c in counts) or any(
+            [getattr(layer, "storage", None) for layer in cache.layers] != storages for cache in caches):
+        return False
     device = caches[0].layers[0].device
     rows = torch.cat([torch.full((len(s),), cache.layers[0].row, dtype=torch.long) for cache, s in zip(caches, scores)])
-    entries = torch.cat([torch.arange(n - len(s), n) for (n,), s in zip(counts, scores)])
-    rows, entries = rows.to(device, non_blocking=True)[:, None], entries.to(device, non_blocking=True)[:, None]
-    values = torch.cat([s.to(device) for s in scores])[:, None]
-    for storage in (layer.storage for layer in caches[0].layers):
-        storage.score(name)[rows, storage.heads, entries] = values.expand(-1, storage.kv_heads)
+    entries = torch.cat([torch.arange(n - len(s), n) for (n,), s in zip(counts, scores)]).to(device, non_blocking=True)
+    values = torch.cat([s.to(device) for s in scores])
+    store_batch(storages, name, rows.to(device, non_blocking=True), [entries] * len(storages),
+                Step("context", len(values), token_nll=values))
     return True
