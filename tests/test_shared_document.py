@@ -434,11 +434,12 @@ def test_shared_document_bench_throughput_row_beside_copy_per_reader(capsys, tmp
     assert code == 2 and "give --document" in capsys.readouterr().err  # sharing needs a stored document
 
 
-@pytest.mark.parametrize("mix", ["auto", "on"])
-def test_shared_document_serve_readers_of_an_uploaded_document(tmp_path, mix):
+@pytest.mark.parametrize("mix, room", [("auto", None), ("on", None), ("on", 512)], ids=["auto", "on", "on-tail-slots"])
+def test_shared_document_serve_readers_of_an_uploaded_document(tmp_path, mix, room):
     """`kvpot serve --share-documents`: questions about one uploaded document (POST /v1/documents), asked at once,
     read it from one copy; /metrics shows the document, its readers and no copy (InfiniPot's pot never fills).
-    With `--mix on` the pool mixes (a fresh prompt asked beside the readers is read in their forward)."""
+    With `--mix on` the pool mixes (a fresh prompt asked beside the readers is read in their forward); with
+    `--reader-room` the readers hold tail slots."""
     pytest.importorskip("openai")
     pytest.importorskip("fastapi")
     import threading
@@ -446,10 +447,12 @@ def test_shared_document_serve_readers_of_an_uploaded_document(tmp_path, mix):
 
     from serve_process import MODEL, PASSKEY, QUESTION, Server
 
-    server = Server(tmp_path / "states", "--share-documents", "--max-slots", "4", "--mix", mix)
+    server = Server(tmp_path / "states", "--share-documents", "--max-slots", "4", "--mix", mix,
+                    *(["--reader-room", str(room)] if room else []))
     try:
         pools = server.http("GET", "/health").json()["pools"]
         assert [pool["mix"] for pool in pools] == [mix == "on"]  # "auto" leaves shared documents' readers apart
+        assert [pool["reader_room"] for pool in pools] == [room]
         created = server.http("POST", "/v1/documents", json={"text": PASSKEY * 4})
         assert created.status_code == 200, created.text
         document = created.json()["id"]
@@ -539,10 +542,12 @@ def test_shared_document_readers_beside_fresh_prompts_and_a_cancellation(model, 
 
 
 @pytest.mark.gpu
-def test_shared_document_captured_packed_steps_beside_readers_on_cuda():
+@pytest.mark.parametrize("room", [None, 32], ids=["whole-slots", "tail-slots"])
+def test_shared_document_captured_packed_steps_beside_readers_on_cuda(room):
     """On a GPU, fresh prompts read in captured packed steps beside readers of a shared document (float32, the
     Triton kernels: head dim 32): every request gets its tokens alone, the readers' rows read the region inside
-    replayed steps, and readers whose pot fills copy their document, then ride."""
+    replayed steps, and readers whose pot fills copy their document, then ride. With tail slots
+    (`reader_room`) too: the kernels read the arena's overlapping views."""
     from conftest import build_llama
 
     model = build_llama(head_dim=32, hidden_size=128, num_attention_heads=4, num_key_value_heads=2).cuda()
@@ -556,7 +561,8 @@ def test_shared_document_captured_packed_steps_beside_readers_on_cuda():
                 for q in QUESTIONS]
     expected += [engine.generate_ids(c, q, max_new_tokens=NEW, ignore_eos=True).token_ids for c, q in fresh]
     scheduler = Scheduler(kvpot.Engine(model, method=method), slots=7, decode="graph", share_documents=True, mix="on",
-                          prefill_tokens=32)
+                          prefill_tokens=32, reader_room=room)
+    assert (scheduler.pool.lanes is not None) == (room is not None)
     requests = [Request(None, q, state=state, max_new_tokens=NEW, ignore_eos=True) for q in QUESTIONS]
     requests += [Request(c, q, max_new_tokens=NEW, ignore_eos=True) for c, q in fresh]
     run_all(scheduler, requests)

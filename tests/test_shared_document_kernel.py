@@ -22,9 +22,25 @@ LONG_SHAPES = [  # CUDA only: 64 readers of a llama3-8b-shaped 4,096-entry docum
 ]
 
 
-def run(shape, rope: bool, dtype=torch.float32, probs: bool = False, doc_rotated: bool = False):
+def in_tails(buffer: torch.Tensor, doc_rows: torch.Tensor, lengths: torch.Tensor, doc_lengths: list[int], stride: int):
+    """`buffer`'s slots as tail slots keep them (`kvpot.engine.pool.arena_view`): each reader's tail `[n_doc, n)` in an
+    arena whose slots overlap by `stride`, every other lane NaN."""
+    from kvpot.engine.pool import arena_view
+
+    slots, kv, capacity, d = buffer.shape
+    view = arena_view(slots, kv, capacity, d, stride, buffer.dtype, buffer.device)
+    view.fill_(float("nan"))
+    for slot, (doc, n) in enumerate(zip(doc_rows.tolist(), lengths.tolist())):
+        assert doc >= 0  # (a row without a document holds its whole slot: not a tail)
+        view[slot, :, doc_lengths[doc] : n] = buffer[slot, :, doc_lengths[doc] : n]
+    return view
+
+
+def run(shape, rope: bool, dtype=torch.float32, probs: bool = False, doc_rotated: bool = False,
+        tails: int | None = None):
     """The kernel's output and the reference's; `doc_rotated`: the kernel reads the document's keys stored rotated
-    at their positions (as the pool's region keeps them), the reference rotates them on load."""
+    at their positions (as the pool's region keeps them), the reference rotates them on load; `tails`: the kernel
+    reads the slots' tails from tail slots of that stride (`in_tails`)."""
     from kvpot.kernels.decode_reference import _rotate_at
     from kvpot.kernels.shared import decode_attention_shared
 
@@ -43,6 +59,8 @@ def run(shape, rope: bool, dtype=torch.float32, probs: bool = False, doc_rotated
         cos, sin = rope_args["cos"].float(), rope_args["sin"].float()
         mine[5] = _rotate_at(shared[5].float(), cos, sin, extra["doc_key_positions"].long()).to(shared[5].dtype)
         kwargs["doc_rotated"] = True
+    if tails is not None:
+        mine[1], mine[2] = (in_tails(t, shared[7], shared[4], shape[5], tails) for t in shared[1:3])
     out = decode_attention_shared(*mine, 0.125, **rope_args, **extra, **kwargs)
     expected = decode_attention_shared_reference(*shared, 0.125, **rope_args, **extra)
     return out, expected
@@ -161,3 +179,18 @@ def test_shared_sweep_segments_times_each_launch_form(capsys):
     assert len(default) == 1 and [r["shape"][-1] for r in documents] == sorted({2, *default})
     assert [r["keys"] for r in rows if r["segment"] == "tail"] == ["positions", "stored rotated"]
     assert len(rows) == len(documents) + 2
+
+
+TAIL_SHAPES = [("gqa1-one-doc-many-readers", 16), ("llama3-8b-64-readers-4k", 128)]  # (shape, stride)
+
+
+@pytest.mark.parametrize("name, stride", TAIL_SHAPES, ids=[n for n, _ in TAIL_SHAPES])
+def test_shared_document_kernel_reads_tail_slots(name, stride):
+    """Readers' tails in tail slots (`Scheduler(reader_room=...)`): the kernel reads each slot by its strides, so the
+    overlapping views give the reference's output over the same entries."""
+    shape = next(s for s in SHARED_SHAPES + LONG_SHAPES if s[0] == name)
+    if shape in LONG_SHAPES and KERNEL_DEVICE != "cuda":
+        pytest.skip("a long shape: CUDA only")
+    out, expected = run(shape, rope=True, dtype=torch.float32, doc_rotated=True, tails=stride)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)

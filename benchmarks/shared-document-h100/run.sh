@@ -6,6 +6,7 @@
 #   OUT=DIR bash benchmarks/shared-document-h100/run.sh tests   # the GPU tests (kernel vs reference, graphs)
 #   OUT=DIR bash benchmarks/shared-document-h100/run.sh 64      # 64 readers: copy per reader, then shared
 #   OUT=DIR bash benchmarks/shared-document-h100/run.sh 256     # 256 readers: the same two rows
+#       (with --reader-room 288 the shared row's readers hold tail slots: 256 of them fit on an H100)
 #   OUT=DIR bash benchmarks/shared-document-h100/run.sh sweep [shared_sweep.py options]
 #       # the GPU kernel tests, then the attention alone over launch shapes (shared_sweep.py; --segments: each
 #       # launch alone; --baseline FILE times an earlier copy of the kernel on the same inputs)
@@ -26,6 +27,8 @@ case "$part" in
         | tee "$OUT/shared-tests.log" | tail -5
     # a mixed step's heads and token scores at once (readers' questions read as chunks)
     python3 -m pytest -q -p no:cacheprovider tests/test_mixed_heads.py 2>&1 | tee "$OUT/mixed-tests.log" | tail -3
+    # tail slots (reader_room): the arena, and every sharing method's tokens through them
+    python3 -m pytest -q -p no:cacheprovider tests/test_shared_document_tails.py 2>&1 | tee "$OUT/tails-tests.log" | tail -3
     ;;
   64|256)
     # one user one at a time keeps the third row short

@@ -53,6 +53,8 @@ def check_load(config) -> None:
         config.new_tokens = mix_bounds(config.new_tokens_mix, "--new-tokens-mix")[1]
     if getattr(config, "share_documents", False) and not config.document:
         raise KvpotError("--share-documents shares one stored document among its readers: give --document.")
+    if getattr(config, "reader_room", None) is not None and not config.share_documents:
+        raise KvpotError("--reader-room sizes the slots of a shared document's readers: give --share-documents.")
     if getattr(config, "batch_invariant", False) and (getattr(config, "linear", "auto") != "auto" or
                                                       getattr(config, "tp", 1) > 1):
         raise KvpotError("--batch-invariant chooses the linear layers' kernel itself and does not run under tensor "
@@ -119,6 +121,7 @@ class BenchConfig:
     mixed: bool = False  # a row of the batch that reads prompt chunks in the decoding rows' forward (mix on)
     prompts_apart: bool = False  # a row of the batch that reads them in forwards of their own (mix off)
     share_documents: bool = False  # with --document, a row whose readers share the document (share_documents=True)
+    reader_room: int | None = None  # that row's tail slots: KV entries a reader holds of its own (Scheduler)
     # open-loop load (kvpot.bench.load): Poisson arrivals, per-request mixes, SLOs
     arrival_rate: float | None = None  # requests per second; None (`inf`): all at once
     length_mix: str | None = None  # `2k,8k,32k` (drawn from the list) or `2k-32k` (a uniform range)

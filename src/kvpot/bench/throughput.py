@@ -159,6 +159,7 @@ def _batched(config: BenchConfig, engine, prompts: dict, state, mix: str = "auto
             max(plan["new_tokens"])
     scheduler = Scheduler(engine, slots=config.slots or None, capacity=capacity, max_slots=config.users,
                           prefill_tokens=config.prefill_tokens, decode=config.decode, mix=mix, share_documents=share,
+                          reader_room=config.reader_room if share else None,
                           prompt_order=config.prompt_order, prompt_patience=config.prompt_patience)
     # warm-up of the same batch sizes: kernels compile and each bucket's graph is captured, untimed
     vocab = engine.model.config.vocab_size

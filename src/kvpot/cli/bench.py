@@ -161,6 +161,10 @@ def register(sub) -> None:
     t.add_argument("--share-documents", action="store_true",
                    help="with --document, add a row whose readers share the stored document's entries (Scheduler "
                         "share_documents=True: one copy, cascade attention) beside METHOD [batch], a copy per reader")
+    t.add_argument("--reader-room", type=int, default=None, metavar="N",
+                   help="with --share-documents, tail slots in that row: a reader that never copies the document holds "
+                        "N KV entries of its own (question + new tokens) instead of a whole slot, so more readers fit "
+                        "(Scheduler reader_room; e.g. 288 for 256 new tokens and a 32-token question)")
     t.add_argument("--hf-timeout", type=float, default=200.0,
                    help="seconds before transformers' continuous batching is stopped and recorded unfinished "
                         "(default 200)")
@@ -315,6 +319,7 @@ def config_from_args(args) -> BenchConfig:
         users=args.users, new_tokens=args.new_tokens, document=args.document, slots=args.slots,
         prefill_tokens=args.prefill_tokens, sequential_users=args.sequential_users, hf_timeout=args.hf_timeout,
         mix=args.mix, mixed=args.mixed, prompts_apart=args.prompts_apart, share_documents=args.share_documents, tp=args.tp,
+        reader_room=args.reader_room,
         prompt_order=args.prompt_order, prompt_patience=args.prompt_patience,
         sdpa=args.sdpa, **_load_options(args),
     )

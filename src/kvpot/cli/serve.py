@@ -94,6 +94,10 @@ def register(subparsers) -> None:
                    help="the readers of a stored document (POST /v1/documents) read its entries from one copy in "
                         "the pool, each slot holding only its own question and answer (cascade attention); a reader "
                         "whose method changes the document takes its own copy then (copy on write)")
+    b.add_argument("--reader-room", type=int, default=None, metavar="N",
+                   help="with --share-documents, tail slots: a reader that never copies its document holds N KV "
+                        "entries of its own (question + answer) instead of a whole slot, so --max-slots readers fit in "
+                        "the memory of a few whole slots (e.g. 288 for answers of 256 tokens)")
     b.add_argument("--method-slots", type=int, default=4,
                    help="slots of the pool made for a document read with another method (default 4)")
     b.add_argument("--slot-capacity", type=int, default=None,
@@ -179,6 +183,7 @@ def run(args) -> int:
         prefill_tokens=args.prefill_tokens, mix=args.mix, prompt_order=args.prompt_order,
         prompt_patience=args.prompt_patience, slot_capacity=args.slot_capacity,
         feed_questions=args.feed_questions, feed_tokens=args.feed_tokens, share_documents=args.share_documents,
+        reader_room=args.reader_room,
         read_timeout=args.read_timeout, tp_timeout=args.tp_timeout,
         shutdown_grace=args.shutdown_grace, allowed_hosts=tuple(args.allowed_hosts.split(",")),
     )

@@ -86,6 +86,13 @@ class DocumentRegion:
         self._changed()
         return True
 
+    def can_attach(self, state) -> bool:
+        """Whether `attach` would find `state`'s document a row now (loaded, or a row free or idle)."""
+        document = self.loaded.get(id(state))
+        if document is not None and document.state() is state:
+            return True
+        return len(self.loaded) < self.rows or any(not d.readers for d in self.loaded.values())
+
     def shares(self, slot: int) -> bool:
         return slot in self.reading
 
@@ -104,6 +111,7 @@ class DocumentRegion:
         state = document.state()
         if state is None:  # (its readers hold it: a reader without it is a bug, not a user's error)
             raise RuntimeError("a shared document's state is gone while a reader reads it")
+        self.pool.widen(slot)  # (a tail slot holds its tail's lanes only: `kvpot.engine.pool`)
         for layer, source, n in zip(self.pool.layers, state.cache.layers, document.lengths):
             if n:
                 layer.keys[slot, :, :n] = source.keys[0, :, :n].to(self.pool.device)
@@ -204,11 +212,8 @@ def load_state(scheduler, slot: int, state, question: torch.Tensor) -> tuple:
     pool, region = scheduler.pool, scheduler.pool.documents
     if region is None:  # (every load deferred: the scheduler flushes the step's admissions at once)
         return pool.load(slot, state.cache, defer=True), False
-    method = scheduler.method
-    fed = (method.feeds_question and scheduler.batched and scheduler.feed_questions != "never"
-           and 0 < question.numel() <= scheduler.feed_tokens and state.last_logits is not None
-           and state.cache.attention is None and not state.cache.host_storage)
-    chunk = question_chunk(scheduler, state, question)
+    fed = feeds(scheduler, state, question.numel())
+    chunk = question_chunk(scheduler, state, question.numel())
     if not fed and not chunk:
         region.copied("question")
         return pool.load(slot, state.cache, defer=True), False
@@ -218,7 +223,15 @@ def load_state(scheduler, slot: int, state, question: torch.Tensor) -> tuple:
     return pool.load(slot, state.cache, keys=False, defer=True), chunk
 
 
-def question_chunk(scheduler, state, question: torch.Tensor) -> bool:
+def feeds(scheduler, state, tokens: int) -> bool:
+    """Whether a reader's question of `tokens` tokens may be fed through the batched steps, a token a step."""
+    method = scheduler.method
+    return (method.feeds_question and scheduler.batched and scheduler.feed_questions != "never"
+            and 0 < tokens <= scheduler.feed_tokens and state.last_logits is not None
+            and state.cache.attention is None and not state.cache.host_storage)
+
+
+def question_chunk(scheduler, state, tokens: int) -> bool:
     """Whether a reader's question is read as one chunk of the mixed step over the shared document (attended in
     the region by the varlen kernel), rather than fed a token a step: mixing is on, `feed_questions` is not
     "always", the whole question is one chunk, and the method's chunk only appends (`Method.chunk_appends`: no
@@ -228,11 +241,11 @@ def question_chunk(scheduler, state, question: torch.Tensor) -> bool:
     region, pool = scheduler.pool.documents, scheduler.pool
     cache = state.cache
     return (region is not None and bool(scheduler.mix) and scheduler.batched and scheduler.feed_questions != "always"
-            and 0 < question.numel() <= min(scheduler.prefill_tokens, scheduler.chunk_cap or question.numel())
+            and 0 < tokens <= min(scheduler.prefill_tokens, scheduler.chunk_cap or tokens)
             and cache.attention is None and not cache.host_storage and not cache.static
             and (region.rotated or pool.policy.stores_rotated) and not pool.policy.raw_keys
             and type(scheduler.method).before_forward is Method.before_forward  # as `mixed.mixable`
-            and scheduler.method.chunk_appends(cache, question.numel()))
+            and scheduler.method.chunk_appends(cache, tokens))
 
 
 def copy_reason(scheduler, cache, plan: str) -> str | None:
@@ -270,3 +283,41 @@ def unshare(scheduler, slot: int, reason: str) -> None:
     region = scheduler.pool.documents
     if region is not None and region.shares(slot):
         region.copy_out(slot, reason)
+
+
+def reader_lanes(scheduler, request) -> tuple[int, int | None]:
+    """The lanes of its slot a request needs, `[lo, hi)` (hi None: the whole slot). With tail slots
+    (`Scheduler(reader_room=...)`, `kvpot.engine.pool`), a reader that reads its document from the region to its
+    end needs only its tail: `[n_doc, n_doc + question + new tokens)`. That is one whose question is fed or read as a
+    chunk over the region (`load_state`), whose document gets a row, and whose method never changes the document's
+    entries within that many tokens (`copies_document` "never", or its pot does not fill: `Method.chunk_appends`).
+    Any other request holds its whole slot."""
+    pool, state = scheduler.pool, request.state
+    if pool.lanes is None or state is None or pool.documents is None:
+        return 0, None
+    question = 0 if request.question_ids is None else torch.as_tensor(request.question_ids).numel()
+    own = question + request.max_new_tokens
+    method, cache = scheduler.method, state.cache
+    fed = feeds(scheduler, state, question) and request.max_new_tokens > 0
+    if not (fed or question_chunk(scheduler, state, question)) or not pool.documents.can_attach(state):
+        return 0, None
+    if copy_reason(scheduler, cache, "append") is not None:
+        return 0, None
+    if method.copies_document != "never" and not method.chunk_appends(cache, own):
+        return 0, None
+    counts = [layer.n for layer in cache.layers]
+    return min(counts), max(counts) + own
+
+
+def reader_stride(room: int | None, share: bool, capacity: int) -> int | None:
+    """The pool's slot stride for `Scheduler(reader_room=room)`: None (slots apart) unless sharing documents."""
+    from kvpot.errors import KvpotError
+
+    if room is None:
+        return None
+    if isinstance(room, bool) or not isinstance(room, int) or room < 1:
+        raise KvpotError(f"reader_room (KV entries a shared document's reader holds of its own) must be a positive "
+                         f"integer, got {room!r}.")
+    if not share:
+        raise KvpotError("reader_room sizes the slots of a shared document's readers; it needs share_documents=True.")
+    return room if room < capacity else None

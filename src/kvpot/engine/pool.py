@@ -12,6 +12,15 @@ Each slot is seen two ways:
 - as a row of the batched decoding step (`kvpot.engine.batch`), which appends one token to each of
   many slots in one forward. Host-side counts (`PotLayer.n`) are the truth between steps; the
   device-side `lengths` `[layers, slots + 1]` follow them (`sync_lengths`).
+
+Tail slots (`SlotPool(stride=G)`, `Scheduler(reader_room=...)`): a reader of a shared document reads the document's
+keys and values from the document region (`kvpot.engine.documents`) and writes only its tail, lanes
+`[n_doc, n_doc + room)` of its slot. So keys and values live in one arena per layer, `[kv_heads, lanes, d]`, and
+slot `s`'s lane `j` is the arena's lane `s * G + j`: the `[slots + 1, kv_heads, capacity, d]` tensors every kernel
+and view reads are strided views of it (slot stride `G * d`) whose slots overlap. `Lanes` keeps the lanes each
+slot holds apart on the host: a reader holds its tail's, any other sequence its whole slot's, and a reader that
+copies its document widens to its whole slot first (`widen`). Nothing else changes: a view with a small slot
+stride is still a view. Positions and scores stay one row a slot (a reader keeps the document's own copy there).
 """
 
 from __future__ import annotations
@@ -29,13 +38,17 @@ class PoolLayer:
     """One layer's storage for every slot (row `slots` is scratch)."""
 
     def __init__(self, rows: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, stride: int | None = None):
         self.rows, self.kv_heads, self.capacity, self.head_dim = rows, kv_heads, capacity, head_dim
         self.parallel = None  # the pool's tensor-parallel group (set by SlotPool)
         self.dtype, self.device = dtype, device
         # zeros, not empty: lanes past a slot's length are masked by the attention, but must be finite
-        self.keys = torch.zeros(rows, kv_heads, capacity, head_dim, dtype=dtype, device=device)
-        self.values = torch.zeros(rows, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        if stride is None:
+            self.keys = torch.zeros(rows, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+            self.values = torch.zeros(rows, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        else:  # tail slots: views of one arena of lanes a layer (the module's docstring)
+            self.keys, self.values = (arena_view(rows, kv_heads, capacity, head_dim, stride, dtype, device)
+                                      for _ in range(2))
         self.positions = torch.zeros(rows, kv_heads, capacity, dtype=torch.long, device=device)
         self.rope_positions = torch.zeros(rows, kv_heads, capacity, dtype=torch.long, device=device)
         self.query_position = torch.zeros(rows, dtype=torch.long, device=device)  # the batched step's query
@@ -69,7 +82,52 @@ class PoolLayer:
     @property
     def nbytes(self) -> int:
         buffers = (self.keys, self.values, self.positions, self.rope_positions, *self.scores.values())
-        return sum(b.numel() * b.element_size() for b in buffers) + (0 if self.probs is None else self.probs.nbytes)
+        # (a tail slots' arena counted once: its views' slots overlap)
+        return sum(b.untyped_storage().nbytes() for b in buffers) + (0 if self.probs is None else self.probs.nbytes)
+
+
+def arena_view(rows: int, kv_heads: int, capacity: int, head_dim: int, stride: int, dtype: torch.dtype,
+               device: torch.device) -> torch.Tensor:
+    """`[rows, kv_heads, capacity, head_dim]` over an arena `[kv_heads, (rows - 1) * stride + capacity, head_dim]`:
+    row `s`'s lane `j` at the arena's lane `s * stride + j`, so rows overlap where `stride < capacity`."""
+    lanes = (rows - 1) * stride + capacity
+    arena = torch.zeros(kv_heads, lanes, head_dim, dtype=dtype, device=device)
+    return arena.as_strided((rows, kv_heads, capacity, head_dim), (stride * head_dim, lanes * head_dim, head_dim, 1))
+
+
+class Lanes:
+    """Which lanes of a tail-slotted pool's arena each slot holds (host side; the module's docstring): slot `s`
+    holding `[lo, hi)` holds the arena's `[s * stride + lo, s * stride + hi)`, and no two slots hold one lane."""
+
+    def __init__(self, slots: int, capacity: int, stride: int):
+        self.capacity, self.stride = capacity, stride
+        self.taken = bytearray(slots * stride + capacity)  # 1: a slot holds the lane
+        self.held: dict[int, tuple[int, int]] = {}
+        self.hold(slots, 0, capacity)  # the scratch slot's padding rows write its first lanes
+
+    def free(self, slot: int, lo: int, hi: int) -> bool:
+        at = slot * self.stride
+        return self.taken.find(1, at + lo, at + hi) < 0
+
+    def hold(self, slot: int, lo: int, hi: int) -> None:
+        at = slot * self.stride
+        self.taken[at + lo : at + hi] = b"\x01" * (hi - lo)
+        self.held[slot] = (lo, hi)
+
+    def drop(self, slot: int) -> None:
+        lo, hi = self.held.pop(slot)
+        at = slot * self.stride
+        self.taken[at + lo : at + hi] = bytes(hi - lo)
+
+    def widen(self, slot: int) -> bool:
+        """Slot `slot` holding all its lanes, if the ones it lacks are free (False, and unchanged, if not)."""
+        lo, hi = self.held[slot]
+        self.drop(slot)
+        if self.free(slot, 0, self.capacity):
+            self.hold(slot, 0, self.capacity)
+            return True
+        self.hold(slot, lo, hi)
+        return False
 
 
 class SlotLayer(PotLayer):
@@ -108,7 +166,7 @@ class SlotPool:
     """KV storage for `slots` sequences of at most `capacity` entries per layer and KV head."""
 
     def __init__(self, config, rope: Rope, policy: PositionPolicy, slots: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device, parallel=None):
+                 dtype: torch.dtype, device: torch.device, parallel=None, stride: int | None = None):
         if not isinstance(slots, int) or slots < 1:
             raise KvpotError(f"a pool needs at least one slot, got {slots!r}.")
         if not isinstance(capacity, int) or capacity < 1:
@@ -119,7 +177,13 @@ class SlotPool:
         self.parallel = parallel  # kvpot.models.parallel.TensorParallel: each rank's slots hold its own KV heads
         kv_heads, head_dim = kv_shape(config, parallel.size if parallel is not None else 1)
         self.num_layers = config.num_hidden_layers
-        self.layers = [PoolLayer(slots + 1, kv_heads, capacity, head_dim, dtype, device)
+        if stride is not None and (isinstance(stride, bool) or not isinstance(stride, int) or stride < 1):
+            raise KvpotError(f"a pool's slot stride must be a positive integer, got {stride!r}.")
+        # slots apart where tails gain nothing (a stride as wide as a slot), or where the slots' lanes would not hold
+        # one whole slot beside the scratch slot's (a sequence that needs one would wait for ever)
+        stride = None if stride is None or stride >= capacity or stride * slots < capacity else stride
+        self.lanes = Lanes(slots, capacity, stride) if stride else None  # tail slots: the lanes each slot holds
+        self.layers = [PoolLayer(slots + 1, kv_heads, capacity, head_dim, dtype, device, stride)
                        for _ in range(self.num_layers)]
         for layer in self.layers:
             layer.parallel = parallel
@@ -131,12 +195,25 @@ class SlotPool:
         self.pending: list[tuple[int, PotCache, bool]] = []  # loads whose device copies wait for `flush`
 
     # ------------------------------------------------------------------ slots
-    def acquire(self) -> int | None:
-        """A free slot, or None when every slot is taken."""
-        if not self.free:
-            return None
+    def acquire(self, lo: int = 0, hi: int | None = None) -> int | None:
+        """A free slot, or None when every slot is taken. With tail slots, the lowest free slot whose lanes
+        `[lo, hi)` (default: all of them) are free in the arena, or None when none is."""
         self.free.sort()
-        return self.free.pop(0)
+        if self.lanes is None:
+            return self.free.pop(0) if self.free else None
+        hi = self.capacity if hi is None else min(hi, self.capacity)
+        for i, slot in enumerate(self.free):
+            if self.lanes.free(slot, lo, hi):
+                self.lanes.hold(slot, lo, hi)
+                return self.free.pop(i)
+        return None
+
+    def widen(self, slot: int) -> None:
+        """Slot `slot` holding all its lanes, before its keys and values are written below its tail (a reader copying
+        its document); raises if other slots hold them (`reader_lanes` places only readers that never copy)."""
+        if self.lanes is not None and not self.lanes.widen(slot):
+            raise KvpotError(f"slot {slot} reads a shared document in a tail slot and must copy it, but other slots "
+                             "hold the lanes it needs; this reader was expected never to copy (a bug: please report).")
 
     def release(self, slot: int) -> None:
         if slot in self.free or not 0 <= slot < self.slots:
@@ -146,6 +223,8 @@ class SlotPool:
             self.documents.detach(slot)
         self.lengths[:, slot] = 0
         self.pending = [load for load in self.pending if load[0] != slot]
+        if self.lanes is not None:
+            self.lanes.drop(slot)
         self.free.append(slot)
 
     @property
@@ -171,6 +250,8 @@ class SlotPool:
         source once for all the slots that load it (the caller flushes before the slot is read)."""
         if source.host_storage:
             raise KvpotError("a state offloaded to host memory (infinitehip offload=True) cannot decode in a batch.")
+        if keys:
+            self.widen(slot)
         cache = self.cache(slot)
         for layer, other in zip(cache.layers, source.layers):
             layer.reserve(other.n)
@@ -239,23 +320,26 @@ def kv_shape(config, tp: int = 1) -> tuple[int, int]:
 
 
 def slot_nbytes(config, capacity: int, dtype: torch.dtype, scores: int = 1, observed: bool = True,
-                tp: int = 1) -> int:
-    """Bytes one slot takes in a pool (on each rank, with tensor parallelism over `tp`): keys and values, two
-    position arrays (int64), `scores` float32 score arrays and, with `observed`, the batched step's observation
-    row."""
+                tp: int = 1, lanes: int | None = None) -> int:
+    """Bytes one slot takes in a pool (on each rank, with tensor parallelism over `tp`): keys and values (of
+    `lanes` entries with tail slots, else `capacity`), two position arrays (int64), `scores` float32 score arrays
+    and, with `observed`, the batched step's observation row."""
     kv_heads, head_dim = kv_shape(config, tp)
     element = torch.empty((), dtype=dtype).element_size()
-    per_entry = 2 * head_dim * element + 2 * 8 + 4 * scores + (4 if observed else 0)
-    return config.num_hidden_layers * kv_heads * capacity * per_entry
+    per_entry = 2 * 8 + 4 * scores + (4 if observed else 0)
+    kv = 2 * head_dim * element * (capacity if lanes is None else min(lanes, capacity))
+    return config.num_hidden_layers * kv_heads * (capacity * per_entry + kv)
 
 
-def slot_bytes(engine, capacity: int, dtype: torch.dtype | None = None) -> int:
-    """Bytes one slot of `capacity` entries takes for `engine`'s model: KV, positions, the method's score
-    arrays (`Method.score_arrays`), the observation row, and the slot's last logits (float32)."""
+def slot_bytes(engine, capacity: int, dtype: torch.dtype | None = None, lanes: int | None = None) -> int:
+    """Bytes one slot of `capacity` entries takes for `engine`'s model: KV (`lanes` a slot with tail slots),
+    positions, the method's score arrays (`Method.score_arrays`), the observation row, and the slot's last logits
+    (float32)."""
     dtype = dtype or engine.head.weight.dtype
     vocab = engine.head.weight.shape[0]
     tp = engine.parallel.size if engine.parallel is not None else 1
-    return slot_nbytes(engine.model.config, capacity, dtype, scores=engine.method.score_arrays, tp=tp) + 4 * vocab
+    return slot_nbytes(engine.model.config, capacity, dtype, scores=engine.method.score_arrays, tp=tp,
+                       lanes=lanes) + 4 * vocab
 
 
 def slot_capacity(method, capacity: int | None, question_room: int) -> int:
@@ -271,15 +355,20 @@ def slot_capacity(method, capacity: int | None, question_room: int) -> int:
     return capacity
 
 
-def slot_count(engine, capacity: int, slots: int | None, max_slots: int, fraction: float, dtype: torch.dtype) -> int:
+def slot_count(engine, capacity: int, slots: int | None, max_slots: int, fraction: float, dtype: torch.dtype,
+               lanes: int | None = None) -> int:
     """`slots` if given (on a GPU: if they fit in `GIVEN_SLOTS_MEMORY_FRACTION` of its free memory), else as
     many as fit in `fraction` of the GPU's free memory (at most `max_slots`), or 8 on a CPU. The one memory
-    check of a pool, for the library and the server alike."""
+    check of a pool, for the library and the server alike. With tail slots (`lanes`), `max_slots` counts readers: a
+    reader's tail lies its document's length into its slot, so the last `capacity / lanes` slots' tails would reach
+    the scratch slot's lanes, and as many more slots are given."""
+    if lanes is not None:
+        max_slots += -(-capacity // lanes)
     if slots is not None:
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise KvpotError(f"slots must be a positive integer, got {slots!r}.")
         if engine.device.type == "cuda":
-            need = slots * slot_bytes(engine, capacity, dtype)
+            need = slots * slot_bytes(engine, capacity, dtype, lanes)
             free, _ = torch.cuda.mem_get_info(engine.device)
             if need > free * GIVEN_SLOTS_MEMORY_FRACTION:
                 raise KvpotError(f"{slots} slots of {capacity:,} entries take {need / 2**30:.2f} GiB and "
@@ -287,7 +376,7 @@ def slot_count(engine, capacity: int, slots: int | None, max_slots: int, fractio
         return slots
     if engine.device.type != "cuda":
         return min(8, max_slots)
-    per_slot = slot_bytes(engine, capacity, dtype)
+    per_slot = slot_bytes(engine, capacity, dtype, lanes)
     free, _ = torch.cuda.mem_get_info(engine.device)
     fits = int(free * fraction) // per_slot
     if engine.parallel is not None:  # every rank must run the same slots: the one with least memory decides

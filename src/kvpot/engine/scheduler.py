@@ -22,7 +22,7 @@ from kvpot.engine.agreement import StepAgreement
 from kvpot.engine.batch import BatchDecoder, batchable_request, batches_rows, mirror_append, step_observations
 from kvpot.engine.decoding import resolve_mode
 from kvpot.engine.delivery import TokenOutbox, hand_over
-from kvpot.engine.documents import copy_before_step, load_state, share_region, shares, unshare
+from kvpot.engine.documents import copy_before_step, load_state, reader_lanes, reader_stride, share_region, shares, unshare
 from kvpot.engine.evict import evict_steady
 from kvpot.engine.mixed import (Chunk, capture_mixed, chunk_rows, mixable, mixed_forward, peek_candidate, resolve_mix,
                                tail_tokens)
@@ -58,6 +58,8 @@ class Scheduler:
         seconds after taking its slot a prompt goes first; `kvpot.defaults.PROMPT_ORDER`, `kvpot.engine.plan.reading_order`).
     share_documents: readers of a stored `State` read its keys and values from one copy, copied on write (`documents`
         at once; `kvpot.engine.documents`); a question read as a mixed step's chunk where it only appends, else fed.
+    reader_room: tail slots (`kvpot.engine.pool`): a reader that never copies its shared document holds this many entries
+        of its own (question, new tokens), not a whole slot; a sequence that does holds `capacity / reader_room` readers'.
     """
 
     mix_waits = False  # mixable chunks wait after a mixed forward; off: TTFT p50 4.7 / 3.3 s (engine-core-h100/invariant/)
@@ -67,7 +69,7 @@ class Scheduler:
                  max_waiting: int | None = None, prefill_tokens: int = PREFILL_TOKENS, decode: str = "auto",
                  max_slots: int = 256, memory_fraction: float = SLOT_MEMORY_FRACTION, feed_questions: str = "auto",
                  feed_tokens: int = 64, mix: bool | str = MIX, share_documents: bool = False, documents: int = 4,
-                 prompt_order: str = PROMPT_ORDER, prompt_patience: float = PROMPT_PATIENCE):
+                 reader_room: int | None = None, prompt_order: str = PROMPT_ORDER, prompt_patience: float = PROMPT_PATIENCE):
         if len(engine.devices) > 1:
             raise KvpotError("batched decoding runs a model on one device; a model split over several GPUs "
                              "(device_map) decodes one sequence at a time with Engine.generate.")
@@ -76,10 +78,10 @@ class Scheduler:
         mode = "static" if decode == "auto" and engine.device.type != "cuda" else resolve_mode(decode, engine.device)
         self.engine, self.method = engine, engine.method
         self.capacity = slot_capacity(self.method, capacity, question_room)
-        dtype = engine.head.weight.dtype
-        slots = slot_count(engine, self.capacity, slots, max_slots, memory_fraction, dtype)
+        dtype, self.stride = engine.head.weight.dtype, reader_stride(reader_room, share_documents, self.capacity)
+        slots = slot_count(engine, self.capacity, slots, max_slots, memory_fraction, dtype, self.stride)
         self.pool = SlotPool(engine.model.config, engine.rope, make_policy(engine.method.positions), slots, self.capacity,
-                             dtype, engine.device, engine.parallel)
+                             dtype, engine.device, engine.parallel, self.stride)
         self.agreement = StepAgreement.of(engine)  # tensor parallelism: every rank's step alike (engine/agreement.py)
         self.decoder, self.mode = BatchDecoder(engine, self.pool, graphs=mode == "graph"), mode
         self.max_waiting, self.prefill_tokens, self.prompt_order = max_waiting, prefill_tokens, prompt_order
@@ -87,8 +89,7 @@ class Scheduler:
         self.admission = Admission(slots, max_waiting)  # the one admission test (kvpot.engine.admission)
         self.places: dict[int, Place] = {}  # request id -> its place, given back when it ends
         self.feed_questions, self.feed_tokens = feed_questions, feed_tokens
-        self.waiting: deque[Request] = deque()
-        self.active: dict[int, _Active] = {}  # slot -> its request
+        self.waiting, self.active = deque(), {}  # requests without a slot; slot -> its request (`_Active`)
         self.eos = frozenset(_eos_ids(engine.model))
         self.batched = batches_rows(engine, self.pool.policy)
         self.mix = resolve_mix(mix, engine.device, self.pool.layers[0].head_dim, engine.parallel is not None,
@@ -105,7 +106,7 @@ class Scheduler:
 
     def slot_bytes(self, dtype: torch.dtype | None = None) -> int:
         """Bytes one slot takes (KV, positions, two score arrays, the observation row, its logits)."""
-        return slot_bytes(self.engine, self.capacity, dtype)
+        return slot_bytes(self.engine, self.capacity, dtype, self.stride)
 
     @torch.no_grad()  # as `step`: a compiled step traced with grad on would need the kernels' backward
     def capture(self) -> int:
@@ -193,9 +194,8 @@ class Scheduler:
             self._end(active.request, "cancelled", "cancelled", ended)
 
     def _admit(self, ended: list[Request]) -> None:
-        while self.waiting and self.pool.free:
+        while self.waiting and (slot := self.pool.acquire(*reader_lanes(self, self.waiting[0]))) is not None:
             request = self.waiting.popleft()
-            slot = self.pool.acquire()
             request.slot, request.status = slot, "prefilling"
             active = self.active[slot] = _Active(request, started=self.agreement.clock)
             active.eos = (frozenset() if request.ignore_eos else self.eos) | frozenset(request.stop_token_ids)

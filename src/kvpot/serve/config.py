@@ -48,6 +48,7 @@ class ServeConfig:
     feed_questions: str = "auto"  # a stored document's questions fed through the decoding steps (Scheduler)
     feed_tokens: int = 64  # the longest question fed so
     share_documents: bool = False  # a stored document's readers share one copy of its entries (Scheduler)
+    reader_room: int | None = None  # tail slots: KV entries such a reader holds of its own (Scheduler reader_room)
     max_context_tokens: int = 1 << 20  # prompt tokens (context + question); beyond: 413
     max_body_bytes: int = 64 * 1024**2  # request bodies beyond: 413
     max_tokens_limit: int = 8192  # largest max_tokens a request may ask for
@@ -68,7 +69,9 @@ class ServeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise KvpotError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}.")
-        for name in ("max_slots", "slot_capacity"):
+        if self.reader_room is not None and not self.share_documents:
+            raise KvpotError("--reader-room sizes the slots of a shared document's readers: give --share-documents.")
+        for name in ("max_slots", "slot_capacity", "reader_room"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise KvpotError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}.")
