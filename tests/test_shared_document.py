@@ -402,7 +402,10 @@ def test_shared_document_generate_batch_answers_questions_of_one_state(one_threa
     questions = ["What is the vault code?", "What is the harbour code?", "Which codes are there?"]
     copied = engine.generate_batch(questions=questions, states=[state] * 3, max_new_tokens=10)
     shared = engine.generate_batch(questions=questions, states=[state] * 3, max_new_tokens=10, share_documents=True)
-    assert [r.text for r in shared] == [r.text for r in copied]
+    # tail slots: 3 slots of 128 lanes hold one whole 256-entry slot, and the readers' tails
+    tails = engine.generate_batch(questions=questions, states=[state] * 3, max_new_tokens=10, share_documents=True,
+                                  reader_room=128)
+    assert [r.text for r in shared] == [r.text for r in copied] == [r.text for r in tails]
     assert all(r.stats.max_kv_entries <= 256 for r in shared)
 
 

@@ -15,7 +15,7 @@ from kvpot.errors import KvpotError
 
 
 def generate_texts(engine, contexts, questions, max_new_tokens: int, states, progress: bool, batch_size: int | None,
-                   share_documents: bool = False, mix: bool | str = MIX, **sampling):
+                   share_documents: bool = False, mix: bool | str = MIX, reader_room: int | None = None, **sampling):
     """`Engine.generate_batch`: encode each prompt, run them `batch_size` at a time, results in order."""
     if (contexts is None) == (states is None):
         raise KvpotError("give either contexts or states (one list), not both.")
@@ -34,7 +34,7 @@ def generate_texts(engine, contexts, questions, max_new_tokens: int, states, pro
             _, question_ids = engine.encode(None, question)
             requests.append(Request(None, question_ids, state=prompt, max_new_tokens=max_new_tokens, **sampling))
     generate_many(engine, requests, batch_size or min(len(requests), 64) or 1, progress=progress,
-                  share_documents=share_documents, mix=mix)
+                  share_documents=share_documents, mix=mix, reader_room=reader_room)
     failed = [r for r in requests if r.status == "failed"]
     if failed:
         raise KvpotError(f"{len(failed)} of {len(requests)} prompts failed; the first: {failed[0].error}")
@@ -59,10 +59,12 @@ def run_all(scheduler: Scheduler, requests: list[Request], progress: bool = Fals
 
 
 def generate_many(engine, requests: list[Request], batch_size: int, progress: bool = False,
-                  decode: str = "auto", share_documents: bool = False, mix: bool | str = MIX) -> list[Request]:
+                  decode: str = "auto", share_documents: bool = False, mix: bool | str = MIX,
+                  reader_room: int | None = None) -> list[Request]:
     """Run `requests` through schedulers of `batch_size` slots, `batch_size` requests at a time (offline
     jobs: evaluation, lm-eval). A method whose cache grows with the input gets slots as large as the
     longest request of each group needs. Requests that fail are left failed (their `error` says why).
+    `reader_room`: `Scheduler(reader_room=...)`, tail slots for a shared document's readers.
     `mix`: `Scheduler(mix=...)`, where prompt chunks are read (default "auto": with the decoding rows on a GPU).
     Prompts are read in arrival order (`kvpot.defaults.OFFLINE_PROMPT_ORDER`): a plan that reads no clock."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -76,7 +78,8 @@ def generate_many(engine, requests: list[Request], batch_size: int, progress: bo
             if engine.method.max_entries() is None:
                 capacity = max(_needed(engine, request) for request in group)
             scheduler = Scheduler(engine, slots=len(group), capacity=capacity, decode=decode,
-                                  share_documents=share_documents, mix=mix, prompt_order=OFFLINE_PROMPT_ORDER)
+                                  share_documents=share_documents, mix=mix, prompt_order=OFFLINE_PROMPT_ORDER,
+                                  reader_room=reader_room)
             for request in group:
                 try:
                     scheduler.submit(request)

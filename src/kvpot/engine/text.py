@@ -98,6 +98,7 @@ class TextApi:
         batch_size: int | None = None,
         share_documents: bool = False,
         mix: bool | str = MIX,
+        reader_room: int | None = None,
         **sampling,
     ) -> list[Result]:
         """Answer many prompts at once: each `contexts[i]` with `questions[i]` (or each prefilled
@@ -106,12 +107,13 @@ class TextApi:
         what `generate` gives the same prompt alone (greedy). `sampling`: temperature, top_p, seed,
         ignore_eos, as `generate`; a seeded request samples the same tokens whatever shares its batch.
         `share_documents`: requests asking the same `State` read its entries from one copy
-        (`Scheduler(share_documents=True)`), the same tokens. `mix`: where prompt chunks are read
+        (`Scheduler(share_documents=True)`), the same tokens; `reader_room`: such readers hold tail slots of that many
+        entries (`Scheduler(reader_room=...)`). `mix`: where prompt chunks are read
         (`Scheduler(mix=...)`: "auto", with the decoding rows on a GPU; "on"; "off"; "eager"), the same tokens."""
         from kvpot.engine.offline import generate_texts
 
         return generate_texts(self, contexts, questions, max_new_tokens, states, progress, batch_size,
-                              share_documents=share_documents, mix=mix, **sampling)
+                              share_documents=share_documents, mix=mix, reader_room=reader_room, **sampling)
 
     def uses_chat_template(self) -> bool:
         """Whether prompts go through the tokenizer's chat template (`chat_template`: auto, True or False)."""
