@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB, build
+from conftest import VOCAB
 from test_batch import methods
+import test_shared_document
 
 import kvpot
 from kvpot.engine.documents import reader_lanes
@@ -25,17 +26,8 @@ from kvpot.positions import make_policy
 NEW = 20
 ROOM = 32  # a reader's own entries: its question (at most 6 tokens here) and NEW new ones
 QUESTIONS = [torch.randint(3, VOCAB, (k,), generator=torch.Generator().manual_seed(k)).tolist() for k in (3, 6, 2, 5)]
+model, context = test_shared_document.model, test_shared_document.context  # the fixtures: its model and document
 SHARING = [name for name, (method, _) in sorted(methods().items()) if method.copies_document != "at_admission"]
-
-
-@pytest.fixture(scope="module")
-def model():
-    return build("llama3")
-
-
-@pytest.fixture(scope="module")
-def context():
-    return torch.randint(3, VOCAB, (120,), generator=torch.Generator().manual_seed(3)).tolist()
 
 
 def held_apart(pool) -> bool:
