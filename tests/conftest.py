@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 
 import pytest
 import torch
@@ -204,8 +205,42 @@ def skip_interpreted_bf16(dtype: torch.dtype) -> None:
         pytest.skip("Triton 3.6's interpreter multiplies the raw bits of bf16 dot operands; runs on CUDA")
 
 
+# The files that take longest, in seconds of one CPU core (1 intra-op thread, as each of xdist's 2 workers runs them
+# on 2 cores; measured here): `-n auto --dist loadfile` gives each worker a whole file, and xdist by
+# default hands out the files with the most tests first, which left the slowest (a few tests each: SmolLM2, the
+# demo, the reference model) to run last, where one worker could be busy with a 2-3 minute file while the other
+# had nothing left. Under xdist they go first, longest first (the rest still by their number of tests), and the
+# short files fill in beside them. A file missing here only runs later; nothing is skipped.
+SLOWEST_FILES = {
+    "test_smollm2.py": 150, "test_batch.py": 146, "test_packed.py": 127, "test_serve.py": 113, "test_demo.py": 90,
+    "test_compile_step.py": 84, "test_bench.py": 72, "test_shared_document.py": 68, "test_tensor_parallel.py": 57,
+    "test_reference_model.py": 55, "test_bench_serve.py": 51, "test_replace.py": 48, "test_bench_load.py": 43,
+    "test_eval_resume.py": 40, "test_tensor_parallel_serve.py": 32, "test_eval_kvpress.py": 32,
+}
+
+
+def pytest_configure(config):
+    """Under `--dist loadfile` (or loadscope) xdist hands out files in the collection's order, which
+    `pytest_collection_modifyitems` sets: longest first (its own reordering, by test count, is off)."""
+    if getattr(config.option, "dist", "no") in ("loadfile", "loadscope") and hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def _slowest_files_first(items) -> None:
+    """In an xdist worker: the files of `SLOWEST_FILES` first, longest first, then the others by their number of
+    tests, most first (xdist's own order); each file's tests keep their order."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    counts: dict[str, int] = {}
+    for item in items:
+        counts[item.path.name] = counts.get(item.path.name, 0) + 1
+    items.sort(key=lambda item: (-SLOWEST_FILES.get(item.path.name, 0), -counts[item.path.name], str(item.path)))
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` need CUDA: skip them (with the reason) where there is none."""
+    """Tests marked `gpu` need CUDA: skip them (with the reason) where there is none. Under xdist, the
+    slowest files first (`_slowest_files_first`)."""
+    _slowest_files_first(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine)")
@@ -214,8 +249,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-# The machine's own intra-op thread count, before any test changes it (for `all_threads`).
-DEFAULT_THREADS = torch.get_num_threads()
+# The machine's own intra-op thread count, before any test changes it, shared among xdist's workers (for
+# `all_threads`): under `-n auto` on 2 cores each of the 2 workers takes 1. Two threads in each of two busy workers
+# (4 on 2 cores) stall each other: in CI the reference model's accuracy bars took 80-92 s and 53-81 s (18 s alone),
+# SmolLM2's 16K read 193-216 s (80 s alone with two threads, about 100 s with one beside another worker).
+DEFAULT_THREADS = max(1, torch.get_num_threads() // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 
 
 @pytest.fixture(autouse=True)
@@ -234,9 +272,10 @@ def one_thread():
 
 @pytest.fixture
 def all_threads(one_thread):
-    """Every intra-op thread the machine gives by default, for a real model's long, compute-bound forwards,
-    where two threads on idle cores pay: SmolLM2-135M reading 16K tokens took 52 s with two and 96 s with
-    one; the reference model's 30-sample accuracy bars 13-15 s with two and 20-23 s with one."""
+    """Every intra-op thread the machine gives by default (this xdist worker's share of them: `DEFAULT_THREADS`),
+    for a real model's long, compute-bound forwards, where two threads on idle cores pay: SmolLM2-135M reading 16K
+    tokens took 52 s with two and 96 s with one; the reference model's 30-sample accuracy bars 13-15 s with two and
+    20-23 s with one."""
     torch.set_num_threads(DEFAULT_THREADS)
     yield
     torch.set_num_threads(1)
