@@ -182,9 +182,11 @@ def test_shared_document_tail_refusals(model):
         Scheduler(engine, slots=2, capacity=64, decode="static", reader_room=16)
     with pytest.raises(KvpotError, match="reader_room"):
         Scheduler(engine, slots=2, capacity=64, decode="static", share_documents=True, reader_room=0)
-    # a room as wide as a slot: whole slots, apart as without tails
-    assert Scheduler(engine, slots=2, capacity=64, decode="static", share_documents=True,
-                     reader_room=64).pool.lanes is None
+    # a room as wide as a slot, or slots whose lanes hold no whole slot: whole slots, apart as without tails
+    for slots, room in ((2, 64), (3, 16)):
+        scheduler = Scheduler(engine, slots=slots, capacity=64, decode="static", share_documents=True, reader_room=room)
+        assert scheduler.pool.lanes is None and scheduler.pool.stride is None
+        assert scheduler.slot_bytes() == Scheduler(engine, slots=slots, capacity=64, decode="static").slot_bytes()
 
 
 def test_shared_document_tail_bench_throughput_row(capsys, tmp_path):

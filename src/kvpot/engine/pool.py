@@ -182,6 +182,7 @@ class SlotPool:
         # slots apart where tails gain nothing (a stride as wide as a slot), or where the slots' lanes would not hold
         # one whole slot beside the scratch slot's (a sequence that needs one would wait for ever)
         stride = None if stride is None or stride >= capacity or stride * slots < capacity else stride
+        self.stride = stride  # tail slots (None: slots apart)
         self.lanes = Lanes(slots, capacity, stride) if stride else None  # tail slots: the lanes each slot holds
         self.layers = [PoolLayer(slots + 1, kv_heads, capacity, head_dim, dtype, device, stride)
                        for _ in range(self.num_layers)]

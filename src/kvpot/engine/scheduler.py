@@ -78,10 +78,10 @@ class Scheduler:
         mode = "static" if decode == "auto" and engine.device.type != "cuda" else resolve_mode(decode, engine.device)
         self.engine, self.method = engine, engine.method
         self.capacity = slot_capacity(self.method, capacity, question_room)
-        dtype, self.stride = engine.head.weight.dtype, reader_stride(reader_room, share_documents, self.capacity)
-        slots = slot_count(engine, self.capacity, slots, max_slots, memory_fraction, dtype, self.stride)
+        dtype, stride = engine.head.weight.dtype, reader_stride(reader_room, share_documents, self.capacity)
+        slots = slot_count(engine, self.capacity, slots, max_slots, memory_fraction, dtype, stride)
         self.pool = SlotPool(engine.model.config, engine.rope, make_policy(engine.method.positions), slots, self.capacity,
-                             dtype, engine.device, engine.parallel, self.stride)
+                             dtype, engine.device, engine.parallel, stride)
         self.agreement = StepAgreement.of(engine)  # tensor parallelism: every rank's step alike (engine/agreement.py)
         self.decoder, self.mode = BatchDecoder(engine, self.pool, graphs=mode == "graph"), mode
         self.max_waiting, self.prefill_tokens, self.prompt_order = max_waiting, prefill_tokens, prompt_order
@@ -106,7 +106,7 @@ class Scheduler:
 
     def slot_bytes(self, dtype: torch.dtype | None = None) -> int:
         """Bytes one slot takes (KV, positions, two score arrays, the observation row, its logits)."""
-        return slot_bytes(self.engine, self.capacity, dtype, self.stride)
+        return slot_bytes(self.engine, self.capacity, dtype, self.pool.stride)
 
     @torch.no_grad()  # as `step`: a compiled step traced with grad on would need the kernels' backward
     def capture(self) -> int:

@@ -56,7 +56,7 @@ class Pool:
         s = self.scheduler
         return {"method": self.spec, "slots": self.slots, "slots_used": self.slots - len(s.pool.free),
                 "capacity": s.capacity, "slot_bytes": s.slot_bytes(), "decoding": s.decoding,
-                "reader_room": getattr(s, "stride", None),  # tail slots (`--reader-room`)
+                "reader_room": getattr(getattr(s, "pool", None), "stride", None),  # tail slots (`--reader-room`)
                 "prefilling": s.prefilling, "waiting": len(s.waiting), "mix": getattr(s, "mix", False),
                 "batch_invariant": getattr(getattr(s, "engine", None), "batch_invariant", False),
                 **({"shared": s.pool.documents.metrics()} if getattr(getattr(s, "pool", None), "documents", None)
