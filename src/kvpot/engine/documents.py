@@ -309,8 +309,9 @@ def reader_lanes(scheduler, request) -> tuple[int, int | None]:
     return min(counts), max(counts) + own
 
 
-def reader_stride(room: int | None, share: bool, capacity: int) -> int | None:
-    """The pool's slot stride for `Scheduler(reader_room=room)`: None (slots apart) unless sharing documents."""
+def reader_stride(room: int | None, share: bool) -> int | None:
+    """The pool's slot stride for `Scheduler(reader_room=room)`: None (slots apart) unless sharing documents (the pool
+    keeps slots apart too where tails gain nothing: `kvpot.engine.pool.tail_stride`)."""
     from kvpot.errors import KvpotError
 
     if room is None:
@@ -320,4 +321,4 @@ def reader_stride(room: int | None, share: bool, capacity: int) -> int | None:
                          f"integer, got {room!r}.")
     if not share:
         raise KvpotError("reader_room sizes the slots of a shared document's readers; it needs share_documents=True.")
-    return room if room < capacity else None
+    return room

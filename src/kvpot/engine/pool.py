@@ -179,10 +179,7 @@ class SlotPool:
         self.num_layers = config.num_hidden_layers
         if stride is not None and (isinstance(stride, bool) or not isinstance(stride, int) or stride < 1):
             raise KvpotError(f"a pool's slot stride must be a positive integer, got {stride!r}.")
-        # slots apart where tails gain nothing (a stride as wide as a slot), or where the slots' lanes would not hold
-        # one whole slot beside the scratch slot's (a sequence that needs one would wait for ever)
-        stride = None if stride is None or stride >= capacity or stride * slots < capacity else stride
-        self.stride = stride  # tail slots (None: slots apart)
+        self.stride = stride = tail_stride(stride, slots, capacity)  # tail slots (None: slots apart)
         self.lanes = Lanes(slots, capacity, stride) if stride else None  # tail slots: the lanes each slot holds
         self.layers = [PoolLayer(slots + 1, kv_heads, capacity, head_dim, dtype, device, stride)
                        for _ in range(self.num_layers)]
@@ -311,6 +308,13 @@ class SlotPool:
         return sum(layer.nbytes for layer in self.layers) + self.lengths.nbytes + shared
 
 
+def tail_stride(stride: int | None, slots: int, capacity: int) -> int | None:
+    """The slot stride a pool of `slots` slots keeps for tail slots of `stride` lanes: None (slots apart) where tails
+    gain nothing (a stride as wide as a slot), or where the slots' lanes would not hold one whole slot beside the
+    scratch slot's (a sequence that needs one would wait for ever)."""
+    return None if stride is None or stride >= capacity or stride * slots < capacity else stride
+
+
 def kv_shape(config, tp: int = 1) -> tuple[int, int]:
     """(KV heads, head dim) of a model's attention layers, from its config; with tensor parallelism over `tp`
     processes, the KV heads one rank holds (the model's own split: `kvpot.models.parallel.check_heads`)."""
@@ -363,13 +367,13 @@ def slot_count(engine, capacity: int, slots: int | None, max_slots: int, fractio
     check of a pool, for the library and the server alike. With tail slots (`lanes`), `max_slots` counts readers: a
     reader's tail lies its document's length into its slot, so the last `capacity / lanes` slots' tails would reach
     the scratch slot's lanes, and as many more slots are given."""
-    if lanes is not None:
+    if lanes is not None and lanes < capacity:
         max_slots += -(-capacity // lanes)
     if slots is not None:
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise KvpotError(f"slots must be a positive integer, got {slots!r}.")
-        if engine.device.type == "cuda":
-            need = slots * slot_bytes(engine, capacity, dtype, lanes)
+        if engine.device.type == "cuda":  # (the lanes the pool keeps: whole slots where tails gain nothing)
+            need = slots * slot_bytes(engine, capacity, dtype, tail_stride(lanes, slots, capacity))
             free, _ = torch.cuda.mem_get_info(engine.device)
             if need > free * GIVEN_SLOTS_MEMORY_FRACTION:
                 raise KvpotError(f"{slots} slots of {capacity:,} entries take {need / 2**30:.2f} GiB and "
@@ -377,9 +381,12 @@ def slot_count(engine, capacity: int, slots: int | None, max_slots: int, fractio
         return slots
     if engine.device.type != "cuda":
         return min(8, max_slots)
-    per_slot = slot_bytes(engine, capacity, dtype, lanes)
     free, _ = torch.cuda.mem_get_info(engine.device)
-    fits = int(free * fraction) // per_slot
+    fits = int(free * fraction) // slot_bytes(engine, capacity, dtype, lanes)
+    if lanes is not None and tail_stride(lanes, min(fits, max_slots), capacity) is None:  # whole slots after all
+        max_slots -= -(-capacity // lanes) if lanes < capacity else 0
+        lanes, fits = None, int(free * fraction) // slot_bytes(engine, capacity, dtype)
+    per_slot = slot_bytes(engine, capacity, dtype, lanes)
     if engine.parallel is not None:  # every rank must run the same slots: the one with least memory decides
         fits = int(engine.parallel.all_reduce(torch.tensor([fits], device=engine.device), op="min").item())
     if fits < 1:

@@ -78,7 +78,7 @@ class Scheduler:
         mode = "static" if decode == "auto" and engine.device.type != "cuda" else resolve_mode(decode, engine.device)
         self.engine, self.method = engine, engine.method
         self.capacity = slot_capacity(self.method, capacity, question_room)
-        dtype, stride = engine.head.weight.dtype, reader_stride(reader_room, share_documents, self.capacity)
+        dtype, stride = engine.head.weight.dtype, reader_stride(reader_room, share_documents)
         slots = slot_count(engine, self.capacity, slots, max_slots, memory_fraction, dtype, stride)
         self.pool = SlotPool(engine.model.config, engine.rope, make_policy(engine.method.positions), slots, self.capacity,
                              dtype, engine.device, engine.parallel, stride)
