@@ -231,10 +231,13 @@ def test_capturing_ahead_never_compiles_inside_a_capture(name, counting, one_thr
     assert len(counting.graphs) > 0 and graphs.compiled_in_capture == 0
 
 
+@pytest.mark.parametrize("room", [None, 128], ids=["whole-slots", "tail-slots"])
 @pytest.mark.parametrize("name", ["full", "infinipot"])
-def test_shared_document_readers_through_the_compiled_step_get_the_copy_per_reader_tokens(name, counting, one_thread):
+def test_shared_document_readers_through_the_compiled_step_get_the_copy_per_reader_tokens(name, room, counting,
+                                                                                           one_thread):
     """`--share-documents --compile-step`: the compiled layer reads the shared region through the cache like any
-    other step (no copy-on-write: a pot this large never fills), with the tokens of readers holding a copy each."""
+    other step (no copy-on-write: a pot this large never fills), with the tokens of readers holding a copy each; with
+    tail slots (`reader_room`) too, whose pool tensors are overlapping views of one arena."""
     model = deep("llama3", 2)
     make = {"full": kvpot.Full, "infinipot": lambda: kvpot.InfiniPot(pot_size=256, catalyst=None)}[name]
     context = torch.randint(3, VOCAB, (120,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -243,10 +246,11 @@ def test_shared_document_readers_through_the_compiled_step_get_the_copy_per_read
     tokens, reports = {}, {}
     for share, compiled in ((False, False), (True, True)):
         scheduler = Scheduler(kvpot.Engine(model, method=make(), compile_step=compiled), slots=3, capacity=256,
-                              decode="static", share_documents=share)
+                              decode="static", share_documents=share, reader_room=room if share else None)
         requests = [Request(None, q, state=state, max_new_tokens=12, ignore_eos=True) for q in questions]
         run_all(scheduler, requests)
         tokens[share], reports[share] = [r.tokens for r in requests], scheduler.report
+    assert scheduler.pool.stride == room  # (the shared run's pool: tail slots where asked)
     assert tokens[True] == tokens[False]
     assert reports[True]["document_loads"] == 1 and reports[True]["copy_on_write"] == 0
     assert counting.graphs and counting.runs > 0  # the shared steps ran through the compiled layer
