@@ -12,6 +12,7 @@ so a near-tie between two tokens can go either way. This counts how often the te
 
     python benchmarks/shared-document-h100/agreement.py --out DIR [--model smollm2-135m] [--device cuda]
         [--dtype bfloat16] [--method infinipot --method streaming ...] [--length 4k] [--documents 4] [--readers 8]
+        [--reader-room 64]
 
 Writes DIR/agreement.json (per method: identical answers, the 95% Wilson interval, passkey accuracy of both
 paths, each differing pair's texts) and prints a table.
@@ -50,6 +51,8 @@ def main(argv=None) -> None:
     p.add_argument("--documents", type=int, default=4, help="documents (at most the scheduler's 4 shared rows)")
     p.add_argument("--readers", type=int, default=8, help="questions asked of each document")
     p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--reader-room", type=int, default=None,
+                   help="the shared readers hold tail slots of this many entries (Scheduler(reader_room=...))")
     args = p.parse_args(argv)
     import torch
 
@@ -106,7 +109,8 @@ def compare(engine, args, length: int) -> dict:
     answers = {}
     for shared in (False, True):
         results = engine.generate_batch(states=states, questions=questions, max_new_tokens=args.new_tokens,
-                                        batch_size=len(states), share_documents=shared)
+                                        batch_size=len(states), share_documents=shared,
+                                        reader_room=args.reader_room if shared else None)
         answers[shared] = [r.text for r in results]
     same = sum(a == b for a, b in zip(answers[False], answers[True]))
     low, high = wilson_interval(same, len(questions))
