@@ -490,6 +490,7 @@ def test_shared_document_serve_readers_of_an_uploaded_document(tmp_path, mix, ro
         assert server.metric("shared_documents") == 1 and server.metric("shared_document_readers") == 0
         shared = server.http("GET", "/health").json()["pools"][0]["shared"]
         assert server.metric("copy_on_write_total") == 0, {k: v for k, v in shared.items() if v}
+        assert shared["tail_slot_readers"] == (3 if room else 0)
     finally:
         server.stop()
 

@@ -122,6 +122,7 @@ def test_shared_document_tail_readers_get_the_copy_per_reader_tokens(model, cont
     assert report["copy_on_write"] == filled  # the readers whose pot filled, each in a whole slot
     whole = sum(held == (0, scheduler.capacity) for holds in placed.values() for held in holds)
     assert whole == filled and len(placed) >= 1
+    assert report["tail_slot_readers"] == len(QUESTIONS) - filled
     for holds in placed.values():
         for lo, hi in holds:
             assert (lo, hi) == (0, scheduler.capacity) or lo == doc and hi - lo <= ROOM + 64
@@ -205,5 +206,6 @@ def test_shared_document_tail_bench_throughput_row(capsys, tmp_path):
     shared, copied = rows["infinipot [batch, shared document]"], rows["infinipot [batch]"]
     assert shared["completed"] == copied["completed"] == 3 and shared["output_tokens"] == copied["output_tokens"] == 12
     assert shared["scheduler"]["copy_on_write"] == 0 and shared["scheduler"]["document_loads"] == 1
+    assert shared["scheduler"]["tail_slot_readers"] == 3  # (the timed run's, the warm-up's zeroed)
     assert shared["slot_bytes"] < copied["slot_bytes"]
     assert main([*argv, "--reader-room", "16"]) == 2 and "--share-documents" in capsys.readouterr().err

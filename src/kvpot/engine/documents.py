@@ -63,6 +63,7 @@ class DocumentRegion:
         self.reading: dict[int, Document] = {}  # slot -> the document it reads
         self.copies: Counter = Counter()  # reason -> readers that copied for it
         self.loads = 0
+        self.tail_readers = 0  # readers admitted holding only their tail's lanes (`reader_lanes`)
         self.owner = None  # the scheduler, whose `report` is kept current (`metrics`) at every change
 
     # ------------------------------------------------------------------ readers
@@ -82,6 +83,8 @@ class DocumentRegion:
         self.loaded.move_to_end(id(state))
         document.readers.add(slot)
         self.reading[slot] = document
+        lanes = self.pool.lanes
+        self.tail_readers += lanes is not None and lanes.held.get(slot, (0,))[0] > 0
         self.of_slot[slot] = document.row
         self._changed()
         return True
@@ -175,9 +178,10 @@ class DocumentRegion:
             self.owner.report.update(self.metrics())
 
     def metrics(self) -> dict:
-        """Loaded documents, their readers now, and copy-on-write events by reason (the scheduler's report)."""
+        """Loaded documents, their readers now, readers admitted in tail slots, and copy-on-write events by reason
+        (the scheduler's report)."""
         out = {"shared_documents": self.documents, "shared_readers": self.readers, "document_loads": self.loads,
-               "copy_on_write": sum(self.copies.values())}
+               "tail_slot_readers": self.tail_readers, "copy_on_write": sum(self.copies.values())}
         out.update({f"copy_on_write_{reason}": self.copies[reason] for reason in REASONS})
         return out
 
