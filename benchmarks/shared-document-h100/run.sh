@@ -7,6 +7,7 @@
 #   OUT=DIR bash benchmarks/shared-document-h100/run.sh 64      # 64 readers: copy per reader, then shared
 #   OUT=DIR bash benchmarks/shared-document-h100/run.sh 256     # 256 readers: the same two rows
 #       (with --reader-room 288 the shared row's readers hold tail slots: 256 of them fit on an H100)
+#   OUT=DIR bash benchmarks/shared-document-h100/run.sh N ...  # any other number of readers likewise
 #   OUT=DIR bash benchmarks/shared-document-h100/run.sh sweep [shared_sweep.py options]
 #       # the GPU kernel tests, then the attention alone over launch shapes (shared_sweep.py; --segments: each
 #       # launch alone; --baseline FILE times an earlier copy of the kernel on the same inputs)
@@ -14,7 +15,7 @@
 # Rows: `infinipot [batch]` (a copy per reader) and `infinipot [batch, shared document]`; each row's
 # `scheduler` record holds the document loads, readers and copy-on-write events, `pool_bytes` the pool's memory.
 set -euo pipefail
-part=${1:?usage: run.sh tests|64|256|sweep [options...]}; shift
+part=${1:?usage: run.sh tests|READERS|sweep [options...]}; shift
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu-$part.csv" || true
@@ -30,7 +31,7 @@ case "$part" in
     # tail slots (reader_room): the arena, and every sharing method's tokens through them
     python3 -m pytest -q -p no:cacheprovider tests/test_shared_document_tails.py 2>&1 | tee "$OUT/tails-tests.log" | tail -3
     ;;
-  64|256)
+  [1-9]|[1-9][0-9]|[1-9][0-9][0-9]|[1-9][0-9][0-9][0-9])
     # one user one at a time keeps the third row short
     python3 -m kvpot bench throughput --shape llama3-8b --device cuda --method infinipot:pot_size=4096 \
         --users "$part" --lengths 128k --document --share-documents --new-tokens 256 --sequential-users 1 \
@@ -64,5 +65,5 @@ for segment in ("document", "tail"):
 print(sum("error" in r for r in rows), "configurations failed")
 PY
     ;;
-  *) echo "unknown part $part (tests, 64, 256 or sweep)" >&2; exit 2 ;;
+  *) echo "unknown part $part (tests, a number of readers, or sweep)" >&2; exit 2 ;;
 esac
