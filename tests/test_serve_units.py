@@ -229,11 +229,12 @@ def test_config_validation_and_sizes(tmp_path):
     assert ServeConfig(mix="on", share_documents=True).mix == "on"  # shared documents' readers mix when asked
     from kvpot.serve.config import EngineRecipe
 
-    for recipe, options in ((EngineRecipe(batch_invariant=True), dict(share_documents=True)),
+    for recipe, options in ((EngineRecipe(batch_invariant=True), dict(mix="on")),
                             (EngineRecipe(batch_invariant=True, tp=2), {})):
         with pytest.raises(KvpotError, match="--batch-invariant"):
             recipe.check(ServeConfig(**options))
     EngineRecipe(batch_invariant=True).check(ServeConfig())  # mix auto: resolved off by the scheduler
+    EngineRecipe(batch_invariant=True).check(ServeConfig(share_documents=True))  # readers join the document region
     config = ServeConfig(state_dir=tmp_path / "new" / "dir")
     assert config.state_dir.is_dir() and config.host == "127.0.0.1"
 
@@ -250,7 +251,7 @@ def test_config_validation_and_sizes(tmp_path):
     (["--feed-tokens", "0"], "--feed-tokens must be a positive integer"),
     (["--prompt-patience", "-2"], "--prompt-patience must be a number of seconds >= 0"),
     (["--batch-invariant", "--mix", "on"], "--batch-invariant reads prompts and questions as one request alone"),
-    (["--batch-invariant", "--feed-questions", "always"], "it does not run with --mix on, --feed-questions always"),
+    (["--batch-invariant", "--feed-questions", "always"], "it does not run with --mix on or --feed-questions always"),
     (["--batch-invariant", "--linear", "torch"], "--batch-invariant chooses the linear layers' kernel itself"),
 ])
 def test_serve_command_refuses_bad_flags_in_one_line(argv, fragment, capsys):

@@ -8,11 +8,14 @@ are answered twice, in one batch each (`Engine.generate_batch(states=...)`, gree
 
 The questions are the passkey's own and a few others about the same document. In float32 on a CPU the two are equal
 by construction (the tests check the tokens). In bf16 the cascade kernel sums a reader's attention in two segments,
-so a near-tie between two tokens can go either way. This counts how often the texts part.
+so a near-tie between two tokens can go either way. This counts how often the texts part. With `--batch-invariant`
+both paths run `Engine(batch_invariant=True)`: a shared reader then reads its question apart over the document and
+decodes through the decode kernel at its fixed splits, reading the document's entries where they are (a joined
+region, `kvpot.engine.documents`), which should give the copied reader's texts exactly.
 
     python benchmarks/shared-document-h100/agreement.py --out DIR [--model smollm2-135m] [--device cuda]
         [--dtype bfloat16] [--method infinipot --method streaming ...] [--length 4k] [--documents 4] [--readers 8]
-        [--reader-room 64]
+        [--reader-room 64] [--batch-invariant]
 
 Writes DIR/agreement.json (per method: identical answers, the 95% Wilson interval, passkey accuracy of both
 paths, each differing pair's texts) and prints a table.
@@ -53,6 +56,9 @@ def main(argv=None) -> None:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--reader-room", type=int, default=None,
                    help="the shared readers hold tail slots of this many entries (Scheduler(reader_room=...))")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="both paths under Engine(batch_invariant=True): shared readers join the document region "
+                        "(kvpot.engine.documents) and should give the copied readers' texts exactly")
     args = p.parse_args(argv)
     import torch
 
@@ -73,9 +79,10 @@ def main(argv=None) -> None:
     for name in args.method or METHODS:
         method = build_method(name, budget=args.budget)
         if engine is None:
-            engine = Engine.from_pretrained(args.model, method=method, device=device, dtype=dtype)
+            engine = Engine.from_pretrained(args.model, method=method, device=device, dtype=dtype,
+                                            batch_invariant=args.batch_invariant)
         else:  # one model for every method
-            engine = Engine(engine.model, engine.tokenizer, method=method)
+            engine = Engine(engine.model, engine.tokenizer, method=method, batch_invariant=args.batch_invariant)
         try:
             report["methods"][name] = compare(engine, args, length)
         except KvpotError as error:  # said, and the other methods still run

@@ -59,10 +59,9 @@ def check_load(config) -> None:
                                                       getattr(config, "tp", 1) > 1):
         raise KvpotError("--batch-invariant chooses the linear layers' kernel itself and does not run under tensor "
                          "parallelism: drop --linear / --tp.")
-    if getattr(config, "batch_invariant", False) and (config.mix in ("on", "eager") or config.mixed or
-                                                        config.share_documents):
-        raise KvpotError("--batch-invariant reads prompts as one request alone does: it does not run with --mix on, "
-                         "--mixed or --share-documents.")
+    if getattr(config, "batch_invariant", False) and (config.mix in ("on", "eager") or config.mixed):
+        raise KvpotError("--batch-invariant reads prompts as one request alone does: it does not run with --mix on or "
+                         "--mixed.")
     if config.length_mix:
         if config.document:
             raise KvpotError("--length-mix draws a context length per user; with --document every user reads one "

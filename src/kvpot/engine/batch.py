@@ -126,20 +126,22 @@ class StepCache(Cache):
         b, heads, _, d = query.shape
         query = rope.unscale(query)
         probs = storage.observation_buffer()[:b] if self.request is not None else None
-        if self.pool.documents is not None:  # readers of shared documents: two segments, merged
+        region = self.pool.documents
+        if region is not None and not region.joined:  # readers of shared documents: two segments, merged
             return self._attend_shared(layer, query, scaling, probs).view(b, 1, heads, d)
-        kernel = batch_kernel(query.device, d)
-        lengths = layer.lengths
+        kernel, lengths, docs = batch_kernel(query.device, d), layer.lengths, layer.documents
+        # a joined region's readers: each entry from the document or the slot, in the copied reader's sums
+        documents = docs and (docs[0], docs[1], None if self.policy.stores_rotated else docs[2], docs[4], docs[3])
         if self.policy.stores_rotated:
             turned = rope.rotate(query, self.stream_positions.view(-1, 1, 1).expand(-1, storage.kv_heads, 1),
                                  self.max_position)
             out = kernel(turned[:, :, 0], storage.keys, storage.values, self.rows, lengths, scaling, probs=probs,
-                         split_entries=self.split_entries)
+                         split_entries=self.split_entries, documents=documents)
         else:
             cos, sin = rope.table(storage.capacity + 1, query)
             out = kernel(query[:, :, 0], storage.keys, storage.values, self.rows, lengths, scaling, cos=cos, sin=sin,
                          key_positions=storage.rope_positions, query_positions=storage.query_position, probs=probs,
-                         split_entries=self.split_entries)
+                         split_entries=self.split_entries, documents=documents)
         return out.view(b, 1, heads, d)
 
     def _attend_shared(self, layer: StepLayer, query: torch.Tensor, scaling: float, probs) -> torch.Tensor:

@@ -45,14 +45,19 @@ class Document:
 class DocumentRegion:
     """`rows` documents' keys, values and RoPE positions beside `pool`'s slots, counted once in its bytes."""
 
-    def __init__(self, pool, rows: int):
+    def __init__(self, pool, rows: int, joined: bool = False):
         self.pool, self.rows = pool, rows
         like = pool.layers[0]
+        # joined (batch-invariant decoding): each reader attends its document and its tail as one sequence, through
+        # the decode kernel at its fixed splits, and reads its question in a forward of its own over the same entries
+        # (`join`): its sums are then a copied reader's, bit for bit, and the document is read once per reader
+        self.joined = joined
         # Keys stored rotated at their positions: a document is loaded once and read at every step by every
         # reader, so it is rotated once here rather than at each read (kvpot.kernels.shared: the document segment
         # then loads no RoPE table). A policy that stores keys rotated already needs nothing; a RoPE without a
-        # fixed table (dynamic) is never batched with per-entry positions.
-        self.rotated = not pool.policy.stores_rotated and not pool.rope.dynamic
+        # fixed table (dynamic) is never batched with per-entry positions. Joined, they are stored as a slot keeps
+        # them, so that the kernel loads and rotates each entry as it would a copy's.
+        self.rotated = not joined and not pool.policy.stores_rotated and not pool.rope.dynamic
         shape = (rows, like.kv_heads, pool.capacity)
         self.keys = [torch.zeros(*shape, like.head_dim, dtype=like.dtype, device=pool.device) for _ in pool.layers]
         self.values = [torch.zeros_like(k) for k in self.keys]
@@ -99,12 +104,21 @@ class DocumentRegion:
     def shares(self, slot: int) -> bool:
         return slot in self.reading
 
+    def join(self, slot: int, cache) -> None:
+        """Hand the slot's cache layers their document's rows (`SlotLayer.document`): a forward over the slot then
+        attends the document's entries and the slot's own as one sequence, as over a copy (joined regions)."""
+        document = self.reading[slot]
+        for i, layer in enumerate(cache.layers):
+            layer.document = (self.keys[i][document.row], self.values[i][document.row], document.lengths[i])
+
     def detach(self, slot: int) -> None:
         """The slot reads its document no more (it ended, or copied); the document stays loaded."""
         document = self.reading.pop(slot, None)
         if document is not None:
             document.readers.discard(slot)
             self.of_slot[slot] = -1
+            for layer in getattr(self.pool.caches.get(slot), "layers", ()):
+                layer.document = None
             self._changed()
 
     def copy_out(self, slot: int, reason: str) -> None:
@@ -197,10 +211,7 @@ def share_region(scheduler, share: bool, rows: int) -> DocumentRegion | None:
         raise KvpotError(f"documents (stored documents loaded at once) must be a positive integer, got {rows!r}.")
     if scheduler.engine.parallel is not None:
         raise KvpotError("share_documents does not run under tensor parallelism yet.")
-    if scheduler.engine.batch_invariant:
-        raise KvpotError("share_documents under batch-invariant decoding: a shared document's readers attend through "
-                         "the cascade kernel, whose sums follow the batch; drop one of the two.")
-    region = DocumentRegion(scheduler.pool, rows)
+    region = DocumentRegion(scheduler.pool, rows, joined=scheduler.engine.batch_invariant)
     region.owner = scheduler
     for i, layer in enumerate(scheduler.decoder.cache.layers):  # each step layer reads its own views
         layer.documents = (region.keys[i], region.values[i], region.rope_positions[i], region.lengths[i],
@@ -218,13 +229,17 @@ def load_state(scheduler, slot: int, state, question: torch.Tensor) -> tuple:
         return pool.load(slot, state.cache, defer=True), False
     fed = feeds(scheduler, state, question.numel())
     chunk = question_chunk(scheduler, state, question.numel())
-    if not fed and not chunk:
+    apart = question_apart(scheduler, state, question.numel())
+    if not fed and not chunk and not apart:
         region.copied("question")
         return pool.load(slot, state.cache, defer=True), False
     if not region.attach(slot, state):
         region.copied("full")
         return pool.load(slot, state.cache, defer=True), False
-    return pool.load(slot, state.cache, keys=False, defer=True), chunk
+    cache = pool.load(slot, state.cache, keys=False, defer=True)
+    if region.joined:
+        region.join(slot, cache)
+    return cache, chunk
 
 
 def feeds(scheduler, state, tokens: int) -> bool:
@@ -249,6 +264,19 @@ def question_chunk(scheduler, state, tokens: int) -> bool:
             and cache.attention is None and not cache.host_storage and not cache.static
             and (region.rotated or pool.policy.stores_rotated) and not pool.policy.raw_keys
             and type(scheduler.method).before_forward is Method.before_forward  # as `mixed.mixable`
+            and scheduler.method.chunk_appends(cache, tokens))
+
+
+def question_apart(scheduler, state, tokens: int) -> bool:
+    """Whether a reader's question (any length, or none) may be read in a forward of its own over the shared
+    document without copying it: the region is joined (batch-invariant decoding reads questions so, `join`) and the
+    method's reading it only appends (`Method.chunk_appends`)."""
+    from kvpot.methods.base import Method
+
+    region, cache = scheduler.pool.documents, state.cache
+    return (region is not None and region.joined and scheduler.batched and cache.attention is None
+            and not cache.host_storage and not cache.static
+            and type(scheduler.method).before_forward is Method.before_forward
             and scheduler.method.chunk_appends(cache, tokens))
 
 
@@ -283,19 +311,20 @@ def shares(pool, slot: int) -> bool:
 
 
 def unshare(scheduler, slot: int, reason: str) -> None:
-    """Copy on write now, if the slot reads a shared document (its question is read in a forward after all)."""
+    """Copy on write now, if the slot reads a shared document (its question is read in a forward after all), unless
+    the region is joined (the forward reads the document where it is: `question_apart`)."""
     region = scheduler.pool.documents
-    if region is not None and region.shares(slot):
+    if region is not None and region.shares(slot) and not (reason == "question" and region.joined):
         region.copy_out(slot, reason)
 
 
 def reader_lanes(scheduler, request) -> tuple[int, int | None]:
     """The lanes of its slot a request needs, `[lo, hi)` (hi None: the whole slot). With tail slots
     (`Scheduler(reader_room=...)`, `kvpot.engine.pool`), a reader that reads its document from the region to its
-    end needs only its tail: `[n_doc, n_doc + question + new tokens)`. That is one whose question is fed or read as a
-    chunk over the region (`load_state`), whose document gets a row, and whose method never changes the document's
-    entries within that many tokens (`copies_document` "never", or its pot does not fill: `Method.chunk_appends`).
-    Any other request holds its whole slot."""
+    end needs only its tail: `[n_doc, n_doc + question + new tokens)`. That is one whose question is fed, read as a
+    chunk over the region, or read apart over a joined region (`load_state`), whose document gets a row, and whose
+    method never changes the document's entries within that many tokens (`copies_document` "never", or its pot does
+    not fill: `Method.chunk_appends`). Any other request holds its whole slot."""
     pool, state = scheduler.pool, request.state
     if pool.lanes is None or state is None or pool.documents is None:
         return 0, None
@@ -303,7 +332,8 @@ def reader_lanes(scheduler, request) -> tuple[int, int | None]:
     own = question + request.max_new_tokens
     method, cache = scheduler.method, state.cache
     fed = feeds(scheduler, state, question) and request.max_new_tokens > 0
-    if not (fed or question_chunk(scheduler, state, question)) or not pool.documents.can_attach(state):
+    read = fed or question_chunk(scheduler, state, question) or question_apart(scheduler, state, question)
+    if not read or not pool.documents.can_attach(state):
         return 0, None
     if copy_reason(scheduler, cache, "append") is not None:
         return 0, None

@@ -141,6 +141,24 @@ class SlotLayer(PotLayer):
         self.dtype, self.device = storage.dtype, storage.device
         self.is_initialized = True
 
+    # (keys [kv_heads, capacity, d], values, n_doc) of the shared document this slot reads in a joined region
+    # (`kvpot.engine.documents.DocumentRegion.join`): its entries [0, n_doc) are there, not in the slot
+    document: tuple | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """`PotLayer.update`; a joined reader's forward (its question) attends the document's entries and its own as
+        one sequence: the same keys and values a copied reader's forward gets."""
+        if self.document is None:
+            return super().update(key_states, value_states, *args, **kwargs)
+        self.append(key_states, value_states)
+        keys, values, n_doc = self.document
+        keys = torch.cat((keys[None, :, :n_doc], self.keys[:, :, n_doc : self.n]), dim=2)
+        values = torch.cat((values[None, :, :n_doc], self.values[:, :, n_doc : self.n]), dim=2)
+        rope, policy = self.cache.rope, self.cache.policy
+        if not (policy.stores_rotated or policy.raw_keys):
+            keys = rope.rotate(keys, self.rope_positions[:, :, : self.n], self.max_rope)
+        return keys, values
+
     # the pool owns the score buffers (a batched step updates them for every slot at once)
     @property
     def scores(self) -> dict[str, torch.Tensor]:

@@ -272,8 +272,8 @@ class Scheduler:
                         self._start_decoding(active)
                         done.append(slot)
                         break
-                    if budget < max(1, self.prefill_tokens // 4) or read and chunk[0].numel() > budget or \
-                            (waits or slot in mixed or shares(self.pool, slot)) and mixable(self.method, active.run):
+                    if budget < max(1, self.prefill_tokens // 4) or read and chunk[0].numel() > budget or self.mix \
+                            and (waits or slot in mixed or shares(self.pool, slot)) and mixable(self.method, active.run):
                         break  # one forward past the budget only if none came; a mixable chunk mixes next step
                     unshare(self, slot, "question")  # (a reader's question read apart reads the slot's keys)
                     self.engine._forward(active.run, *chunk)

@@ -63,15 +63,22 @@ def online_softmax_step(sc, m_i, l_i, acc, V, j, live, dd, stride_vn, IEEE: tl.c
     """One block of keys into a running softmax-weighted sum (FlashAttention's update): scores `sc`
     [BLOCK_M, BLOCK_N] in log2 units (-inf where masked), the block's values read from `V` at entries `j`
     (`live` ones), the running max `m_i`, sum `l_i` and unnormalised output `acc`; returns the three updated."""
+    v = tl.load(V + j[:, None] * stride_vn + dd[None, :], mask=live[:, None], other=0.0)
+    return softmax_update(sc, m_i, l_i, acc, v, IEEE)
+
+
+@triton.jit
+def softmax_update(sc, m_i, l_i, acc, v, IEEE: tl.constexpr):
+    """`online_softmax_step` with the block's values `v` [BLOCK_N, D] loaded by the caller (zero where masked):
+    a kernel that reads one block's entries from two buffers (`kvpot.kernels.decode`'s shared documents)."""
     m_new = tl.maximum(m_i, tl.max(sc, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(sc - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = tl.load(V + j[:, None] * stride_vn + dd[None, :], mask=live[:, None], other=0.0)
     if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(p.to(V.dtype.element_ty), v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(V.dtype.element_ty), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
 
 

@@ -32,9 +32,12 @@ import triton
 import triton.language as tl
 
 from kvpot.errors import KvpotError
-from kvpot.kernels.common import half_scores, load_keys, online_softmax_step, merge, multiprocessors, next_power_of_2
+from kvpot.kernels.common import (
+    half_scores, load_keys, merge, multiprocessors, next_power_of_2, online_softmax_step, softmax_update,
+)
 from kvpot.kernels.decode_reference import (
     check_decode_batch_inputs,
+    check_shared_inputs,
     check_decode_inputs,
     decode_attention_batch_reference,
     decode_attention_reference,
@@ -72,13 +75,17 @@ def _decode_kernel(
     OUT,  # [SPLITS, B * H, D] float32 partials (SPLIT) or [B * H, D] in the output dtype
     LSE,  # [SPLITS, B * H] float32 log2-sum-exp of each split's scores (SPLIT, or PROBS with one split)
     LOGITS,  # [B * H, N] float32 scores in log2 units (PROBS)
+    DK, DV, DKPOS,  # [R, KV, N, D] / [R, KV, N] a shared document region's keys, values, positions (DOC)
+    DOC_ROWS, DOC_LENGTHS,  # [S] each slot's document row (-1: none), [R] each document's entries (DOC)
     N, G, KV, SPLITS, PER, scale,  # PER > 0: each split's entries, fixed (else the live count over SPLITS)
     stride_qb, stride_qh, stride_r, stride_len,
     stride_ks, stride_kh, stride_kn, stride_vs, stride_vh, stride_vn,
     stride_ps, stride_ph, stride_pn, stride_qs, stride_qk, stride_t,
     stride_os, stride_or, stride_ls,
+    stride_dks, stride_dkh, stride_dkn, stride_dvs, stride_dvh, stride_dvn, stride_dps, stride_dph, stride_dpn,
+    stride_dr, stride_dl,
     ROPE: tl.constexpr, PROBS: tl.constexpr, SPLIT: tl.constexpr, HALF: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOC: tl.constexpr,
 ):
     tiles = tl.cdiv(G, BLOCK_M)
     pid = tl.program_id(0)
@@ -94,6 +101,14 @@ def _decode_kernel(
     dd = tl.arange(0, 2 * HALF)
     K += slot * stride_ks + h * stride_kh
     V += slot * stride_vs + h * stride_vh
+    n_doc = 0  # DOC: entries [0, n_doc) are read from the slot's document row, the rest from the slot
+    if DOC:
+        drow = tl.load(DOC_ROWS + slot * stride_dr).to(tl.int64)
+        n_doc = tl.where(drow >= 0, tl.load(DOC_LENGTHS + tl.maximum(drow, 0) * stride_dl), 0).to(tl.int32)
+        drow = tl.maximum(drow, 0)
+        DK += drow * stride_dks + h * stride_dkh
+        DV += drow * stride_dvs + h * stride_dvh
+        DKPOS += drow * stride_dps + h * stride_dph
 
     # the query rotated at its position (once per program), scaled for exp2, in the keys' dtype
     q_ptr = Q + b * stride_qb + head[:, None] * stride_qh + dh[None, :]
@@ -123,12 +138,25 @@ def _decode_kernel(
     for start in range(lo, hi, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         live = j < hi
-        k1, k2 = load_keys(K, KPOS, COS, SIN, j, live, dh, stride_kn, stride_pn, stride_t, HALF, ROPE)
+        if DOC:  # each entry from one of the two buffers, loaded and rotated as the slot's are: the same sums
+            own = live & (j >= n_doc)
+            shared = live & (j < n_doc)
+            k1, k2 = load_keys(K, KPOS, COS, SIN, j, own, dh, stride_kn, stride_pn, stride_t, HALF, ROPE)
+            d1, d2 = load_keys(DK, DKPOS, COS, SIN, j, shared, dh, stride_dkn, stride_dpn, stride_t, HALF, ROPE)
+            k1 = tl.where(shared[:, None], d1, k1)
+            k2 = tl.where(shared[:, None], d2, k2)
+        else:
+            k1, k2 = load_keys(K, KPOS, COS, SIN, j, live, dh, stride_kn, stride_pn, stride_t, HALF, ROPE)
         sc = half_scores(q1, q2, k1, k2, IEEE)  # [BLOCK_M, BLOCK_N], log2 units
         sc = tl.where(live[None, :], sc, float("-inf"))
         if PROBS:
             tl.store(LOGITS + out_row[:, None] * N + j[None, :], sc, mask=row_ok[:, None] & live[None, :])
-        m_i, l_i, acc = online_softmax_step(sc, m_i, l_i, acc, V, j, live, dd, stride_vn, IEEE)
+        if DOC:
+            v = tl.load(V + j[:, None] * stride_vn + dd[None, :], mask=own[:, None], other=0.0)
+            dv = tl.load(DV + j[:, None] * stride_dvn + dd[None, :], mask=shared[:, None], other=0.0)
+            m_i, l_i, acc = softmax_update(sc, m_i, l_i, acc, tl.where(shared[:, None], dv, v), IEEE)
+        else:
+            m_i, l_i, acc = online_softmax_step(sc, m_i, l_i, acc, V, j, live, dd, stride_vn, IEEE)
 
     # a slot with no live entry (l_i == 0) writes zeros and log-sum-exp -inf
     safe = tl.where(l_i > 0, l_i, 1.0)
@@ -215,6 +243,23 @@ def _rope_arguments(keys, lengths, cos, sin, key_positions, query_positions):
     return (cos, sin, key_positions, query_positions), strides
 
 
+def _document_arguments(documents, keys, lengths, cos):
+    """The region tensors and strides of `_decode_kernel` (placeholders and zero strides without documents)."""
+    if documents is None:
+        return (keys, keys, lengths, lengths, lengths), (0,) * 11
+    doc_keys, doc_values, doc_positions, doc_rows, doc_lengths = documents
+    if doc_keys.stride(-1) != 1 or doc_values.stride(-1) != 1:
+        raise KvpotError("decode attention reads a document region's rows in place: their last dimension must be "
+                         "contiguous")
+    if cos is None or doc_positions is None:  # keys stored rotated: positions are not read
+        doc_positions, position_strides = lengths, (0, 0, 0)
+    else:
+        position_strides = doc_positions.stride()
+    strides = (*doc_keys.stride()[:3], *doc_values.stride()[:3], *position_strides, doc_rows.stride(0),
+               doc_lengths.stride(0))
+    return (doc_keys, doc_values, doc_positions, doc_rows, doc_lengths), strides
+
+
 def decode_attention_batch(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -229,6 +274,7 @@ def decode_attention_batch(
     probs: torch.Tensor | None = None,
     num_splits: int | None = None,
     split_entries: int | None = None,
+    documents: tuple | None = None,
 ) -> torch.Tensor:
     """Attention [B, heads, d] (query.dtype) of each batch row's `query` [B, heads, d] over the live
     entries `[0, lengths[rows[b]])` of its pool slot in `keys`/`values` [S, kv_heads, capacity, d]
@@ -244,13 +290,19 @@ def decode_attention_batch(
     count (default: `default_splits`, from shapes and the SM count). `split_entries` (a multiple of
     `BLOCK_N`) instead fixes each split's entries, and the launch shape with it: a row's output then
     depends on its slot's live entries alone, not on the batch or the capacity (batch-invariant decoding,
-    `kvpot.kernels.invariant`). No host synchronisation and no allocation sized from device values: safe
-    to capture in a CUDA graph.
+    `kvpot.kernels.invariant`). `documents` (doc_keys, doc_values, doc_key_positions, doc_rows, doc_lengths): a
+    slot reading a shared document reads its first entries from the document's row of that region, as
+    `decode_attention_batch_reference` says, each entry loaded and rotated as its copy in the slot would be: with
+    `split_entries`, a reader's output is then the copied reader's, bit for bit (batch-invariant sharing; the
+    cascade kernel `kvpot.kernels.shared` reads a document once per group instead, in sums of its own). No host
+    synchronisation and no allocation sized from device values: safe to capture in a CUDA graph.
     """
     check_decode_batch_inputs(query, keys, values, rows, lengths, cos, sin, key_positions, query_positions, probs)
+    if documents is not None:
+        check_shared_inputs(query, keys, *documents[:2], *documents[3:], documents[2], cos)
     if keys.stride(-1) != 1 or values.stride(-1) != 1:
         raise KvpotError("decode attention reads keys/values rows in place: their last dimension must be contiguous")
-    given = (query, values, rows, lengths, cos, sin, key_positions, query_positions, probs)
+    given = (query, values, rows, lengths, cos, sin, key_positions, query_positions, probs, *(documents or ()))
     if any(t is not None and t.device != keys.device for t in given):
         raise KvpotError(f"decode attention needs every tensor on the cache's device ({keys.device})")
     if num_splits is not None and num_splits < 1:
@@ -286,14 +338,15 @@ def decode_attention_batch(
     else:  # one split: the kernel writes the output (and the log-sum-exp probs need) itself
         part, lse = flat.unsqueeze(0), lse_final if lse_final is not None else out
     tables, rope_strides = _rope_arguments(keys, lengths, cos, sin, key_positions, query_positions)
+    region, region_strides = _document_arguments(documents, keys, lengths, cos)
     _decode_kernel[(batch * kv * tiles, splits)](
-        query, keys, values, rows, lengths, *tables, part, lse, logits, capacity, g, kv, splits, split_entries or 0,
-        scaling,
+        query, keys, values, rows, lengths, *tables, part, lse, logits, *region, capacity, g, kv, splits,
+        split_entries or 0, scaling,
         query.stride(0), query.stride(1), rows.stride(0), lengths.stride(0),
         *keys.stride()[:3], *values.stride()[:3], *rope_strides,
-        part.stride(0), part.stride(1), batch * heads,
+        part.stride(0), part.stride(1), batch * heads, *region_strides,
         ROPE=cos is not None, PROBS=probs is not None, SPLIT=splits > 1, HALF=d // 2,
-        IEEE=keys.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n,
+        IEEE=keys.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, DOC=documents is not None,
         num_warps=warps, num_stages=stages,
     )
     if splits > 1:

@@ -94,6 +94,25 @@ def check_decode_batch_inputs(query, keys, values, rows, lengths, cos, sin, key_
     _check_probs(probs, (batch, kv, capacity))
 
 
+def check_shared_inputs(query, keys, doc_keys, doc_values, doc_rows, doc_lengths, doc_key_positions, cos,
+                        doc_rotated: bool = False) -> None:
+    """The document region's shapes against the pool's (the slot side is `check_decode_batch_inputs`')."""
+    slots, kv, capacity, d = keys.shape
+    if doc_keys.dim() != 4 or tuple(doc_keys.shape[1:]) != (kv, capacity, d) or doc_values.shape != doc_keys.shape:
+        raise KvpotError(f"the document region must be [documents, {kv}, {capacity}, {d}] like the pool's slots; got "
+                         f"keys {tuple(doc_keys.shape)}, values {tuple(doc_values.shape)}")
+    docs = doc_keys.shape[0]
+    if tuple(doc_rows.shape) != (slots,) or doc_rows.dtype not in INTS:
+        raise KvpotError(f"doc_rows must be an int64 [{slots}] tensor (each slot's document row, -1: none); got "
+                         f"{doc_rows.dtype} {tuple(doc_rows.shape)}")
+    if tuple(doc_lengths.shape) != (docs,) or doc_lengths.dtype not in INTS:
+        raise KvpotError(f"doc_lengths must be an int64 [{docs}] tensor; got {doc_lengths.dtype} "
+                         f"{tuple(doc_lengths.shape)}")
+    positions_ok = doc_key_positions is not None and tuple(doc_key_positions.shape) == (docs, kv, capacity)
+    if cos is not None and not doc_rotated and not positions_ok:
+        raise KvpotError(f"with a RoPE table, doc_key_positions must be [{docs}, {kv}, {capacity}]")
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
@@ -166,6 +185,7 @@ def decode_attention_batch_reference(
     probs: torch.Tensor | None = None,
     num_splits: int | None = None,
     split_entries: int | None = None,
+    documents: tuple | None = None,
 ) -> torch.Tensor:
     """Attention [B, heads, d] (query.dtype) of each batch row's `query` [B, heads, d] over the live
     entries `[0, lengths[rows[b]])` of its pool slot in `keys`/`values` [S, kv_heads, capacity, d], in
@@ -175,10 +195,19 @@ def decode_attention_batch_reference(
     at its slot's `query_positions` ([S] or [S, kv_heads]); without, both are taken as already
     rotated. `probs` [B, kv_heads, capacity] float32, when given, receives per row each KV group's
     mean attention probabilities (0 past the length). `num_splits` and `split_entries` are ignored here. Rows
-    go through batched einsums, in chunks sized from the shapes alone."""
+    go through batched einsums, in chunks sized from the shapes alone.
+
+    `documents` (doc_keys, doc_values, doc_key_positions, doc_rows, doc_lengths): a shared document region
+    (`kvpot.engine.documents`) laid out as the slots, keys un-rotated as a slot's. A slot `s` with `doc_rows[s] >= 0`
+    reads its entries `[0, doc_lengths[doc_rows[s]])` from that row of the region and the rest from itself, as if
+    the document were copied into it (batch-invariant sharing)."""
     del num_splits, split_entries
     check_decode_batch_inputs(query, keys, values, rows, lengths, cos, sin, key_positions, query_positions, probs,
                               kernel=False)
+    if documents is not None:
+        check_shared_inputs(query, keys, *documents[:2], *documents[3:], documents[2], cos)
+        keys, values, key_positions, rows, lengths, query_positions = _joined(
+            keys, values, key_positions, rows, lengths, query_positions, *documents)
     batch, heads, d = query.shape
     kv, capacity = keys.shape[1:3]
     # rows go in chunks whose gathered slots stay near CHUNK_ELEMENTS (one chunk for most batches): on
@@ -219,3 +248,21 @@ def _attend_rows(query, keys, values, rows, lengths, scaling, cos, sin, key_posi
         probs.copy_(weights.mean(2))
     v = values[rows].float().masked_fill_(~live[:, None, :, None], 0.0)
     return torch.einsum("bkgn,bknd->bkgd", weights, v).reshape(batch, heads, d).to(query.dtype)
+
+
+def _joined(keys, values, key_positions, rows, lengths, query_positions, doc_keys, doc_values, doc_positions,
+            doc_rows, doc_lengths):
+    """Each batch row's slot with its document's entries in place: buffers [B, ...] read by rows 0..B-1."""
+    rows = rows.to(keys.device)
+    doc = doc_rows.to(keys.device)[rows]
+    at = doc.clamp(min=0)
+    n_doc = torch.where(doc >= 0, doc_lengths.to(keys.device)[at], 0)
+    in_doc = torch.arange(keys.shape[2], device=keys.device) < n_doc[:, None]  # [B, capacity]
+    keys = torch.where(in_doc[:, None, :, None], doc_keys[at], keys[rows])
+    values = torch.where(in_doc[:, None, :, None], doc_values[at], values[rows])
+    if key_positions is not None:
+        key_positions = torch.where(in_doc[:, None], doc_positions[at], key_positions[rows])
+    if query_positions is not None:
+        query_positions = query_positions[rows]
+    order = torch.arange(rows.shape[0], device=keys.device)
+    return keys, values, key_positions, order, lengths.to(keys.device)[rows], query_positions

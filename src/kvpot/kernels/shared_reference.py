@@ -14,29 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from kvpot.errors import KvpotError
-from kvpot.kernels.decode_reference import INTS, _rotate, _rotate_at, check_decode_batch_inputs
+from kvpot.kernels.decode_reference import _rotate, _rotate_at, check_decode_batch_inputs, check_shared_inputs
 
 CHUNK_ELEMENTS = 1 << 21  # float32 elements of gathered keys per chunk of batch rows, per segment
-
-
-def check_shared_inputs(query, keys, doc_keys, doc_values, doc_rows, doc_lengths, doc_key_positions, cos,
-                        doc_rotated: bool = False) -> None:
-    """The document region's shapes against the pool's (the slot side is `check_decode_batch_inputs`')."""
-    slots, kv, capacity, d = keys.shape
-    if doc_keys.dim() != 4 or tuple(doc_keys.shape[1:]) != (kv, capacity, d) or doc_values.shape != doc_keys.shape:
-        raise KvpotError(f"the document region must be [documents, {kv}, {capacity}, {d}] like the pool's slots; got "
-                         f"keys {tuple(doc_keys.shape)}, values {tuple(doc_values.shape)}")
-    docs = doc_keys.shape[0]
-    if tuple(doc_rows.shape) != (slots,) or doc_rows.dtype not in INTS:
-        raise KvpotError(f"doc_rows must be an int64 [{slots}] tensor (each slot's document row, -1: none); got "
-                         f"{doc_rows.dtype} {tuple(doc_rows.shape)}")
-    if tuple(doc_lengths.shape) != (docs,) or doc_lengths.dtype not in INTS:
-        raise KvpotError(f"doc_lengths must be an int64 [{docs}] tensor; got {doc_lengths.dtype} "
-                         f"{tuple(doc_lengths.shape)}")
-    positions_ok = doc_key_positions is not None and tuple(doc_key_positions.shape) == (docs, kv, capacity)
-    if cos is not None and not doc_rotated and not positions_ok:
-        raise KvpotError(f"with a RoPE table, doc_key_positions must be [{docs}, {kv}, {capacity}]")
 
 
 def decode_attention_shared_reference(

@@ -131,9 +131,9 @@ class EngineRecipe:
     def check(self, config: ServeConfig) -> None:
         """What this engine cannot serve with `config`, refused before a model loads (the CLI, Ray Serve's builder)."""
         mixing = config.mix in ("on", "eager")
-        if self.batch_invariant and (mixing or config.feed_questions == "always" or config.share_documents):
+        if self.batch_invariant and (mixing or config.feed_questions == "always"):
             raise KvpotError("--batch-invariant reads prompts and questions as one request alone does: it does not run "
-                             "with --mix on, --feed-questions always or --share-documents.")
+                             "with --mix on or --feed-questions always.")
         from kvpot.engine.linear import check_invariant_options
 
         check_invariant_options(self.batch_invariant, self.linear, self.tp)
