@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import KERNEL_DEVICE, interpreter_runtime_loops, needs_kernels
 from test_batch import methods
+import test_shared_document
 from test_shared_document import NEW, QUESTIONS, SHARED_SHAPES, shared_inputs
 
 import kvpot
@@ -105,18 +106,7 @@ def test_shared_document_invariant_kernel_on_long_bf16_documents(dtype):
 
 
 # ---------------------------------------------------------------------- through the scheduler
-@pytest.fixture(scope="module")
-def model():
-    from conftest import build
-
-    return build("llama3")
-
-
-@pytest.fixture(scope="module")
-def context():
-    from conftest import VOCAB
-
-    return torch.randint(3, VOCAB, (120,), generator=torch.Generator().manual_seed(3)).tolist()
+model, context = test_shared_document.model, test_shared_document.context  # the fixtures: its model and document
 
 
 def invariant_readers(model, method, capacity, state, share: bool, **options):

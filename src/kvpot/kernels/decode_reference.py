@@ -50,6 +50,12 @@ def _check_rope(cos, sin, d: int, key_positions, query_position, positions_shape
     return True
 
 
+def _check_index(t: torch.Tensor, n: int, message: str) -> None:
+    """An index tensor: [n] int32/int64, else `message` and what it got."""
+    if tuple(t.shape) != (n,) or t.dtype not in INTS:
+        raise KvpotError(f"{message}; got {t.dtype} {tuple(t.shape)}")
+
+
 def _check_probs(probs, shape: tuple) -> None:
     if probs is not None and (tuple(probs.shape) != shape or probs.dtype != torch.float32):
         raise KvpotError(f"probs must be a float32 {list(shape)} tensor; got {probs.dtype} {tuple(probs.shape)}")
@@ -81,12 +87,10 @@ def check_decode_batch_inputs(query, keys, values, rows, lengths, cos, sin, key_
     _check_heads(query, keys, values, kernel)
     batch = query.shape[0]
     slots, kv, capacity, d = keys.shape
-    if tuple(rows.shape) != (batch,) or rows.dtype not in INTS:
-        raise KvpotError(f"batched decode attention's `rows` must be an int64 [{batch}] tensor (one pool slot per "
-                         f"batch row); got {rows.dtype} {tuple(rows.shape)}")
-    if tuple(lengths.shape) != (slots,) or lengths.dtype not in INTS:
-        raise KvpotError(f"batched decode attention's `lengths` must be an int32/int64 [{slots}] tensor (one live "
-                         f"count per slot); got {lengths.dtype} {tuple(lengths.shape)}")
+    _check_index(rows, batch, f"batched decode attention's `rows` must be an int64 [{batch}] tensor (one pool slot "
+                 "per batch row)")
+    _check_index(lengths, slots, f"batched decode attention's `lengths` must be an int32/int64 [{slots}] tensor (one "
+                 "live count per slot)")
     if _check_rope(cos, sin, d, key_positions, query_positions, (slots, kv, capacity)):
         if tuple(query_positions.shape) not in ((slots,), (slots, kv)):
             raise KvpotError(f"query_positions must be [{slots}] or [{slots}, {kv}] (per slot, or per slot and KV "
@@ -102,12 +106,8 @@ def check_shared_inputs(query, keys, doc_keys, doc_values, doc_rows, doc_lengths
         raise KvpotError(f"the document region must be [documents, {kv}, {capacity}, {d}] like the pool's slots; got "
                          f"keys {tuple(doc_keys.shape)}, values {tuple(doc_values.shape)}")
     docs = doc_keys.shape[0]
-    if tuple(doc_rows.shape) != (slots,) or doc_rows.dtype not in INTS:
-        raise KvpotError(f"doc_rows must be an int64 [{slots}] tensor (each slot's document row, -1: none); got "
-                         f"{doc_rows.dtype} {tuple(doc_rows.shape)}")
-    if tuple(doc_lengths.shape) != (docs,) or doc_lengths.dtype not in INTS:
-        raise KvpotError(f"doc_lengths must be an int64 [{docs}] tensor; got {doc_lengths.dtype} "
-                         f"{tuple(doc_lengths.shape)}")
+    _check_index(doc_rows, slots, f"doc_rows must be an int64 [{slots}] tensor (each slot's document row, -1: none)")
+    _check_index(doc_lengths, docs, f"doc_lengths must be an int64 [{docs}] tensor")
     positions_ok = doc_key_positions is not None and tuple(doc_key_positions.shape) == (docs, kv, capacity)
     if cos is not None and not doc_rotated and not positions_ok:
         raise KvpotError(f"with a RoPE table, doc_key_positions must be [{docs}, {kv}, {capacity}]")
