@@ -51,9 +51,10 @@ def _check_rope(cos, sin, d: int, key_positions, query_position, positions_shape
 
 
 def _check_index(t: torch.Tensor, n: int, message: str) -> None:
-    """An index tensor: [n] int32/int64, else `message` and what it got."""
+    """An index tensor: [n] int32/int64, else `message` (`{n}` in it formatted then: a compiled step's check must not
+    turn the batch's size into text, which would specialise the compilation on it) and what it got."""
     if tuple(t.shape) != (n,) or t.dtype not in INTS:
-        raise KvpotError(f"{message}; got {t.dtype} {tuple(t.shape)}")
+        raise KvpotError(f"{message.format(n=n)}; got {t.dtype} {tuple(t.shape)}")
 
 
 def _check_probs(probs, shape: tuple) -> None:
@@ -87,10 +88,10 @@ def check_decode_batch_inputs(query, keys, values, rows, lengths, cos, sin, key_
     _check_heads(query, keys, values, kernel)
     batch = query.shape[0]
     slots, kv, capacity, d = keys.shape
-    _check_index(rows, batch, f"batched decode attention's `rows` must be an int64 [{batch}] tensor (one pool slot "
-                 "per batch row)")
-    _check_index(lengths, slots, f"batched decode attention's `lengths` must be an int32/int64 [{slots}] tensor (one "
-                 "live count per slot)")
+    _check_index(rows, batch, "batched decode attention's `rows` must be an int64 [{n}] tensor (one pool slot per "
+                 "batch row)")
+    _check_index(lengths, slots, "batched decode attention's `lengths` must be an int32/int64 [{n}] tensor (one live "
+                 "count per slot)")
     if _check_rope(cos, sin, d, key_positions, query_positions, (slots, kv, capacity)):
         if tuple(query_positions.shape) not in ((slots,), (slots, kv)):
             raise KvpotError(f"query_positions must be [{slots}] or [{slots}, {kv}] (per slot, or per slot and KV "
@@ -106,8 +107,8 @@ def check_shared_inputs(query, keys, doc_keys, doc_values, doc_rows, doc_lengths
         raise KvpotError(f"the document region must be [documents, {kv}, {capacity}, {d}] like the pool's slots; got "
                          f"keys {tuple(doc_keys.shape)}, values {tuple(doc_values.shape)}")
     docs = doc_keys.shape[0]
-    _check_index(doc_rows, slots, f"doc_rows must be an int64 [{slots}] tensor (each slot's document row, -1: none)")
-    _check_index(doc_lengths, docs, f"doc_lengths must be an int64 [{docs}] tensor")
+    _check_index(doc_rows, slots, "doc_rows must be an int64 [{n}] tensor (each slot's document row, -1: none)")
+    _check_index(doc_lengths, docs, "doc_lengths must be an int64 [{n}] tensor")
     positions_ok = doc_key_positions is not None and tuple(doc_key_positions.shape) == (docs, kv, capacity)
     if cos is not None and not doc_rotated and not positions_ok:
         raise KvpotError(f"with a RoPE table, doc_key_positions must be [{docs}, {kv}, {capacity}]")
