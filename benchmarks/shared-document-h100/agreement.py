@@ -66,7 +66,7 @@ def main(argv=None) -> None:
     from kvpot.errors import KvpotError
     from kvpot.eval.config import parse_length
     from kvpot.eval.stats import wilson_interval
-    from kvpot.methods.spec import build_method
+    from kvpot.methods.spec import MethodSpec, build_method, takes_budget
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype or ("bfloat16" if device == "cuda" else "float32"))
@@ -77,7 +77,8 @@ def main(argv=None) -> None:
               else "cpu", "dtype": str(dtype), "methods": {}}
     engine = None
     for name in args.method or METHODS:
-        method = build_method(name, budget=args.budget)
+        # a method with no budget (`full`, `truncate`) holds the whole document
+        method = build_method(name, budget=args.budget if takes_budget(MethodSpec.parse(name).name) else None)
         if engine is None:
             engine = Engine.from_pretrained(args.model, method=method, device=device, dtype=dtype,
                                             batch_invariant=args.batch_invariant)
@@ -113,12 +114,9 @@ def compare(engine, args, length: int) -> dict:
         states += [state] * len(asked)
         questions += asked
         keys += [sample.answers[0] if i < 2 else None for i in range(len(asked))]  # the two that ask for it
-    answers = {}
+    answers, sharing = {}, {}
     for shared in (False, True):
-        results = engine.generate_batch(states=states, questions=questions, max_new_tokens=args.new_tokens,
-                                        batch_size=len(states), share_documents=shared,
-                                        reader_room=args.reader_room if shared else None)
-        answers[shared] = [r.text for r in results]
+        answers[shared], sharing[shared] = answer(engine, states, questions, args, shared)
     same = sum(a == b for a, b in zip(answers[False], answers[True]))
     low, high = wilson_interval(same, len(questions))
     passkey = {label: sum(key in text for key, text in zip(keys, answers[shared]) if key is not None)
@@ -126,14 +124,43 @@ def compare(engine, args, length: int) -> dict:
     result = {
         "answers": len(questions), "identical": same, "interval95": [low, high],
         "passkey_correct": passkey, "passkey_questions": sum(k is not None for k in keys),
-        "seconds": time.perf_counter() - began,
+        "seconds": time.perf_counter() - began, "sharing": sharing[True], "copied_sharing": sharing[False],
         "examples": [{"question": q, "key": k, "copied": a} for q, k, a in
                      list(zip(questions, keys, answers[False]))[: args.readers]],
         "differing": [{"question": q, "copied": a, "shared": b}
                       for q, a, b in zip(questions, answers[False], answers[True]) if a != b]}
     print(f"{name:12s} identical {same}/{len(questions)} [{low:.3f}, {high:.3f}]  passkey copied "
-          f"{passkey['copied']} shared {passkey['shared']} of {result['passkey_questions']}", flush=True)
+          f"{passkey['copied']} shared {passkey['shared']} of {result['passkey_questions']}  shared run: "
+          f"{sharing[True].get('document_loads', 0)} loads, {sharing[True].get('copy_on_write', 0)} copies on write",
+          flush=True)
     return result
+
+
+def answer(engine, states, questions, args, shared: bool) -> tuple[list[str], dict]:
+    """One batch of every (state, question), copied or shared (what `Engine.generate_batch` runs, with the
+    scheduler at hand so that its sharing counts can be kept: a shared run that copied every reader would
+    agree trivially)."""
+    from kvpot.engine.requests import Request
+    from kvpot.engine.scheduler import Scheduler
+    from kvpot.errors import KvpotError
+
+    asked = [engine.encode(None, question)[1] for question in questions]
+    capacity = None
+    if engine.method.max_entries() is None:  # a method without a bound: slots as large as the longest reader
+        capacity = max(engine.method.entries_needed(max(s.cache.lengths()), len(q), args.new_tokens)
+                       for s, q in zip(states, asked))
+    scheduler = Scheduler(engine, slots=len(states), capacity=capacity, share_documents=shared,
+                          reader_room=args.reader_room if shared else None)
+    requests = [Request(None, q, state=s, max_new_tokens=args.new_tokens) for s, q in zip(states, asked)]
+    for request in requests:
+        scheduler.submit(request)
+    scheduler.run()
+    failed = [r.error for r in requests if r.status == "failed"]
+    if failed:
+        raise KvpotError(f"{len(failed)} readers failed; the first: {failed[0]}")
+    keep = ("shared_documents", "document_loads", "tail_slot_readers", "copy_on_write")
+    counts = {k: v for k, v in scheduler.report.items() if k in keep or k.startswith("copy_on_write_")}
+    return [r.result(engine.tokenizer).text for r in requests], counts
 
 
 if __name__ == "__main__":
