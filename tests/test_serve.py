@@ -311,11 +311,19 @@ def test_sixteen_streaming_clients_get_what_each_gets_alone(busy):
     assert health["pools"][0]["mix"] is True
 
 
+def _ask_document(client, document: str, question: str) -> str:
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=8,
+                                         temperature=0, extra_body={"document_id": document})
+    return out.choices[0].message.content
+
+
 def test_batch_invariant_server_gives_each_client_its_tokens_alone(state_dir):
-    """`kvpot serve --batch-invariant`: prompts are read apart (never mixed) and every client's stream is its answer
-    alone. (On a CPU the products stay torch's; the GPU's numerics are tests/test_batch_invariant.py's.)"""
+    """`kvpot serve --batch-invariant --share-documents`: prompts are read apart (never mixed) and every client's
+    stream is its answer alone; readers of one uploaded document join its region (one load, no copy) and get the
+    answers each gets alone. (On a CPU the products stay torch's; the GPU's numerics are
+    tests/test_batch_invariant.py's and tests/test_shared_document_invariant.py's.)"""
     running = Server(state_dir.parent / "invariant-states", "--max-slots", "4", "--max-queue", "8",
-                     "--prefill-tokens", "64", "--batch-invariant")
+                     "--prefill-tokens", "64", "--batch-invariant", "--share-documents")
     try:
         client = running.client()
         together = _together(_stream, [(client, q, 8) for q in QUESTIONS[:8]])
@@ -324,6 +332,15 @@ def test_batch_invariant_server_gives_each_client_its_tokens_alone(state_dir):
         assert running.metric("mixed_forwards_total") == 0
         pool = running.http("GET", "/health").json()["pools"][0]
         assert pool["batch_invariant"] is True and pool["mix"] is False
+
+        doc = running.http("POST", "/v1/documents", json={"text": PASSKEY * 20}).json()["id"]
+        asked = [f"Note {i}.{QUESTION}" for i in range(4)]
+        together = _together(_ask_document, [(client, doc, q) for q in asked])
+        alone = [_ask_document(client, doc, q) for q in asked]
+        assert together == alone, [(t, a) for t, a in zip(together, alone) if t != a]
+        shared = running.http("GET", "/health").json()["pools"][0]["shared"]
+        assert shared["document_loads"] >= 1 and shared["copy_on_write"] == 0, shared
+        assert running.metric("copy_on_write_total") == 0
     finally:
         running.stop()
 

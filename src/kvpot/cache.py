@@ -200,10 +200,8 @@ class PotLayer(CacheLayerMixin):
         """
         keys = self.keys[:, :, : self.n]
         rope, policy = self.cache.rope, self.cache.policy
-        if policy.stores_rotated or policy.raw_keys:
-            return keys
-        if self.device.type != "cpu" or rope.dynamic:
-            return rope.rotate(keys, self.rope_positions[:, :, : self.n], self.max_rope)
+        if policy.stores_rotated or policy.raw_keys or self.device.type != "cpu" or rope.dynamic:
+            return self.rotated_keys(keys)
         if self.rotated is None or self.rotated.shape[2] < self.n:
             self.rotated = torch.empty_like(self.keys)
             self.rotated_valid = 0
@@ -213,6 +211,14 @@ class PotLayer(CacheLayerMixin):
                                                         self.rope_positions[:, :, start:end], self.max_rope)
         self.rotated_valid = end
         return self.rotated[:, :, :end]
+
+    def rotated_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        """`keys` [b, kv_heads, m, d], this layer's first m entries' keys, as attention reads them: rotated at their
+        current positions in one pass, unless the policy stores them rotated or attends to them raw."""
+        policy = self.cache.policy
+        if policy.stores_rotated or policy.raw_keys:
+            return keys
+        return self.cache.rope.rotate(keys, self.rope_positions[:, :, : keys.shape[2]], self.max_rope)
 
     def rotate_queries(self, query: torch.Tensor) -> torch.Tensor:
         """Rotate this forward's queries [b, heads, q, d] at the positions of the new entries."""

@@ -43,6 +43,7 @@ class StepLayer(CacheLayerMixin):
     # `kvpot.engine.documents.share_region`: read from the layer, never picked by index (a compiled step's
     # layers share one compilation only if nothing they read is picked by a Python integer)
     documents: tuple | None = None
+    joined: tuple | None = None  # a joined region's views in the decode kernel's `documents=` order (batch-invariant)
 
     def __init__(self, cache: StepCache, index: int):
         super().__init__()
@@ -129,9 +130,8 @@ class StepCache(Cache):
         region = self.pool.documents
         if region is not None and not region.joined:  # readers of shared documents: two segments, merged
             return self._attend_shared(layer, query, scaling, probs).view(b, 1, heads, d)
-        kernel, lengths, docs = batch_kernel(query.device, d), layer.lengths, layer.documents
         # a joined region's readers: each entry from the document or the slot, in the copied reader's sums
-        documents = docs and (docs[0], docs[1], None if self.policy.stores_rotated else docs[2], docs[4], docs[3])
+        kernel, lengths, documents = batch_kernel(query.device, d), layer.lengths, layer.joined
         if self.policy.stores_rotated:
             turned = rope.rotate(query, self.stream_positions.view(-1, 1, 1).expand(-1, storage.kv_heads, 1),
                                  self.max_position)

@@ -216,6 +216,9 @@ def share_region(scheduler, share: bool, rows: int) -> DocumentRegion | None:
     for i, layer in enumerate(scheduler.decoder.cache.layers):  # each step layer reads its own views
         layer.documents = (region.keys[i], region.values[i], region.rope_positions[i], region.lengths[i],
                            region.of_slot)
+        if region.joined:  # the decode kernel's order; positions only where the slots rotate keys on load
+            positions = None if scheduler.pool.policy.stores_rotated else region.rope_positions[i]
+            layer.joined = (region.keys[i], region.values[i], positions, region.of_slot, region.lengths[i])
     region._changed()
     return region
 
@@ -253,29 +256,30 @@ def feeds(scheduler, state, tokens: int) -> bool:
 def question_chunk(scheduler, state, tokens: int) -> bool:
     """Whether a reader's question is read as one chunk of the mixed step over the shared document (attended in
     the region by the varlen kernel), rather than fed a token a step: mixing is on, `feed_questions` is not
-    "always", the whole question is one chunk, and the method's chunk only appends (`Method.chunk_appends`: no
-    tail probe, nothing compressed after it). The region's keys must be what the kernel reads: stored rotated."""
-    from kvpot.methods.base import Method
-
+    "always", the whole question is one chunk, and the method's read only appends (`_read_appends`). The region's
+    keys must be what the kernel reads: stored rotated."""
     region, pool = scheduler.pool.documents, scheduler.pool
-    cache = state.cache
-    return (region is not None and bool(scheduler.mix) and scheduler.batched and scheduler.feed_questions != "always"
+    return (region is not None and bool(scheduler.mix) and scheduler.feed_questions != "always"
             and 0 < tokens <= min(scheduler.prefill_tokens, scheduler.chunk_cap or tokens)
-            and cache.attention is None and not cache.host_storage and not cache.static
             and (region.rotated or pool.policy.stores_rotated) and not pool.policy.raw_keys
-            and type(scheduler.method).before_forward is Method.before_forward  # as `mixed.mixable`
-            and scheduler.method.chunk_appends(cache, tokens))
+            and _read_appends(scheduler, state.cache, tokens))
 
 
 def question_apart(scheduler, state, tokens: int) -> bool:
     """Whether a reader's question (any length, or none) may be read in a forward of its own over the shared
     document without copying it: the region is joined (batch-invariant decoding reads questions so, `join`) and the
-    method's reading it only appends (`Method.chunk_appends`)."""
+    method's reading it only appends."""
+    region = scheduler.pool.documents
+    return region is not None and region.joined and _read_appends(scheduler, state.cache, tokens)
+
+
+def _read_appends(scheduler, cache, tokens: int) -> bool:
+    """Whether the batched engine's read of `tokens` over a reader's cache only appends to it: no attention of the
+    method's own, no host storage, not a fixed-shape cache, no hook before the forward (as `mixed.mixable`), and the
+    method's chunk appends (`Method.chunk_appends`: no tail probe, nothing compressed after it)."""
     from kvpot.methods.base import Method
 
-    region, cache = scheduler.pool.documents, state.cache
-    return (region is not None and region.joined and scheduler.batched and cache.attention is None
-            and not cache.host_storage and not cache.static
+    return (scheduler.batched and cache.attention is None and not cache.host_storage and not cache.static
             and type(scheduler.method).before_forward is Method.before_forward
             and scheduler.method.chunk_appends(cache, tokens))
 

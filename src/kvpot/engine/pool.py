@@ -154,10 +154,7 @@ class SlotLayer(PotLayer):
         keys, values, n_doc = self.document
         keys = torch.cat((keys[None, :, :n_doc], self.keys[:, :, n_doc : self.n]), dim=2)
         values = torch.cat((values[None, :, :n_doc], self.values[:, :, n_doc : self.n]), dim=2)
-        rope, policy = self.cache.rope, self.cache.policy
-        if not (policy.stores_rotated or policy.raw_keys):
-            keys = rope.rotate(keys, self.rope_positions[:, :, : self.n], self.max_rope)
-        return keys, values
+        return self.rotated_keys(keys), values
 
     # the pool owns the score buffers (a batched step updates them for every slot at once)
     @property

@@ -251,14 +251,20 @@ def _attend_rows(query, keys, values, rows, lengths, scaling, cos, sin, key_posi
     return torch.einsum("bkgn,bknd->bkgd", weights, v).reshape(batch, heads, d).to(query.dtype)
 
 
+def document_span(rows, doc_rows, doc_lengths, capacity: int):
+    """Per batch row (`rows`, on the slots' device): its document's row (clamped to 0 where it has none) and which
+    of its `capacity` entries are the document's, `[0, n_doc)` [B, capacity] (none without a document)."""
+    doc = doc_rows.to(rows.device)[rows]
+    at = doc.clamp(min=0)
+    n_doc = torch.where(doc >= 0, doc_lengths.to(rows.device)[at], 0)
+    return at, torch.arange(capacity, device=rows.device) < n_doc[:, None]
+
+
 def _joined(keys, values, key_positions, rows, lengths, query_positions, doc_keys, doc_values, doc_positions,
             doc_rows, doc_lengths):
     """Each batch row's slot with its document's entries in place: buffers [B, ...] read by rows 0..B-1."""
     rows = rows.to(keys.device)
-    doc = doc_rows.to(keys.device)[rows]
-    at = doc.clamp(min=0)
-    n_doc = torch.where(doc >= 0, doc_lengths.to(keys.device)[at], 0)
-    in_doc = torch.arange(keys.shape[2], device=keys.device) < n_doc[:, None]  # [B, capacity]
+    at, in_doc = document_span(rows, doc_rows, doc_lengths, keys.shape[2])
     keys = torch.where(in_doc[:, None, :, None], doc_keys[at], keys[rows])
     values = torch.where(in_doc[:, None, :, None], doc_values[at], values[rows])
     if key_positions is not None:

@@ -14,7 +14,13 @@ from __future__ import annotations
 
 import torch
 
-from kvpot.kernels.decode_reference import _rotate, _rotate_at, check_decode_batch_inputs, check_shared_inputs
+from kvpot.kernels.decode_reference import (
+    _rotate,
+    _rotate_at,
+    check_decode_batch_inputs,
+    check_shared_inputs,
+    document_span,
+)
 
 CHUNK_ELEMENTS = 1 << 21  # float32 elements of gathered keys per chunk of batch rows, per segment
 
@@ -75,13 +81,8 @@ def _attend(query, keys, values, rows, lengths, doc_keys, doc_values, doc_rows, 
     kv, capacity = keys.shape[1:3]
     device = keys.device
     rows = rows.to(device)
-    doc = doc_rows.to(device)[rows]  # [B]: each row's document row, -1 for none
-    has_doc = doc >= 0
-    doc_at = doc.clamp(min=0)
-    n_doc = torch.where(has_doc, doc_lengths.to(device)[doc_at], 0)  # [B]
-    index = torch.arange(capacity, device=device)
-    in_doc = index < n_doc[:, None]  # [B, capacity]
-    in_tail = (index < lengths.to(device)[rows][:, None]) & ~in_doc
+    doc_at, in_doc = document_span(rows, doc_rows, doc_lengths, capacity)
+    in_tail = (torch.arange(capacity, device=device) < lengths.to(device)[rows][:, None]) & ~in_doc
     q = query.float().view(batch, kv, heads // kv, d)
     if cos is not None:
         cos, sin = cos.float(), sin.float()
