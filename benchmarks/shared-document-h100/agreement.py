@@ -140,18 +140,15 @@ def answer(engine, states, questions, args, shared: bool) -> tuple[list[str], di
     """One batch of every (state, question), copied or shared (what `Engine.generate_batch` runs, with the
     scheduler at hand so that its sharing counts can be kept: a shared run that copied every reader would
     agree trivially)."""
+    from kvpot.engine.offline import group_capacity
     from kvpot.engine.requests import Request
     from kvpot.engine.scheduler import Scheduler
     from kvpot.errors import KvpotError
 
-    asked = [engine.encode(None, question)[1] for question in questions]
-    capacity = None
-    if engine.method.max_entries() is None:  # a method without a bound: slots as large as the longest reader
-        capacity = max(engine.method.entries_needed(max(s.cache.lengths()), len(q), args.new_tokens)
-                       for s, q in zip(states, asked))
-    scheduler = Scheduler(engine, slots=len(states), capacity=capacity, share_documents=shared,
-                          reader_room=args.reader_room if shared else None)
-    requests = [Request(None, q, state=s, max_new_tokens=args.new_tokens) for s, q in zip(states, asked)]
+    requests = [Request(None, engine.encode(None, q)[1], state=s, max_new_tokens=args.new_tokens)
+                for s, q in zip(states, questions)]
+    scheduler = Scheduler(engine, slots=len(states), capacity=group_capacity(engine, requests),
+                          share_documents=shared, reader_room=args.reader_room if shared else None)
     for request in requests:
         scheduler.submit(request)
     scheduler.run()

@@ -74,10 +74,7 @@ def generate_many(engine, requests: list[Request], batch_size: int, progress: bo
     with tqdm(total=len(requests), unit="req", desc="batch", disable=not progress, leave=False) as bar:
         for start in range(0, len(requests), batch_size):
             group = requests[start : start + batch_size]
-            capacity = None
-            if engine.method.max_entries() is None:
-                capacity = max(_needed(engine, request) for request in group)
-            scheduler = Scheduler(engine, slots=len(group), capacity=capacity, decode=decode,
+            scheduler = Scheduler(engine, slots=len(group), capacity=group_capacity(engine, group), decode=decode,
                                   share_documents=share_documents, mix=mix, prompt_order=OFFLINE_PROMPT_ORDER,
                                   reader_room=reader_room)
             for request in group:
@@ -88,6 +85,14 @@ def generate_many(engine, requests: list[Request], batch_size: int, progress: bo
             scheduler.run()
             bar.update(len(group))
     return requests
+
+
+def group_capacity(engine, requests: list[Request]) -> int | None:
+    """The slot capacity a scheduler for `requests` needs: None (the method's bound) for a bounded method, else as
+    large as the longest request needs (a method whose cache grows with the input)."""
+    if engine.method.max_entries() is not None:
+        return None
+    return max(_needed(engine, request) for request in requests)
 
 
 def _needed(engine, request: Request) -> int:
