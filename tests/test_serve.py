@@ -238,9 +238,10 @@ QUESTIONS = [f"{PASSKEY} Note {i}: the {'grass' if i % 2 else 'sky'} is {i}.{QUE
 @pytest.fixture(scope="module")
 def busy(state_dir):
     """4 slots and 16 places in the queue: 16 users are all answered, 4 decoding at a time, their prompts' chunks
-    read in the decoding rows' forward (`--mix on`: what a GPU runs by default)."""
+    read in the decoding rows' forward, decode-only steps launched before the last step's tokens are sent (`--mix on
+    --launch-ahead on`: what a GPU runs by default)."""
     running = Server(state_dir.parent / "busy-states", "--max-slots", "4", "--max-queue", "16",
-                     "--prefill-tokens", "64", "--mix", "on")
+                     "--prefill-tokens", "64", "--mix", "on", "--launch-ahead", "on")
     yield running
     running.stop()
 
@@ -287,7 +288,7 @@ def _histogram_count(server, name: str, le: str | None = None) -> float:
 def test_sixteen_streaming_clients_get_what_each_gets_alone(busy):
     client = busy.client()
     before = {name: busy.metric(name) for name in ("generated_tokens_total", "rejected_total", "mixed_forwards_total",
-                                                   "forwards_total")}
+                                                   "forwards_total", "ahead_steps_total")}
     steps_before, single_before = _histogram_count(busy, "batch_size"), _histogram_count(busy, "batch_size", "1")
     itl_before = _histogram_count(busy, "inter_token_latency_seconds")
     together = _together(_stream, [(client, q, 12) for q in QUESTIONS])
@@ -303,12 +304,13 @@ def test_sixteen_streaming_clients_get_what_each_gets_alone(busy):
     mixed = busy.metric("mixed_forwards_total") - before["mixed_forwards_total"]
     assert 0 < mixed < busy.metric("forwards_total") - before["forwards_total"]  # prompts read beside the rows
     assert single < steps  # steps that decoded more than one request: they were batched
+    assert busy.metric("ahead_steps_total") > before["ahead_steps_total"]  # steps launched before the hand-over
     # one gap per token after a request's first; `alone` ran after, so count both passes
     assert _histogram_count(busy, "inter_token_latency_seconds") - itl_before == 2 * (generated - len(QUESTIONS))
     health = busy.http("GET", "/health").json()
     assert health["slots"] == 4 and health["slots_used"] == 0 and health["running"] == 0
     assert health["pools"][0]["slot_bytes"] > 0 and health["pools"][0]["method"] == "infinipot"
-    assert health["pools"][0]["mix"] is True
+    assert health["pools"][0]["mix"] is True and health["pools"][0]["launch_ahead"] is True
 
 
 def _ask_document(client, document: str, question: str) -> str:

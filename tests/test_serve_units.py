@@ -449,21 +449,22 @@ def test_the_servers_429_comes_from_its_pools_scheduler_admission(one_thread):
 
 
 def test_counters_of_a_dropped_pool_stay_counted():
-    """`kvpot_forwards_total`, `kvpot_mixed_forwards_total` and `kvpot_copy_on_write_total` sum over the pools; a
-    pool dropped for another method's memory keeps its counts in them (Prometheus counters never go down)."""
+    """`kvpot_forwards_total`, `kvpot_mixed_forwards_total`, `kvpot_ahead_steps_total` and `kvpot_copy_on_write_total`
+    sum over the pools; a pool dropped for another method's memory keeps its counts in them (Prometheus counters never
+    go down)."""
     from types import SimpleNamespace
 
     from kvpot.serve.worker import Worker
 
-    def pool(forwards, mixed, copies, idle=True):
+    def pool(forwards, mixed, copies, ahead, idle=True):
         region = SimpleNamespace(documents=1, readers=0, copies={"h2o": copies})
-        scheduler = SimpleNamespace(idle=idle, report={"forwards": forwards, "mixed_forwards": mixed},
+        scheduler = SimpleNamespace(idle=idle, report={"forwards": forwards, "mixed_forwards": mixed, "ahead_steps": ahead},
                                     pool=SimpleNamespace(documents=region))
         return SimpleNamespace(scheduler=scheduler)
 
     worker = Worker.__new__(Worker)
-    worker.pools, worker.dropped = {"first": pool(10, 4, 1), "other": pool(7, 2, 3)}, [0, 0, 0]
+    worker.pools, worker.dropped = {"first": pool(10, 4, 1, 5), "other": pool(7, 2, 3, 2)}, [0, 0, 0, 0]
     before = worker.forwards(), worker.shared()[2]
     worker._drop_idle_pools(("other",))
     assert list(worker.pools) == ["first"]
-    assert (worker.forwards(), worker.shared()[2]) == before == ((17, 6), 4)
+    assert (worker.forwards(), worker.shared()[2]) == before == ((17, 6, 7), 4)

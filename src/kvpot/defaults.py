@@ -38,6 +38,14 @@ PROMPT_PATIENCE = 4.0
 # on every run: they plan in arrival order, from the requests alone.
 OFFLINE_PROMPT_ORDER = "arrival"
 
+# Whether a decode-only batched step is launched before the previous step's tokens are handed over
+# (`Scheduler(launch_ahead=...)`, `kvpot serve --launch-ahead`, `kvpot bench throughput --launch-ahead`;
+# `kvpot.engine.ahead`): the hand-over waits for the device, so otherwise the device idles while the host plans and
+# launches the next step (the copy path's compiled 64-reader step: 16.6 ms of device work, 17.27 ms a step on an
+# H100, records/engine-core-h100/decode-tuning/). "auto": on a CUDA device, not under tensor parallelism; "on"; "off".
+LAUNCH_AHEAD = "auto"
+LAUNCH_AHEADS = ("auto", "on", "off")
+
 # Share of the GPU memory free after loading that a batched pool sized by itself takes
 # (`Scheduler(memory_fraction=...)`): the rest is for a step's activations and the logits. `kvpot serve` gives
 # its default method's pool less (`--kv-memory-fraction`, 0.7): other methods' pools and stored states share it.

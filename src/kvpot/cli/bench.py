@@ -12,7 +12,8 @@ from kvpot.bench.config import DEFAULT_LENGTHS, MODES, BenchConfig
 from kvpot.bench.load import parse_rate
 from kvpot.bench.serve_config import MODE as SERVE_MODE, ServeBenchConfig
 from kvpot.cli.args import METHOD_METAVAR, add_device_arguments, add_tp_argument, parse_length, parse_lengths
-from kvpot.defaults import MIX, MIXES, PREFILL_TOKENS, PROMPT_ORDER, PROMPT_ORDERS, PROMPT_PATIENCE
+from kvpot.defaults import (LAUNCH_AHEAD, LAUNCH_AHEADS, MIX, MIXES, PREFILL_TOKENS, PROMPT_ORDER, PROMPT_ORDERS,
+                             PROMPT_PATIENCE)
 from kvpot.errors import KvpotError
 
 HIP_MODE = "hip-reference"
@@ -149,6 +150,10 @@ def register(sub) -> None:
     t.add_argument("--prompt-patience", type=float, default=PROMPT_PATIENCE, metavar="SECONDS",
                    help="with --prompt-order shortest: seconds after which a prompt is read before shorter ones (0: "
                         f"arrival order; inf: never; default {PROMPT_PATIENCE:g}); recorded in each row")
+    t.add_argument("--launch-ahead", choices=LAUNCH_AHEADS, default=LAUNCH_AHEAD,
+                   help="METHOD [batch] (and serve's server): launch a decode-only step before the previous step's "
+                        "tokens are handed over, so the GPU never waits for the host between steps (on), or after (off); "
+                        f"auto: on a CUDA GPU (default {LAUNCH_AHEAD}); recorded in each row")
     t.add_argument("--mix", choices=MIXES, default=MIX,
                    help="METHOD [batch] (and serve's server): read prompt chunks in the decoding rows' forward (on), "
                         "in forwards of their own between decoding steps (off), or auto: on a CUDA GPU, where the "
@@ -290,7 +295,7 @@ def serve_config_from_args(args) -> ServeBenchConfig:
         shape=args.shape, model=args.model, methods=list(args.method), budget=args.budget,
         settings=parse_assignments(args.set), device=args.device, dtype=args.dtype, decode=args.decode,
         slots=args.slots, prefill_tokens=args.prefill_tokens, mix=args.mix, prompt_order=args.prompt_order,
-        prompt_patience=args.prompt_patience, threads=args.threads, seed=args.seed,
+        prompt_patience=args.prompt_patience, launch_ahead=args.launch_ahead, threads=args.threads, seed=args.seed,
         lengths=_lengths(args), users=args.users, new_tokens=args.new_tokens,
         question_tokens=args.question_tokens, document=args.document,
         upload_during=None if args.upload_during is None else parse_length(args.upload_during), timeout=args.timeout,
@@ -320,7 +325,7 @@ def config_from_args(args) -> BenchConfig:
         prefill_tokens=args.prefill_tokens, sequential_users=args.sequential_users, hf_timeout=args.hf_timeout,
         mix=args.mix, mixed=args.mixed, prompts_apart=args.prompts_apart, share_documents=args.share_documents, tp=args.tp,
         reader_room=args.reader_room,
-        prompt_order=args.prompt_order, prompt_patience=args.prompt_patience,
+        prompt_order=args.prompt_order, prompt_patience=args.prompt_patience, launch_ahead=args.launch_ahead,
         sdpa=args.sdpa, **_load_options(args),
     )
 

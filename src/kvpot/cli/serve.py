@@ -13,7 +13,8 @@ DEFAULT_METHOD = "infinipot:pot_size=4096"  # bounded, as `kvpot generate`'s def
 
 def register(subparsers) -> None:
     from kvpot.cli.args import METHOD_METAVAR, add_decode_argument, add_model_arguments, add_tp_argument
-    from kvpot.defaults import MIX, MIXES, PREFILL_TOKENS, PROMPT_ORDER, PROMPT_ORDERS, PROMPT_PATIENCE
+    from kvpot.defaults import (LAUNCH_AHEAD, LAUNCH_AHEADS, MIX, MIXES, PREFILL_TOKENS, PROMPT_ORDER, PROMPT_ORDERS,
+                                PROMPT_PATIENCE)
 
     p = subparsers.add_parser(
         "serve",
@@ -76,6 +77,10 @@ def register(subparsers) -> None:
                    help="with --prompt-order shortest: a prompt whose request has held its slot this long is read "
                         "before shorter ones, so none waits for good (0: arrival order; inf: never; default "
                         f"{PROMPT_PATIENCE:g})")
+    b.add_argument("--launch-ahead", choices=LAUNCH_AHEADS, default=LAUNCH_AHEAD,
+                   help="launch a step of users decoding before the previous step's tokens are sent, so the GPU does "
+                        "not wait for the server between tokens (on), or after (off: a request that ends at a stop "
+                        f"token is never stepped past it); auto: on a CUDA GPU (default {LAUNCH_AHEAD})")
     b.add_argument("--mix", choices=MIXES, default=MIX,
                    help="read prompt chunks in the same forward as the users decoding (one budgeted forward a "
                         "step, --prefill-tokens of prompt beside one token a user) instead of a forward of their "
@@ -181,7 +186,7 @@ def run(args) -> int:
         cache_min_tokens=args.cache_min_tokens, max_slots=args.max_slots,
         kv_memory_fraction=args.kv_memory_fraction, method_slots=args.method_slots,
         prefill_tokens=args.prefill_tokens, mix=args.mix, prompt_order=args.prompt_order,
-        prompt_patience=args.prompt_patience, slot_capacity=args.slot_capacity,
+        prompt_patience=args.prompt_patience, launch_ahead=args.launch_ahead, slot_capacity=args.slot_capacity,
         feed_questions=args.feed_questions, feed_tokens=args.feed_tokens, share_documents=args.share_documents,
         reader_room=args.reader_room,
         read_timeout=args.read_timeout, tp_timeout=args.tp_timeout,

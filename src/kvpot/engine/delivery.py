@@ -34,10 +34,22 @@ class TokenOutbox:
             event.record()
         self.pending.append((slots, requests, tokens, event))
 
-    def drain(self) -> Iterator[tuple[int, object, int, float]]:
-        """(slot, request, token, when) of every staged token, oldest step first."""
+    def take(self) -> list[tuple]:
+        """The staged steps, no longer staged: a step launched ahead (`kvpot.engine.ahead`) hands over only these."""
         pending, self.pending = self.pending, []
-        for slots, requests, tokens, event in pending:
+        return pending
+
+    def staged(self) -> dict[int, int]:
+        """Request id -> its tokens staged, not handed over yet."""
+        counts: dict[int, int] = {}
+        for _, requests, _, _ in self.pending:
+            for request in requests:
+                counts[request.id] = counts.get(request.id, 0) + 1
+        return counts
+
+    def drain(self, pending: list[tuple] | None = None) -> Iterator[tuple[int, object, int, float]]:
+        """(slot, request, token, when) of every staged token (or of `pending`, from `take`), oldest step first."""
+        for slots, requests, tokens, event in self.take() if pending is None else pending:
             if event is not None:
                 event.synchronize()
             now = time.perf_counter()

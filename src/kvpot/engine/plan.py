@@ -110,7 +110,7 @@ def reading_order(active: dict, order: str, now: float = 0.0, patience: float = 
     that prompts whose request took its slot more than `patience` seconds before `now` go first, oldest first."""
     reading = [(slot, a) for slot, a in active.items() if a.request.status == "prefilling" and a.feeding is None]
     if order == "shortest":
-        def key(item):  # a prompt reading has its reader (`Scheduler._begin_read`)
+        def key(item):  # a prompt reading has its reader (`kvpot.engine.reading.begin_read`)
             waited = now - item[1].started > patience
             return not waited, 0 if waited else item[1].reader.remaining, item[1].started
 

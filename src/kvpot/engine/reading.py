@@ -9,9 +9,13 @@ model forward (`kvpot.engine.mixed`). Either way the chunks are the method's: a 
 
 from __future__ import annotations
 
+import time
+
 import torch
 
+from kvpot.engine.documents import load_state, unshare
 from kvpot.engine.results import _Run
+from kvpot.engine.sampling import _as_ids
 from kvpot.errors import KvpotError
 from kvpot.methods.base import Step
 
@@ -66,3 +70,38 @@ class PromptReader:
         if step.segment_end:
             self.index, self.offset = self.index + 1, 0
         return ids.numel()
+
+
+def begin_read(scheduler, active) -> None:
+    """Start reading a request's prompt into its slot, just admitted (`Scheduler`; nothing is read until a step reads
+    its chunks): a `PromptReader` over its context and question, or over its question after a stored state loaded in
+    the slot; or the question is fed through the decoding steps, a token a step (`feeds_question`)."""
+    engine, request, slot = scheduler.engine, active.request, active.request.slot
+    if request.state is None:
+        run, segments = engine._start(request.context_ids, request.question_ids,
+                                      lambda _tokens: scheduler.pool.cache(slot))
+    else:
+        question = _as_ids(request.question_ids, engine.device, "question_ids")
+        cache, chunked = load_state(scheduler, slot, request.state, question)  # chunked: read over the region
+        run = engine._resumed(request.state, cache, question)
+        segments = [("question", question)] if question.numel() else []
+        if request.max_new_tokens and feeds_question(scheduler, run, question) and not chunked:
+            active.run, active.feeding = run, question.tolist()  # greedy while fed (its picks overwritten)
+            scheduler.decoder.start(slot, run.logits, run.next_position, 0.0, 1.0, 0,
+                                    question.numel() + request.max_new_tokens)
+            active.read_started = time.perf_counter()
+            return
+        if not chunked:  # read in a forward of its own: the forward reads the slot's keys
+            unshare(scheduler, slot, "question")
+    active.run, active.reader = run, PromptReader(scheduler.method, run, segments)
+    active.read_started = time.perf_counter()
+
+
+def feeds_question(scheduler, run: _Run, question: torch.Tensor) -> bool:
+    """Whether this question is fed through the decoding steps (`Scheduler(feed_questions=...)`)."""
+    if scheduler.feed_questions == "never" or not scheduler.method.feeds_question or not scheduler.batched:
+        return False
+    fits = 0 < question.numel() <= scheduler.feed_tokens and run.logits is not None and run.cache.attention is None
+    alone = scheduler.pool.documents is None  # sharing documents, a forward of its own would copy the document
+    return fits and (scheduler.feed_questions == "always" or len(scheduler.active) > 1 or bool(scheduler.waiting)
+                     or not alone)

@@ -115,5 +115,5 @@ class Active:
     read_started: float = 0.0
     decode_started: float | None = None
     eos: frozenset = frozenset()
-    feeding: list[int] | None = None  # a question fed one token per decoding step (`Scheduler._feeds`)
+    feeding: list[int] | None = None  # a question fed one token per decoding step (`kvpot.engine.reading.feeds_question`)
     fed: int = 0

@@ -18,21 +18,22 @@ from collections import deque
 import torch
 
 from kvpot.engine.admission import Admission, Place
+from kvpot.engine.ahead import ahead_rows, resolve_launch_ahead
 from kvpot.engine.agreement import StepAgreement
 from kvpot.engine.batch import BatchDecoder, batchable_request, batches_rows, mirror_append, step_observations
 from kvpot.engine.decoding import resolve_mode
 from kvpot.engine.delivery import TokenOutbox, hand_over
-from kvpot.engine.documents import copy_before_step, load_state, reader_lanes, reader_stride, share_region, shares, unshare
+from kvpot.engine.documents import copy_before_step, reader_lanes, reader_stride, share_region, shares, unshare
 from kvpot.engine.evict import evict_steady
 from kvpot.engine.mixed import (Chunk, capture_mixed, chunk_rows, mixable, mixed_forward, peek_candidate, resolve_mix,
                                tail_tokens)
-from kvpot.defaults import MIX, PREFILL_TOKENS, PROMPT_ORDER, PROMPT_PATIENCE, SLOT_MEMORY_FRACTION
+from kvpot.defaults import LAUNCH_AHEAD, MIX, PREFILL_TOKENS, PROMPT_ORDER, PROMPT_PATIENCE, SLOT_MEMORY_FRACTION
 from kvpot.engine.plan import check_options, plan_chunks, reading_order, row_plan
 from kvpot.engine.pool import SlotPool, slot_bytes, slot_capacity, slot_count
-from kvpot.engine.reading import PromptReader
+from kvpot.engine.reading import begin_read
 from kvpot.engine.requests import Active as _Active, QueueFull, Request, check_fits  # noqa: F401
-from kvpot.engine.results import _Run, close_stats
-from kvpot.engine.sampling import _as_ids, _eos_ids, picking, request_seed
+from kvpot.engine.results import close_stats
+from kvpot.engine.sampling import _eos_ids, picking, request_seed
 from kvpot.engine.trace import NoTrace, StepTrace
 from kvpot.errors import KvpotError
 from kvpot.positions import make_policy
@@ -56,6 +57,8 @@ class Scheduler:
         "auto" (`kvpot.defaults.MIX`, `kvpot.engine.mixed.resolve_mix`): on a CUDA GPU; "on", "off", "eager" or a bool.
     prompt_order: which prompts a step reads first, "arrival" (oldest) or "shortest" (fewest tokens left; `prompt_patience`
         seconds after taking its slot a prompt goes first; `kvpot.defaults.PROMPT_ORDER`, `kvpot.engine.plan.reading_order`).
+    launch_ahead: launch a decode-only step before the previous step's tokens are handed over (`kvpot.engine.ahead`):
+        "auto" (`kvpot.defaults.LAUNCH_AHEAD`: on a CUDA GPU, not under tensor parallelism), "on", "off" or a bool.
     share_documents: readers of a stored `State` read its keys and values from one copy, copied on write (`documents`
         at once; `kvpot.engine.documents`); a question read as a mixed step's chunk where it only appends, else fed.
     reader_room: tail slots (`kvpot.engine.pool`): a reader that never copies its shared document holds this many entries
@@ -69,7 +72,8 @@ class Scheduler:
                  max_waiting: int | None = None, prefill_tokens: int = PREFILL_TOKENS, decode: str = "auto",
                  max_slots: int = 256, memory_fraction: float = SLOT_MEMORY_FRACTION, feed_questions: str = "auto",
                  feed_tokens: int = 64, mix: bool | str = MIX, share_documents: bool = False, documents: int = 4,
-                 reader_room: int | None = None, prompt_order: str = PROMPT_ORDER, prompt_patience: float = PROMPT_PATIENCE):
+                 reader_room: int | None = None, prompt_order: str = PROMPT_ORDER, prompt_patience: float = PROMPT_PATIENCE,
+                 launch_ahead: bool | str = LAUNCH_AHEAD):
         if len(engine.devices) > 1:
             raise KvpotError("batched decoding runs a model on one device; a model split over several GPUs "
                              "(device_map) decodes one sequence at a time with Engine.generate.")
@@ -98,9 +102,10 @@ class Scheduler:
         self.steady_ok = batchable_request(self.method.decode_request("steady"))
         self.append_ok = batchable_request(self.method.decode_request("append"))
         self.outbox = TokenOutbox()  # the tokens of a step, delivered at the start of the next
+        self.launch_ahead = resolve_launch_ahead(launch_ahead, engine.device, engine.parallel is not None)
         self.report = {"steps": 0, "batched_rows": 0, "eager_rows": 0, "riding_rows": 0, "steady_rows": 0,
                        "prefill_forwards": 0, "fed_tokens": 0, "mixed_forwards": 0, "forwards": 0, "decode_seconds": 0.0,
-                       "prefill_seconds": 0.0, "deliver_seconds": 0.0}
+                       "prefill_seconds": 0.0, "deliver_seconds": 0.0, "ahead_steps": 0}
         self.pool.documents = share_region(self, share_documents, documents)  # None unless sharing
         self.trace: StepTrace | NoTrace = NoTrace()  # a StepTrace keeps each step's work and gap (engine/trace.py)
 
@@ -169,6 +174,9 @@ class Scheduler:
         ended: list[Request] = []
         self.agreement.agree(self)  # under tensor parallelism, rank 0's new requests and cancellations
         begun = time.perf_counter()
+        ahead = ahead_rows(self) if self.launch_ahead else None
+        if ahead is not None:
+            return self._step_ahead(*ahead, ended, begun)
         self._deliver(ended)  # the previous step's tokens: the device ran ahead while the host came back here
         self.trace.begin(self.report, delivered := time.perf_counter(), self.active)
         self._drop_cancelled(ended)
@@ -186,6 +194,20 @@ class Scheduler:
         self.report["prefill_seconds"] += time.perf_counter() - decoded
         return ended
 
+    def _step_ahead(self, rows: list, plans: dict[int, str], ended: list[Request], begun: float) -> list[Request]:
+        """A decode-only step launched, then the previous step's tokens handed over (`kvpot.engine.ahead`)."""
+        self.trace.begin(self.report, begun, self.active)
+        pending = self.outbox.take()
+        self._prepare_rows(rows, plans)
+        self._stage(self._decode(rows, [], [], [], ended))
+        launched = time.perf_counter()
+        self._deliver(ended, pending)
+        self.trace.end(self.report, [])
+        for name, value in (("steps", 1), ("ahead_steps", 1), ("decode_seconds", launched - begun),
+                            ("deliver_seconds", time.perf_counter() - launched)):
+            self.report[name] += value
+        return ended
+
     def _drop_cancelled(self, ended: list[Request]) -> None:
         for request in [r for r in self.waiting if self.agreement.cancels(r)]:
             self.waiting.remove(request)
@@ -200,40 +222,10 @@ class Scheduler:
             active = self.active[slot] = _Active(request, started=self.agreement.clock)
             active.eos = (frozenset() if request.ignore_eos else self.eos) | frozenset(request.stop_token_ids)
             try:
-                self._begin_read(active)
+                begin_read(self, active)
             except Exception as err:  # noqa: BLE001 - whatever one request raises fails it alone
                 self._fail(request, err, ended)
         self.pool.flush()  # the stored states' copies into the slots admitted, one per state (`load_state`)
-
-    def _begin_read(self, active: _Active) -> None:
-        """Start reading the request's prompt into its slot (nothing is read until `_prefill`)."""
-        engine, request, slot = self.engine, active.request, active.request.slot
-        if request.state is None:
-            run, segments = engine._start(request.context_ids, request.question_ids,
-                                          lambda _tokens: self.pool.cache(slot))
-        else:
-            question = _as_ids(request.question_ids, engine.device, "question_ids")
-            cache, chunked = load_state(self, slot, request.state, question)  # chunked: read over the region
-            run = engine._resumed(request.state, cache, question)
-            segments = [("question", question)] if question.numel() else []
-            if request.max_new_tokens and self._feeds(run, question) and not chunked:
-                active.run, active.feeding = run, question.tolist()  # greedy while fed (its picks overwritten)
-                self.decoder.start(slot, run.logits, run.next_position, 0.0, 1.0, 0,
-                                   question.numel() + request.max_new_tokens)
-                active.read_started = time.perf_counter()
-                return
-            if not chunked:  # read in a forward of its own: the forward reads the slot's keys
-                unshare(self, slot, "question")
-        active.run, active.reader = run, PromptReader(self.method, run, segments)
-        active.read_started = time.perf_counter()
-
-    def _feeds(self, run: _Run, question: torch.Tensor) -> bool:
-        """Whether this question is fed through the decoding steps (see `feed_questions`)."""
-        if self.feed_questions == "never" or not self.method.feeds_question or not self.batched:
-            return False
-        fits = 0 < question.numel() <= self.feed_tokens and run.logits is not None and run.cache.attention is None
-        alone = self.pool.documents is None  # sharing documents, a forward of its own would copy the document
-        return fits and (self.feed_questions == "always" or len(self.active) > 1 or bool(self.waiting) or not alone)
 
     def _chunks(self, batch: int, rides: list) -> tuple[list[tuple[int, _Active, Chunk]], int]:
         """Prompt chunks joining this step's forward beside `batch` decoding rows (`plan_chunks`), within the budget
@@ -315,9 +307,7 @@ class Scheduler:
         engine-core-h200/packed-4/); returns the others (the batch), the slots stepped, the riders (slot, active, chunk)."""
         decoding = [(slot, a) for slot, a in sorted(self.active.items())
                     if a.request.status == "decoding" or a.feeding is not None]
-        self._feed(decoding)
-        plans = {slot: row_plan(self, active.run.cache) for slot, active in decoding}
-        copy_before_step(self, decoding, plans)  # readers of a shared document whose step changes it copy first
+        plans = self._prepare_rows(decoding, {slot: row_plan(self, active.run.cache) for slot, active in decoding})
         stepped, rides = [], []
         for slot, active in decoding:
             if plans[slot] == "eager" and self.mix and self.rides and mixable(self.method, active.run):
@@ -330,10 +320,15 @@ class Scheduler:
                     stepped.append(slot)
                 except Exception as err:  # noqa: BLE001 - this row's own forward: it fails alone
                     self._fail(active.request, err, ended)
-        batch = [(slot, active) for slot, active in decoding if plans[slot] != "eager"]
-        for slot, active in batch:
+        return [(slot, active) for slot, active in decoding if plans[slot] != "eager"], stepped, rides
+
+    def _prepare_rows(self, rows: list[tuple[int, _Active]], plans: dict[int, str]) -> dict[int, str]:
+        """The decoding rows' inputs (fed question tokens), plans, and copies on write before their step."""
+        self._feed(rows)
+        copy_before_step(self, rows, plans)  # readers of a shared document whose step changes it copy first
+        for slot, active in rows:
             active.plan = plans[slot]
-        return batch, stepped, rides
+        return plans
 
     def _decode(self, batch: list[tuple[int, _Active]], stepped: list[int], rides: list, chunks: list,
                 ended: list[Request]):
@@ -415,10 +410,10 @@ class Scheduler:
     def _stage(self, slots: list[int]) -> None:
         self.outbox.stage(slots, [self.active[s].request for s in slots], self.decoder.last_token, self.pool.device)
 
-    def _deliver(self, ended: list[Request]) -> None:
-        """Hand the staged tokens to their requests: `on_token`, then an end at an end-of-sequence or
+    def _deliver(self, ended: list[Request], pending: list | None = None) -> None:
+        """Hand the staged tokens (or `pending`'s) to their requests: `on_token`, then an end at an end-of-sequence or
         stop token or at `max_new_tokens` (which frees the slot at once)."""
-        for slot, request, token, now in self.outbox.drain():
+        for slot, request, token, now in self.outbox.drain(pending):
             active = self.active.get(slot)
             if active is not None and active.request is request and not request.done:
                 hand_over(self, active, request, token, now, ended)

@@ -6,7 +6,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvpot.defaults import MIX, MIXES, PREFILL_TOKENS, PROMPT_ORDER, PROMPT_ORDERS, PROMPT_PATIENCE
+from kvpot.defaults import (LAUNCH_AHEAD, LAUNCH_AHEADS, MIX, MIXES, PREFILL_TOKENS, PROMPT_ORDER, PROMPT_ORDERS,
+                             PROMPT_PATIENCE)
 from kvpot.errors import KvpotError
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
@@ -44,6 +45,7 @@ class ServeConfig:
     mix: str = MIX  # prompt chunks in the decoding rows' forward: auto (a CUDA GPU), on, off (Scheduler)
     prompt_order: str = PROMPT_ORDER  # which prompts a step reads first: arrival or shortest (Scheduler)
     prompt_patience: float = PROMPT_PATIENCE  # shortest first: seconds after which a prompt goes first (Scheduler)
+    launch_ahead: str = LAUNCH_AHEAD  # a decode-only step launched before the last one's tokens are handed over
     slot_capacity: int | None = None  # KV entries per slot for methods whose cache grows with the input
     feed_questions: str = "auto"  # a stored document's questions fed through the decoding steps (Scheduler)
     feed_tokens: int = 64  # the longest question fed so
@@ -96,6 +98,8 @@ class ServeConfig:
             raise KvpotError("--state-disk needs --state-dir.")
         if self.feed_questions not in ("auto", "always", "never"):
             raise KvpotError(f"--feed-questions must be auto, always or never, got {self.feed_questions!r}.")
+        if self.launch_ahead not in LAUNCH_AHEADS:
+            raise KvpotError(f"--launch-ahead must be one of {', '.join(LAUNCH_AHEADS)}, got {self.launch_ahead!r}.")
         if self.prompt_order not in PROMPT_ORDERS:
             raise KvpotError(f"--prompt-order must be {' or '.join(PROMPT_ORDERS)}, got {self.prompt_order!r}.")
         from kvpot.engine.plan import check_patience  # the scheduler's own test, under the flag's name

@@ -87,7 +87,7 @@ class Metrics:
         totals = store.totals()
         used, slots = worker.slots()
         documents, readers, copies = worker.shared()
-        forwards, mixed = worker.forwards()
+        forwards, mixed, ahead = worker.forwards()
         waiting, running = worker.waiting, worker.running
         with self.lock:
             now = time.monotonic()
@@ -113,6 +113,8 @@ class Metrics:
                          "read beside the decoding rows, prompt forwards of their own.", forwards),
                 *_metric("mixed_forwards_total", "counter", "Forwards that read prompt chunks beside the decoding rows "
                          "(--mix).", mixed),
+                *_metric("ahead_steps_total", "counter", "Decoding steps launched before the previous step's tokens "
+                         "were handed over (--launch-ahead).", ahead),
                 *_metric("rejected_total", "counter",
                          "Requests refused with 429 (slots and queue full, or no memory for a pool).", worker.rejected),
                 *_metric("cancelled_total", "counter", "Requests stopped because the client went away.",

@@ -133,7 +133,8 @@ class Service:
                               memory_fraction=self.config.kv_memory_fraction,
                               feed_questions=self.config.feed_questions, feed_tokens=self.config.feed_tokens,
                               share_documents=self.config.share_documents, prompt_order=self.config.prompt_order,
-                              prompt_patience=self.config.prompt_patience, reader_room=self.config.reader_room)
+                              prompt_patience=self.config.prompt_patience, reader_room=self.config.reader_room,
+                              launch_ahead=self.config.launch_ahead)
         if self.parallel is not None:  # every rank submits each request itself (the same turn's command)
             scheduler.agreement.payloads = False
         # every batch size's graph before the first user: measured on an H100 (records/serve-batch-h100),

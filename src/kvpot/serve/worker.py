@@ -58,6 +58,7 @@ class Pool:
                 "capacity": s.capacity, "slot_bytes": s.slot_bytes(), "decoding": s.decoding,
                 "reader_room": getattr(getattr(s, "pool", None), "stride", None),  # tail slots (`--reader-room`)
                 "prefilling": s.prefilling, "waiting": len(s.waiting), "mix": getattr(s, "mix", False),
+                "launch_ahead": getattr(s, "launch_ahead", False),
                 "batch_invariant": getattr(getattr(s, "engine", None), "batch_invariant", False),
                 **({"shared": s.pool.documents.metrics()} if getattr(getattr(s, "pool", None), "documents", None)
                    is not None else {})}
@@ -109,7 +110,8 @@ class Worker(TurnLoop):
         self.handlers: dict[str, Callable] = {"call": lambda fn, local=None: fn(), "pool": self._pool_command,
                                               "read": self._queue_read}
         self.pools: dict[str, Pool] = {}
-        self.dropped = [0, 0, 0]  # the forwards, mixed forwards and copies on write of pools dropped: counters stay up
+        # the forwards, mixed forwards, copies on write and steps launched ahead of pools dropped: counters stay up
+        self.dropped = [0, 0, 0, 0]
         self.lock = threading.Lock()  # admission counts, shared with the HTTP side
         self.wake = threading.Event()
         self.calls: deque[Command] = deque()
@@ -271,12 +273,13 @@ class Worker(TurnLoop):
         return (sum(r.documents for r in regions), sum(r.readers for r in regions),
                 self.dropped[2] + sum(sum(r.copies.values()) for r in regions))
 
-    def forwards(self) -> tuple[int, int]:
-        """(model forwards of the batched steps, those that read prompt chunks beside the decoding rows) over every
-        pool (`--mix`); a model split over GPUs (`SoloScheduler`) counts none."""
+    def forwards(self) -> tuple[int, int, int]:
+        """(model forwards of the batched steps, those that read prompt chunks beside the decoding rows (`--mix`),
+        steps launched before the last step's tokens were handed over (`--launch-ahead`)) over every pool; a model
+        split over GPUs (`SoloScheduler`) counts none."""
         reports = [getattr(p.scheduler, "report", {}) for p in list(self.pools.values())]
-        return (self.dropped[0] + sum(r.get("forwards", 0) for r in reports),
-                self.dropped[1] + sum(r.get("mixed_forwards", 0) for r in reports))
+        return tuple(self.dropped[i] + sum(r.get(name, 0) for r in reports)
+                     for i, name in ((0, "forwards"), (1, "mixed_forwards"), (3, "ahead_steps")))
 
     def slots(self) -> tuple[int, int]:
         """(used, total) over every pool."""
@@ -336,6 +339,7 @@ class Worker(TurnLoop):
                 self.dropped[0] += report.get("forwards", 0)
                 self.dropped[1] += report.get("mixed_forwards", 0)
                 self.dropped[2] += sum(region.copies.values()) if region is not None else 0
+                self.dropped[3] += report.get("ahead_steps", 0)
                 del self.pools[key]
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Issue 43: a decode-only step launched before the previous step's tokens are handed over (`--launch-ahead`,
+# kvpot.engine.ahead), off and on in one call, the same machine and commit:
+#   WHAT=readers: 64 readers of a stored 128K document (InfiniPot 4,096, 256 new tokens each), a copy each, the
+#                 compiled step (`--compile-step`), beside one reader through Engine.generate;
+#   WHAT=one:     one reader of it (the batch of one against Engine.generate's step), CUDA graphs;
+#   WHAT=tests:   the GPU tests of the batched engine, where launching ahead is the default.
+# ORDER (default "off on") sets the modes and their order.
+set -uo pipefail
+export PYTHONPATH="$PWD/src" PYTHONUNBUFFERED=1
+case "${WHAT:-readers}" in
+  readers) users=64; flags="--compile-step --sequential-users 1" ;;
+  one) users=1; flags="" ;;
+  tests)
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_batch.py tests/test_compile_step.py tests/test_packed.py \
+      tests/test_shared_document.py > "$OUT/gpu-tests.txt" 2>&1
+    tail -5 "$OUT/gpu-tests.txt"; exit 0 ;;
+esac
+for mode in ${ORDER:-off on}; do
+  mkdir -p "$OUT/$mode"
+  timeout "${LIMIT:-280}" python3 -m kvpot bench throughput --shape llama3-8b --method infinipot:pot_size=4096 \
+    --users $users --document --lengths 128k --new-tokens 256 $flags --launch-ahead $mode --device cuda \
+    --out "$OUT/$mode" 2>&1 | grep -E "^│ infinip|^│ ot|^│ \[|^│ at|^│ time|Error|error" | head -20
+  python3 - "$OUT/$mode/results.json" <<'PY'
+import json, sys
+try:
+    data = json.load(open(sys.argv[1]))
+except OSError:
+    sys.exit(print("no results"))
+for row in data["rows"]:
+    keys = ("method", "output_tokens_per_second", "itl_p50_ms", "itl_p99_ms", "launch_ahead", "error")
+    print({k: row.get(k) for k in keys}, {k: (row.get("scheduler") or {}).get(k) for k in ("steps", "ahead_steps")})
+PY
+done
+rm -f "$OUT"/*/*.png

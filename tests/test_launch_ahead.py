@@ -1,0 +1,139 @@
+"""Decode-only steps launched before the previous step's tokens are handed over (`kvpot.engine.ahead`).
+
+On a CPU nothing runs apart from the host, so `launch_ahead="auto"` is off there; these tests turn it on: a step
+launched ahead must give every request the tokens, entries and compressions it gets alone (rows that end by length
+are left out of it; a row that ends at a stop token was stepped once more, and only its token from that step is
+dropped), and the decision itself is checked without a model.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import kvpot
+from conftest import VOCAB, build
+from kvpot.engine.ahead import ahead_rows, resolve_launch_ahead
+from kvpot.engine.delivery import TokenOutbox
+from kvpot.engine.offline import run_all
+from kvpot.engine.scheduler import Request, Scheduler
+from kvpot.errors import KvpotError
+from test_batch import LENGTHS, NEW, alone, methods
+
+@pytest.fixture(scope="module")
+def prompts():
+    torch.manual_seed(1)
+    return [(torch.randint(3, VOCAB, (n,)).tolist(), torch.randint(3, VOCAB, (5,)).tolist()) for n in LENGTHS]
+
+
+EACH = ["full", "streaming", "h2o", "tova", "infinipot", "citrus", "d2o", "snapkv", "sirllm", "roco", "cam", "infllm"]
+
+
+def ahead(model, method, prompts, capacity=None, new=NEW, mix=False, slots=3, **kw):
+    scheduler = Scheduler(kvpot.Engine(model, method=method), slots=slots, capacity=capacity, decode="static", mix=mix,
+                          launch_ahead=True)
+    requests = [Request(c, q, max_new_tokens=n, ignore_eos=True, **kw)
+                for (c, q), n in zip(prompts, new if isinstance(new, list) else [new] * len(prompts))]
+    run_all(scheduler, requests)
+    return scheduler, requests
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+@pytest.mark.parametrize("name", EACH)
+def test_steps_launched_ahead_give_each_request_its_tokens_entries_and_compressions_alone(arch, name, prompts,
+                                                                                          one_thread):
+    model = build(arch)
+    method, capacity = methods()[name]
+    lengths = [NEW, 7, NEW - 3, 1, 12]  # rows end by length at different steps, and are left out of the step ahead
+    expected = [alone(model, method, [p], new=n)[0] for p, n in zip(prompts, lengths)]
+    for mix in (False, True):
+        scheduler, requests = ahead(model, method, prompts, capacity, new=lengths, mix=mix)
+        assert [r.tokens for r in requests] == [e.token_ids for e in expected], mix
+        assert [r.stats.max_kv_entries for r in requests] == [e.stats.max_kv_entries for e in expected], mix
+        assert [r.stats.final_kv_entries for r in requests] == [e.stats.final_kv_entries for e in expected], mix
+        assert [r.stats.compressions for r in requests] == [e.stats.compressions for e in expected], mix
+        assert all(r.finish_reason == "length" for r in requests) and scheduler.pool.used == 0 and scheduler.idle
+        report = scheduler.report
+        if name != "infllm":  # its own attention: every row steps alone, so no step is decode-only in the batch
+            assert report["ahead_steps"] > 0, mix
+        assert report["batched_rows"] + report["eager_rows"] + report["riding_rows"] == sum(n - 1 for n in lengths)
+
+
+def test_a_request_ending_at_a_stop_token_loses_nothing_and_gains_nothing(prompts, one_thread):
+    """The row that picks its stop token was already stepped once more: that step's token is not delivered, its
+    neighbours' tokens are theirs alone, its slot is free again; its cache held one entry more, at most."""
+    model = build("llama3")
+    method, capacity = methods()["full"]
+    expected = alone(model, method, prompts[:3])
+    first = expected[0].token_ids
+    stop = first[5]
+    upto = first[: first.index(stop) + 1]
+    stopped = alone(model, method, prompts[:1], new=len(upto))[0]  # alone, ending there by length
+    scheduler = Scheduler(kvpot.Engine(model, method=method), slots=3, capacity=capacity, decode="static",
+                          launch_ahead=True)
+    requests = [Request(*prompts[0], max_new_tokens=NEW, stop_token_ids=(stop,), ignore_eos=True),
+                *(Request(*p, max_new_tokens=NEW, ignore_eos=True) for p in prompts[1:3])]
+    run_all(scheduler, requests)
+    assert requests[0].tokens == upto and requests[0].finish_reason == "stop"
+    assert [r.tokens for r in requests[1:]] == [e.token_ids for e in expected[1:]]
+    assert requests[0].stats.final_kv_entries - stopped.stats.final_kv_entries in (0, 1)
+    assert scheduler.report["ahead_steps"] > 0 and scheduler.pool.used == 0 and scheduler.idle
+
+
+def test_steps_ahead_off_by_default_on_a_cpu_and_the_value_checked():
+    assert resolve_launch_ahead("auto", torch.device("cpu"), False) is False
+    assert resolve_launch_ahead("auto", torch.device("cuda"), False) is True
+    assert resolve_launch_ahead("auto", torch.device("cuda"), True) is False  # tensor parallelism: lockstep ranks
+    assert resolve_launch_ahead("on", torch.device("cpu"), False) is True
+    assert resolve_launch_ahead(False, torch.device("cuda"), False) is False
+    with pytest.raises(KvpotError, match="launch_ahead must be one of"):
+        resolve_launch_ahead("sometimes", torch.device("cpu"), False)
+    scheduler = Scheduler(kvpot.Engine(build("llama3"), method=kvpot.StreamingLLM(sinks=4, window=44)), slots=2)
+    assert scheduler.launch_ahead is False
+
+
+# ---------------------------------------------------------------- the decision, without a model
+class _Cache:
+    attention, policy = None, SimpleNamespace(kernel_decoding=True)
+
+    def __init__(self, plan: str):
+        self.plan = plan
+
+
+def _scheduler(rows: list[dict], waiting: int = 0, free: int = 0, in_flight: bool = True):
+    """A scheduler's facts `ahead_rows` reads: rows of (status, plan, tokens, max_new_tokens, feeding, cancelled)."""
+    active, outbox = {}, TokenOutbox()
+    for slot, row in enumerate(rows):
+        request = SimpleNamespace(id=slot, status=row.get("status", "decoding"), tokens=[0] * row.get("tokens", 0),
+                                  max_new_tokens=row.get("max_new_tokens", 8), cancel_requested=row.get("cancel", False))
+        active[slot] = SimpleNamespace(request=request, feeding=row.get("feeding"),
+                                       run=SimpleNamespace(cache=_Cache(row.get("plan", "append"))))
+    if in_flight:  # the previous step staged a token for every decoding row
+        staged = [a.request for a in active.values() if a.feeding is None and a.request.status == "decoding"]
+        outbox.pending.append((list(range(len(staged))), staged, None, None))
+    return SimpleNamespace(outbox=outbox, waiting=[object()] * waiting, pool=SimpleNamespace(free=list(range(free))),
+                           active=active, agreement=SimpleNamespace(cancels=lambda r: r.cancel_requested),
+                           batched=True, steady_ok=True, append_ok=True,
+                           method=SimpleNamespace(decode_plan=lambda cache: cache.plan))
+
+
+def _slots(found) -> list[int] | None:
+    return None if found is None else [slot for slot, _ in found[0]]
+
+
+def test_a_step_goes_ahead_only_where_its_whole_plan_is_known_before_the_hand_over():
+    rows = [{"plan": "append"}, {"plan": "steady"}, {"feeding": [5, 6], "status": "prefilling"}]
+    assert _slots(ahead_rows(_scheduler(rows))) == [0, 1, 2]
+    assert ahead_rows(_scheduler(rows))[1] == {0: "append", 1: "steady", 2: "append"}
+    assert ahead_rows(_scheduler(rows, in_flight=False)) is None  # nothing in flight: nothing to hide
+    assert ahead_rows(_scheduler(rows, waiting=1, free=1)) is None  # a request takes a free slot first
+    assert _slots(ahead_rows(_scheduler(rows, waiting=1, free=0))) == [0, 1, 2]  # no slot for it anyway
+    assert ahead_rows(_scheduler(rows + [{"status": "prefilling"}])) is None  # a prompt being read
+    assert ahead_rows(_scheduler(rows + [{"cancel": True}])) is None  # a cancellation, at the step boundary
+    assert ahead_rows(_scheduler(rows + [{"plan": "eager"}])) is None  # a distillation waits for the hand-over
+    # a row whose staged token is its last ends at the hand-over: left out (here 7 delivered + 1 staged = 8)
+    assert _slots(ahead_rows(_scheduler(rows + [{"tokens": 7, "max_new_tokens": 8}]))) == [0, 1, 2]
+    assert _slots(ahead_rows(_scheduler(rows + [{"tokens": 6, "max_new_tokens": 8}]))) == [0, 1, 2, 3]
+    assert ahead_rows(_scheduler([{"tokens": 7, "max_new_tokens": 8}])) is None  # nothing left to step
