@@ -42,7 +42,9 @@ OFFLINE_PROMPT_ORDER = "arrival"
 # (`Scheduler(launch_ahead=...)`, `kvpot serve --launch-ahead`, `kvpot bench throughput --launch-ahead`;
 # `kvpot.engine.ahead`): the hand-over waits for the device, so otherwise the device idles while the host plans and
 # launches the next step (the copy path's compiled 64-reader step: 16.6 ms of device work, 17.27 ms a step on an
-# H100, records/engine-core-h100/decode-tuning/). "auto": on a CUDA device, not under tensor parallelism; "on"; "off".
+# H100, records/engine-core-h100/decode-tuning/). Off and on in one call on an H100: 64 readers of a stored 128K
+# document (a copy each, compiled) ITL p50 17.43 -> 16.93 ms, a batch of one 8.10 -> 8.02 ms
+# (records/engine-core-h100/launch-ahead/). "auto": on a CUDA device, not under tensor parallelism; "on"; "off".
 LAUNCH_AHEAD = "auto"
 LAUNCH_AHEADS = ("auto", "on", "off")
 
