@@ -82,6 +82,28 @@ def test_a_request_ending_at_a_stop_token_loses_nothing_and_gains_nothing(prompt
     assert scheduler.report["ahead_steps"] > 0 and scheduler.pool.used == 0 and scheduler.idle
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["streaming", "h2o", "infinipot", "full"])
+def test_steps_launched_ahead_through_cuda_graphs_give_each_request_its_tokens_alone(name, prompts):
+    """On a GPU, where launching ahead is the default: captured steps, rows ending by length and at a stop token."""
+    model = build("llama3").cuda()
+    method, capacity = methods()[name]
+    cuda = [(torch.tensor(c).cuda(), torch.tensor(q).cuda()) for c, q in prompts]
+    lengths = [NEW, 7, NEW - 3, 1, 12]
+    expected = [alone(model, method, [p], new=n)[0] for p, n in zip(cuda, lengths)]
+    stop = expected[0].token_ids[5]
+    scheduler = Scheduler(kvpot.Engine(model, method=method), slots=3, capacity=capacity, decode="graph")
+    assert scheduler.launch_ahead is True  # "auto" on a CUDA device
+    requests = [Request(*p, max_new_tokens=n, ignore_eos=True, stop_token_ids=(stop,) if i == 0 else ())
+                for i, (p, n) in enumerate(zip(cuda, lengths))]
+    run_all(scheduler, requests)
+    first = expected[0].token_ids
+    assert requests[0].tokens == first[: first.index(stop) + 1]
+    assert [r.tokens for r in requests[1:]] == [e.token_ids for e in expected[1:]]
+    assert scheduler.report["ahead_steps"] > 0 and scheduler.decoder.replays > 0
+    assert scheduler.pool.used == 0 and scheduler.idle
+
+
 def test_steps_ahead_off_by_default_on_a_cpu_and_the_value_checked():
     assert resolve_launch_ahead("auto", torch.device("cpu"), False) is False
     assert resolve_launch_ahead("auto", torch.device("cuda"), False) is True

@@ -8,7 +8,8 @@ own, rows stepped alone, and the gap the users saw after it.
 The gap: a step's tokens reach their requests at the start of the next step (`TokenOutbox`), once the device has
 run it. So the gap between two deliveries is what the users decoding waited for that step, host work and device
 work together, and it is charged to the step that ran between them. It is wall time on the host: the trace adds
-no synchronisation of its own.
+no synchronisation of its own. A step launched ahead of the hand-over (`kvpot.engine.ahead`) opens its record when it is
+planned, before the previous step's tokens are delivered: in a run of such steps the gap is still one step's period.
 
 Off by default (`Scheduler.trace` is a `NoTrace`); `kvpot bench throughput` sets a `StepTrace` for its timed
 workload and records its `summary()` in each batch row (`steps`).
