@@ -104,6 +104,37 @@ def test_steps_launched_ahead_through_cuda_graphs_give_each_request_its_tokens_a
     assert scheduler.pool.used == 0 and scheduler.idle
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["streaming", "h2o", "tova"])
+def test_the_batched_eviction_never_waits_for_the_device(name, prompts, monkeypatch):
+    """A step launched ahead only hides the host's work if nothing after the launch waits for the device: the rows
+    at their budget evict (`evict_steady`) under `torch.cuda.set_sync_debug_mode("error")`, which raises at any
+    synchronising call. (`lengths[index, rows] = keep` did: a Python scalar written through advanced indexing is
+    copied from the host and the stream synchronised, 32 times a step.)"""
+    import kvpot.engine.scheduler as scheduler_module
+
+    model = build("llama3").cuda()
+    method, capacity = methods()[name]
+    cuda = [(torch.tensor(c).cuda(), torch.tensor(q).cuda()) for c, q in prompts]
+    expected = alone(model, method, cuda)
+    real, calls = scheduler_module.evict_steady, []
+
+    def strict(*args, **kwargs):
+        calls.append(1)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return real(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(scheduler_module, "evict_steady", strict)
+    scheduler = Scheduler(kvpot.Engine(model, method=method), slots=3, capacity=capacity, decode="graph")
+    requests = [Request(c, q, max_new_tokens=NEW, ignore_eos=True) for c, q in cuda]
+    run_all(scheduler, requests)
+    assert [r.tokens for r in requests] == [e.token_ids for e in expected]
+    assert calls and scheduler.report["steady_rows"] > 0
+
+
 def test_steps_ahead_off_by_default_on_a_cpu_and_the_value_checked():
     assert resolve_launch_ahead("auto", torch.device("cpu"), False) is False
     assert resolve_launch_ahead("auto", torch.device("cuda"), False) is True
