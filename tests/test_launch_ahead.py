@@ -141,6 +141,9 @@ def test_steps_ahead_off_by_default_on_a_cpu_and_the_value_checked():
     assert resolve_launch_ahead("auto", torch.device("cuda"), True) is False  # tensor parallelism: lockstep ranks
     assert resolve_launch_ahead("on", torch.device("cpu"), False) is True
     assert resolve_launch_ahead(False, torch.device("cuda"), False) is False
+    assert resolve_launch_ahead(True, torch.device("cpu"), False) is True
+    with pytest.raises(KvpotError, match="tensor parallelism"):
+        resolve_launch_ahead("on", torch.device("cuda"), True)
     with pytest.raises(KvpotError, match="launch_ahead must be one of"):
         resolve_launch_ahead("sometimes", torch.device("cpu"), False)
     scheduler = Scheduler(kvpot.Engine(build("llama3"), method=kvpot.StreamingLLM(sinks=4, window=44)), slots=2)

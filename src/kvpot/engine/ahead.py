@@ -30,12 +30,16 @@ from kvpot.errors import KvpotError
 
 def resolve_launch_ahead(value: bool | str, device: torch.device, parallel: bool) -> bool:
     """`Scheduler(launch_ahead=...)`: True/"on", False/"off", or "auto" (on a CUDA device, where the host and the
-    device run apart; not under tensor parallelism, whose ranks step in lockstep with rank 0's plan)."""
-    if isinstance(value, bool):
-        return value
-    if value not in LAUNCH_AHEADS:
+    device run apart). Not under tensor parallelism: its ranks run rank 0's plan of each step in lockstep, and a step
+    decided before the hand-over on each rank's own counts has not been tested there, so "on" is refused."""
+    if not isinstance(value, bool) and value not in LAUNCH_AHEADS:
         raise KvpotError(f"launch_ahead must be one of {LAUNCH_AHEADS} or a bool, got {value!r}.")
-    return device.type == "cuda" and not parallel if value == "auto" else value == "on"
+    if value == "auto":
+        return device.type == "cuda" and not parallel
+    if value in (True, "on") and parallel:
+        raise KvpotError("launch_ahead='on' under tensor parallelism: its ranks step in lockstep with rank 0's plan; "
+                         "use 'auto' or 'off'.")
+    return value in (True, "on")
 
 
 def ahead_rows(scheduler) -> tuple[list, dict[int, str]] | None:
