@@ -135,6 +135,34 @@ def test_the_batched_eviction_never_waits_for_the_device(name, prompts, monkeypa
     assert calls and scheduler.report["steady_rows"] > 0
 
 
+@pytest.mark.parametrize("name", ["streaming", "h2o", "tova", "roco", "infinipot", "sirllm", "full"])
+def test_no_step_writes_a_python_scalar_through_a_tensor_index(name, prompts, one_thread, monkeypatch):
+    """What the GPU test above checks with CUDA's sync debugging, checked on a CPU by its cause: `t[idx] = 5`, a
+    Python number written through a tensor index, is on a GPU a blocking copy from the host that synchronises the
+    stream (torch 2.11), so the host could no longer run ahead of the device. No batched step, mixed or not, may do it."""
+    import traceback
+
+    method, capacity = methods()[name]
+    real, found = torch.Tensor.__setitem__, []
+
+    def spy(self, index, value):
+        parts = index if isinstance(index, tuple) else (index,)
+        if any(isinstance(p, torch.Tensor) for p in parts) and isinstance(value, (int, float, bool)):
+            found.append("".join(traceback.format_stack(limit=3)[:-1]))
+        return real(self, index, value)
+
+    model = build("llama3")
+    for mix in (False, True):
+        scheduler = Scheduler(kvpot.Engine(model, method=method), slots=3, capacity=capacity, decode="static",
+                              mix=mix, launch_ahead=True)
+        requests = [Request(c, q, max_new_tokens=NEW, ignore_eos=True) for c, q in prompts]
+        monkeypatch.setattr(torch.Tensor, "__setitem__", spy)
+        run_all(scheduler, requests)
+        monkeypatch.undo()
+        assert found == [], found[0]
+        assert scheduler.report["ahead_steps"] > 0
+
+
 def test_steps_ahead_off_by_default_on_a_cpu_and_the_value_checked():
     assert resolve_launch_ahead("auto", torch.device("cpu"), False) is False
     assert resolve_launch_ahead("auto", torch.device("cuda"), False) is True
