@@ -163,6 +163,40 @@ def test_no_step_writes_a_python_scalar_through_a_tensor_index(name, prompts, on
         assert scheduler.report["ahead_steps"] > 0
 
 
+@pytest.mark.parametrize("name", ["streaming", "h2o", "tova", "cam", "roco", "full"])
+def test_a_decode_only_step_reads_nothing_back_but_the_tokens_it_hands_over(name, prompts, one_thread, monkeypatch):
+    """On a GPU a tensor read into Python (`item`, `tolist`, `bool`, `int`, `float`) waits for the device. In a run of
+    decode-only steps the one read is the hand-over's, of the staged copy of the tokens (`TokenOutbox.drain`); any
+    other would keep the host from running ahead."""
+    import traceback
+
+    method, capacity = methods()[name]
+    names = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
+    reads: list[str] = []
+
+    def spy(real):
+        def read(self, *args, **kwargs):
+            reads.append("".join(traceback.format_stack(limit=3)[:-1]))
+            return real(self, *args, **kwargs)
+        return read
+
+    scheduler = Scheduler(kvpot.Engine(build("llama3"), method=method), slots=3, capacity=capacity, decode="static",
+                          launch_ahead=True)
+    requests = [Request(c, q, max_new_tokens=2 * NEW, ignore_eos=True) for c, q in prompts[:3]]
+    for request in requests:
+        scheduler.submit(request)
+    while any(r.status != "decoding" for r in requests):
+        scheduler.step()
+    for attr in names:
+        monkeypatch.setattr(torch.Tensor, attr, spy(getattr(torch.Tensor, attr)))
+    before = scheduler.report["ahead_steps"]
+    for _ in range(NEW):
+        scheduler.step()
+    monkeypatch.undo()
+    assert scheduler.report["ahead_steps"] - before == NEW  # every one of them launched ahead
+    assert reads and all("in drain" in where and "tokens.tolist()" in where for where in reads), reads
+
+
 def test_steps_ahead_off_by_default_on_a_cpu_and_the_value_checked():
     assert resolve_launch_ahead("auto", torch.device("cpu"), False) is False
     assert resolve_launch_ahead("auto", torch.device("cuda"), False) is True
