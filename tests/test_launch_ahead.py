@@ -31,11 +31,10 @@ def prompts():
 EACH = ["full", "streaming", "h2o", "tova", "infinipot", "citrus", "d2o", "snapkv", "sirllm", "roco", "cam", "infllm"]
 
 
-def ahead(model, method, prompts, capacity=None, new=NEW, mix=False, slots=3, **kw):
-    scheduler = Scheduler(kvpot.Engine(model, method=method), slots=slots, capacity=capacity, decode="static", mix=mix,
+def ahead(model, method, prompts, capacity, lengths: list[int], mix: bool):
+    scheduler = Scheduler(kvpot.Engine(model, method=method), slots=3, capacity=capacity, decode="static", mix=mix,
                           launch_ahead=True)
-    requests = [Request(c, q, max_new_tokens=n, ignore_eos=True, **kw)
-                for (c, q), n in zip(prompts, new if isinstance(new, list) else [new] * len(prompts))]
+    requests = [Request(c, q, max_new_tokens=n, ignore_eos=True) for (c, q), n in zip(prompts, lengths)]
     run_all(scheduler, requests)
     return scheduler, requests
 
@@ -49,7 +48,7 @@ def test_steps_launched_ahead_give_each_request_its_tokens_entries_and_compressi
     lengths = [NEW, 7, NEW - 3, 1, 12]  # rows end by length at different steps, and are left out of the step ahead
     expected = [alone(model, method, [p], new=n)[0] for p, n in zip(prompts, lengths)]
     for mix in (False, True):
-        scheduler, requests = ahead(model, method, prompts, capacity, new=lengths, mix=mix)
+        scheduler, requests = ahead(model, method, prompts, capacity, lengths, mix)
         assert [r.tokens for r in requests] == [e.token_ids for e in expected], mix
         assert [r.stats.max_kv_entries for r in requests] == [e.stats.max_kv_entries for e in expected], mix
         assert [r.stats.final_kv_entries for r in requests] == [e.stats.final_kv_entries for e in expected], mix
