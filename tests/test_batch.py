@@ -202,22 +202,24 @@ def test_questions_fed_through_the_decoding_steps_give_the_tokens_alone(model, p
         fed = sum(len(q) for q in questions if len(q) <= 32)  # the 40-token question is read in a forward
         assert scheduler.report["fed_tokens"] == (0 if feed == "never" else fed), feed
         assert scheduler.pool.used == 0 and scheduler.idle
-    # not fed, and mixing: each question is read whole in a mixed forward beside the decoding rows
-    scheduler = Scheduler(kvpot.Engine(model, method=method), slots=3, capacity=capacity, decode="static",
-                          feed_questions="never", mix=True)
-    requests = [Request(None, q, state=state, max_new_tokens=NEW, ignore_eos=True) for q in questions]
-    run_all(scheduler, requests)
-    assert [r.tokens for r in requests] == [e.token_ids for e in expected]
-    assert [r.stats.compressions for r in requests] == [e.stats.compressions for e in expected]
-    assert scheduler.report["fed_tokens"] == 0 and scheduler.report["mixed_forwards"] > 0
+    # mixing, not fed ("auto" too: a chunk of the mixed forward beside the decoding rows, not a step a token)
+    for feed in ("never", "auto"):
+        scheduler = Scheduler(kvpot.Engine(model, method=method), slots=3, capacity=capacity, decode="static",
+                              feed_questions=feed, mix=True)
+        requests = [Request(None, q, state=state, max_new_tokens=NEW, ignore_eos=True) for q in questions]
+        run_all(scheduler, requests)
+        assert [r.tokens for r in requests] == [e.token_ids for e in expected], feed
+        assert [r.stats.compressions for r in requests] == [e.stats.compressions for e in expected], feed
+        assert scheduler.report["fed_tokens"] == 0 and scheduler.report["mixed_forwards"] > 0, feed
     if name == "infinipot":
         assert any(e.stats.compressions for e in expected)  # a question did fill the pot
 
 
 @pytest.mark.parametrize("name", ["full", "infinipot", "sirllm"])
 def test_fed_questions_beside_mixed_prompts_give_the_tokens_alone(model, prompts, name, one_thread):
-    """What `mix="auto"` runs on a GPU when a server has readers of a stored document and fresh prompts at once:
-    questions fed one token a step among the decoding rows while other prompts' chunks join the same forward."""
+    """What `kvpot serve --feed-questions always` runs on a GPU when a server has readers of a stored document and fresh
+    prompts at once: questions fed one token a step among the decoding rows while other prompts' chunks join the same
+    forward (with "auto", mixing, each question is a chunk of that forward instead)."""
     method, capacity = methods()[name]
     engine = kvpot.Engine(model, method=method, decode="eager")
     state = engine.prefill_ids(prompts[4][0])
@@ -226,7 +228,7 @@ def test_fed_questions_beside_mixed_prompts_give_the_tokens_alone(model, prompts
     expected += [engine.generate_ids(question_ids=q, state=state, max_new_tokens=NEW, ignore_eos=True).token_ids
                  for q in questions]
     scheduler = Scheduler(kvpot.Engine(model, method=method), slots=4, capacity=capacity, decode="static",
-                          feed_tokens=32, mix=True, prefill_tokens=48)
+                          feed_tokens=32, mix=True, prefill_tokens=48, feed_questions="always")
     scheduler.trace = StepTrace()
     requests = [Request(c, q, max_new_tokens=NEW, ignore_eos=True) for c, q in prompts[1:3]]
     requests += [Request(None, q, state=state, max_new_tokens=NEW, ignore_eos=True) for q in questions]

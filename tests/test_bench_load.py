@@ -279,6 +279,25 @@ def test_throughput_records_how_mixed_steps_ran(capsys, tmp_path):
         assert rows[name]["mixed_step"] == {"form": "eager", "packed_steps": 0}, name  # on a CPU both are eager
 
 
+def test_readers_questions_are_fed_or_mixed_as_asked(capsys, tmp_path):
+    """`--feed-questions`: readers of a stored document have their questions fed a token a step ("always"), or read
+    as chunks of the mixed forward where prompts mix ("auto" with `--mix eager` on a CPU); recorded in each row."""
+    fed = {}
+    for feed in ("always", "auto"):
+        out = tmp_path / feed
+        code, _, err = run(capsys, "bench", "throughput", "--shape", "tiny", "--device", "cpu", "--out", str(out),
+                           "--method", "infinipot:pot_size=128", "--users", "3", "--lengths", "160", "--new-tokens", "3",
+                           "--question-tokens", "6", "--document", "--mix", "eager", "--feed-questions", feed,
+                           "--sequential-users", "1")
+        assert code == 0, err
+        results = json.loads((out / "results.json").read_text())
+        row = results["rows"][0]
+        assert row["method"] == "infinipot [batch]" and row["feed_questions"] == feed
+        assert results["config"]["feed_questions"] == feed and row["completed"] == 3
+        fed[feed] = (row["scheduler"]["fed_tokens"], row["scheduler"]["mixed_forwards"])
+    assert fed["always"][0] == 3 * 6 and fed["auto"][0] == 0 and fed["auto"][1] > 0, fed
+
+
 def test_an_unbounded_patience_is_recorded_as_strict_json(capsys, tmp_path):
     """`--prompt-patience inf` (shortest first, never overtaken) runs, and results.json stays JSON that strict readers
     (jq) take: "inf", not Python's `Infinity`."""

@@ -48,6 +48,15 @@ OFFLINE_PROMPT_ORDER = "arrival"
 LAUNCH_AHEAD = "auto"
 LAUNCH_AHEADS = ("auto", "on", "off")
 
+# How a question asked of a stored document is read in a batched step (`Scheduler(feed_questions=...)`, `kvpot serve
+# --feed-questions`, `kvpot bench throughput --feed-questions`), for methods whose cache does not depend on how the
+# question is cut (`Method.feeds_question`): "auto" reads it as one chunk of the mixed forward where prompts mix (a GPU),
+# else feeds it one token per decoding step while others run or wait (alone, one forward of its own answers sooner);
+# "always" feeds it; "never" reads it in its own chunks. Fed, 64 readers' questions of ~30 tokens took 31 of a run's
+# 287 steps on an H100 (0.62 s to the first token, records/engine-core-h100/launch-ahead/).
+FEED_QUESTIONS = "auto"
+FEED_QUESTIONS_CHOICES = ("auto", "always", "never")
+
 # Share of the GPU memory free after loading that a batched pool sized by itself takes
 # (`Scheduler(memory_fraction=...)`): the rest is for a step's activations and the logits. `kvpot serve` gives
 # its default method's pool less (`--kv-memory-fraction`, 0.7): other methods' pools and stored states share it.

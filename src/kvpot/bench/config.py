@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvpot.bench.backends import DEFAULT_SDPA, SDPA_CHOICES
-from kvpot.defaults import LAUNCH_AHEAD, MIX, PREFILL_TOKENS, PROMPT_ORDER, PROMPT_PATIENCE
+from kvpot.defaults import FEED_QUESTIONS, LAUNCH_AHEAD, MIX, PREFILL_TOKENS, PROMPT_ORDER, PROMPT_PATIENCE
 from kvpot.errors import KvpotError
 
 
@@ -118,6 +118,7 @@ class BenchConfig:
     prompt_order: str = PROMPT_ORDER  # the [batch] rows' Scheduler(prompt_order=...): arrival, shortest
     prompt_patience: float = PROMPT_PATIENCE  # the [batch] rows' Scheduler(prompt_patience=...)
     launch_ahead: str = LAUNCH_AHEAD  # the [batch] rows' Scheduler(launch_ahead=...): auto, on, off
+    feed_questions: str = FEED_QUESTIONS  # the [batch] rows' Scheduler(feed_questions=...): auto, always, never
     mixed: bool = False  # a row of the batch that reads prompt chunks in the decoding rows' forward (mix on)
     prompts_apart: bool = False  # a row of the batch that reads them in forwards of their own (mix off)
     share_documents: bool = False  # with --document, a row whose readers share the document (share_documents=True)

@@ -252,7 +252,8 @@ def _serve_config(config: ServeBenchConfig, run, longest: int) -> tuple[object, 
                   max_tokens_limit=max(defaults.max_tokens_limit, config.new_tokens),
                   max_slots=config.slots, prefill_tokens=config.prefill_tokens, mix=config.mix,
                   prompt_order=config.prompt_order, prompt_patience=config.prompt_patience,
-                  launch_ahead=config.launch_ahead, slot_capacity=longest + config.new_tokens if growing else None)
+                  launch_ahead=config.launch_ahead, feed_questions=config.feed_questions,
+                  slot_capacity=longest + config.new_tokens if growing else None)
     options, missing = serve_options(**wanted)
     serve_config = ServeConfig(model=config.model, method=_spec(run), served_model_name=config.model or config.shape,
                                **options)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvpot.defaults import LAUNCH_AHEAD, MIX, PREFILL_TOKENS, PROMPT_ORDER, PROMPT_PATIENCE
+from kvpot.defaults import FEED_QUESTIONS, LAUNCH_AHEAD, MIX, PREFILL_TOKENS, PROMPT_ORDER, PROMPT_PATIENCE
 from kvpot.errors import KvpotError
 
 MODE = "serve"
@@ -36,6 +36,7 @@ class ServeBenchConfig:
     prompt_order: str = PROMPT_ORDER  # the launched server's and the engine row's Scheduler(prompt_order=...)
     prompt_patience: float = PROMPT_PATIENCE  # theirs too: Scheduler(prompt_patience=...)
     launch_ahead: str = LAUNCH_AHEAD  # theirs too: Scheduler(launch_ahead=...)
+    feed_questions: str = FEED_QUESTIONS  # theirs too: Scheduler(feed_questions=...)
     threads: int | None = None
     seed: int = 0
     # the workload
@@ -126,7 +127,8 @@ class ServeBenchConfig:
             decode=self.decode, threads=self.threads, users=self.users, new_tokens=self.new_tokens,
             question_tokens=self.question_tokens, document=self.document, slots=self.slots,
             prefill_tokens=self.prefill_tokens, mix=self.mix, prompt_order=self.prompt_order,
-            prompt_patience=self.prompt_patience, launch_ahead=self.launch_ahead, arrival_rate=self.arrival_rate,
+            prompt_patience=self.prompt_patience, launch_ahead=self.launch_ahead, feed_questions=self.feed_questions,
+            arrival_rate=self.arrival_rate,
             length_mix=self.length_mix, new_tokens_mix=self.new_tokens_mix, slo_ttft=self.slo_ttft, slo_itl=self.slo_itl)
         config.model_devices = devices
         return config

@@ -161,7 +161,7 @@ def _batched(config: BenchConfig, engine, prompts: dict, state, mix: str = "auto
                           prefill_tokens=config.prefill_tokens, decode=config.decode, mix=mix, share_documents=share,
                           reader_room=config.reader_room if share else None,
                           prompt_order=config.prompt_order, prompt_patience=config.prompt_patience,
-                          launch_ahead=config.launch_ahead)
+                          launch_ahead=config.launch_ahead, feed_questions=config.feed_questions)
     # warm-up of the same batch sizes: kernels compile and each bucket's graph is captured, untimed
     vocab = engine.model.config.vocab_size
     warm = [Request(random_tokens(vocab, _warm_length(engine, scheduler, q) if index == 0 else WARMUP_PROMPT,
@@ -186,6 +186,7 @@ def _batched(config: BenchConfig, engine, prompts: dict, state, mix: str = "auto
             "prefill_tokens_per_step": scheduler.prefill_tokens, "mix": scheduler.mix, "steps": scheduler.trace.summary(),
             "prompt_order": scheduler.prompt_order, "prompt_patience": json_seconds(scheduler.prompt_patience),
             "batch_invariant": engine.batch_invariant, "launch_ahead": scheduler.launch_ahead,
+            "feed_questions": scheduler.feed_questions,
             "scheduler": dict(scheduler.report),
             "graphs": {"captures": scheduler.decoder.captures, "captured_in_warmup": captured,
                        "replays": scheduler.decoder.replays},

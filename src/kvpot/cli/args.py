@@ -14,9 +14,15 @@ from kvpot.eval.config import parse_length, parse_lengths
 EXIT_USAGE = 2
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
 METHOD_METAVAR = "NAME[:KEY=VALUE,...]"
+# `--feed-questions` (kvpot serve, kvpot bench throughput and serve): its values are `kvpot.defaults.FEED_QUESTIONS_CHOICES`
+QUESTIONS_HELP = ("how a question about a stored document is read beside the users already decoding: auto (default) "
+                  "reads it as one chunk of the mixed forward where prompts mix (a GPU), else one token per decoding "
+                  "step while others run or wait (alone, one forward answers sooner); always: a token a step; never: "
+                  "in chunks; a token a step only for methods whose cache does not depend on how the question is cut "
+                  "(full, truncate, infinipot, sirllm)")
 
 __all__ = [
-    "DTYPES", "EXIT_USAGE", "METHOD_METAVAR", "Parser", "add_budget_argument", "add_device_arguments",
+    "DTYPES", "EXIT_USAGE", "METHOD_METAVAR", "QUESTIONS_HELP", "Parser", "add_budget_argument", "add_device_arguments",
     "add_gguf_argument", "add_tp_argument",
     "add_method_arguments", "add_model_arguments", "add_set_argument", "parse_length",
     "parse_lengths",

@@ -11,9 +11,9 @@ from kvpot.bench.backends import DEFAULT_SDPA, SDPA_CHOICES
 from kvpot.bench.config import DEFAULT_LENGTHS, MODES, BenchConfig
 from kvpot.bench.load import parse_rate
 from kvpot.bench.serve_config import MODE as SERVE_MODE, ServeBenchConfig
-from kvpot.cli.args import METHOD_METAVAR, add_device_arguments, add_tp_argument, parse_length, parse_lengths
-from kvpot.defaults import (LAUNCH_AHEAD, LAUNCH_AHEADS, MIX, MIXES, PREFILL_TOKENS, PROMPT_ORDER, PROMPT_ORDERS,
-                             PROMPT_PATIENCE)
+from kvpot.cli.args import METHOD_METAVAR, QUESTIONS_HELP, add_device_arguments, add_tp_argument, parse_length, parse_lengths
+from kvpot.defaults import (FEED_QUESTIONS, FEED_QUESTIONS_CHOICES, LAUNCH_AHEAD, LAUNCH_AHEADS, MIX, MIXES, PREFILL_TOKENS,
+                            PROMPT_ORDER, PROMPT_ORDERS, PROMPT_PATIENCE)
 from kvpot.errors import KvpotError
 
 HIP_MODE = "hip-reference"
@@ -154,6 +154,8 @@ def register(sub) -> None:
                    help="METHOD [batch] (and serve's server): launch a decode-only step before the previous step's "
                         "tokens are handed over, so the GPU never waits for the host between steps (on), or after (off); "
                         f"auto: on a CUDA GPU (default {LAUNCH_AHEAD}); recorded in each row")
+    t.add_argument("--feed-questions", choices=FEED_QUESTIONS_CHOICES, default=FEED_QUESTIONS,
+                   help="METHOD [batch] (and serve's server), with --document: " + QUESTIONS_HELP + "; recorded in each row")
     t.add_argument("--mix", choices=MIXES, default=MIX,
                    help="METHOD [batch] (and serve's server): read prompt chunks in the decoding rows' forward (on), "
                         "in forwards of their own between decoding steps (off), or auto: on a CUDA GPU, where the "
@@ -295,7 +297,8 @@ def serve_config_from_args(args) -> ServeBenchConfig:
         shape=args.shape, model=args.model, methods=list(args.method), budget=args.budget,
         settings=parse_assignments(args.set), device=args.device, dtype=args.dtype, decode=args.decode,
         slots=args.slots, prefill_tokens=args.prefill_tokens, mix=args.mix, prompt_order=args.prompt_order,
-        prompt_patience=args.prompt_patience, launch_ahead=args.launch_ahead, threads=args.threads, seed=args.seed,
+        prompt_patience=args.prompt_patience, launch_ahead=args.launch_ahead, feed_questions=args.feed_questions,
+        threads=args.threads, seed=args.seed,
         lengths=_lengths(args), users=args.users, new_tokens=args.new_tokens,
         question_tokens=args.question_tokens, document=args.document,
         upload_during=None if args.upload_during is None else parse_length(args.upload_during), timeout=args.timeout,
@@ -326,7 +329,7 @@ def config_from_args(args) -> BenchConfig:
         mix=args.mix, mixed=args.mixed, prompts_apart=args.prompts_apart, share_documents=args.share_documents, tp=args.tp,
         reader_room=args.reader_room,
         prompt_order=args.prompt_order, prompt_patience=args.prompt_patience, launch_ahead=args.launch_ahead,
-        sdpa=args.sdpa, **_load_options(args),
+        feed_questions=args.feed_questions, sdpa=args.sdpa, **_load_options(args),
     )
 
 

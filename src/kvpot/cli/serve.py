@@ -12,9 +12,9 @@ DEFAULT_METHOD = "infinipot:pot_size=4096"  # bounded, as `kvpot generate`'s def
 
 
 def register(subparsers) -> None:
-    from kvpot.cli.args import METHOD_METAVAR, add_decode_argument, add_model_arguments, add_tp_argument
-    from kvpot.defaults import (LAUNCH_AHEAD, LAUNCH_AHEADS, MIX, MIXES, PREFILL_TOKENS, PROMPT_ORDER, PROMPT_ORDERS,
-                                PROMPT_PATIENCE)
+    from kvpot.cli.args import METHOD_METAVAR, QUESTIONS_HELP, add_decode_argument, add_model_arguments, add_tp_argument
+    from kvpot.defaults import (FEED_QUESTIONS, FEED_QUESTIONS_CHOICES, LAUNCH_AHEAD, LAUNCH_AHEADS, MIX, MIXES,
+                                PREFILL_TOKENS, PROMPT_ORDER, PROMPT_ORDERS, PROMPT_PATIENCE)
 
     p = subparsers.add_parser(
         "serve",
@@ -88,11 +88,8 @@ def register(subparsers) -> None:
                         f"--share-documents too: a reader's question is then read whole over the shared document "
                         f"(default {MIX}); "
                         "eager: on, never in the captured fixed-shape step")
-    b.add_argument("--feed-questions", choices=["auto", "always", "never"], default="auto",
-                   help="a question about a stored document is read one token per decoding step beside the users "
-                        "already decoding (auto: while others run or wait; alone, one forward answers sooner), "
-                        "instead of a forward of its own that they all wait for; only for methods whose cache does "
-                        "not depend on how the question is cut (full, truncate, infinipot, sirllm)")
+    b.add_argument("--feed-questions", choices=FEED_QUESTIONS_CHOICES, default=FEED_QUESTIONS,
+                   help=QUESTIONS_HELP)
     b.add_argument("--feed-tokens", type=int, default=64,
                    help="the longest question fed that way, in tokens (default 64); longer ones take a forward")
     b.add_argument("--share-documents", action="store_true",

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpot.defaults import PROMPT_ORDER, PROMPT_ORDERS, PROMPT_PATIENCE
+from kvpot.defaults import FEED_QUESTIONS_CHOICES, PROMPT_ORDER, PROMPT_ORDERS, PROMPT_PATIENCE
 from kvpot.errors import KvpotError
 
 
@@ -130,7 +130,7 @@ def check_options(prefill_tokens: int, max_waiting: int | None, feed_questions: 
     if prompt_order not in PROMPT_ORDERS:
         raise KvpotError(f"prompt_order must be one of {PROMPT_ORDERS}, got {prompt_order!r}.")
     check_patience(prompt_patience, "prompt_patience")
-    if feed_questions not in ("auto", "always", "never"):
+    if feed_questions not in FEED_QUESTIONS_CHOICES:
         raise KvpotError(f"feed_questions must be 'auto', 'always' or 'never', got {feed_questions!r}.")
     if decode == "eager":
         raise KvpotError("batched decoding runs fixed-shape steps: decode must be 'auto', 'graph' or 'static'.")

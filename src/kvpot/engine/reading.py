@@ -14,6 +14,7 @@ import time
 import torch
 
 from kvpot.engine.documents import load_state, unshare
+from kvpot.engine.mixed import mixable
 from kvpot.engine.results import _Run
 from kvpot.engine.sampling import _as_ids
 from kvpot.errors import KvpotError
@@ -102,6 +103,12 @@ def feeds_question(scheduler, run: _Run, question: torch.Tensor) -> bool:
     if scheduler.feed_questions == "never" or not scheduler.method.feeds_question or not scheduler.batched:
         return False
     fits = 0 < question.numel() <= scheduler.feed_tokens and run.logits is not None and run.cache.attention is None
-    alone = scheduler.pool.documents is None  # sharing documents, a forward of its own would copy the document
-    return fits and (scheduler.feed_questions == "always" or len(scheduler.active) > 1 or bool(scheduler.waiting)
-                     or not alone)
+    if not fits or scheduler.feed_questions == "always":
+        return fits
+    copied = scheduler.pool.documents is None  # sharing documents, a forward of its own would copy the document
+    if copied and scheduler.mix and mixable(scheduler.method, run):
+        # one chunk of a mixed step beside the decoding rows, not a step a token: 64 readers' questions of ~30
+        # tokens fed took 31 of 287 steps (0.62 s to the first token at 17 ms a step, an H100,
+        # records/engine-core-h100/launch-ahead/); shared readers' questions are chunks already (`question_chunk`)
+        return False
+    return len(scheduler.active) > 1 or bool(scheduler.waiting) or not copied

@@ -27,7 +27,8 @@ from kvpot.engine.documents import copy_before_step, reader_lanes, reader_stride
 from kvpot.engine.evict import evict_steady
 from kvpot.engine.mixed import (Chunk, capture_mixed, chunk_rows, mixable, mixed_forward, peek_candidate, resolve_mix,
                                tail_tokens)
-from kvpot.defaults import LAUNCH_AHEAD, MIX, PREFILL_TOKENS, PROMPT_ORDER, PROMPT_PATIENCE, SLOT_MEMORY_FRACTION
+from kvpot.defaults import (FEED_QUESTIONS, LAUNCH_AHEAD, MIX, PREFILL_TOKENS, PROMPT_ORDER, PROMPT_PATIENCE,
+                            SLOT_MEMORY_FRACTION)
 from kvpot.engine.plan import check_options, plan_chunks, reading_order, row_plan
 from kvpot.engine.pool import SlotPool, slot_bytes, slot_capacity, slot_count
 from kvpot.engine.reading import begin_read
@@ -49,10 +50,11 @@ class Scheduler:
     max_waiting: requests queued beyond the slots; `submit` raises `QueueFull` past it (None: no limit).
     prefill_tokens: prompt tokens read per step across requests (at least one chunk per step).
     decode: "auto" (CUDA graphs on a GPU, fixed-shape steps uncaptured on a CPU), "graph" or "static".
-    feed_questions: "auto" feeds a question of at most `feed_tokens` tokens asked of a stored state through
-        the batched decoding steps, one token per step, when other requests run or wait (alone, one forward
-        answers sooner); "always", or "never" (one forward of its own, as `Engine.generate` reads it). Only
-        for methods whose cache does not depend on how the question is cut (`Method.feeds_question`).
+    feed_questions: how a question of at most `feed_tokens` tokens asked of a stored state is read (`kvpot.defaults`):
+        "auto" reads it as a chunk of the mixed forward where prompts mix, else feeds it through the batched decoding
+        steps, one token per step, when other requests run or wait (alone, one forward answers sooner); "always"
+        feeds it, "never" reads it in chunks (as `Engine.generate` reads it). Feeding is only for methods whose
+        cache does not depend on how the question is cut (`Method.feeds_question`).
     mix: read prompt chunks in the decoding rows' forward (`kvpot.engine.mixed`): the same tokens, fewer forwards.
         "auto" (`kvpot.defaults.MIX`, `kvpot.engine.mixed.resolve_mix`): on a CUDA GPU; "on", "off", "eager" or a bool.
     prompt_order: which prompts a step reads first, "arrival" (oldest) or "shortest" (fewest tokens left; `prompt_patience`
@@ -70,7 +72,7 @@ class Scheduler:
 
     def __init__(self, engine, slots: int | None = None, capacity: int | None = None, question_room: int = 512,
                  max_waiting: int | None = None, prefill_tokens: int = PREFILL_TOKENS, decode: str = "auto",
-                 max_slots: int = 256, memory_fraction: float = SLOT_MEMORY_FRACTION, feed_questions: str = "auto",
+                 max_slots: int = 256, memory_fraction: float = SLOT_MEMORY_FRACTION, feed_questions: str = FEED_QUESTIONS,
                  feed_tokens: int = 64, mix: bool | str = MIX, share_documents: bool = False, documents: int = 4,
                  reader_room: int | None = None, prompt_order: str = PROMPT_ORDER, prompt_patience: float = PROMPT_PATIENCE,
                  launch_ahead: bool | str = LAUNCH_AHEAD):

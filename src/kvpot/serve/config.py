@@ -6,8 +6,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvpot.defaults import (LAUNCH_AHEAD, LAUNCH_AHEADS, MIX, MIXES, PREFILL_TOKENS, PROMPT_ORDER, PROMPT_ORDERS,
-                             PROMPT_PATIENCE)
+from kvpot.defaults import (FEED_QUESTIONS, FEED_QUESTIONS_CHOICES, LAUNCH_AHEAD, LAUNCH_AHEADS, MIX, MIXES, PREFILL_TOKENS,
+                            PROMPT_ORDER, PROMPT_ORDERS, PROMPT_PATIENCE)
 from kvpot.errors import KvpotError
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
@@ -47,7 +47,7 @@ class ServeConfig:
     prompt_patience: float = PROMPT_PATIENCE  # shortest first: seconds after which a prompt goes first (Scheduler)
     launch_ahead: str = LAUNCH_AHEAD  # a decode-only step launched before the last one's tokens are handed over
     slot_capacity: int | None = None  # KV entries per slot for methods whose cache grows with the input
-    feed_questions: str = "auto"  # a stored document's questions fed through the decoding steps (Scheduler)
+    feed_questions: str = FEED_QUESTIONS  # a stored document's questions: mixed chunks or fed (Scheduler, defaults)
     feed_tokens: int = 64  # the longest question fed so
     share_documents: bool = False  # a stored document's readers share one copy of its entries (Scheduler)
     reader_room: int | None = None  # tail slots: KV entries such a reader holds of its own (Scheduler reader_room)
@@ -96,8 +96,9 @@ class ServeConfig:
             raise KvpotError("--state-disk must be a positive size.")
         if self.state_disk is not None and self.state_dir is None:
             raise KvpotError("--state-disk needs --state-dir.")
-        if self.feed_questions not in ("auto", "always", "never"):
-            raise KvpotError(f"--feed-questions must be auto, always or never, got {self.feed_questions!r}.")
+        if self.feed_questions not in FEED_QUESTIONS_CHOICES:
+            raise KvpotError(f"--feed-questions must be one of {', '.join(FEED_QUESTIONS_CHOICES)}, "
+                             f"got {self.feed_questions!r}.")
         if self.launch_ahead not in LAUNCH_AHEADS:
             raise KvpotError(f"--launch-ahead must be one of {', '.join(LAUNCH_AHEADS)}, got {self.launch_ahead!r}.")
         if self.prompt_order not in PROMPT_ORDERS:
