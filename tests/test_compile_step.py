@@ -225,7 +225,7 @@ def test_capturing_ahead_never_compiles_inside_a_capture(name, counting, one_thr
     graphs = scheduler.decoder.graphs = CaptureOnCpu(counting)
     scheduler.decoder.graphs_on = True
     captured = scheduler.capture()
-    keys = {(bucket, observe is not None, mode) for bucket in scheduler.decoder.buckets
+    keys = {(bucket, observe is not None, mode, None) for bucket in scheduler.decoder.buckets
             for observe in step_observations(method) for mode in PICKING}
     assert captured == len(keys) and set(graphs.graphs) == keys
     assert len(counting.graphs) > 0 and graphs.compiled_in_capture == 0

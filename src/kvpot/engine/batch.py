@@ -13,8 +13,9 @@ the pool's scratch slot. What does not fit one fixed shape stays outside the gra
 scheduler (`kvpot.engine.scheduler`): a row whose method reshapes its cache at this token
 (InfiniPot's distillation, CItruS' chunk eviction, InfiniteHiP's sparse attention) reads its token
 as a one-token chunk of its run in the step's mixed forward where prompts mix (`ride`, `rode`), else
-runs the one-sequence engine's forward on its slot (`eager_step`), and a row at its budget
-(StreamingLLM, H2O, TOVA, D2O: "steady") appends in the batch, then evicts through `after_forward`.
+runs the one-sequence engine's forward on its slot (`eager_step`). A row at its budget ("steady") appends
+in the batch and evicts inside the step where its method drops one entry by a ranking (StreamingLLM, H2O, TOVA;
+`kvpot.engine.evict.evict_in_step`, captured with it), else after it (D2O's merges; `evict_steady`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvpot.attention import AttentionRequest
 from kvpot.compat import cache_kwargs
+from kvpot.engine.evict import evict_in_step
 from kvpot.engine.graphs import StepGraphs
 from kvpot.engine.pool import SlotPool
 from kvpot.engine.sampling import PICKING, pick_rows
@@ -230,6 +232,8 @@ class BatchDecoder:
     """The batched decoding step over a pool, with each slot's last token, logits and sampling
     parameters in device tensors (row `pool.scratch` serves padding rows)."""
 
+    evict_inside = True  # steady rows evict inside the step where they can (`evict.steady_form`); tests compare off
+
     def __init__(self, engine, pool: SlotPool, graphs: bool):
         self.engine, self.pool, self.method = engine, pool, engine.method
         device, rows = pool.device, pool.slots + 1
@@ -311,20 +315,21 @@ class BatchDecoder:
         return F.cross_entropy(self.logits[rows], self.last_token[rows], reduction="none")
 
     # ------------------------------------------------------------------ the step
-    def step(self, slots: list[int], live: list[bool], observe: AttentionRequest | None) -> int:
+    def step(self, slots: list[int], live: list[bool], observe: AttentionRequest | None,
+             evict: tuple[int, ...] | None = None) -> int:
         """One token for each of `slots` (`live[i]`: the row's step is the append alone; False for steady
-        rows, whose method evicts after it). Returns the batch size it ran at."""
-        count = len(slots)
-        if count == 0:
+        rows, whose method evicts after it, or inside the step from the counts `evict`: `evict_in_step`).
+        Returns the batch size it ran at."""
+        if not slots:
             return 0
         bucket = self.load_rows(slots, live)
         mode = self.mode(slots)
         self.size_tables()
-        key = (bucket, observe is not None, mode)
+        body = functools.partial(self._run, bucket, observe, mode, evict)
         if self.graphs_on:
-            self.graphs.run(key, functools.partial(self._run, bucket, observe, mode))
+            self.graphs.run((bucket, observe is not None, mode, evict), body)
         else:
-            self._run(bucket, observe, mode)
+            body()
         self.steps += 1
         return bucket
 
@@ -352,10 +357,10 @@ class BatchDecoder:
             self.live[:bucket].zero_()
             for observe in observes:
                 for mode in PICKING:
-                    key = (bucket, observe is not None, mode)
+                    key = (bucket, observe is not None, mode, None)
                     while key not in self.graphs:  # warm, then capture (warm again if the warm-up made a buffer)
                         self.size_tables()
-                        self.graphs.run(key, functools.partial(self._run, bucket, observe, mode))
+                        self.graphs.run(key, functools.partial(self._run, bucket, observe, mode, None))
         return self.captures - before  # (each step put the scratch slot's position back to 0: `end_rows`)
 
     def size_tables(self) -> None:
@@ -370,8 +375,8 @@ class BatchDecoder:
         arrays = sum(len(layer.scores) + (layer.probs is not None) for layer in self.pool.layers)
         self.graphs.follow((arrays,) + (() if tables is None else tuple(t.data_ptr() for t in tables)))
 
-    def _run(self, bucket: int, observe: AttentionRequest | None, mode: str) -> None:
-        """The step's body, in fixed shapes (what a graph captures)."""
+    def _run(self, bucket: int, observe: AttentionRequest | None, mode: str, evict: tuple[int, ...] | None) -> None:
+        """The step's body, in fixed shapes (what a graph captures): the steady rows' eviction too, from `evict`."""
         engine, cache = self.engine, self.cache
         ids, nll = self.begin_rows(bucket, observe)
         with engine.single_row():  # a bucket of one: its linear layers as a single sequence's (engine.linear)
@@ -379,6 +384,8 @@ class BatchDecoder:
                                         kvpot_cache=cache, **cache_kwargs(engine.decoder, cache))
             logits = engine.head(out.last_hidden_state[:, -1]).float()  # [bucket, vocab]
         self.end_rows(bucket, logits, mode, nll)
+        if evict is not None:
+            evict_in_step(self.method, self.pool, self.rows[:bucket], self.live[:bucket], evict)
 
     def begin_rows(self, bucket: int, observe: AttentionRequest | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A fixed-shape step's first part, for the rows in `rows[:bucket]`: the step cache reads them, and
@@ -439,11 +446,3 @@ def observation_for(method: Method, plans: set[str]) -> AttentionRequest | None:
 __all__ = ["BatchDecoder", "StepCache", "batchable_request", "batched_method", "buckets", "observation_for",
            "step_observations", "DECODE_STEP"]
 
-
-def mirror_append(run) -> None:
-    """The host-side counts of a run after a batched step appended its token (the device did the append)."""
-    cache = run.cache
-    for layer in cache.layers:
-        layer.mirror_append(1)
-    cache.note_entries(max(layer.n for layer in cache.layers))
-    run.next_position += 1

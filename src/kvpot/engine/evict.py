@@ -9,6 +9,10 @@ each row's one entry by replacement (`kvpot.methods.replace`: one arg-min, the n
 the dropped one's slot); otherwise one top-k selects for every row and the kept entries (keys, values,
 positions, scores) are gathered back into the pool in place. A method whose `after_forward` is not
 `EvictionMethod`'s (D2O's merges, CItruS) keeps the one-slot path.
+
+Where every steady row drops one entry a layer by the method's ranking from the same counts (`steady_form`), the
+eviction runs inside the batched step's own fixed-shape body instead (`evict_in_step`), so a GPU captures it with the
+step: one graph replay, no launches of its own, nothing for the host to decide between steps.
 """
 
 from __future__ import annotations
@@ -46,10 +50,47 @@ class RowsView:
         return self.gathered[name]
 
 
-def evict_steady(method, pool, steady: list[tuple], fail) -> None:
+def steady_form(method, runs: list, parallel) -> tuple[int, ...] | None:
+    """The host counts (per layer, before the step's append) at which a batched step of steady rows `runs` evicts them
+    inside its body (`evict_in_step`), or None: after it (`evict_steady`). Inside where the method drops one entry by
+    its ranking and every row holds the same counts (a plan of "steady": each layer at its keep count); not under
+    tensor parallelism (not run there)."""
+    if not runs or parallel is not None or not (replace.enabled and replaces_by_ranking(method)):
+        return None
+    counts = {tuple(run.cache.lengths()) for run in runs}
+    return counts.pop() if len(counts) == 1 else None
+
+
+def evict_in_step(method, pool, rows: torch.Tensor, live: torch.Tensor, counts: tuple[int, ...]) -> None:
+    """Inside a fixed-shape step (`BatchDecoder`), after its append: every row that does not only append (`live` 0:
+    the steady rows, and padding rows) drops one entry a layer from `counts + 1`, as `evict_rows` would; the rows
+    that only append evict the scratch slot instead, whose entries nothing reads (its count goes back to 0), so the
+    step's shapes and launches are the same whichever rows are steady. Nothing is read back on the host."""
+    targets = rows.masked_fill(live > 0, pool.scratch)
+    renumbers = pool.policy.renumbers
+    for index, storage in enumerate(pool.layers):
+        n = counts[index] + 1
+        probs = storage.probs
+        view = RowsView(storage, targets, n, None if probs is None else probs[: rows.numel(), :, :n])
+        if not method.replace_fused(view, DECODE_STEP, storage, targets, renumbers):
+            method.update_scores(view, DECODE_STEP)
+            _replace_rows(method, storage, view, targets, n, renumbers)
+        pool.lengths[index].index_fill_(0, targets, n - 1)
+    pool.lengths[:, pool.scratch] = 0
+
+
+def evict_steady(method, pool, steady: list[tuple], fail, inside: bool = False) -> None:
     """Evict the step's rows at their budget, `steady` (row in the step, slot, its `_Run`), back to it:
     together where the method's eviction is the base class's (slots at the same counts in one pass per
-    layer), else one slot at a time. A row whose eviction fails goes to `fail(run, error)`, alone."""
+    layer), else one slot at a time. A row whose eviction fails goes to `fail(run, error)`, alone. `inside`:
+    the step evicted them already (`evict_in_step`); only the host's counts follow."""
+    if inside:
+        for _, _, run in steady:
+            for layer in run.cache.layers:
+                layer.mirror_drop(layer.n - 1)
+            run.cache.unordered = True
+            run.stats.compressions += 1
+        return
     if batch_evictable(method):
         groups: dict[tuple, list] = {}
         for item in steady:
@@ -166,3 +207,12 @@ def _write_scores(view: RowsView, rows: torch.Tensor, n: int) -> None:
     """Scores updated without an eviction (a layer below its keep count) go back as they are."""
     for name, values in view.gathered.items():
         view.storage.score(name)[rows, :, :n] = values
+
+
+def mirror_append(run) -> None:
+    """The host-side counts of a run after a batched step appended its token (the device did the append)."""
+    cache = run.cache
+    for layer in cache.layers:
+        layer.mirror_append(1)
+    cache.note_entries(max(layer.n for layer in cache.layers))
+    run.next_position += 1

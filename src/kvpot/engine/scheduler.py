@@ -20,11 +20,11 @@ import torch
 from kvpot.engine.admission import Admission, Place
 from kvpot.engine.ahead import ahead_rows, resolve_launch_ahead
 from kvpot.engine.agreement import StepAgreement
-from kvpot.engine.batch import BatchDecoder, batchable_request, batches_rows, mirror_append, step_observations
+from kvpot.engine.batch import BatchDecoder, batchable_request, batches_rows, step_observations
 from kvpot.engine.decoding import resolve_mode
 from kvpot.engine.delivery import TokenOutbox, hand_over
 from kvpot.engine.documents import copy_before_step, reader_lanes, reader_stride, share_region, shares, unshare
-from kvpot.engine.evict import evict_steady
+from kvpot.engine.evict import evict_steady, mirror_append, steady_form
 from kvpot.engine.mixed import (Chunk, capture_mixed, chunk_rows, mixable, mixed_forward, peek_candidate, resolve_mix,
                                tail_tokens)
 from kvpot.defaults import (FEED_QUESTIONS, LAUNCH_AHEAD, MIX, PREFILL_TOKENS, PROMPT_ORDER, PROMPT_PATIENCE,
@@ -340,28 +340,28 @@ class Scheduler:
             slots = [slot for slot, _ in batch]
             live = [active.plan == "append" for _, active in batch]
             observe = self.method.decode_request("steady" if not all(live) else "append") if batch else None
+            steady = [(row, slot, a.run) for row, (slot, a) in enumerate(batch) if a.plan == "steady"]
+            inside = None if chunks or rides or not self.decoder.evict_inside else steady_form(
+                self.method, [run for *_, run in steady], self.engine.parallel)
             try:
                 if chunks or rides:
                     mixed_forward(self.decoder, slots, live, observe, [chunk for *_, chunk in rides + chunks])
                     self.report["mixed_forwards"] += 1
                 else:
-                    self.decoder.step(slots, live, observe)
+                    self.decoder.step(slots, live, observe, inside)
                 self.report["forwards"] += 1
             except Exception as err:  # noqa: BLE001 - a failed forward fails its rows, not the server
                 for request in [a.request for _, a in batch] + [a.request for _, a, _ in rides + chunks]:
                     self._fail(request, err, ended)
                 return stepped
-            steady = []
-            for row, (slot, active) in enumerate(batch):
+            for slot, active in batch:
                 mirror_append(active.run)
-                if active.plan == "steady":
-                    steady.append((row, slot, active))
                 stepped.append(slot)
-            if steady:  # rows at their budget evict back to it (`kvpot.engine.evict.evict_steady`)
+            if steady:  # rows at their budget evict back to it, in the step or after it (`kvpot.engine.evict`)
                 self.report["steady_rows"] += len(steady)
-                evict_steady(self.method, self.pool, [(row, slot, active.run) for row, slot, active in steady],
-                             lambda run, err: self._fail(next(a.request for _, _, a in steady if a.run is run), err,
-                                                         ended))
+                evict_steady(self.method, self.pool, steady, lambda run, err: self._fail(
+                    next(a.request for _, a in batch if a.run is run), err, ended),
+                    inside=inside is not None)
             self.report["batched_rows"] += len(batch)
             self.report["riding_rows"] += len(rides)
         riders, picked = [slot for slot, _, _ in rides], []
