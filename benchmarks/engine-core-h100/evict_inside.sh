@@ -3,7 +3,7 @@
 # readers' questions read as chunks of the mixed step (`--feed-questions auto`) instead of a token a step, each beside
 # the code or the mode before it, on one machine:
 #   WHAT=tests:   the GPU tests of the steady eviction, launching ahead and the batched engine;
-#   WHAT=steady:  64 readers of a stored 128K document with methods that evict a token a step at their budget
+#   WHAT=steady:  64 readers of a stored document of $LENGTH tokens (default 128k) with methods that evict a token a step at their budget
 #                 (StreamingLLM, H2O, TOVA at 4,096 entries) beside InfiniPot, CUDA graphs, 128 new tokens each; run it
 #                 with SRC=<a source tree of the commit before> for the eviction after the step (FLAGS: more options,
 #                 `--feed-questions always` for the questions as the commit before reads them);
@@ -35,7 +35,7 @@ case "${WHAT:-tests}" in
     mkdir -p "$OUT/steady"
     timeout "${LIMIT:-500}" python3 -m kvpot bench throughput --shape llama3-8b --method infinipot:pot_size=4096 \
       --method streaming:sinks=4,window=4092 --method h2o:heavy=2048,recent=2048 --method tova:budget=4096 \
-      --users 64 --document --lengths 128k --new-tokens 128 --sequential-users 1 --device cuda ${FLAGS:-} \
+      --users 64 --document --lengths "${LENGTH:-128k}" --new-tokens 128 --sequential-users 1 --device cuda ${FLAGS:-} \
       --out "$OUT/steady" 2>&1 | grep -E "Error|error" | head -5
     summary "$OUT/steady" ;;
   readers)
