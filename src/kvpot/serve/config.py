@@ -97,8 +97,7 @@ class ServeConfig:
         if self.state_disk is not None and self.state_dir is None:
             raise KvpotError("--state-disk needs --state-dir.")
         if self.feed_questions not in FEED_QUESTIONS_CHOICES:
-            raise KvpotError(f"--feed-questions must be one of {', '.join(FEED_QUESTIONS_CHOICES)}, "
-                             f"got {self.feed_questions!r}.")
+            raise KvpotError(f"--feed-questions must be auto, always or never, got {self.feed_questions!r}.")
         if self.launch_ahead not in LAUNCH_AHEADS:
             raise KvpotError(f"--launch-ahead must be one of {', '.join(LAUNCH_AHEADS)}, got {self.launch_ahead!r}.")
         if self.prompt_order not in PROMPT_ORDERS:
