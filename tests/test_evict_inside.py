@@ -19,6 +19,7 @@ import kvpot.engine.evict as evict_module
 from conftest import VOCAB, build
 from kvpot.engine.batch import BatchDecoder
 from kvpot.engine.evict import steady_form
+from kvpot.engine.graphs import REPLAYED, WARMED, StepGraphs
 from kvpot.engine.offline import run_all
 from kvpot.engine.scheduler import Request, Scheduler
 from kvpot.methods import replace
@@ -122,6 +123,51 @@ def test_the_form_is_the_rows_one_count_or_none():
     assert steady_form(streaming, [run((64, 64)), run((64, 63))], None) is None
     assert steady_form(streaming, [run((64, 64))], object()) is None
     assert steady_form(kvpot.D2O(budget=64), [run((64, 64))], None) is None
+
+
+class ReplayOnCpu(StepGraphs):
+    """`StepGraphs` on a CPU: a key's first step warms, its capture runs the step once (as a replay would)."""
+
+    def run(self, key, body, around=None):
+        if key not in self.warm:
+            body()
+            self.warm.add(key)
+            self.warmups += 1
+            return WARMED, None
+        if key not in self.graphs:
+            self.graphs[key] = (None, None)
+            self.captures += 1
+        body()
+        self.replays += 1
+        return REPLAYED, None
+
+
+@pytest.mark.parametrize("name", RANKING)
+def test_a_server_captures_the_steady_step_before_any_request(name, prompts, one_thread):
+    """`Scheduler.capture` (a server's start) captures the form whose steady rows evict inside it, at the method's
+    keep counts, for every batch size: the requests' steady steps then only replay."""
+    model = build("llama3")
+    method, capacity = methods()[name]
+    expected = alone(model, method, prompts)
+    scheduler = Scheduler(kvpot.Engine(model, method=method), slots=3, capacity=capacity, decode="static")
+    graphs = scheduler.decoder.graphs = ReplayOnCpu()
+    scheduler.decoder.graphs_on = True
+    assert scheduler.capture() >= len(graphs.graphs) > 0  # (a warm-up that made a score array drops graphs: again)
+    forms = {key[-1] for key in graphs.graphs} - {None}
+    assert len(forms) == 1 and len(set(forms.pop())) == 1  # one form: the keep count in every layer
+    ahead = set(graphs.graphs)
+    warmed = []
+    real = graphs.run
+
+    def run(key, body, around=None):
+        warmed.append(key not in graphs.warm)
+        return real(key, body, around)
+
+    graphs.run = run
+    requests = [Request(c, q, max_new_tokens=NEW, ignore_eos=True) for c, q in prompts]
+    run_all(scheduler, requests)
+    assert [r.tokens for r in requests] == [e.token_ids for e in expected]
+    assert scheduler.report["steady_rows"] > 0 and not any(warmed) and set(graphs.graphs) == ahead
 
 
 @pytest.mark.gpu

@@ -32,7 +32,6 @@ from kvpot.engine.evict import evict_in_step
 from kvpot.engine.graphs import StepGraphs
 from kvpot.engine.pool import SlotPool
 from kvpot.engine.sampling import PICKING, pick_rows
-from kvpot.errors import KvpotError
 from kvpot.methods.base import DECODE_STEP, Method, Step
 
 
@@ -344,23 +343,26 @@ class BatchDecoder:
         self.live[:bucket].copy_(torch.tensor(weights, dtype=torch.float32), non_blocking=True)
         return bucket
 
-    def capture(self, observes: list[AttentionRequest | None]) -> int:
-        """Warm and capture every bucket's step now, for each observation in `observes` and picking mode,
-        on padding rows alone (the scratch slot): the first users of each batch size then replay a graph
-        instead of waiting for kernels to compile and a capture. Returns the graphs captured (0 on a CPU)."""
+    def capture(self, observes: list[AttentionRequest | None], steady: tuple | None = None) -> int:
+        """Warm and capture every bucket's step now, for each observation in `observes` and picking mode, and
+        `steady` = (its observation, counts) the form whose steady rows evict inside it (`evict.steady_capture`), on
+        padding rows alone (the scratch slot): the first users of each batch size then replay a graph instead of
+        waiting for kernels to compile and a capture. Returns the graphs captured (0 on a CPU)."""
         if not self.graphs_on:
             return 0
-        self.size_tables()
+        forms = [(observe, None) for observe in observes] + ([steady] if steady is not None else [])
+        keys = [(bucket, observe, mode, evict) for bucket in self.buckets for observe, evict in forms for mode in PICKING]
         before = self.captures
-        for bucket in self.buckets:
-            self.rows[:bucket].fill_(self.pool.scratch)
-            self.live[:bucket].zero_()
-            for observe in observes:
-                for mode in PICKING:
-                    key = (bucket, observe is not None, mode, None)
-                    while key not in self.graphs:  # warm, then capture (warm again if the warm-up made a buffer)
-                        self.size_tables()
-                        self.graphs.run(key, functools.partial(self._run, bucket, observe, mode, None))
+        for _ in range(3):  # a warm-up that made a buffer (a score array) dropped the graphs captured before it
+            for bucket, observe, mode, evict in keys:
+                self.rows[:bucket].fill_(self.pool.scratch)
+                self.live[:bucket].zero_()
+                key = (bucket, observe is not None, mode, evict)
+                while key not in self.graphs:  # warm, then capture (warm again if the warm-up made a buffer)
+                    self.size_tables()
+                    self.graphs.run(key, functools.partial(self._run, bucket, observe, mode, evict))
+            if all((b, o is not None, m, e) in self.graphs for b, o, m, e in keys):
+                break
         return self.captures - before  # (each step put the scratch slot's position back to 0: `end_rows`)
 
     def size_tables(self) -> None:
@@ -432,17 +434,6 @@ def step_observations(method: Method) -> list[AttentionRequest | None]:
     return list(requests.values())
 
 
-def observation_for(method: Method, plans: set[str]) -> AttentionRequest | None:
-    """The observation a batched step must record for rows planned `plans` ("append", "steady")."""
-    requests = [method.decode_request(plan) for plan in sorted(plans)]
-    requests = [r for r in requests if r is not None]
-    if not requests:
-        return None
-    if not all(batchable_request(r) for r in requests):
-        raise KvpotError(f"{method.name}: its decoding observation has no batched form.")
-    return requests[0]
-
-
-__all__ = ["BatchDecoder", "StepCache", "batchable_request", "batched_method", "buckets", "observation_for",
+__all__ = ["BatchDecoder", "StepCache", "batchable_request", "batched_method", "buckets",
            "step_observations", "DECODE_STEP"]
 

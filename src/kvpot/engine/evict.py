@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from kvpot.cache import PotCache
 from kvpot.errors import KvpotError
 from kvpot.methods import replace
 from kvpot.methods.base import DECODE_STEP, EvictionMethod, replaces_by_ranking, top_indices
@@ -59,6 +60,17 @@ def steady_form(method, runs: list, parallel) -> tuple[int, ...] | None:
         return None
     counts = {tuple(run.cache.lengths()) for run in runs}
     return counts.pop() if len(counts) == 1 else None
+
+
+def steady_capture(method, pool, parallel) -> tuple | None:
+    """(its observation, counts) of the step whose steady rows evict inside it, known before any request, so that
+    `Scheduler.capture` captures it too: the counts a steady row holds (the method's keep count in each layer).
+    None where `steady_form` never gives counts."""
+    if parallel is not None or not (replace.enabled and replaces_by_ranking(method)):
+        return None
+    counts = tuple(method.keep_count(layer, DECODE_STEP) for layer in PotCache(pool.num_layers, pool.rope,
+                                                                               pool.policy).layers)
+    return (method.decode_request("steady"), counts) if max(counts) < pool.capacity else None
 
 
 def evict_in_step(method, pool, rows: torch.Tensor, live: torch.Tensor, counts: tuple[int, ...]) -> None:

@@ -11,7 +11,8 @@ budget in the mixed forward, where the rest was read in forwards of their own af
 short of the budget). On an H200's open loop that took ITL p99 from 116 to 68 ms (records/engine-core-h200/packed-2/).
 
 `row_plan` decides what each decoding row's step does, from the method's host-side counts: append in the batched
-step, evict back to its budget after it ("steady"), or step as the one-sequence engine does ("eager").
+step, append and evict back to its budget ("steady": in the step or after it, `kvpot.engine.evict`), or step as the
+one-sequence engine does ("eager").
 """
 
 from __future__ import annotations

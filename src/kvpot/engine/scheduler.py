@@ -24,7 +24,7 @@ from kvpot.engine.batch import BatchDecoder, batchable_request, batches_rows, st
 from kvpot.engine.decoding import resolve_mode
 from kvpot.engine.delivery import TokenOutbox, hand_over
 from kvpot.engine.documents import copy_before_step, reader_lanes, reader_stride, share_region, shares, unshare
-from kvpot.engine.evict import evict_steady, mirror_append, steady_form
+from kvpot.engine.evict import evict_steady, mirror_append, steady_capture, steady_form
 from kvpot.engine.mixed import (Chunk, capture_mixed, chunk_rows, mixable, mixed_forward, peek_candidate, resolve_mix,
                                tail_tokens)
 from kvpot.defaults import (FEED_QUESTIONS, LAUNCH_AHEAD, MIX, PREFILL_TOKENS, PROMPT_ORDER, PROMPT_PATIENCE,
@@ -119,7 +119,8 @@ class Scheduler:
     def capture(self) -> int:
         """Capture the decoding step of every batch size and the mixed step of every token bucket now (CUDA graphs;
         nothing on a CPU), as a server does when it starts: otherwise they compile and capture while users wait."""
-        steps = self.decoder.capture(step_observations(self.method)) if self.batched else 0
+        steady = steady_capture(self.method, self.pool, self.engine.parallel) if self.decoder.evict_inside else None
+        steps = self.decoder.capture(step_observations(self.method), steady) if self.batched else 0
         return steps + (capture_mixed(self.decoder, self.method, self.prefill_tokens) if self.mix else 0)
 
     # ------------------------------------------------------------------ feeding and draining
