@@ -613,7 +613,7 @@ def test_capturing_ahead_runs_without_gradients_as_steps_do(model, one_thread):
     method, capacity = methods()["infinipot"]
     scheduler = Scheduler(kvpot.Engine(model, method=method), slots=2, capacity=capacity)
     seen = []
-    scheduler.decoder.capture = lambda observes: seen.append(torch.is_grad_enabled()) or 0
+    scheduler.decoder.capture = lambda observes, steady=None: seen.append(torch.is_grad_enabled()) or 0
     assert torch.is_grad_enabled()
     scheduler.capture()
     assert seen == [False] and torch.is_grad_enabled()

@@ -282,7 +282,7 @@ def test_capturing_ahead_touches_no_request_and_covers_the_budget(model, prompts
     decoder.packed = PackedStep(decoder)
     decoder.packed.graphs = fake = _Graphs()
     monkey = decoder.capture
-    decoder.capture = lambda observes: 0  # the decoding steps' own captures are tested elsewhere (test_graphs)
+    decoder.capture = lambda observes, steady=None: 0  # the decoding steps' own captures are tested elsewhere (test_graphs)
     assert scheduler.capture() == len(fake.keys) > 0
     decoder.capture, decoder.graphs_on = monkey, False
     sizes = sorted({key[1] for key in fake.keys})
