@@ -189,3 +189,28 @@ def test_steady_rows_evict_inside_the_captured_step(name, prompts, monkeypatch):
     assert calls["after"] == 0 and scheduler.report["steady_rows"] > 0
     assert any(key[-1] is not None for key in scheduler.decoder.graphs.graphs)  # a captured form with its counts
     assert scheduler.decoder.replays > 0 and scheduler.pool.used == 0 and scheduler.idle
+
+
+@pytest.mark.parametrize("share", [False, True])
+@pytest.mark.parametrize("name", ["streaming", "h2o"])
+def test_readers_of_a_stored_document_evicting_in_the_step_get_their_tokens_alone(name, share, prompts, one_thread,
+                                                                                  monkeypatch):
+    """Readers of one stored state reach their budget together (the same counts): their steps evict inside. Sharing the
+    document, each copies it first (their method evicts: `Method.copies_document`)."""
+    model = build("llama3")
+    method, capacity = methods()[name]
+    engine = kvpot.Engine(model, method=method, decode="eager")
+    state = engine.prefill_ids(prompts[-1][0])
+    questions = [torch.randint(3, VOCAB, (k,)).tolist() for k in (3, 9, 5, 1)]
+    expected = [engine.generate_ids(question_ids=q, state=state, max_new_tokens=NEW, ignore_eos=True).token_ids
+                for q in questions]
+    calls = spy(monkeypatch)
+    scheduler = Scheduler(kvpot.Engine(model, method=method), slots=3, capacity=capacity, decode="static",
+                          share_documents=share)
+    requests = [Request(None, q, state=state, max_new_tokens=NEW, ignore_eos=True) for q in questions]
+    run_all(scheduler, requests)
+    assert [r.tokens for r in requests] == expected
+    assert calls["inside"] > 0 and calls["after"] == 0 and scheduler.report["steady_rows"] > 0
+    assert scheduler.pool.used == 0 and scheduler.idle
+    if share:
+        assert scheduler.report["copy_on_write"] == len(questions), scheduler.report
