@@ -13,18 +13,9 @@
 set -uo pipefail
 export PYTHONPATH="$PWD/${SRC:-src}" PYTHONUNBUFFERED=1
 summary() {
-  python3 - "$1/results.json" <<'PY'
-import json, sys
-try:
-    data = json.load(open(sys.argv[1]))
-except OSError:
-    sys.exit(print("no results"))
-for row in data["rows"]:
-    keys = ("method", "output_tokens_per_second", "ttft_p50_seconds", "itl_p50_ms", "itl_p99_ms", "feed_questions",
-            "error")
-    print({k: row.get(k) for k in keys},
-          {k: (row.get("scheduler") or {}).get(k) for k in ("steps", "fed_tokens", "mixed_forwards", "steady_rows")})
-PY
+  python3 benchmarks/engine-core-h100/rows.py "$1/results.json" \
+    --keys method,output_tokens_per_second,ttft_p50_seconds,itl_p50_ms,itl_p99_ms,feed_questions,error \
+    --counts steps,fed_tokens,mixed_forwards,steady_rows
 }
 case "${WHAT:-tests}" in
   tests)

@@ -29,15 +29,7 @@ for mode in ${ORDER:-off on}; do
   timeout "${LIMIT:-280}" python3 -m kvpot bench throughput --shape llama3-8b --method infinipot:pot_size=4096 \
     --users $users --document --lengths 128k --new-tokens 256 $flags --launch-ahead $mode --device cuda \
     --out "$OUT/$mode" 2>&1 | grep -E "^│ infinip|^│ ot|^│ \[|^│ at|^│ time|Error|error" | head -20
-  python3 - "$OUT/$mode/results.json" <<'PY'
-import json, sys
-try:
-    data = json.load(open(sys.argv[1]))
-except OSError:
-    sys.exit(print("no results"))
-for row in data["rows"]:
-    keys = ("method", "output_tokens_per_second", "itl_p50_ms", "itl_p99_ms", "launch_ahead", "error")
-    print({k: row.get(k) for k in keys}, {k: (row.get("scheduler") or {}).get(k) for k in ("steps", "ahead_steps")})
-PY
+  python3 benchmarks/engine-core-h100/rows.py "$OUT/$mode/results.json" \
+    --keys method,output_tokens_per_second,itl_p50_ms,itl_p99_ms,launch_ahead,error --counts steps,ahead_steps
 done
 rm -f "$OUT"/*/*.png
