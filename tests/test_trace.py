@@ -67,6 +67,77 @@ def test_a_scheduler_traces_every_step_with_its_own_counts(prompts, one_thread):
     assert "mixed" in summary["kinds"] and len(summary["slowest"]) == 10
 
 
+class _Marks:
+    """A stand-in for `DeviceMarks`: each mark the count of marks made before it; a step's device time, in ms, is the
+    distance between its two marks times `scale`."""
+
+    def __init__(self, scale: float):
+        self.made, self.scale = 0, scale
+
+    def mark(self) -> int:
+        self.made += 1
+        return self.made
+
+    def elapsed_ms(self, start: int, stop: int) -> float:
+        return (stop - start) * self.scale
+
+
+def test_each_step_gets_its_device_time_between_its_begin_and_end_marks():
+    """With marks (a CUDA device's events), a step's device time runs from its begin mark to its end mark; each kind
+    gets its p50 / p99 beside the gaps, and the slowest steps show their own. Without, no device figure at all."""
+    marks = _Marks(scale=4.0)
+    trace, report = StepTrace(marks), _record()
+    for delivered, (rows, mixed) in zip((0.0, 0.010, 0.130, 0.140), ((2, 0), (2, 1), (2, 0), (2, 0))):
+        trace.begin(report, delivered, {})
+        report["batched_rows"] += rows
+        report["mixed_forwards"] += mixed
+        report["forwards"] += 1
+        marks.made += 9 * mixed  # the mixed step's work: ten marks' distance, not one
+        trace.end(report, [])
+    summary = trace.summary(slowest=1)
+    assert summary["kinds"]["decode"]["device_p50_ms"] == summary["kinds"]["decode"]["device_p99_ms"] == 4.0
+    assert summary["kinds"]["mixed"]["device_p50_ms"] == 40.0
+    assert summary["slowest"][0]["kind"] == "mixed" and summary["slowest"][0]["device_ms"] == 40.0
+    bare = StepTrace()
+    bare.begin(report, 0.0, {})
+    bare.end(report, [])
+    bare.begin(report, 0.01, {})
+    bare.end(report, [])
+    kinds = bare.summary()["kinds"]
+    assert all("device_p50_ms" not in figures for figures in kinds.values())
+    assert StepTrace.for_device("cpu").marks is None
+
+
+def test_a_bench_row_s_steps_table_shows_device_times_where_taken():
+    """`kvpot bench throughput`'s steps table gains the device columns only where the trace took them (a GPU)."""
+    from kvpot.bench.report import steps_markdown
+
+    figures = {"steps": 3, "gap_p50_ms": 17.0, "gap_p99_ms": 18.0, "gap_max_ms": 19.0}
+    row = {"method": "infinipot [batch]", "length": 4096, "steps": {"kinds": {"decode": dict(figures)}}}
+    assert "device p50 ms" not in steps_markdown({"rows": [row]})
+    row["steps"]["kinds"]["decode"].update(device_p50_ms=16.4, device_p99_ms=16.9)
+    table = steps_markdown({"rows": [row]})
+    assert "device p50 ms" in table and "| 16.4 | 16.9 |" in table
+
+
+@pytest.mark.gpu
+def test_device_marks_time_a_step_on_the_gpu(prompts):  # noqa: F811
+    """On a GPU, `for_device` takes CUDA events: every step's device time is positive and none exceeds the run."""
+    import time
+
+    import torch
+
+    method, capacity = methods()["streaming"]
+    cuda = [(torch.tensor(c).cuda(), torch.tensor(q).cuda()) for c, q in prompts]
+    scheduler = Scheduler(kvpot.Engine(build("llama3").cuda(), method=method), slots=3, capacity=capacity)
+    scheduler.trace = StepTrace.for_device(torch.device("cuda"))
+    begun = time.perf_counter()
+    run_all(scheduler, [Request(c, q, max_new_tokens=6, ignore_eos=True) for c, q in cuda])
+    wall = (time.perf_counter() - begun) * 1000
+    steps = scheduler.trace.summary(slowest=1000)["slowest"]
+    assert steps and all(0 < step["device_ms"] <= wall for step in steps)
+
+
 @pytest.mark.parametrize("fixed", [False, True], ids=["eager-mix", "packed"])
 def test_a_trace_counts_the_compressions_of_each_mixed_step(prompts, fixed, one_thread):  # noqa: F811
     """InfiniPot compresses at its pot's fill after the mixed forward: the trace charges each compression of a mixed

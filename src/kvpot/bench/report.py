@@ -196,19 +196,27 @@ def steps_markdown(results: dict) -> str:
     """The batch rows' step traces (`kvpot.engine.trace`): per kind of step, how many and the gap the users saw."""
     from kvpot.reporting import markdown_table
 
-    rows = [[row["method"], length_cell(row), kind, f"{s['steps']:,}", f"{s['gap_p50_ms']:.1f}", f"{s['gap_p99_ms']:.1f}",
-             f"{s['gap_max_ms']:.1f}"]
-            for row in results["rows"] if isinstance(row.get("steps"), dict)  # decode rows: a step count
-            for kind, s in _kinds(row["steps"]["kinds"])]
-    if not rows:
+    kinds = [(row, kind, s) for row in results["rows"] if isinstance(row.get("steps"), dict)  # decode rows: a count
+             for kind, s in _kinds(row["steps"]["kinds"])]
+    if not kinds:
         return ""
+    device = any("device_p50_ms" in s for _, _, s in kinds)  # on a CUDA device (`StepTrace.for_device`)
+    rows = [[row["method"], length_cell(row), kind, f"{s['steps']:,}", f"{s['gap_p50_ms']:.1f}", f"{s['gap_p99_ms']:.1f}",
+             f"{s['gap_max_ms']:.1f}"] + ([_ms(s.get("device_p50_ms")), _ms(s.get("device_p99_ms"))] if device else [])
+            for row, kind, s in kinds]
+    header = ["method", "length", "step", "steps", "gap p50 ms", "gap p99 ms", "gap max ms"]
     return "\n".join(["## Steps", "", "What each batched step ran (`decode`: decoding rows alone; `mixed`: prompt "
                       "chunks in their forward; `apart`: prompt forwards of their own; `+eager`: rows stepped "
                       "alone; `, compressing`: the steps of that kind whose chunks' method compressed after the "
                       "forward) and the gap its users saw until the next tokens (`steps` in results.json keeps the "
-                      "slowest steps).", "",
-                      markdown_table(["method", "length", "step", "steps", "gap p50 ms", "gap p99 ms", "gap max ms"],
-                                     rows)])
+                      "slowest steps)" + (("; on a GPU, device = the stream's time from the end of the previous "
+                                           "step's work to the end of the step's own (the gap less it: the device "
+                                           "idle between steps)") if device else "") + ".", "",
+                      markdown_table(header + (["device p50 ms", "device p99 ms"] if device else []), rows)])
+
+
+def _ms(value) -> str:
+    return "" if value is None else f"{value:.1f}"
 
 
 def _kinds(kinds: dict):

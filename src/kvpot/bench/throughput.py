@@ -171,7 +171,7 @@ def _batched(config: BenchConfig, engine, prompts: dict, state, mix: str = "auto
     scheduler.capture()  # every batch size, as the server does at its start
     scheduler.report = dict.fromkeys(scheduler.report, 0)  # the timed workload's counts alone
     captured = scheduler.decoder.captures
-    scheduler.trace = StepTrace()  # each timed step's work and the gap its users saw (`steps` below)
+    scheduler.trace = StepTrace.for_device(engine.device)  # each timed step's work, gap and device time (`steps`)
     requests = _requests(config, prompts, state)
     before = reset_peak(config.devices)
     synchronize(config.devices)

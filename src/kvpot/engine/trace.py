@@ -11,11 +11,20 @@ work together, and it is charged to the step that ran between them. It is wall t
 no synchronisation of its own. A step launched ahead of the hand-over (`kvpot.engine.ahead`) opens its record when it is
 planned, before the previous step's tokens are delivered: in a run of such steps the gap is still one step's period.
 
+On a CUDA device (`StepTrace.for_device`) each step also gets its device time: an event recorded on the stream where
+the step begins and one where its launches end (`DeviceMarks`), read once the run is over. The stream reaches the
+first after the work launched before it, so a step's device time runs from the end of the previous step's work to the
+end of its own: its work, and any wait inside it for the host's launches; the gap less it is what the device sat idle
+between steps. A step launched ahead begins before the previous step's tokens are handed over, so its device time is
+still its own.
+
 Off by default (`Scheduler.trace` is a `NoTrace`); `kvpot bench throughput` sets a `StepTrace` for its timed
 workload and records its `summary()` in each batch row (`steps`).
 """
 
 from __future__ import annotations
+
+import torch
 
 from kvpot.engine.mixed import Chunk
 
@@ -33,18 +42,38 @@ class NoTrace:
         pass
 
 
-class StepTrace:
-    """Step records: `begin` after the previous step's tokens are delivered, `end` once this step launched."""
+class DeviceMarks:
+    """Marks on the current CUDA stream (timing events): where a step begins, where its launches end."""
 
-    def __init__(self):
+    def mark(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def elapsed_ms(self, start: torch.cuda.Event, stop: torch.cuda.Event) -> float:
+        stop.synchronize()  # read after the run: the events are long done, nothing waits
+        return start.elapsed_time(stop)
+
+
+class StepTrace:
+    """Step records: `begin` after the previous step's tokens are delivered, `end` once this step launched. With
+    `marks` (`DeviceMarks`, or a stand-in with `mark()` and `elapsed_ms(start, stop)`), each step's device time too."""
+
+    def __init__(self, marks=None):
         self.steps: list[dict] = []
         self._open: dict | None = None
+        self.marks = marks
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> StepTrace:
+        """A trace with device times on a CUDA device, without elsewhere."""
+        return cls(DeviceMarks() if torch.device(device).type == "cuda" else None)
 
     def begin(self, report: dict, delivered: float, active: dict) -> None:
         """`active`: the scheduler's requests by slot, whose runs' compression counts the step's are taken from."""
         compressions = {id(a.run): a.run.stats.compressions for a in active.values() if a.run is not None}
         self._open = {"delivered": delivered, "before": {name: report.get(name, 0) for name in COUNTS},
-                      "compressions": compressions}
+                      "compressions": compressions, "mark": None if self.marks is None else self.marks.mark()}
 
     def end(self, report: dict, chunks: list[tuple[int, object, Chunk]]) -> None:
         if self._open is None:
@@ -62,6 +91,8 @@ class StepTrace:
         batched = 1 if record["mixed_forwards"] or record["batched_rows"] else 0
         record["apart_forwards"] = record["forwards"] - record["eager_rows"] - batched
         record["delivered"] = self._open["delivered"]
+        if self.marks is not None:
+            record["marks"] = (self._open["mark"], self.marks.mark())
         self.steps.append(record)
         self._open = None
 
@@ -72,8 +103,11 @@ class StepTrace:
         steps = []
         for record, following in zip(self.steps, self.steps[1:]):
             gap = (following["delivered"] - record["delivered"]) * 1000
-            steps.append({**{k: v for k, v in record.items() if k != "delivered"}, "kind": kind_of(record),
-                          "gap_ms": round(gap, 2)})
+            step = {**{k: v for k, v in record.items() if k not in ("delivered", "marks")}, "kind": kind_of(record),
+                    "gap_ms": round(gap, 2)}
+            if "marks" in record:
+                step["device_ms"] = round(self.marks.elapsed_ms(*record["marks"]), 2)
+            steps.append(step)
         kinds = {}
         for kind in sorted({step["kind"] for step in steps}):
             kinds[kind] = _gaps([step for step in steps if step["kind"] == kind])
@@ -100,10 +134,14 @@ def kind_of(record: dict) -> str:
 
 
 def _gaps(steps: list[dict]) -> dict:
-    """Count and gap p50 / p99 / max (ms) of `steps`."""
+    """Count and gap p50 / p99 / max (ms) of `steps`; their device time's p50 / p99 where the trace took it."""
     gaps = sorted(step["gap_ms"] for step in steps)
-    return {"steps": len(gaps), "gap_p50_ms": _quantile(gaps, 0.5), "gap_p99_ms": _quantile(gaps, 0.99),
-            "gap_max_ms": gaps[-1]}
+    figures = {"steps": len(gaps), "gap_p50_ms": _quantile(gaps, 0.5), "gap_p99_ms": _quantile(gaps, 0.99),
+               "gap_max_ms": gaps[-1]}
+    device = sorted(step["device_ms"] for step in steps if "device_ms" in step)
+    if device:
+        figures["device_p50_ms"], figures["device_p99_ms"] = _quantile(device, 0.5), _quantile(device, 0.99)
+    return figures
 
 
 def _quantile(values: list[float], q: float) -> float:
