@@ -7,6 +7,8 @@ on load from stored positions, per-slot lengths read on the device). Then the me
 work runs for all rows at once (`Method.batch_append`: H2O's accumulation, InfiniPot's NuC) and
 each row's next token is picked on the device with its own sampling parameters.
 
+What the model is handed as its cache, `StepCache`, and the kernels it runs are `kvpot.engine.step_cache`'s.
+
 The step has fixed shapes for a batch size, so on a GPU it is captured once per bucket of batch
 sizes (1, 2, 4, ... up to the pool) as a CUDA graph and replayed; rows past the real batch point at
 the pool's scratch slot. What does not fit one fixed shape stays outside the graph, in the
@@ -24,7 +26,6 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvpot.attention import AttentionRequest
 from kvpot.compat import cache_kwargs
@@ -32,171 +33,9 @@ from kvpot.engine.evict import evict_in_step
 from kvpot.engine.graphs import StepGraphs
 from kvpot.engine.pool import SlotPool
 from kvpot.engine.sampling import PICKING, pick_rows
+from kvpot.engine.step_cache import StepCache, append_kernel, batch_kernel  # noqa: F401 (re-exported)
+from kvpot.errors import KvpotError
 from kvpot.methods.base import DECODE_STEP, Method, Step
-
-
-class StepLayer(CacheLayerMixin):
-    """One layer of a batched step: appends each row's token to its slot in the pool."""
-
-    is_compileable = False
-    is_sliding = False
-    # this layer's views of the pool's document region (keys, values, RoPE positions, lengths), set by
-    # `kvpot.engine.documents.share_region`: read from the layer, never picked by index (a compiled step's
-    # layers share one compilation only if nothing they read is picked by a Python integer)
-    documents: tuple | None = None
-    joined: tuple | None = None  # a joined region's views in the decode kernel's `documents=` order (batch-invariant)
-
-    def __init__(self, cache: StepCache, index: int):
-        super().__init__()
-        self.step, self.index = cache, index
-        self.storage = cache.pool.layers[index]
-        self.lengths = cache.pool.lengths[index]  # [slots + 1] view: each slot's live entries in this layer
-        self.appended: torch.Tensor | None = None  # [B] after a step: where each row wrote
-        self.heads = torch.arange(self.storage.kv_heads, device=cache.pool.device).view(1, -1)
-        # a device scalar: writing a Python float through advanced indexing copies it from the host,
-        # which a CUDA graph capture refuses
-        self.zero = torch.zeros((), dtype=torch.float32, device=cache.pool.device)
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states, value_states) -> None:  # the pool is allocated already
-        pass
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """key/value_states [B, kv_heads, 1, d] (keys un-rotated): written at each row's slot."""
-        step, storage = self.step, self.storage
-        rows, rope = step.rows, step.rope
-        # the layer's own views, never `step.pool.lengths[self.index]`: a compiled step's layers share one
-        # compilation only if nothing they read is picked by a Python integer (kvpot.attention.LayerView)
-        lengths = self.lengths
-        index = lengths[rows]  # [B]: the new entry's place in its slot
-        keys = rope.unscale(key_states)
-        rotated = step.policy.stores_rotated  # absolute: rotated once, at the token's stream position; rank
-        if rotated:  # policies number entries 0..n-1, so the new entry's RoPE position is its index
-            keys = rope.rotate(keys, step.stream_positions.view(-1, 1, 1).expand(-1, storage.kv_heads, 1),
-                               step.max_position)
-        # keys, values, both positions, the query position and the count: one launch where Triton runs
-        append_kernel(keys.device)(storage.keys, storage.values, storage.positions, storage.rope_positions,
-                                   storage.query_position, lengths, rows, index, keys[:, :, 0], value_states[:, :, 0],
-                                   step.stream_positions, rotated)
-        fresh = [score for name, score in storage.scores.items() if name not in step.written]
-        if fresh:  # a new entry starts at zero, unless the method's `batch_append` writes it (`batch_scores`)
-            at = (rows[:, None], self.heads, index[:, None])  # [B, kv_heads] each
-            for score in fresh:
-                score[at] = self.zero
-        step.policy.decode_positions(storage.positions, storage.rope_positions, storage.query_position, rows, index)
-        self.appended = index
-        return storage.keys, storage.values
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.storage.capacity + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return 0
-
-    def get_max_length(self) -> int:
-        return -1
-
-
-class StepCache(Cache):
-    """The cache a batched step hands the model; the kvpot attention function calls `attend`."""
-
-    batched = True
-
-    def __init__(self, pool: SlotPool):
-        self.pool, self.rope, self.policy = pool, pool.rope, pool.policy
-        self.rows: torch.Tensor | None = None  # [B] long: each row's slot
-        self.stream_positions: torch.Tensor | None = None  # [B] long: each token's position in its stream
-        self.max_position = 0  # host bound of every stream position (sizes RoPE tables without a sync)
-        self.request: AttentionRequest | None = None
-        self.groups: tuple | None = None  # shared documents' readers grouped for this step (`_attend_shared`)
-        self.split_entries: int | None = None  # the decode kernel's fixed split size (`Engine(batch_invariant=True)`)
-        self.written: frozenset[str] = frozenset()  # scores the method writes at each new entry (`batch_scores`)
-        super().__init__(layers=[StepLayer(self, i) for i in range(pool.num_layers)])
-
-    @property
-    def appended(self) -> list[torch.Tensor | None]:
-        """Per layer [B]: where each row wrote in the last step."""
-        return [layer.appended for layer in self.layers]
-
-    @property
-    def is_compileable(self) -> bool:
-        return False
-
-    def attend(self, layer: StepLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """Attention of each row's token over its slot in `layer`: query [B, heads, 1, d] un-rotated -> [B, 1, heads, d]."""
-        storage, rope = layer.storage, self.rope
-        b, heads, _, d = query.shape
-        query = rope.unscale(query)
-        probs = storage.observation_buffer()[:b] if self.request is not None else None
-        region = self.pool.documents
-        if region is not None and not region.joined:  # readers of shared documents: two segments, merged
-            return self._attend_shared(layer, query, scaling, probs).view(b, 1, heads, d)
-        # a joined region's readers: each entry from the document or the slot, in the copied reader's sums
-        kernel, lengths, documents = batch_kernel(query.device, d), layer.lengths, layer.joined
-        if self.policy.stores_rotated:
-            turned = rope.rotate(query, self.stream_positions.view(-1, 1, 1).expand(-1, storage.kv_heads, 1),
-                                 self.max_position)
-            out = kernel(turned[:, :, 0], storage.keys, storage.values, self.rows, lengths, scaling, probs=probs,
-                         split_entries=self.split_entries, documents=documents)
-        else:
-            cos, sin = rope.table(storage.capacity + 1, query)
-            out = kernel(query[:, :, 0], storage.keys, storage.values, self.rows, lengths, scaling, cos=cos, sin=sin,
-                         key_positions=storage.rope_positions, query_positions=storage.query_position, probs=probs,
-                         split_entries=self.split_entries, documents=documents)
-        return out.view(b, 1, heads, d)
-
-    def _attend_shared(self, layer: StepLayer, query: torch.Tensor, scaling: float, probs) -> torch.Tensor:
-        """`attend` over each row's shared document and its slot's tail, merged by log-sum-exp (on a GPU the
-        cascade kernel `kvpot.kernels.shared`, else its reference `kvpot.kernels.shared_reference`)."""
-        from kvpot import kernels
-
-        storage, rope = layer.storage, self.rope
-        doc_keys, doc_values, doc_positions, doc_lengths, of_slot = layer.documents
-        rotated = self.pool.documents.rotated  # the region's keys are stored rotated (kvpot.engine.documents)
-        if kernels.available(query.device) and kernels.supports_head_dim(query.shape[-1]) and probs is None:
-            from kvpot.kernels.shared import decode_attention_shared, shared_groups
-
-            if self.groups is None:  # the first layer of the step: the same rows and documents for every layer
-                self.groups = shared_groups(self.rows, of_slot, doc_keys.shape[0])
-            kernel = functools.partial(decode_attention_shared, groups=self.groups)
-        else:  # (with an observation, the reference writes it)
-            from kvpot.kernels.shared_reference import decode_attention_shared_reference as kernel
-        documents = (doc_keys, doc_values, of_slot, doc_lengths)
-        if self.policy.stores_rotated:
-            turned = rope.rotate(query, self.stream_positions.view(-1, 1, 1).expand(-1, storage.kv_heads, 1),
-                                 self.max_position)
-            return kernel(turned[:, :, 0], storage.keys, storage.values, self.rows, layer.lengths, *documents, scaling,
-                          probs=probs)
-        cos, sin = rope.table(storage.capacity + 1, query)
-        return kernel(query[:, :, 0], storage.keys, storage.values, self.rows, layer.lengths, *documents, scaling,
-                      cos=cos, sin=sin, key_positions=storage.rope_positions, doc_key_positions=doc_positions,
-                      query_positions=storage.query_position, probs=probs, doc_rotated=rotated)
-
-
-def append_kernel(device: torch.device):
-    """The batched step's cache append: the Triton kernel where it runs, else its PyTorch reference."""
-    from kvpot import kernels
-
-    if kernels.available(device):
-        from kvpot.kernels.append import append_rows
-
-        return append_rows
-    from kvpot.kernels.append_reference import append_rows_reference
-
-    return append_rows_reference
-
-
-def batch_kernel(device: torch.device, head_dim: int):
-    """The batched Triton decode kernel where it runs, else its PyTorch reference (same arguments)."""
-    from kvpot import kernels
-
-    if kernels.available(device) and kernels.supports_head_dim(head_dim):
-        from kvpot.kernels.decode import decode_attention_batch
-
-        return decode_attention_batch
-    from kvpot.kernels.decode_reference import decode_attention_batch_reference
-
-    return decode_attention_batch_reference
 
 
 def batchable_request(request: AttentionRequest | None) -> bool:
@@ -229,13 +68,13 @@ def buckets(slots: int) -> list[int]:
 
 class BatchDecoder:
     """The batched decoding step over a pool, with each slot's last token, logits and sampling
-    parameters in device tensors (row `pool.scratch` serves padding rows)."""
+    parameters in device tensors (row `pool.scratch` serves padding rows; a pool of one has none and never pads)."""
 
     evict_inside = True  # steady rows evict inside the step where they can (`evict.steady_form`); tests compare off
 
     def __init__(self, engine, pool: SlotPool, graphs: bool):
         self.engine, self.pool, self.method = engine, pool, engine.method
-        device, rows = pool.device, pool.slots + 1
+        device, rows = pool.device, pool.rows
         vocab = engine.head.weight.shape[0]
         self.logits = torch.zeros(rows, vocab, dtype=torch.float32, device=device)  # each slot's last logits
         self.last_token = torch.zeros(rows, dtype=torch.long, device=device)  # the token its next step reads
@@ -244,7 +83,7 @@ class BatchDecoder:
         self.top_p = torch.ones(rows, dtype=torch.float32, device=device)
         self.seed = torch.zeros(rows, dtype=torch.long, device=device)
         self.counter = torch.zeros(rows, dtype=torch.long, device=device)  # draws so far (sampling's counter)
-        self.rows = torch.full((pool.slots,), pool.scratch, dtype=torch.long, device=device)
+        self.rows = torch.full((pool.slots,), pool.pad_row, dtype=torch.long, device=device)
         self.live = torch.zeros(pool.slots, dtype=torch.float32, device=device)  # 1: the row's append is the whole step
         self.zeros = torch.zeros(pool.slots, 1, dtype=torch.long, device=device)  # position_ids: RoPE is kvpot's
         self.cache = StepCache(pool)
@@ -256,8 +95,9 @@ class BatchDecoder:
         self.steps = 0
         self.picking: dict[int, str] = {}  # decoding slot -> what its picks need (`PICKING`)
         # mixed steps in fixed shapes (`kvpot.engine.packed`, made at the first): where graphs replay them. On a
-        # CPU the eager mixed step is the faster (no padding), so tests turn this on to check the body there.
-        self.fixed_mix = graphs
+        # CPU the eager mixed step is the faster (no padding), so tests turn this on to check the body there. A pool
+        # without a scratch slot has nowhere to pad a packed step's tokens: its mixed steps run eager.
+        self.fixed_mix = graphs and pool.scratch is not None
         self.packed = None
 
     # ------------------------------------------------------------------ per-slot state
@@ -321,6 +161,9 @@ class BatchDecoder:
         Returns the batch size it ran at."""
         if not slots:
             return 0
+        if evict is not None and self.pool.scratch is None and any(live):
+            raise KvpotError("a step evicting inside its body points appending rows at the scratch slot, and this "
+                             "pool has none (a bug: please report).")
         bucket = self.load_rows(slots, live)
         mode = self.mode(slots)
         self.size_tables()
@@ -337,7 +180,7 @@ class BatchDecoder:
         the static row buffers a step reads; returns the bucket."""
         count = len(slots)
         bucket = next(size for size in self.buckets if size >= max(count, floor))
-        padded = slots + [self.pool.scratch] * (bucket - count)
+        padded = slots + [self.pool.pad_row] * (bucket - count)  # (a pool without scratch: one bucket, no padding)
         weights = [1.0 if flag else 0.0 for flag in live] + [0.0] * (bucket - count)
         self.rows[:bucket].copy_(torch.tensor(padded, dtype=torch.long), non_blocking=True)
         self.live[:bucket].copy_(torch.tensor(weights, dtype=torch.float32), non_blocking=True)
@@ -346,24 +189,35 @@ class BatchDecoder:
     def capture(self, observes: list[AttentionRequest | None], steady: tuple | None = None) -> int:
         """Warm and capture every bucket's step now, for each observation in `observes` and picking mode, and
         `steady` = (its observation, counts) the form whose steady rows evict inside it (`evict.steady_capture`), on
-        padding rows alone (the scratch slot): the first users of each batch size then replay a graph instead of
-        waiting for kernels to compile and a capture. Returns the graphs captured (0 on a CPU)."""
+        padding rows alone (the scratch slot; a pool without one warms its one slot, so only while it is free): the
+        first users of each batch size then replay a graph instead of waiting for kernels to compile and a capture.
+        Returns the graphs captured (0 on a CPU)."""
         if not self.graphs_on:
             return 0
+        if self.pool.scratch is None and self.pool.used:
+            raise KvpotError("a pool of one slot captures its steps on that slot, so only before a request takes it.")
         forms = [(observe, None) for observe in observes] + ([steady] if steady is not None else [])
         keys = [(bucket, observe, mode, evict) for bucket in self.buckets for observe, evict in forms for mode in PICKING]
         before = self.captures
         for _ in range(3):  # a warm-up that made a buffer (a score array) dropped the graphs captured before it
             for bucket, observe, mode, evict in keys:
-                self.rows[:bucket].fill_(self.pool.scratch)
+                self.rows[:bucket].fill_(self.pool.pad_row)
                 self.live[:bucket].zero_()
                 key = (bucket, observe is not None, mode, evict)
                 while key not in self.graphs:  # warm, then capture (warm again if the warm-up made a buffer)
                     self.size_tables()
+                    self.clear_pad_row()
                     self.graphs.run(key, functools.partial(self._run, bucket, observe, mode, evict))
             if all((b, o is not None, m, e) in self.graphs for b, o, m, e in keys):
                 break
-        return self.captures - before  # (each step put the scratch slot's position back to 0: `end_rows`)
+        self.clear_pad_row()  # (a scratch slot's is cleared by every step: `begin_rows`, `end_rows`)
+        return self.captures - before
+
+    def clear_pad_row(self) -> None:
+        """The pad row's count and position back to 0: a pool without scratch warms its one slot, which a request
+        takes next (its count is set then too: `SlotPool.cache`)."""
+        self.pool.clear_pad_row()
+        self.next_position[self.pool.pad_row].zero_()
 
     def size_tables(self) -> None:
         """RoPE tables big enough for every position this pool will see, before any capture reads them.
@@ -394,7 +248,8 @@ class BatchDecoder:
         each row's token to feed [bucket] and its -log p (None unless the method needs it). Shared with the
         mixed steps (`kvpot.engine.mixed`, `kvpot.engine.packed`)."""
         cache, rows = self.cache, self.rows[:bucket]
-        self.pool.lengths[:, self.pool.scratch] = 0  # padding rows write the scratch slot's first entry
+        if self.pool.scratch is not None:
+            self.pool.lengths[:, self.pool.scratch] = 0  # padding rows write the scratch slot's first entry
         cache.rows, cache.stream_positions = rows, self.next_position[rows]
         cache.max_position, cache.request = self.max_position, observe
         cache.groups = None  # readers of shared documents, grouped once per step (`kvpot.kernels.shared`)
@@ -415,7 +270,8 @@ class BatchDecoder:
         self.next_position[rows] += 1
         # padding rows (the scratch slot) take position 0 again: counted up a step at a time, their position would
         # pass the RoPE table of a long-running server, which rotates them by it where keys are stored rotated
-        self.next_position[self.pool.scratch].zero_()  # (`[i] = 0` copies a host scalar: refused in a capture)
+        if self.pool.scratch is not None:  # (`[i] = 0` copies a host scalar: refused in a capture)
+            self.next_position[self.pool.scratch].zero_()
         self.cache.request = None
 
     @property

@@ -63,7 +63,7 @@ class DocumentRegion:
         self.values = [torch.zeros_like(k) for k in self.keys]
         self.rope_positions = [torch.zeros(shape, dtype=torch.long, device=pool.device) for _ in pool.layers]
         self.lengths = torch.zeros(pool.num_layers, rows, dtype=torch.long, device=pool.device)
-        self.of_slot = torch.full((pool.slots + 1,), -1, dtype=torch.long, device=pool.device)  # -1: no document
+        self.of_slot = torch.full((pool.rows,), -1, dtype=torch.long, device=pool.device)  # -1: no document
         self.loaded: OrderedDict[int, Document] = OrderedDict()  # id(state) -> document, least recent first
         self.reading: dict[int, Document] = {}  # slot -> the document it reads
         self.copies: Counter = Counter()  # reason -> readers that copied for it

@@ -77,8 +77,9 @@ def evict_in_step(method, pool, rows: torch.Tensor, live: torch.Tensor, counts: 
     """Inside a fixed-shape step (`BatchDecoder`), after its append: every row that does not only append (`live` 0:
     the steady rows, and padding rows) drops one entry a layer from `counts + 1`, as `evict_rows` would; the rows
     that only append evict the scratch slot instead, whose entries nothing reads (its count goes back to 0), so the
-    step's shapes and launches are the same whichever rows are steady. Nothing is read back on the host."""
-    targets = rows.masked_fill(live > 0, pool.scratch)
+    step's shapes and launches are the same whichever rows are steady. Nothing is read back on the host. A pool
+    without a scratch slot (a pool of one) runs this only where its row is steady (`BatchDecoder.step` checks)."""
+    targets = rows if pool.scratch is None else rows.masked_fill(live > 0, pool.scratch)
     renumbers = pool.policy.renumbers
     for index, storage in enumerate(pool.layers):
         n = counts[index] + 1
@@ -88,7 +89,8 @@ def evict_in_step(method, pool, rows: torch.Tensor, live: torch.Tensor, counts: 
             method.update_scores(view, DECODE_STEP)
             _replace_rows(method, storage, view, targets, n, renumbers)
         pool.lengths[index].index_fill_(0, targets, n - 1)
-    pool.lengths[:, pool.scratch] = 0
+    if pool.scratch is not None:
+        pool.lengths[:, pool.scratch] = 0
 
 
 def evict_steady(method, pool, steady: list[tuple], fail, inside: bool = False) -> None:

@@ -3,7 +3,9 @@
 A bounded method's cache has a size known before it starts (`Method.max_entries()`), so the KV of
 `slots` sequences fits in buffers allocated once, `[slots + 1, kv_heads, capacity, d]` per layer.
 A sequence owns one slot from admission to its end; a freed slot is reused. The last row is
-scratch: padding rows of a batched step (a captured graph has a fixed batch size) write there.
+scratch: padding rows of a batched step (a captured graph has a fixed batch size) write there. A pool of one
+slot has none (`scratch=False`, the default there): its one bucket never pads, so a row of it would double a
+growing cache's memory for nothing (docs/design.md, *Why two decode runners remain*).
 
 Each slot is seen two ways:
 - as an ordinary `PotCache` (`SlotPool.cache(slot)`) whose layers' buffers are views of the slot's
@@ -35,7 +37,7 @@ from kvpot.rope import Rope
 
 
 class PoolLayer:
-    """One layer's storage for every slot (row `slots` is scratch)."""
+    """One layer's storage for every slot (row `slots`, where there is one, is scratch)."""
 
     def __init__(self, rows: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, stride: int | None = None):
@@ -181,26 +183,34 @@ class SlotPool:
     """KV storage for `slots` sequences of at most `capacity` entries per layer and KV head."""
 
     def __init__(self, config, rope: Rope, policy: PositionPolicy, slots: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device, parallel=None, stride: int | None = None):
+                 dtype: torch.dtype, device: torch.device, parallel=None, stride: int | None = None,
+                 scratch: bool | None = None):
         if not isinstance(slots, int) or slots < 1:
             raise KvpotError(f"a pool needs at least one slot, got {slots!r}.")
+        scratch = slots > 1 if scratch is None else scratch
+        if not scratch and slots > 1:
+            raise KvpotError(f"a pool of {slots} slots pads its batched steps' rows into a scratch slot; only a "
+                             "pool of one slot goes without.")
         if not isinstance(capacity, int) or capacity < 1:
             raise KvpotError(f"a pool slot needs a capacity of at least one entry, got {capacity!r}.")
         self.rope, self.policy = rope, policy
         self.slots, self.capacity = slots, capacity
-        self.scratch = slots  # the row padding rows of a batched step write to
+        self.scratch = slots if scratch else None  # the row padding rows of a batched step write to
+        self.rows = slots + 1 if scratch else slots  # rows of every per-slot buffer (the slots, then scratch)
         self.parallel = parallel  # kvpot.models.parallel.TensorParallel: each rank's slots hold its own KV heads
         kv_heads, head_dim = kv_shape(config, parallel.size if parallel is not None else 1)
         self.num_layers = config.num_hidden_layers
         if stride is not None and (isinstance(stride, bool) or not isinstance(stride, int) or stride < 1):
             raise KvpotError(f"a pool's slot stride must be a positive integer, got {stride!r}.")
         self.stride = stride = tail_stride(stride, slots, capacity)  # tail slots (None: slots apart)
+        if stride and not scratch:
+            raise KvpotError("tail slots keep the scratch slot's lanes; a pool without one has none to give.")
         self.lanes = Lanes(slots, capacity, stride) if stride else None  # tail slots: the lanes each slot holds
-        self.layers = [PoolLayer(slots + 1, kv_heads, capacity, head_dim, dtype, device, stride)
+        self.layers = [PoolLayer(self.rows, kv_heads, capacity, head_dim, dtype, device, stride)
                        for _ in range(self.num_layers)]
         for layer in self.layers:
             layer.parallel = parallel
-        self.lengths = torch.zeros(self.num_layers, slots + 1, dtype=torch.long, device=device)
+        self.lengths = torch.zeros(self.num_layers, self.rows, dtype=torch.long, device=device)
         self.device = device
         self.free: list[int] = list(range(slots))  # lowest first: low rows stay dense
         self.caches: dict[int, PotCache] = {}
@@ -243,6 +253,16 @@ class SlotPool:
     @property
     def used(self) -> int:
         return self.slots - len(self.free)
+
+    @property
+    def pad_row(self) -> int:
+        """The row a batched step's padding rows, and the warm-ups of its captures, point at: the scratch slot, or in
+        a pool without one (which never pads) its one slot, warmed only while free (`BatchDecoder.capture`)."""
+        return 0 if self.scratch is None else self.scratch
+
+    def clear_pad_row(self) -> None:
+        """The pad row's count back to 0 (on the device): what a padding row or a warm-up wrote there is never read."""
+        self.lengths[:, self.pad_row] = 0
 
     def cache(self, slot: int, capacity_hint: int | None = None) -> PotCache:
         """An empty `PotCache` over slot `slot`'s row (a new sequence starts here)."""
