@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
 # Issue 43: a pool of one slot without its scratch row (kvpot.engine.pool, `SlotPool(scratch=False)`), beside the
 # source before it (a scratch row in every pool), on one machine:
-#   WHAT=tests: the GPU tests of the pool of one, the step trace's device time, the steady eviction inside the step
-#               and the packed mixed step;
+#   WHAT=tests: the GPU tests of the pool of one, of one sequence through the core (`Engine(runner="core")`), the step
+#               trace's device time, the steady eviction inside the step and the packed mixed step;
 #   WHAT=one:   one reader of a stored document of $LENGTH tokens (default 32k) in a scheduler of one slot and through
 #               Engine.generate (the one-at-a-time row), same run: Full (a cache that grows with the input: the pool's
 #               bytes and peak memory) and InfiniPot (pot 4,096), `llama3-8b` shape, 128 new tokens; run it again with
-#               SRC=<a source tree of the commit before> for the pool with its scratch row.
+#               SRC=<a source tree of the commit before> for the pool with its scratch row;
+#   WHAT=runner: `kvpot bench decode` of one sequence after a $LENGTH-token context with `--runner $RUNNERS` (default
+#               "sequence core", one run each): InfiniPot, StreamingLLM, H2O (4,096 entries) and Full, CUDA graphs,
+#               16 warm-up and 128 timed steps.
 # SRC (default src) is the kvpot source tree on PYTHONPATH; OUT the folder for results.
 set -uo pipefail
 export PYTHONPATH="$PWD/${SRC:-src}" PYTHONUNBUFFERED=1
 case "${WHAT:-tests}" in
   tests)
     timeout "${LIMIT:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_pool_of_one.py \
-      tests/test_trace.py tests/test_evict_inside.py tests/test_packed.py > "$OUT/gpu-tests.txt" 2>&1
+      tests/test_one_slot.py tests/test_trace.py tests/test_evict_inside.py tests/test_packed.py > "$OUT/gpu-tests.txt" 2>&1
     tail -5 "$OUT/gpu-tests.txt" ;;
   one)
     mkdir -p "$OUT/one"
@@ -22,5 +25,15 @@ case "${WHAT:-tests}" in
       --device cuda --out "$OUT/one" 2>&1 | grep -E "Error|error" | head -5
     python3 benchmarks/engine-core-h100/rows.py "$OUT/one/results.json" \
       --keys method,kind,output_tokens_per_second,itl_p50_ms,peak_memory_bytes,pool_bytes,slot_bytes,error ;;
+  runner)
+    for runner in ${RUNNERS:-sequence core}; do
+      mkdir -p "$OUT/$runner"
+      timeout "${LIMIT:-150}" python3 -m kvpot bench decode --shape llama3-8b --method infinipot:pot_size=4096 \
+        --method streaming:sinks=4,window=4092 --method h2o:heavy=2048,recent=2048 --method full \
+        --lengths "${LENGTH:-32k}" --decode-steps 128 --warmup-steps 16 --no-floor --runner "$runner" --device cuda \
+        --out "$OUT/$runner" 2>&1 | grep -E "Error|error" | head -5
+      python3 benchmarks/engine-core-h100/rows.py "$OUT/$runner/results.json" \
+        --keys method,runner,ms_per_token,ms_per_token_p90,peak_memory_bytes,max_kv_entries,error --counts none
+    done ;;
 esac
 rm -f "$OUT"/*/*.png

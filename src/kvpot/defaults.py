@@ -16,6 +16,11 @@ PREFILL_TOKENS = 1024
 # varlen/, 48 fresh prompts at 1 request/s) the mixed step matched or beat prompts read apart at both budgets
 # measured: ITL p99 192 against 369 ms at 2,048 prompt tokens a step, 194 against 415 ms at 1,024.
 MIX = "auto"
+# Which runner decodes one sequence (`Engine(runner=...)`, `kvpot generate --runner`, `kvpot bench decode --runner`):
+# "sequence", the one-sequence `Decoder`, or "core", a request in a scheduler of one slot (`kvpot.engine.one_slot`,
+# issue 43's one decode machine). "sequence" stays the default until the core steps every method as fast: a method's
+# own attention (InfLLM, InfiniteHiP) steps alone there, one eager forward a token.
+RUNNER = "sequence"
 MIXES = ("auto", "on", "off", "eager")  # its values (and True / False in the library); eager: on, never captured
 
 # Which prompt a batched step reads first (`Scheduler(prompt_order=...)`, `kvpot serve --prompt-order`, `kvpot bench

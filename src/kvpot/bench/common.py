@@ -204,10 +204,10 @@ def model_kv_bytes(model) -> int:
 
 
 def engine_for(model, run, vocab, decode: str = "auto", compile_step: bool = False, linear: str = "auto",
-               batch_invariant: bool = False):
+               batch_invariant: bool = False, runner: str = "sequence"):
     from kvpot.engine import Engine
 
-    return Engine(model, IdTokenizer(vocab), method=run.method, chat_template=False, decode=decode,
+    return Engine(model, IdTokenizer(vocab), method=run.method, chat_template=False, decode=decode, runner=runner,
                   compile_step=compile_step, linear=linear, batch_invariant=batch_invariant)
 
 

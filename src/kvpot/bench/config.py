@@ -99,6 +99,7 @@ class BenchConfig:
     profile: bool = False
     breakdown: bool = False  # decode: a step's time by part (kvpot.bench.breakdown)
     decode: str = "auto"  # the engine's decoding path (kvpot.engine.decoding)
+    runner: str = "sequence"  # who decodes one sequence (`Engine(runner=...)`, kvpot.engine.one_slot)
     compile_step: bool = False  # torch.compile the fixed-shape step's decoder (Engine(compile_step=True))
     linear: str = "auto"  # single-token linear layers (Engine(linear=...), kvpot.engine.linear)
     batch_invariant: bool = False  # decode and throughput: Engine(batch_invariant=True), what it costs

@@ -30,7 +30,8 @@ def bench_decode(config: BenchConfig, model, runs, results, progress) -> None:
     kv_bytes = model_kv_bytes(model)
     question = random_tokens(vocab, config.question_tokens, config.seed + 1, config.device)
     engines = {run.label: engine_for(model, run, vocab, decode=config.decode, compile_step=config.compile_step,
-                                     linear=config.linear, batch_invariant=config.batch_invariant) for run in runs}
+                                     linear=config.linear, batch_invariant=config.batch_invariant,
+                                     runner=config.runner) for run in runs}
     count = config.warmup_steps + config.decode_steps + 1  # +1: n tokens give n - 1 timed steps
     warm = min(WARMUP_TOKENS, config.lengths[0])
     warmup_seconds = {}  # per method: with --compile-step, mostly the step's compilation
@@ -84,7 +85,8 @@ def bench_decode(config: BenchConfig, model, runs, results, progress) -> None:
         timed = steps[config.warmup_steps :]
         return {
             **step_stats([1000 * s for s in timed]),
-            "timing": "per-step: GPU events after each step (graph/static), host clock after each read-back (eager)",
+            "timing": "per-step: GPU events after each step (graph/static), host clock after each read-back (eager); "
+                      "--runner core: host clock at each token's delivery",
             "decode": None if stats is None else {k: v for k, v in stats.decode.items() if k != "step_ms"},
             "prefill_seconds": prefill, "peak_memory_bytes": peak_memory(config.devices), "memory_before_bytes": before,
             "peak_memory_by_device": peak_memory_by_device(config.devices),
@@ -94,6 +96,7 @@ def bench_decode(config: BenchConfig, model, runs, results, progress) -> None:
             "warmup_seconds": None if entry == FLOOR else warmup_seconds[entry.label],
             "method_report": None if stats is None else stats.method,
             "linear": None if entry == FLOOR else engine.linear,  # --linear as resolved on this device
+            "runner": None if entry == FLOOR else engine.runner,  # --runner: the one-sequence decoder or the core
             **extra,
         }
 

@@ -102,6 +102,18 @@ def add_decode_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_runner_argument(parser: argparse.ArgumentParser, what: str = "the sequence") -> None:
+    from kvpot.defaults import RUNNER
+
+    parser.add_argument(
+        "--runner", default=RUNNER, choices=["sequence", "core"],
+        help=f"who decodes {what}: sequence (default) the one-sequence decoder; core a request in the batched "
+             "engine's scheduler with one slot, the runner `kvpot serve` uses for many (issue 43's one decode "
+             "machine; a method's own attention, InfLLM's or InfiniteHiP's, steps alone there, one eager forward a "
+             "token). Needs --decode auto, graph or static",
+    )
+
+
 def check_batch_invariant(args) -> None:
     """`--batch-invariant` with what it cannot run, refused before a model loads."""
     from kvpot.engine.linear import check_invariant_options

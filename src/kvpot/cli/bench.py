@@ -11,7 +11,8 @@ from kvpot.bench.backends import DEFAULT_SDPA, SDPA_CHOICES
 from kvpot.bench.config import DEFAULT_LENGTHS, MODES, BenchConfig
 from kvpot.bench.load import parse_rate
 from kvpot.bench.serve_config import MODE as SERVE_MODE, ServeBenchConfig
-from kvpot.cli.args import METHOD_METAVAR, QUESTIONS_HELP, add_device_arguments, add_tp_argument, parse_length, parse_lengths
+from kvpot.cli.args import (METHOD_METAVAR, QUESTIONS_HELP, add_device_arguments, add_runner_argument, add_tp_argument,
+                            parse_length, parse_lengths)
 from kvpot.defaults import (FEED_QUESTIONS, FEED_QUESTIONS_CHOICES, LAUNCH_AHEAD, LAUNCH_AHEADS, MIX, MIXES, PREFILL_TOKENS,
                             PROMPT_ORDER, PROMPT_ORDERS, PROMPT_PATIENCE)
 from kvpot.errors import KvpotError
@@ -113,6 +114,7 @@ def register(sub) -> None:
                         "kvpress rows are recorded as skipped")
     p.add_argument("--decode", default="auto", choices=["auto", "graph", "static", "eager"],
                    help="decode: kvpot's decoding path (auto: CUDA graphs on a GPU, eager on a CPU)")
+    add_runner_argument(p, "each generation of `decode` (run it once with each for the two side by side)")
     p.add_argument("--compile-step", action="store_true",
                    help="decode and throughput: torch.compile the fixed-shape decoding step, one decoder layer "
                         "compiled once for every layer (norms, activations, residual adds and cache writes fused "
@@ -320,7 +322,7 @@ def config_from_args(args) -> BenchConfig:
         warmup_steps=args.warmup_steps,
         question_tokens=args.question_tokens, floor=args.floor, floor_chunk=args.floor_chunk, block=args.block,
         min_time=args.min_time, threads=args.threads, seed=args.seed, profile=args.profile,
-        breakdown=args.breakdown, decode=args.decode,
+        breakdown=args.breakdown, decode=args.decode, runner=args.runner,
         compile_step=args.compile_step, linear=args.linear, batch_invariant=args.batch_invariant,
         baselines=[b.strip() for item in args.baseline for b in item.split(",") if b.strip()],
         kvpress_path=args.kvpress_path or os.environ.get("KVPOT_KVPRESS_PATH") or None,

@@ -7,8 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from kvpot.cli.args import (add_decode_argument, add_method_arguments, add_model_arguments, add_tp_argument,
-                            check_batch_invariant)
+from kvpot.cli.args import (add_decode_argument, add_method_arguments, add_model_arguments, add_runner_argument,
+                            add_tp_argument, check_batch_invariant)
 from kvpot.errors import KvpotError
 
 # Without --method: InfiniPot (bounded at every instant of prefill and decoding) with a pot of
@@ -40,6 +40,7 @@ def register(sub) -> None:
     add_model_arguments(p)
     add_tp_argument(p)
     add_decode_argument(p)
+    add_runner_argument(p)
     add_method_arguments(
         p, required=False,
         method_help="compression method, e.g. infinipot, streaming, snapkv, with optional own parameters "
@@ -108,7 +109,7 @@ def run(args) -> int:
         resolve_model(args.model, args.gguf), method=method, device=device, dtype=resolve_dtype(args.dtype),
         chat_template=template, device_map=device_map, max_memory=max_memory, gguf_file=args.gguf,
         decode=args.decode, compile_step=args.compile_step, linear=args.linear, tp_size=args.tp,
-        batch_invariant=args.batch_invariant,
+        batch_invariant=args.batch_invariant, runner=args.runner,
     )
     from kvpot.models.parallel import is_rank_zero
 

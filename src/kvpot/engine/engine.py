@@ -22,15 +22,17 @@ from kvpot.attention import AttentionRequest, register
 from kvpot.cache import PotCache
 from kvpot.compat import cache_kwargs
 from kvpot.engine.batch import batches_rows
+from kvpot.defaults import RUNNER
 from kvpot.engine.decoding import MODES, Decoder, decode_eager, resolve_mode
 from kvpot.engine.linear import decoding_numerics, single_row_scope
+from kvpot.engine.one_slot import check_runner, core_decodes, generate_in_core
 from kvpot.engine.regions import CompiledStep
 from kvpot.engine.score import Scoring
 from kvpot.engine.text import TextApi
 from kvpot.engine.results import Result, ScoreResult, State, Stats, _Run  # noqa: F401 - ScoreResult: public via kvpot
 from kvpot.engine.sampling import _as_ids, _eos_ids, _stopping
 from kvpot.engine.reading import PromptReader
-from kvpot.engine.requests import check_seed
+from kvpot.engine.requests import check_generation
 from kvpot.errors import KvpotError
 from kvpot.methods import Full, Method, Step
 from kvpot.methods.base import Setup
@@ -62,6 +64,7 @@ class Engine(TextApi, Scoring):
         compile_step: bool = False,
         linear: str = "auto",
         batch_invariant: bool = False,
+        runner: str = RUNNER,
     ):
         architecture_of(model.config)
         if chat_template not in (True, False, "auto"):
@@ -69,6 +72,7 @@ class Engine(TextApi, Scoring):
         if decode not in MODES:
             raise KvpotError(f"decode must be one of {MODES}, got {decode!r}.")
         self.decode = decode  # kvpot.engine.decoding: "auto" = CUDA graphs on a GPU, eager on a CPU
+        self.runner = check_runner(runner, decode)  # who decodes one sequence (kvpot.engine.one_slot)
         if not isinstance(compile_step, bool):
             raise KvpotError(f"compile_step must be True or False, got {compile_step!r}.")
         self.compile_step = compile_step
@@ -97,7 +101,7 @@ class Engine(TextApi, Scoring):
         name_or_path=None, method: Method | None = None, device: str | None = None, dtype: torch.dtype | None = None,
         chat_template: bool | str = "auto", decode: str = "auto", compile_step: bool = False, linear: str = "auto",
         device_map: str | dict | None = None, max_memory: dict | None = None, gguf_file: str | None = None,
-        tp_size: int | None = None, batch_invariant: bool = False,
+        tp_size: int | None = None, batch_invariant: bool = False, runner: str = RUNNER,
     ) -> Engine:
         """Load a model on `device` (default "cpu"), or split over several by `device_map` ("auto", or a dict
         module -> device) within `max_memory` ({0: "70GiB", ...}); each layer's cache lives on its device.
@@ -108,7 +112,7 @@ class Engine(TextApi, Scoring):
         model, tokenizer = load_pretrained(name_or_path, device=device, dtype=dtype, device_map=device_map,
                                            max_memory=max_memory, gguf_file=gguf_file, tp_size=tp_size)
         return cls(model, tokenizer, method=method, chat_template=chat_template, decode=decode,
-                   compile_step=compile_step, linear=linear, batch_invariant=batch_invariant)
+                   compile_step=compile_step, linear=linear, batch_invariant=batch_invariant, runner=runner)
 
     def step_decoder(self):
         """The decoder that fixed-shape decoding steps run: with `compile_step`, its decoder layer `torch.compile`d
@@ -188,22 +192,18 @@ class Engine(TextApi, Scoring):
         fixed count). `token_ids` of the result are the new tokens only. A `state` is copied first
         unless `keep_state=False`, which decodes in its cache and spends it. `should_stop()` is asked
         before every prefill forward and after every token delivered: True raises `kvpot.errors.Cancelled`.
-        `time_steps=True` records each step's time in `stats.decode["step_ms"]` (GPU events, no sync).
-        """
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise KvpotError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}.")
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise KvpotError("temperature must be >= 0 and top_p in (0, 1].")
-        check_seed(seed)
+        `time_steps=True` records each step's time in `stats.decode["step_ms"]` (GPU events, no sync). `runner="core"`:
+        a request of a scheduler of one slot reads and decodes (`kvpot.engine.one_slot`; step times: the host's)."""
+        check_generation(input_ids, state, max_new_tokens, temperature, top_p, seed)
+        if core_decodes(self):
+            return generate_in_core(self, input_ids, question_ids, state, max_new_tokens, on_token, progress,
+                                    should_stop, time_steps, temperature=temperature, top_p=top_p, seed=seed,
+                                    ignore_eos=ignore_eos)
         if state is None:
-            if input_ids is None:
-                raise KvpotError("give input_ids (the context) or a prefilled state.")
             state = self.prefill_ids(input_ids, question_ids, progress=progress, _max_new_tokens=max_new_tokens,
                                      should_stop=should_stop)
             run = _Run(state.cache, state.next_position, state.stats, state.last_logits)
         else:
-            if input_ids is not None:
-                raise KvpotError("give either input_ids or a prefilled state, not both.")
             run = self._resume(state, question_ids, progress, keep_state, should_stop)
         if should_stop is not None:
             on_token = _stopping(on_token, should_stop)

@@ -44,6 +44,7 @@ class Request:
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" (end of sequence or a stop token), "length", "cancelled", "error"
     error: str | None = None
+    exception: BaseException | None = field(default=None, repr=False, compare=False)  # what `error` says, to re-raise
     stats: Stats = field(default_factory=Stats)
     slot: int | None = None
     submitted: float | None = None
@@ -73,6 +74,19 @@ class Request:
     def result(self, tokenizer=None) -> Result:
         text = tokenizer.decode(self.tokens, skip_special_tokens=True) if tokenizer is not None else None
         return Result(text, list(self.tokens), self.stats)
+
+
+def check_generation(input_ids, state, max_new_tokens, temperature: float, top_p: float, seed: int | None) -> None:
+    """`Engine.generate_ids`' arguments, refused with a clear error before anything runs."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise KvpotError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}.")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise KvpotError("temperature must be >= 0 and top_p in (0, 1].")
+    check_seed(seed)
+    if state is not None and input_ids is not None:
+        raise KvpotError("give either input_ids or a prefilled state, not both.")
+    if state is None and input_ids is None:
+        raise KvpotError("give input_ids (the context) or a prefilled state.")
 
 
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes: signed or unsigned 64 bits

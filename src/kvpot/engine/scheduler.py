@@ -424,6 +424,7 @@ class Scheduler:
     # ------------------------------------------------------------------ endings
     def _fail(self, request: Request, error: Exception, ended: list[Request]) -> None:
         request.error = f"{type(error).__name__}: {error}" if not isinstance(error, KvpotError) else str(error)
+        request.exception = error
         self._end(request, "failed", "error", ended)
 
     def _end(self, request: Request, status: str, reason: str, ended: list[Request]) -> None:

@@ -1,0 +1,86 @@
+"""One sequence through the core: `Engine.generate_ids` as a request in a scheduler of one slot (`runner="core"`).
+
+Issue 43 asks for one decode machine: `generate_ids` run by the same core that serves many users, as a pool of one
+slot. `Engine(runner="core")` does that: the prompt is read into the slot in the method's chunks, and every token is
+a step of `BatchDecoder` (a bucket of one; captured on a GPU), its eviction inside the step where the method drops by a
+ranking (`kvpot.engine.evict`), a row whose method reshapes its cache stepping alone. The pool has no scratch row
+(`kvpot.engine.pool`), so it holds what the one-sequence runner's cache holds. `runner="sequence"` (the default,
+`kvpot.defaults.RUNNER`) keeps `Decoder` (`kvpot.engine.decoding`) until the core steps every method as fast: a
+method's own attention (InfLLM, InfiniteHiP) steps alone there, one eager forward a token (docs/design.md, *Why two
+decode runners remain*). `decode="eager"` and a model split over several devices keep the eager path either way.
+
+A scheduler is made per call, as `Decoder` is: its pool sized for this request (the method's bound, or what a
+growing cache needs), its graphs captured at its first steps.
+"""
+
+from __future__ import annotations
+
+import torch
+from tqdm.auto import tqdm
+
+from kvpot.engine.requests import Request
+from kvpot.engine.results import Result
+from kvpot.engine.sampling import _as_ids
+from kvpot.errors import Cancelled, KvpotError
+
+RUNNERS = ("sequence", "core")
+
+
+def check_runner(runner: str, decode: str) -> str:
+    """`runner` if it names one, and can run with `decode` (a clear error if not)."""
+    if runner not in RUNNERS:
+        raise KvpotError(f"runner must be one of {RUNNERS}, got {runner!r}.")
+    if runner == "core" and decode == "eager":
+        raise KvpotError("runner='core' decodes in the batched engine's fixed-shape steps; decode='eager' is the "
+                         "ordinary forward a token: give decode='auto', 'graph' or 'static' with it.")
+    return runner
+
+
+def core_decodes(engine) -> bool:
+    """Whether `engine.generate_ids` runs through the core: `runner="core"`, on one device (a model split over
+    several decodes eagerly, `Engine._decode`)."""
+    return engine.runner == "core" and len(engine.devices) == 1
+
+
+def generate_in_core(engine, input_ids, question_ids, state, max_new_tokens: int, on_token, progress: bool,
+                     should_stop, time_steps: bool, **sampling) -> Result:
+    """`Engine.generate_ids` (its arguments, checked there) through a `Scheduler` of one slot."""
+    from kvpot.engine.offline import group_capacity
+    from kvpot.engine.scheduler import Scheduler
+
+    if state is not None and state.cache.host_storage:
+        raise KvpotError("a state offloaded to host memory (infinitehip offload=True) decodes with runner='sequence'.")
+    deliver = (lambda request, token: on_token(token)) if on_token is not None else None
+    request = Request(input_ids, question_ids, state=state, max_new_tokens=max_new_tokens, on_token=deliver,
+                      **sampling)
+    question = len(_as_ids(question_ids, torch.device("cpu"), "question_ids"))
+    scheduler = Scheduler(engine, slots=1, capacity=group_capacity(engine, [request]), question_room=question,
+                          decode=engine.decode, mix=False, feed_questions="never", launch_ahead="auto")
+    scheduler.submit(request)
+    total = question + (0 if input_ids is None else len(_as_ids(input_ids, torch.device("cpu"), "input_ids")))
+    with tqdm(total=total, unit="tok", desc="prefill", disable=not progress or not total, leave=False) as bar:
+        while not request.done:
+            if should_stop is not None and should_stop():
+                scheduler.abort()
+                raise Cancelled("stopped: should_stop() said so.")
+            scheduler.step()
+            left = tokens_left(scheduler)
+            if left is not None:
+                bar.update(total - left - bar.n)
+    if request.status == "failed":
+        raise request.exception if request.exception is not None else KvpotError(request.error)
+    result = request.result(engine.tokenizer)
+    decode = {**result.stats.decode, "runner": "core"} if result.stats.decode else {"runner": "core"}
+    if time_steps:  # the gaps between token deliveries: what the caller waited for each step (host clock)
+        times = request.token_times
+        decode["step_ms"] = [1000 * (b - a) for a, b in zip(times, times[1:])]
+    result.stats.decode = decode
+    return result
+
+
+def tokens_left(scheduler) -> int | None:
+    """Prompt tokens the one request has still to read (None before it has a slot and once it is read)."""
+    for active in scheduler.active.values():
+        if active.reader is not None:
+            return active.reader.remaining
+    return None

@@ -1,0 +1,136 @@
+"""One sequence through the core (`Engine(runner="core")`, `kvpot.engine.one_slot`): `generate_ids` as a request of
+a scheduler of one slot gives the tokens, entries and compressions of the one-sequence runner, from token ids or a
+stored state, streams its tokens, stops when asked, and raises a failing step's own error."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import kvpot
+from conftest import VOCAB, build, run
+from kvpot.errors import Cancelled, KvpotError
+from test_batch import LENGTHS, NEW, alone, methods
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    torch.manual_seed(3)
+    return [(torch.randint(3, VOCAB, (n,)).tolist(), torch.randint(3, VOCAB, (5,)).tolist()) for n in LENGTHS[:2]]
+
+
+@pytest.fixture(scope="module", params=["llama3", "qwen3"])
+def model(request):
+    return build(request.param)
+
+
+def core(model, method, **kw):
+    return kvpot.Engine(model, method=method, decode="static", runner="core", **kw)
+
+
+@pytest.mark.parametrize("name", sorted(methods()))
+def test_the_core_gives_each_method_its_tokens_entries_and_compressions_alone(model, prompts, name, one_thread):
+    method, _ = methods()[name]
+    expected = alone(model, method, prompts)
+    engine = core(model, method)
+    results = [engine.generate_ids(c, q, max_new_tokens=NEW, ignore_eos=True) for c, q in prompts]
+    assert [r.token_ids for r in results] == [e.token_ids for e in expected]
+    for key in ("max_kv_entries", "final_kv_entries", "compressions", "context_tokens", "question_tokens",
+                "new_tokens"):
+        assert [getattr(r.stats, key) for r in results] == [getattr(e.stats, key) for e in expected], key
+    for result in results:
+        assert result.stats.decode["runner"] == "core" and result.stats.decode["slots"] == 1
+        assert result.stats.prefill_seconds > 0 and result.stats.decode_seconds > 0
+
+
+@pytest.mark.parametrize("name", ["infinipot", "h2o", "full", "citrus"])
+def test_the_core_answers_from_a_stored_state_and_leaves_it_unchanged(model, prompts, name, one_thread):
+    method, _ = methods()[name]
+    context, question = prompts[0]
+    engine = core(model, method)
+    state = engine.prefill_ids(context)
+    sequence = kvpot.Engine(model, method=method, decode="static")
+    expected = sequence.generate_ids(question_ids=question, state=state, max_new_tokens=NEW, ignore_eos=True)
+    before = [layer.keys[:, :, : layer.n].clone() for layer in state.cache.layers]
+    for _ in range(2):  # the state stays usable
+        result = engine.generate_ids(question_ids=question, state=state, max_new_tokens=NEW, ignore_eos=True)
+        assert result.token_ids == expected.token_ids
+    assert all(torch.equal(b, layer.keys[:, :, : layer.n]) for b, layer in zip(before, state.cache.layers))
+
+
+def test_the_core_streams_samples_stops_and_raises_a_steps_own_error(prompts, one_thread, monkeypatch):
+    model = build("llama3")
+    method, _ = methods()["streaming"]
+    engine = core(model, method)
+    context, question = prompts[0]
+    streamed = []
+    result = engine.generate_ids(context, question, max_new_tokens=NEW, ignore_eos=True, on_token=streamed.append,
+                                 time_steps=True)
+    assert streamed == result.token_ids and len(result.stats.decode["step_ms"]) == NEW - 1
+    sampled = [engine.generate_ids(context, question, max_new_tokens=NEW, temperature=0.8, seed=7).token_ids
+               for _ in range(2)]
+    sequence = kvpot.Engine(model, method=method, decode="static")
+    assert sampled[0] == sampled[1] == sequence.generate_ids(context, question, max_new_tokens=NEW, temperature=0.8,
+                                                             seed=7).token_ids
+    asked = []
+    with pytest.raises(Cancelled):
+        engine.generate_ids(context, question, max_new_tokens=NEW, should_stop=lambda: asked.append(1) or len(asked) > 3)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a step broke")
+
+    monkeypatch.setattr(type(method), "after_forward", broken)
+    with pytest.raises(RuntimeError, match="a step broke"):
+        engine.generate_ids(context, question, max_new_tokens=NEW)
+
+
+def test_runners_are_checked(one_thread):
+    model = build("llama3")
+    with pytest.raises(KvpotError, match="runner must be one of"):
+        kvpot.Engine(model, runner="batch")
+    with pytest.raises(KvpotError, match="decode='eager'"):
+        kvpot.Engine(model, decode="eager", runner="core")
+    engine = core(model, kvpot.Full())
+    with pytest.raises(KvpotError, match="not both"):
+        engine.generate_ids([5, 6], state=engine.prefill_ids([5, 6]))
+    with pytest.raises(KvpotError, match="input_ids"):
+        engine.generate_ids()
+
+
+def test_kvpot_generate_and_bench_decode_take_the_runner(capsys, tmp_path, one_thread):
+    from test_cli import byte_tokenizer
+
+    path = tmp_path / "model"
+    build("llama3").save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    payloads = []
+    for runner in ("sequence", "core"):
+        code, out, err = run(capsys, "generate", "--model", str(path), "--method", "h2o", "--budget", "48",
+                             "--set", "chunk_size=16", "--context", "The grass is green. " * 10, "--question", "What?",
+                             "--max-new-tokens", "8", "--decode", "static", "--runner", runner, "--json")
+        assert code == 0, err
+        payloads.append(json.loads(out))
+    assert payloads[0]["token_ids"] == payloads[1]["token_ids"]
+    assert payloads[1]["stats"]["decode"]["runner"] == "core"
+    out = tmp_path / "bench"
+    code, _, err = run(capsys, "bench", "decode", "--shape", "tiny", "--device", "cpu", "--out", str(out), "--method",
+                       "infinipot", "--budget", "128", "--lengths", "300", "--decode-steps", "4", "--warmup-steps", "1",
+                       "--no-floor", "--decode", "static", "--runner", "core")
+    assert code == 0, err
+    row = json.loads((out / "results.json").read_text())["rows"][0]
+    assert row["runner"] == "core" and row["decode"]["runner"] == "core" and len(row["samples_ms"]) == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["infinipot", "streaming", "h2o", "full", "d2o", "infinitehip"])
+def test_the_core_through_cuda_graphs_gives_the_tokens_alone(name, prompts):
+    llama = build("llama3").cuda()
+    method, _ = methods()[name]
+    cuda_prompts = [(torch.tensor(c).cuda(), torch.tensor(q).cuda()) for c, q in prompts]
+    expected = alone(llama, method, cuda_prompts)
+    engine = kvpot.Engine(llama, method=method, runner="core")
+    results = [engine.generate_ids(c, q, max_new_tokens=NEW, ignore_eos=True) for c, q in cuda_prompts]
+    assert [r.token_ids for r in results] == [e.token_ids for e in expected]
+    assert all(r.stats.decode["mode"] == "batch-graph" for r in results)
