@@ -33,7 +33,7 @@ from kvpot.engine.evict import evict_in_step
 from kvpot.engine.graphs import StepGraphs
 from kvpot.engine.pool import SlotPool
 from kvpot.engine.sampling import PICKING, pick_rows
-from kvpot.engine.step_cache import StepCache, append_kernel, batch_kernel  # noqa: F401 (re-exported)
+from kvpot.engine.step_cache import StepCache
 from kvpot.errors import KvpotError
 from kvpot.methods.base import DECODE_STEP, Method, Step
 
