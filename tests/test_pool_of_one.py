@@ -24,8 +24,8 @@ from test_batch import LENGTHS, NEW, alone, methods
 
 @pytest.fixture(scope="module")
 def prompts():
-    torch.manual_seed(1)
-    return [(torch.randint(3, VOCAB, (n,)).tolist(), torch.randint(3, VOCAB, (5,)).tolist()) for n in LENGTHS]
+    torch.manual_seed(4)  # (test_batch's prompts, another draw)
+    return [(torch.randint(3, VOCAB, (n,)).tolist(), torch.randint(3, VOCAB, (4,)).tolist()) for n in LENGTHS[:3]]
 
 
 @pytest.fixture(scope="module", params=["llama3", "qwen3"])
