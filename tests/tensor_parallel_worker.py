@@ -56,6 +56,7 @@ def cases() -> dict[str, kvpot.Method]:
 
 
 BATCHED = ("streaming", "tova", "h2o", "infinipot", "infinipot-model", "citrus-shared", "d2o")
+CORE = ("streaming", "h2o", "infinipot")  # `Engine(runner="core")`: one sequence as a scheduler of one slot's request
 
 
 def inputs() -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
@@ -76,6 +77,14 @@ def one(model, tokenizer, method: kvpot.Method) -> dict:
     except KvpotError as err:
         return {"error": str(err)}
     return {"tokens": result.token_ids, "sampled": sampled.token_ids, "max_kv_entries": result.stats.max_kv_entries}
+
+
+def core(model, tokenizer, method: kvpot.Method) -> dict:
+    """`one`'s greedy generation through the core: every rank submits it to its scheduler of one slot."""
+    engine = kvpot.Engine(model, tokenizer, method=method, runner="core")
+    context, question, _ = inputs()
+    result = engine.generate_ids(context, question, max_new_tokens=NEW, ignore_eos=True)
+    return {"tokens": result.token_ids, "runner": result.stats.decode["runner"]}
 
 
 def batched(model, tokenizer, method: kvpot.Method) -> dict:
@@ -133,6 +142,7 @@ def run(model, tokenizer) -> dict:
     routed_first = routed(model)  # before any Engine sets the model's attention to kvpot's
     out = {"one": {name: _logged(name, one, model, tokenizer, m) for name, m in methods.items()},
            "batched": {name: _logged(f"batched {name}", batched, model, tokenizer, methods[name]) for name in BATCHED}}
+    out["core"] = {name: _logged(f"core {name}", core, model, tokenizer, methods[name]) for name in CORE}
     out["shortest_first"] = _logged("shortest first", shortest_first, model, tokenizer)
     out["kv_heads"] = sorted(_seen_heads(model, tokenizer))
     out["routed"] = routed_first

@@ -114,6 +114,15 @@ def test_tensor_parallel_scheduler_gives_the_tokens_it_gives_alone(ranks, alone,
         assert rank["batched"][name] == expected  # the same tokens, slots and step count on every rank
 
 
+@pytest.mark.parametrize("name", worker.CORE)
+def test_tensor_parallel_one_sequence_through_the_core_gives_the_one_process_tokens(ranks, alone, name):
+    """`Engine(runner="core")` under torchrun: each rank submits the request itself, the agreement matches them."""
+    expected = alone["one"][name]["tokens"]
+    assert alone["core"][name] == {"tokens": expected, "runner": "core"}
+    for rank in ranks:
+        assert rank["core"][name] == {"tokens": expected, "runner": "core"}
+
+
 def test_tensor_parallel_scheduler_orders_prompts_by_rank_0s_clock(ranks, alone):
     """Shortest first with a patience: every rank reads the prompts in rank 0's order, though the other ranks' own
     clocks run fast enough to put every prompt past its patience (`StepInputs.clock`)."""
