@@ -45,6 +45,25 @@ def test_the_core_gives_each_method_its_tokens_entries_and_compressions_alone(mo
         assert result.stats.prefill_seconds > 0 and result.stats.decode_seconds > 0
 
 
+def test_a_bounded_methods_scheduler_is_kept_and_a_growing_caches_is_not(prompts, one_thread):
+    model = build("llama3")
+    (context, question), other = prompts
+    for name, kept in (("streaming", True), ("full", False)):
+        engine = core(model, methods()[name][0])
+        first = engine.generate_ids(context, question, max_new_tokens=NEW, ignore_eos=True)
+        held = engine.core
+        assert (held is not None) == kept
+        engine.generate_ids(other[0], other[1], max_new_tokens=NEW, ignore_eos=True)
+        again = engine.generate_ids(context, question, max_new_tokens=NEW, ignore_eos=True)
+        assert again.token_ids == first.token_ids
+        if kept:  # one pool and one scheduler served every call
+            assert engine.core is held and held[1].report["steps"] > 3 * NEW
+    engine = core(model, methods()["streaming"][0])
+    with pytest.raises(Cancelled):
+        engine.generate_ids(context, question, max_new_tokens=NEW, should_stop=lambda: True)
+    assert engine.core is None
+
+
 @pytest.mark.parametrize("name", ["infinipot", "h2o", "full", "citrus"])
 def test_the_core_answers_from_a_stored_state_and_leaves_it_unchanged(model, prompts, name, one_thread):
     method, _ = methods()[name]

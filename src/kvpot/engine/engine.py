@@ -76,7 +76,7 @@ class Engine(TextApi, Scoring):
         if not isinstance(compile_step, bool):
             raise KvpotError(f"compile_step must be True or False, got {compile_step!r}.")
         self.compile_step = compile_step
-        self._step_decoder = None
+        self._step_decoder, self.core = None, None  # core: `runner="core"`'s scheduler of one slot, kept (one_slot)
         model.set_attn_implementation(register())
         self.model = model.eval()
         self.tokenizer = tokenizer

@@ -9,8 +9,10 @@ ranking (`kvpot.engine.evict`), a row whose method reshapes its cache stepping a
 method's own attention (InfLLM, InfiniteHiP) steps alone there, one eager forward a token (docs/design.md, *Why two
 decode runners remain*). `decode="eager"` and a model split over several devices keep the eager path either way.
 
-A scheduler is made per call, as `Decoder` is: its pool sized for this request (the method's bound, or what a
-growing cache needs), its graphs captured at its first steps.
+For a bounded method the scheduler is kept on the engine (`Engine.core`) and serves the next calls of the same
+capacity: its pool and its captured steps are made once, where `Decoder` allocates and captures at every call. A
+cache that grows with the input gets a scheduler sized for the call, dropped after it (a pool kept at the last
+context's size would hold that memory between calls).
 """
 
 from __future__ import annotations
@@ -46,7 +48,6 @@ def generate_in_core(engine, input_ids, question_ids, state, max_new_tokens: int
                      should_stop, time_steps: bool, **sampling) -> Result:
     """`Engine.generate_ids` (its arguments, checked there) through a `Scheduler` of one slot."""
     from kvpot.engine.offline import group_capacity
-    from kvpot.engine.scheduler import Scheduler
 
     if state is not None and state.cache.host_storage:
         raise KvpotError("a state offloaded to host memory (infinitehip offload=True) decodes with runner='sequence'.")
@@ -54,19 +55,22 @@ def generate_in_core(engine, input_ids, question_ids, state, max_new_tokens: int
     request = Request(input_ids, question_ids, state=state, max_new_tokens=max_new_tokens, on_token=deliver,
                       **sampling)
     question = len(_as_ids(question_ids, torch.device("cpu"), "question_ids"))
-    scheduler = Scheduler(engine, slots=1, capacity=group_capacity(engine, [request]), question_room=question,
-                          decode=engine.decode, mix=False, feed_questions="never", launch_ahead="auto")
+    scheduler = one_slot_scheduler(engine, group_capacity(engine, [request]), question)
     scheduler.submit(request)
     total = question + (0 if input_ids is None else len(_as_ids(input_ids, torch.device("cpu"), "input_ids")))
-    with tqdm(total=total, unit="tok", desc="prefill", disable=not progress or not total, leave=False) as bar:
-        while not request.done:
-            if should_stop is not None and should_stop():
-                scheduler.abort()
-                raise Cancelled("stopped: should_stop() said so.")
-            scheduler.step()
-            left = tokens_left(scheduler)
-            if left is not None:
-                bar.update(total - left - bar.n)
+    try:
+        with tqdm(total=total, unit="tok", desc="prefill", disable=not progress or not total, leave=False) as bar:
+            while not request.done:
+                if should_stop is not None and should_stop():
+                    scheduler.abort()
+                    raise Cancelled("stopped: should_stop() said so.")
+                scheduler.step()
+                left = tokens_left(scheduler)
+                if left is not None:
+                    bar.update(total - left - bar.n)
+    except BaseException:
+        engine.core = None  # a scheduler left mid-step is not kept
+        raise
     if request.status == "failed":
         raise request.exception if request.exception is not None else KvpotError(request.error)
     result = request.result(engine.tokenizer)
@@ -76,6 +80,24 @@ def generate_in_core(engine, input_ids, question_ids, state, max_new_tokens: int
         decode["step_ms"] = [1000 * (b - a) for a, b in zip(times, times[1:])]
     result.stats.decode = decode
     return result
+
+
+def one_slot_scheduler(engine, capacity: int | None, question: int):
+    """The engine's kept scheduler of one slot where it fits (a bounded method's, of this capacity), else a new one
+    (kept where the method is bounded)."""
+    from kvpot.engine.pool import slot_capacity
+    from kvpot.engine.scheduler import Scheduler
+
+    bounded = engine.method.max_entries() is not None
+    key = (id(engine.method), slot_capacity(engine.method, capacity, question))
+    if bounded and engine.core is not None and engine.core[0] == key and engine.core[1].idle:
+        return engine.core[1]
+    engine.core = None  # (a kept pool of another size goes before the new one is allocated)
+    scheduler = Scheduler(engine, slots=1, capacity=capacity, question_room=question, decode=engine.decode,
+                          mix=False, feed_questions="never", launch_ahead="auto")
+    if bounded:
+        engine.core = (key, scheduler)
+    return scheduler
 
 
 def tokens_left(scheduler) -> int | None:
