@@ -153,3 +153,37 @@ def test_the_core_through_cuda_graphs_gives_the_tokens_alone(name, prompts):
     results = [engine.generate_ids(c, q, max_new_tokens=NEW, ignore_eos=True) for c, q in cuda_prompts]
     assert [r.token_ids for r in results] == [e.token_ids for e in expected]
     assert all(r.stats.decode["mode"] == "batch-graph" for r in results)
+
+
+@pytest.mark.parametrize("name, adopted", [("full", True), ("snapkv", True), ("d2o", True), ("infinipot", False)])
+def test_a_spent_state_of_a_growing_cache_is_the_slot_itself(prompts, name, adopted, one_thread, monkeypatch):
+    """`keep_state=False`: a growing cache's state lends its buffers to the pool of one (no copy of it), a bounded
+    one's is copied into the kept slot; either way the tokens are the one-sequence runner's and the state is spent."""
+    import kvpot.engine.pool as pool_module
+
+    model = build("llama3")
+    method = methods()[name][0]
+    context, question = prompts[0]
+    sequence = kvpot.Engine(model, method=method, decode="static")
+    expected = sequence.generate_ids(question_ids=question, state=sequence.prefill_ids(context), max_new_tokens=NEW,
+                                     ignore_eos=True, keep_state=False)
+    shared = []
+    original = pool_module.PoolLayer.__init__
+
+    def spy(self, *args):
+        original(self, *args)
+        adopt = args[7] if len(args) > 7 else None
+        shared.append(adopt is not None and self.keys.data_ptr() == adopt.keys.data_ptr()
+                      and self.values.data_ptr() == adopt.values.data_ptr())
+
+    monkeypatch.setattr(pool_module.PoolLayer, "__init__", spy)
+    engine = core(model, method)
+    state = engine.prefill_ids(context)
+    result = engine.generate_ids(question_ids=question, state=state, max_new_tokens=NEW, ignore_eos=True,
+                                 keep_state=False)
+    assert result.token_ids == expected.token_ids
+    assert result.stats.max_kv_entries == expected.stats.max_kv_entries
+    assert shared and all(shared) == adopted and any(shared) == adopted
+    assert state.cache is None
+    with pytest.raises(KvpotError, match="spent"):
+        engine.generate_ids(question_ids=question, state=state)

@@ -197,8 +197,8 @@ class Engine(TextApi, Scoring):
         check_generation(input_ids, state, max_new_tokens, temperature, top_p, seed)
         if core_decodes(self):
             return generate_in_core(self, input_ids, question_ids, state, max_new_tokens, on_token, progress,
-                                    should_stop, time_steps, temperature=temperature, top_p=top_p, seed=seed,
-                                    ignore_eos=ignore_eos)
+                                    should_stop, time_steps, keep_state, temperature=temperature, top_p=top_p,
+                                    seed=seed, ignore_eos=ignore_eos)
         if state is None:
             state = self.prefill_ids(input_ids, question_ids, progress=progress, _max_new_tokens=max_new_tokens,
                                      should_stop=should_stop)

@@ -12,7 +12,9 @@ decode runners remain*). `decode="eager"` and a model split over several devices
 For a bounded method the scheduler is kept on the engine (`Engine.core`) and serves the next calls of the same
 capacity: its pool and its captured steps are made once, where `Decoder` allocates and captures at every call. A
 cache that grows with the input gets a scheduler sized for the call, dropped after it (a pool kept at the last
-context's size would hold that memory between calls).
+context's size would hold that memory between calls). A stored state is copied into the slot, unless the call may
+spend it (`keep_state=False`) and its cache grows with the input: its buffers, grown to the slot's capacity, then are
+the slot's (`SlotPool(adopt=...)`), as `Decoder` decodes in them, so the state is not held twice.
 """
 
 from __future__ import annotations
@@ -45,17 +47,26 @@ def core_decodes(engine) -> bool:
 
 
 def generate_in_core(engine, input_ids, question_ids, state, max_new_tokens: int, on_token, progress: bool,
-                     should_stop, time_steps: bool, **sampling) -> Result:
+                     should_stop, time_steps: bool, keep_state: bool = True, **sampling) -> Result:
     """`Engine.generate_ids` (its arguments, checked there) through a `Scheduler` of one slot."""
     from kvpot.engine.offline import group_capacity
+    from kvpot.engine.scheduler import Scheduler
 
-    if state is not None and state.cache.host_storage:
-        raise KvpotError("a state offloaded to host memory (infinitehip offload=True) decodes with runner='sequence'.")
+    if state is not None:
+        engine.check_state(state)
+        if state.cache.host_storage:
+            raise KvpotError("a state offloaded to host memory (infinitehip offload=True) decodes with "
+                             "runner='sequence'.")
     deliver = (lambda request, token: on_token(token)) if on_token is not None else None
     request = Request(input_ids, question_ids, state=state, max_new_tokens=max_new_tokens, on_token=deliver,
                       **sampling)
     question = len(_as_ids(question_ids, torch.device("cpu"), "question_ids"))
-    scheduler = one_slot_scheduler(engine, group_capacity(engine, [request]), question)
+    capacity = group_capacity(engine, [request])
+    if state is not None and not keep_state and adoptable(engine, state):
+        scheduler = Scheduler(engine, slots=1, capacity=capacity, question_room=question, decode=engine.decode,
+                              mix=False, feed_questions="never", adopt=state.cache)
+    else:
+        scheduler = one_slot_scheduler(engine, capacity, question)
     scheduler.submit(request)
     total = question + (0 if input_ids is None else len(_as_ids(input_ids, torch.device("cpu"), "input_ids")))
     try:
@@ -71,6 +82,9 @@ def generate_in_core(engine, input_ids, question_ids, state, max_new_tokens: int
     except BaseException:
         engine.core = None  # a scheduler left mid-step is not kept
         raise
+    finally:
+        if state is not None and not keep_state:
+            state.cache = None  # spent, as `Engine._resume(keep=False)` spends it
     if request.status == "failed":
         raise request.exception if request.exception is not None else KvpotError(request.error)
     result = request.result(engine.tokenizer)
@@ -80,6 +94,15 @@ def generate_in_core(engine, input_ids, question_ids, state, max_new_tokens: int
         decode["step_ms"] = [1000 * (b - a) for a, b in zip(times, times[1:])]
     result.stats.decode = decode
     return result
+
+
+def adoptable(engine, state) -> bool:
+    """Whether a pool of one slot takes `state`'s buffers as its own (`SlotPool(adopt=...)`): a cache that grows with
+    the input (a bounded one's copy is the method's bound, and its kept scheduler has a pool already), in the pool's
+    dtype and on its device, on one process."""
+    dtype, device = engine.head.weight.dtype, engine.device
+    return (engine.method.max_entries() is None and engine.parallel is None
+            and all(layer.keys.dtype == dtype and layer.keys.device == device for layer in state.cache.layers))
 
 
 def one_slot_scheduler(engine, capacity: int | None, question: int):

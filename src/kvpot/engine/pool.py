@@ -40,21 +40,25 @@ class PoolLayer:
     """One layer's storage for every slot (row `slots`, where there is one, is scratch)."""
 
     def __init__(self, rows: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, stride: int | None = None):
+                 device: torch.device, stride: int | None = None, adopt: PotLayer | None = None):
         self.rows, self.kv_heads, self.capacity, self.head_dim = rows, kv_heads, capacity, head_dim
         self.parallel = None  # the pool's tensor-parallel group (set by SlotPool)
         self.dtype, self.device = dtype, device
-        # zeros, not empty: lanes past a slot's length are masked by the attention, but must be finite
-        if stride is None:
-            self.keys = torch.zeros(rows, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.scores: dict[str, torch.Tensor] = {}  # name -> [rows, kv_heads, capacity] float32
+        if adopt is not None:  # a spent state's layer, its buffers the slot's (`SlotPool(adopt=...)`): views
+            self.keys, self.values, self.positions, self.rope_positions = (
+                buf[:, :, :capacity] for buf in (adopt.keys, adopt.values, adopt.positions, adopt.rope_positions))
+            self.scores = {name: buf[:, :, :capacity] for name, buf in adopt.scores.items()}
+        elif stride is None:  # zeros, not empty: lanes past a slot's length are masked by the attention, but must be
+            self.keys = torch.zeros(rows, kv_heads, capacity, head_dim, dtype=dtype, device=device)  # finite
             self.values = torch.zeros(rows, kv_heads, capacity, head_dim, dtype=dtype, device=device)
         else:  # tail slots: views of one arena of lanes a layer (the module's docstring)
             self.keys, self.values = (arena_view(rows, kv_heads, capacity, head_dim, stride, dtype, device)
                                       for _ in range(2))
-        self.positions = torch.zeros(rows, kv_heads, capacity, dtype=torch.long, device=device)
-        self.rope_positions = torch.zeros(rows, kv_heads, capacity, dtype=torch.long, device=device)
+        if adopt is None:
+            self.positions = torch.zeros(rows, kv_heads, capacity, dtype=torch.long, device=device)
+            self.rope_positions = torch.zeros(rows, kv_heads, capacity, dtype=torch.long, device=device)
         self.query_position = torch.zeros(rows, dtype=torch.long, device=device)  # the batched step's query
-        self.scores: dict[str, torch.Tensor] = {}  # name -> [rows, kv_heads, capacity] float32
         self.heads = torch.arange(kv_heads, device=device).view(1, -1)  # [1, kv_heads]: a step's per-head index
         self.probs: torch.Tensor | None = None  # [rows, kv_heads, capacity]: a batched step's observation
         self.views: dict[int, tuple] = {}  # row -> its (keys, values, positions, rope_positions) views
@@ -184,10 +188,12 @@ class SlotPool:
 
     def __init__(self, config, rope: Rope, policy: PositionPolicy, slots: int, capacity: int,
                  dtype: torch.dtype, device: torch.device, parallel=None, stride: int | None = None,
-                 scratch: bool | None = None):
+                 scratch: bool | None = None, adopt: PotCache | None = None):
         if not isinstance(slots, int) or slots < 1:
             raise KvpotError(f"a pool needs at least one slot, got {slots!r}.")
         scratch = slots > 1 if scratch is None else scratch
+        if adopt is not None and (scratch or stride):
+            raise KvpotError("a pool adopts a state's buffers as its one slot, without scratch or tail slots.")
         if not scratch and slots > 1:
             raise KvpotError(f"a pool of {slots} slots pads its batched steps' rows into a scratch slot; only a "
                              "pool of one slot goes without.")
@@ -206,8 +212,9 @@ class SlotPool:
         if stride and not scratch:
             raise KvpotError("tail slots keep the scratch slot's lanes; a pool without one has none to give.")
         self.lanes = Lanes(slots, capacity, stride) if stride else None  # tail slots: the lanes each slot holds
-        self.layers = [PoolLayer(self.rows, kv_heads, capacity, head_dim, dtype, device, stride)
-                       for _ in range(self.num_layers)]
+        adopted = adopt_buffers(adopt, capacity) if adopt is not None else [None] * self.num_layers
+        self.layers = [PoolLayer(self.rows, kv_heads, capacity, head_dim, dtype, device, stride, layer)
+                       for layer in adopted]
         for layer in self.layers:
             layer.parallel = parallel
         self.lengths = torch.zeros(self.num_layers, self.rows, dtype=torch.long, device=device)
@@ -312,12 +319,11 @@ class SlotPool:
                 if not n:
                     continue
                 # (an indexed write takes no other dtype: a state's buffers are cast to the pool's, as a copy casts)
-                for name in ("keys", "values", "positions", "rope_positions")[0 if keys else 2 :]:
-                    target = getattr(storage, name)
-                    target[rows, :, :n] = getattr(other, name)[:, :, :n].to(self.device, target.dtype)
-                for name, buf in other.scores.items():
-                    target = storage.score(name)
-                    target[rows, :, :n] = buf[:, :, :n].to(self.device, target.dtype)
+                pairs = [(getattr(storage, name), getattr(other, name))
+                         for name in ("keys", "values", "positions", "rope_positions")[0 if keys else 2 :]]
+                for target, buf in pairs + [(storage.score(name), buf) for name, buf in other.scores.items()]:
+                    if target.data_ptr() != buf.data_ptr():  # (an adopted state's buffers are the slot's already)
+                        target[rows, :, :n] = buf[:, :, :n].to(self.device, target.dtype)
             counts = torch.tensor([layer.n for layer in source.layers], dtype=torch.long)
             self.lengths[:, rows] = counts[:, None].to(self.device, non_blocking=True)
 
@@ -341,6 +347,18 @@ class SlotPool:
     def nbytes(self) -> int:
         shared = self.documents.nbytes if self.documents is not None else 0  # a shared document counts once
         return sum(layer.nbytes for layer in self.layers) + self.lengths.nbytes + shared
+
+
+def adopt_buffers(cache: PotCache, capacity: int) -> list[PotLayer]:
+    """`cache`'s layers, their buffers grown to `capacity` entries and zeroed past their counts (lanes past a slot's
+    length are masked, but must be finite), for a pool of one slot to adopt: the state is spent."""
+    if cache.host_storage:
+        raise KvpotError("a state offloaded to host memory (infinitehip offload=True) cannot decode in a batch.")
+    for layer in cache.layers:
+        layer.reserve(capacity)
+        for buf in (layer.keys, layer.values, layer.positions, layer.rope_positions, *layer.scores.values()):
+            buf[:, :, layer.n :].zero_()
+    return list(cache.layers)
 
 
 def tail_stride(stride: int | None, slots: int, capacity: int) -> int | None:

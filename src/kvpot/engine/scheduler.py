@@ -52,9 +52,8 @@ class Scheduler:
     decode: "auto" (CUDA graphs on a GPU, fixed-shape steps uncaptured on a CPU), "graph" or "static".
     feed_questions: how a question of at most `feed_tokens` tokens asked of a stored state is read (`kvpot.defaults`):
         "auto" reads it as a chunk of the mixed forward where prompts mix, else feeds it through the batched decoding
-        steps, one token per step, when other requests run or wait (alone, one forward answers sooner); "always"
-        feeds it, "never" reads it in chunks (as `Engine.generate` reads it). Feeding is only for methods whose
-        cache does not depend on how the question is cut (`Method.feeds_question`).
+        steps, one token a step, when other requests run or wait; "always" feeds it, "never" reads it in chunks (as
+        `Engine.generate` does). Feeding is only for methods whose cache does not depend on how the question is cut.
     mix: read prompt chunks in the decoding rows' forward (`kvpot.engine.mixed`): the same tokens, fewer forwards.
         "auto" (`kvpot.defaults.MIX`, `kvpot.engine.mixed.resolve_mix`): on a CUDA GPU; "on", "off", "eager" or a bool.
     prompt_order: which prompts a step reads first, "arrival" (oldest) or "shortest" (fewest tokens left; `prompt_patience`
@@ -65,6 +64,7 @@ class Scheduler:
         at once; `kvpot.engine.documents`); a question read as a mixed step's chunk where it only appends, else fed.
     reader_room: tail slots (`kvpot.engine.pool`): a reader that never copies its shared document holds this many entries
         of its own (question, new tokens), not a whole slot; a sequence that does holds `capacity / reader_room` readers'.
+    adopt: a spent state's cache whose buffers are the one slot's (`SlotPool(adopt=...)`; `Engine(runner="core")`).
     """
 
     mix_waits = False  # mixable chunks wait after a mixed forward; off: TTFT p50 4.7 / 3.3 s (engine-core-h100/invariant/)
@@ -75,7 +75,7 @@ class Scheduler:
                  max_slots: int = 256, memory_fraction: float = SLOT_MEMORY_FRACTION, feed_questions: str = FEED_QUESTIONS,
                  feed_tokens: int = 64, mix: bool | str = MIX, share_documents: bool = False, documents: int = 4,
                  reader_room: int | None = None, prompt_order: str = PROMPT_ORDER, prompt_patience: float = PROMPT_PATIENCE,
-                 launch_ahead: bool | str = LAUNCH_AHEAD):
+                 launch_ahead: bool | str = LAUNCH_AHEAD, adopt=None):
         if len(engine.devices) > 1:
             raise KvpotError("batched decoding runs a model on one device; a model split over several GPUs "
                              "(device_map) decodes one sequence at a time with Engine.generate.")
@@ -87,7 +87,7 @@ class Scheduler:
         dtype, stride = engine.head.weight.dtype, reader_stride(reader_room, share_documents)
         slots = slot_count(engine, self.capacity, slots, max_slots, memory_fraction, dtype, stride)
         self.pool = SlotPool(engine.model.config, engine.rope, make_policy(engine.method.positions), slots, self.capacity,
-                             dtype, engine.device, engine.parallel, stride)
+                             dtype, engine.device, engine.parallel, stride, adopt=adopt)
         self.agreement = StepAgreement.of(engine)  # tensor parallelism: every rank's step alike (engine/agreement.py)
         self.decoder, self.mode = BatchDecoder(engine, self.pool, graphs=mode == "graph"), mode
         self.max_waiting, self.prefill_tokens, self.prompt_order = max_waiting, prefill_tokens, prompt_order
