@@ -187,3 +187,19 @@ def test_a_spent_state_of_a_growing_cache_is_the_slot_itself(prompts, name, adop
     assert state.cache is None
     with pytest.raises(KvpotError, match="spent"):
         engine.generate_ids(question_ids=question, state=state)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["full", "snapkv"])
+def test_a_spent_state_lent_to_the_slot_decodes_through_cuda_graphs(name, prompts):
+    llama = build("llama3").cuda()
+    method = methods()[name][0]
+    context, question = (torch.tensor(ids).cuda() for ids in prompts[0])
+    sequence = kvpot.Engine(llama, method=method)
+    expected = sequence.generate_ids(question_ids=question, state=sequence.prefill_ids(context), max_new_tokens=NEW,
+                                     ignore_eos=True, keep_state=False)
+    engine = kvpot.Engine(llama, method=method, runner="core")
+    state = engine.prefill_ids(context)
+    result = engine.generate_ids(question_ids=question, state=state, max_new_tokens=NEW, ignore_eos=True,
+                                 keep_state=False)
+    assert result.token_ids == expected.token_ids and state.cache is None
