@@ -203,3 +203,12 @@ def test_a_spent_state_lent_to_the_slot_decodes_through_cuda_graphs(name, prompt
     result = engine.generate_ids(question_ids=question, state=state, max_new_tokens=NEW, ignore_eos=True,
                                  keep_state=False)
     assert result.token_ids == expected.token_ids and state.cache is None
+
+
+def test_the_cli_refuses_the_core_with_eager_decoding_before_loading_a_model(capsys, tmp_path):
+    code, _, err = run(capsys, "generate", "--model", str(tmp_path / "absent"), "--context", "x", "--decode", "eager",
+                       "--runner", "core")
+    assert code == 2 and "decode='eager'" in err
+    code, _, err = run(capsys, "bench", "decode", "--shape", "tiny", "--device", "cpu", "--out", str(tmp_path / "b"),
+                       "--decode", "eager", "--runner", "core")
+    assert code == 2 and "decode='eager'" in err

@@ -314,6 +314,9 @@ def config_from_args(args) -> BenchConfig:
 
     if args.out is None:
         raise KvpotError(f"bench {args.mode} needs --out DIR, the folder for results.")
+    from kvpot.engine.one_slot import check_runner
+
+    check_runner(args.runner, args.decode)  # (before a model loads)
     device, device_map, max_memory = resolve_placement(args.device, args.device_map, args.max_memory, args.tp)
     return BenchConfig(
         mode=args.mode, shape=args.shape, out=args.out, methods=list(args.method), lengths=_lengths(args),

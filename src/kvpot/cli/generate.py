@@ -97,6 +97,9 @@ def run(args) -> int:
     if args.max_new_tokens < 0:
         raise KvpotError("--max-new-tokens must be >= 0.")
     check_batch_invariant(args)
+    from kvpot.engine.one_slot import check_runner
+
+    check_runner(args.runner, args.decode)  # (before a model loads)
     method, label = build_method(args)  # validate cheap things before loading a model
     context = read_context(args)
     from kvpot.engine import Engine
