@@ -62,9 +62,9 @@ def generate_in_core(engine, input_ids, question_ids, state, max_new_tokens: int
                       **sampling)
     question = len(_as_ids(question_ids, torch.device("cpu"), "question_ids"))
     capacity = group_capacity(engine, [request])
-    if state is not None and not keep_state and adoptable(engine, state, capacity):
-        capacity = state.cache.layers[0].capacity  # (whole buffers: the slot's views are contiguous, as allocated)
-        scheduler = Scheduler(engine, slots=1, capacity=capacity, question_room=question, decode=engine.decode,
+    lent = adopted_capacity(engine, state, capacity) if state is not None and not keep_state else None
+    if lent is not None:
+        scheduler = Scheduler(engine, slots=1, capacity=lent, question_room=question, decode=engine.decode,
                               mix=False, feed_questions="never", adopt=state.cache)
     else:
         scheduler = one_slot_scheduler(engine, capacity, question)
@@ -97,19 +97,21 @@ def generate_in_core(engine, input_ids, question_ids, state, max_new_tokens: int
     return result
 
 
-def adoptable(engine, state, capacity: int) -> bool:
-    """Whether a pool of one slot takes `state`'s buffers as its own (`SlotPool(adopt=...)`): a cache that grows with
-    the input (a bounded one's copy is the method's bound, and its kept scheduler has a pool already), in the pool's
-    dtype and on its device, on one process, every layer's buffers as large once grown to `capacity` (its layers grow
-    here: the state is spent)."""
+def adopted_capacity(engine, state, capacity: int) -> int | None:
+    """The slot capacity at which a pool of one slot takes spent `state`'s buffers as its own (`SlotPool(adopt=...)`),
+    or None where it copies them: for a cache that grows with the input (a bounded one's copy is the method's bound,
+    and its kept scheduler has a pool already), in the pool's dtype and on its device, on one process. Its layers grow
+    to `capacity` here; the slot takes their whole buffers (its views then contiguous, as allocated), so they must be
+    of one size."""
     dtype, device = engine.head.weight.dtype, engine.device
     layers = state.cache.layers
     if engine.method.max_entries() is not None or engine.parallel is not None or any(
             layer.keys.dtype != dtype or layer.keys.device != device for layer in layers):
-        return False
+        return None
     for layer in layers:
         layer.reserve(capacity)
-    return len({layer.capacity for layer in layers}) == 1
+    sizes = {layer.capacity for layer in layers}
+    return sizes.pop() if len(sizes) == 1 else None
 
 
 def one_slot_scheduler(engine, capacity: int | None, question: int):

@@ -54,13 +54,9 @@ class Request:
     cancel_requested: bool = False
 
     def __post_init__(self):
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
-            raise KvpotError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}.")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise KvpotError("temperature must be >= 0 and top_p in (0, 1].")
+        check_sampling(self.max_new_tokens, self.temperature, self.top_p, self.seed)
         if (self.state is None) == (self.context_ids is None):
             raise KvpotError("a request reads either context_ids or a prefilled state (exactly one).")
-        check_seed(self.seed)
 
     @property
     def done(self) -> bool:
@@ -76,13 +72,18 @@ class Request:
         return Result(text, list(self.tokens), self.stats)
 
 
-def check_generation(input_ids, state, max_new_tokens, temperature: float, top_p: float, seed: int | None) -> None:
-    """`Engine.generate_ids`' arguments, refused with a clear error before anything runs."""
+def check_sampling(max_new_tokens, temperature: float, top_p: float, seed: int | None) -> None:
+    """A generation's length and sampling parameters (a `Request`'s, `Engine.generate_ids`'), refused clearly."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise KvpotError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}.")
     if temperature < 0 or not 0 < top_p <= 1:
         raise KvpotError("temperature must be >= 0 and top_p in (0, 1].")
     check_seed(seed)
+
+
+def check_generation(input_ids, state, max_new_tokens, temperature: float, top_p: float, seed: int | None) -> None:
+    """`Engine.generate_ids`' arguments, refused with a clear error before anything runs."""
+    check_sampling(max_new_tokens, temperature, top_p, seed)
     if state is not None and input_ids is not None:
         raise KvpotError("give either input_ids or a prefilled state, not both.")
     if state is None and input_ids is None:
