@@ -528,7 +528,7 @@ def test_graphs_captured_ahead_serve_every_batch_size(name, prompts):
 def test_a_slot_holds_no_more_score_arrays_than_its_bytes_count(prompts, name, one_thread):
     """The pool sizes itself from `slot_bytes`, which counts `Method.score_arrays` per entry: after a run,
     the score buffers the method made fit that count (RoCo keeps three, most others two or fewer)."""
-    from kvpot.engine.pool import slot_bytes, slot_nbytes
+    from kvpot.engine.slot_sizes import slot_bytes, slot_nbytes
 
     model = build("llama3")
     method, capacity = methods()[name]
@@ -549,7 +549,7 @@ def test_a_given_pool_size_is_checked_against_free_gpu_memory_once_for_library_a
     from types import SimpleNamespace
 
     from kvpot.defaults import GIVEN_SLOTS_MEMORY_FRACTION
-    from kvpot.engine import pool
+    from kvpot.engine import slot_sizes as pool
 
     engine = kvpot.Engine(build("llama3"), method=kvpot.StreamingLLM(sinks=4, window=60))
     per_slot = pool.slot_bytes(engine, 64, torch.float32)

@@ -235,7 +235,7 @@ def _scheduler(rows: list[dict], waiting: int = 0, free: int = 0, in_flight: boo
         outbox.pending.append((list(range(len(staged))), staged, None, None))
     return SimpleNamespace(outbox=outbox, waiting=[object()] * waiting, pool=SimpleNamespace(free=list(range(free))),
                            active=active, agreement=SimpleNamespace(cancels=lambda r: r.cancel_requested),
-                           batched=True, steady_ok=True, append_ok=True,
+                           batched=True, steady_ok=True, append_ok=True, sequence_steps=False, evicts_inside=True,
                            method=SimpleNamespace(decode_plan=lambda cache: cache.plan))
 
 
@@ -257,3 +257,25 @@ def test_a_step_goes_ahead_only_where_its_whole_plan_is_known_before_the_hand_ov
     assert _slots(ahead_rows(_scheduler(rows + [{"tokens": 7, "max_new_tokens": 8}]))) == [0, 1, 2]
     assert _slots(ahead_rows(_scheduler(rows + [{"tokens": 6, "max_new_tokens": 8}]))) == [0, 1, 2, 3]
     assert ahead_rows(_scheduler([{"tokens": 7, "max_new_tokens": 8}])) is None  # nothing left to step
+
+
+def test_a_pool_of_ones_rows_the_batched_step_cannot_take_step_as_one_sequence_and_go_ahead():
+    """`row_plan` in a pool of one (`sequence_steps`): a method's own attention, an observation without a batched form,
+    and a steady row whose eviction would follow the batched step take the one-sequence step (`SEQUENCE_PLANS`), which
+    launches ahead as a batched step does; a shape change stays "eager"; in a larger pool they are all "eager"."""
+    from kvpot.engine.plan import row_plan
+
+    own = _Cache("append")
+    own.attention, own.policy = object(), SimpleNamespace(kernel_decoding=False)
+    for pool_of_one in (True, False):
+        scheduler = _scheduler([{"plan": "append"}])
+        scheduler.sequence_steps = pool_of_one
+        assert row_plan(scheduler, own) == ("sequence-append" if pool_of_one else "eager")
+        assert row_plan(scheduler, _Cache("eager")) == "eager"
+        scheduler.steady_ok = False
+        assert row_plan(scheduler, _Cache("steady")) == ("sequence-steady" if pool_of_one else "eager")
+        scheduler.steady_ok, scheduler.evicts_inside = True, False
+        assert row_plan(scheduler, _Cache("steady")) == ("sequence-steady" if pool_of_one else "steady")
+    scheduler = _scheduler([{"plan": "steady"}])
+    scheduler.sequence_steps, scheduler.evicts_inside = True, False
+    assert ahead_rows(scheduler)[1] == {0: "sequence-steady"}

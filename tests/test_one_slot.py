@@ -45,6 +45,27 @@ def test_the_core_gives_each_method_its_tokens_entries_and_compressions_alone(mo
         assert result.stats.prefill_seconds > 0 and result.stats.decode_seconds > 0
 
 
+# how each method's decoding steps run in a pool of one: the batched step, or the one-sequence step on the slot
+# (`kvpot.engine.alone`): a method's own attention (InfLLM, InfiniteHiP), an eviction after the batched step (D2O, CaM)
+SEQUENCE_STEPS = {"infllm", "infinitehip", "d2o", "cam"}
+
+
+@pytest.mark.parametrize("name", sorted(methods()))
+def test_a_pool_of_one_steps_what_the_batched_step_cannot_take_as_one_sequence_not_eagerly(prompts, name, one_thread):
+    model = build("llama3")
+    method, _ = methods()[name]
+    context, question = prompts[0]
+    decode = core(model, method).generate_ids(context, question, max_new_tokens=NEW, ignore_eos=True).stats.decode
+    steps = decode["batched_rows"] + decode["sequence_rows"] + decode["eager_rows"]
+    assert steps == NEW - 1  # the first token comes from the prompt's forward
+    if name in SEQUENCE_STEPS:
+        assert decode["sequence_rows"] >= NEW // 2 and decode["eager_rows"] <= 1, decode
+    else:
+        assert decode["sequence_rows"] == 0, decode
+    # InfiniPot's distillations, CItruS' chunk evictions and Scissorhands' window compressions step alone
+    assert decode["eager_rows"] == 0 or name.startswith(("infinipot", "citrus", "scissorhands")), decode
+
+
 def test_a_bounded_methods_scheduler_is_kept_and_a_growing_caches_is_not(prompts, one_thread):
     model = build("llama3")
     (context, question), other = prompts
@@ -143,7 +164,7 @@ def test_kvpot_generate_and_bench_decode_take_the_runner(capsys, tmp_path, one_t
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["infinipot", "streaming", "h2o", "full", "d2o", "infinitehip"])
+@pytest.mark.parametrize("name", ["infinipot", "streaming", "h2o", "full", "d2o", "cam", "infinitehip", "infllm"])
 def test_the_core_through_cuda_graphs_gives_the_tokens_alone(name, prompts):
     llama = build("llama3").cuda()
     method, _ = methods()[name]
@@ -153,6 +174,11 @@ def test_the_core_through_cuda_graphs_gives_the_tokens_alone(name, prompts):
     results = [engine.generate_ids(c, q, max_new_tokens=NEW, ignore_eos=True) for c, q in cuda_prompts]
     assert [r.token_ids for r in results] == [e.token_ids for e in expected]
     assert all(r.stats.decode["mode"] == "batch-graph" for r in results)
+    if name in SEQUENCE_STEPS:  # its one-sequence steps replay graphs too: a warm-up and a capture a form, then replays
+        assert all(r.stats.decode["sequence_rows"] >= NEW // 2 for r in results)
+        if engine.core is not None:
+            graphs = engine.core[1].decoder.sequence_graphs
+            assert graphs.replays >= NEW // 4 and graphs.captures >= 1
 
 
 @pytest.mark.parametrize("name, adopted", [("full", True), ("snapkv", True), ("d2o", True), ("infinipot", False)])

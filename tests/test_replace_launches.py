@@ -89,7 +89,7 @@ def test_a_steady_steps_counts_settle_in_one_operation():
     where each dropped one entry (not a `fill_` per layer), each layer's own count otherwise."""
     from types import SimpleNamespace
 
-    from kvpot.engine.decoding import settle_lengths
+    from kvpot.engine.sequence import settle_lengths
 
     def layers(counts, devices):
         return [SimpleNamespace(n=n, length=torch.tensor([d])) for n, d in zip(counts, devices)]

@@ -150,8 +150,9 @@ class PotLayer(CacheLayerMixin):
 
     def enter_static(self) -> None:
         """Allocate the device-side counters and set them from the host count."""
-        if self.length is None:
-            self.length = torch.zeros(1, dtype=torch.long, device=self.device)
+        if self.slot is None:
+            if self.length is None:  # (a pool's slot counts in the pool's device counts: `SlotPool.cache`)
+                self.length = torch.zeros(1, dtype=torch.long, device=self.device)
             self.slot = torch.zeros(1, dtype=torch.long, device=self.device)
             self.query_position = torch.zeros(1, dtype=torch.long, device=self.device)
         self.length.fill_(self.n)

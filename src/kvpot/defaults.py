@@ -68,7 +68,7 @@ FEED_QUESTIONS_CHOICES = ("auto", "always", "never")
 # its default method's pool less (`--kv-memory-fraction`, 0.7): other methods' pools and stored states share it.
 SLOT_MEMORY_FRACTION = 0.85
 
-# A pool of a size the caller gave must fit in this share of the free GPU memory (`kvpot.engine.pool.slot_count`,
+# A pool of a size the caller gave must fit in this share of the free GPU memory (`kvpot.engine.slot_sizes.slot_count`,
 # the one check for the library and the server), else the pool is refused before it is allocated.
 GIVEN_SLOTS_MEMORY_FRACTION = 0.9
 

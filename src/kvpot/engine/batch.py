@@ -23,6 +23,7 @@ in the batch and evicts inside the step where its method drops one entry by a ra
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -30,9 +31,10 @@ import torch.nn.functional as F
 from kvpot.attention import AttentionRequest
 from kvpot.compat import cache_kwargs
 from kvpot.engine.evict import evict_in_step
-from kvpot.engine.graphs import StepGraphs
+from kvpot.engine.graphs import REPLAYED, StepGraphs
 from kvpot.engine.pool import SlotPool
 from kvpot.engine.sampling import PICKING, pick_rows
+from kvpot.engine.sequence import counting_capture, mirror_replay, observes, prepare_static, sequence_body, step_key
 from kvpot.engine.step_cache import StepCache
 from kvpot.errors import KvpotError
 from kvpot.methods.base import DECODE_STEP, Method, Step
@@ -99,6 +101,8 @@ class BatchDecoder:
         # without a scratch slot has nowhere to pad a packed step's tokens: its mixed steps run eager.
         self.fixed_mix = graphs and pool.scratch is not None
         self.packed = None
+        self.sequence_graphs = StepGraphs()  # a pool of one's one-sequence steps (`sequence_step`)
+        self.sequence_cache = None  # (a weak reference to) the cache they were captured on
 
     # ------------------------------------------------------------------ per-slot state
     def start(self, slot: int, logits: torch.Tensor, next_position: int, temperature: float, top_p: float,
@@ -143,6 +147,33 @@ class BatchDecoder:
         self.next_position[slot] = run.next_position
         self.pool.sync_lengths(slot)
         self.pick([slot])
+
+    def sequence_step(self, slot: int, run, plan: str) -> None:
+        """A pool of one's row the batched step cannot take (a method's own attention, an observation or per-token
+        work without a batched form, an eviction outside the step): the one-sequence step on its slot's cache,
+        `plan` "append" or "steady" (`kvpot.engine.sequence`), captured per form in graphs of its own, made again for
+        each new request (they read its cache's and its method's buffers). The host counts are mirrored here."""
+        cache, rows = run.cache, self.rows[:1]
+        if self.sequence_cache is None or self.sequence_cache() is not cache:
+            self.sequence_graphs.clear()  # another request's cache: its graphs read buffers that are gone
+            self.sequence_cache = weakref.ref(cache)
+            cache.split_entries = self.engine.split_entries
+            prepare_static(cache, self.pool.capacity, self.max_position, observes(self.method))
+        self.load_rows([slot], [True])
+        mode = self.mode([slot])
+        body = functools.partial(sequence_body, self.engine, cache, plan, self.last_token[slot : slot + 1],
+                                 self.next_position[slot : slot + 1], self.logits[slot], self.zeros[:1],
+                                 self.max_position, lambda logits: self.pick_from(rows, logits.view(1, -1), mode))
+        if not self.graphs_on:
+            body()
+            return
+        like = cache.layers[0].keys
+        tables = self.engine.rope.table(max(self.pool.capacity, self.max_position) + 1, like)
+        self.sequence_graphs.follow(() if tables is None else tuple(t.data_ptr() for t in tables))
+        done, effect = self.sequence_graphs.run(step_key(self.method, cache, plan) + (mode,), body,
+                                                counting_capture(cache))
+        if done == REPLAYED:
+            mirror_replay(cache, plan, effect)
 
     def feed(self, slots: list[int], tokens: list[int]) -> None:
         """Make `tokens` the next input of `slots` (a question read one token per step), not their picks."""

@@ -31,13 +31,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch.profiler import record_function
 
-from kvpot.compat import cache_kwargs
 from kvpot.errors import KvpotError
 from kvpot.engine.graphs import WARMED, StepGraphs
 from kvpot.engine.sampling import pick_rows, picking, request_seed
+from kvpot.engine.sequence import counting_capture, mirror_replay, prepare_static, sequence_body, step_key
 from kvpot.methods.base import Step
 from kvpot.methods.replace import restore_order
 
@@ -165,14 +163,7 @@ class Decoder:
             # stale tails would reach the attention's masked lanes: keep them finite and in range
             for buf in (layer.keys, layer.values, layer.positions, layer.rope_positions):
                 buf[:, :, layer.n :].zero_()
-            layer.enter_static()
-            if getattr(layer, "probs", None) is None or layer.probs.shape[-1] != layer.capacity:
-                layer.probs = torch.zeros(layer.kv_heads, layer.capacity, dtype=torch.float32, device=layer.device)
-        layer0 = cache.layers[0]
-        # sized now, so no step (and no capture) grows a table; on the layer's device (offloaded
-        # buffers are on the host)
-        like = torch.empty(0, layer0.head_dim, dtype=layer0.dtype, device=layer0.device)
-        cache.rope.table(max(capacity, self.max_position) + 1, like)
+        prepare_static(cache, capacity, self.max_position, observes=True)
         self.graphs.follow(self._buffer_addresses())
 
     def _buffer_addresses(self) -> tuple:
@@ -253,35 +244,9 @@ class Decoder:
         self.position.add_(1)
 
     def _static_step(self, plan: str) -> None:
-        """One fixed-shape step (the body of a captured graph). Its parts are profiler scopes
-        (`kvpot.bench.breakdown`); a scope is host-side only: a captured graph replays none of it."""
-        engine, cache, method = self.engine, self.cache, self.method
-        cache.static = True
-        try:
-            cache.begin_forward(self.position, self.max_position, method.decode_request(plan))
-            with engine.single_row():
-                with record_function("kvpot.step.decoder"):
-                    hidden = engine.step_decoder()(input_ids=self.token.view(1, 1), position_ids=self.zero,
-                                                   use_cache=True, kvpot_cache=cache,
-                                                   **cache_kwargs(engine.decoder, cache)).last_hidden_state[0]
-                with record_function("kvpot.step.head"):
-                    logits = engine.head(hidden[-1]).float()
-            with record_function("kvpot.step.method"):
-                nll = F.cross_entropy(self.logits.view(1, -1), self.token) if method.needs_token_nll else None
-                step = Step("decode", 1, segment_end=True, token_nll=None if nll is None else nll.view(1))
-                if plan == "append":
-                    method.decode_append(cache, step)
-                else:
-                    appended = cache.lengths()
-                    method.after_forward(cache, step)
-                    settle_lengths(cache.layers, appended)
-        finally:
-            cache.static = False
-            cache.begin_forward(None, -1, None)
-        with record_function("kvpot.step.sample"):
-            self.logits.copy_(logits)
-            self._pick(logits)
-            self.position.add_(1)
+        """One fixed-shape step (the body of a captured graph, `kvpot.engine.sequence.sequence_body`)."""
+        sequence_body(self.engine, self.cache, plan, self.token, self.position, self.logits, self.zero,
+                      self.max_position, self._pick)
 
     def _pick(self, logits: torch.Tensor) -> None:
         token = self.sampler.pick(logits)
@@ -294,55 +259,14 @@ class Decoder:
         self.index.add_(1)
 
     # ------------------------------------------------------------------ graphs
-    def _key(self, plan: str) -> tuple:
-        # an append step serves every length; a steady step is captured at its counts; a method may
-        # capture one step in several forms (InfiniteHiP: which pruning stages it recomputes)
-        key = (plan,) if plan == "append" else (plan, tuple(self.cache.lengths()))
-        return key + tuple(self.method.decode_key(self.cache))
-
-    def _host_state(self) -> list[tuple[int, int, int]]:
-        return [(layer.n, layer.n_new, layer.max_rope) for layer in self.cache.layers]
-
-    def _set_host_state(self, state) -> None:
-        for layer, (n, n_new, max_rope) in zip(self.cache.layers, state):
-            layer.set_counts(n, max_rope, n_new)
-
     def _replay(self, plan: str) -> None:
         self.graphs.follow(self._buffer_addresses())  # an eager step grew a buffer: the graphs are stale
-        done, effect = self.graphs.run(self._key(plan), lambda: self._static_step(plan), self._capture_counts)
+        key = step_key(self.method, self.cache, plan)
+        done, effect = self.graphs.run(key, lambda: self._static_step(plan), counting_capture(self.cache))
         if done == WARMED:
             self.report.static_steps += 1
             return
         self.report.replays += 1
         self.report.captures = self.graphs.captures
-        self._apply_effect(plan, effect)
+        mirror_replay(self.cache, plan, effect)
 
-    def _capture_counts(self, capture: Callable[[], None]) -> list[tuple[int, int, int]]:
-        """Capture, and keep the counts the step ends at (a steady step's effect); capture only recorded the
-        step, so the counts go back to what they were."""
-        before = self._host_state()
-        capture()
-        effect = self._host_state()
-        self._set_host_state(before)
-        return effect
-
-    def _apply_effect(self, plan: str, effect) -> None:
-        """The host mirror of what a replay did to the counts."""
-        cache = self.cache
-        if plan == "append":
-            for layer in cache.layers:
-                layer.mirror_append(1)
-                cache.note_entries(layer.n)
-        else:  # steady: back to the counts it was captured at
-            self._set_host_state(effect)
-
-
-def settle_lengths(layers, appended: list[int]) -> None:
-    """The device-side counts after a steady step's eviction (`appended`: the host counts before it): where
-    every layer dropped exactly one entry, one `_foreach_sub_` for all layers (one launch, not one per layer:
-    the device count, incremented by the append, goes back by one); else each set from its host count."""
-    if all(layer.n == n - 1 for layer, n in zip(layers, appended)):
-        torch._foreach_sub_([layer.length for layer in layers], 1)
-        return
-    for layer in layers:
-        layer.length.fill_(layer.n)

@@ -349,7 +349,7 @@ def reader_lanes(scheduler, request) -> tuple[int, int | None]:
 
 def reader_stride(room: int | None, share: bool) -> int | None:
     """The pool's slot stride for `Scheduler(reader_room=room)`: None (slots apart) unless sharing documents (the pool
-    keeps slots apart too where tails gain nothing: `kvpot.engine.pool.tail_stride`)."""
+    keeps slots apart too where tails gain nothing: `kvpot.engine.slot_sizes.tail_stride`)."""
     from kvpot.errors import KvpotError
 
     if room is None:

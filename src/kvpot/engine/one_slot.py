@@ -28,6 +28,9 @@ from kvpot.engine.sampling import _as_ids
 from kvpot.errors import Cancelled, KvpotError
 
 RUNNERS = ("sequence", "core")
+# a call's steps by how they ran (`Result.stats.decode`): in the batched step (a bucket of one), as one sequence
+# (`kvpot.engine.alone`), in the engine's ordinary forward (a distillation, an eviction over a chunk)
+ROWS = ("batched_rows", "sequence_rows", "eager_rows")
 
 
 def check_runner(runner: str, decode: str) -> str:
@@ -69,6 +72,7 @@ def generate_in_core(engine, input_ids, question_ids, state, max_new_tokens: int
     else:
         scheduler = one_slot_scheduler(engine, capacity, question)
     scheduler.submit(request)
+    before = {key: scheduler.report[key] for key in ROWS}
     total = question + (0 if input_ids is None else len(_as_ids(input_ids, torch.device("cpu"), "input_ids")))
     try:
         with tqdm(total=total, unit="tok", desc="prefill", disable=not progress or not total, leave=False) as bar:
@@ -89,7 +93,8 @@ def generate_in_core(engine, input_ids, question_ids, state, max_new_tokens: int
     if request.status == "failed":
         raise request.exception if request.exception is not None else KvpotError(request.error)
     result = request.result(engine.tokenizer)
-    decode = {**result.stats.decode, "runner": "core"} if result.stats.decode else {"runner": "core"}
+    decode = {**(result.stats.decode or {}), "runner": "core"}
+    decode.update({key: scheduler.report[key] - before[key] for key in ROWS})  # how its steps ran
     if time_steps:  # the gaps between token deliveries: what the caller waited for each step (host clock)
         times = request.token_times
         decode["step_ms"] = [1000 * (b - a) for a, b in zip(times, times[1:])]
@@ -117,7 +122,7 @@ def adopted_capacity(engine, state, capacity: int) -> int | None:
 def one_slot_scheduler(engine, capacity: int | None, question: int):
     """The engine's kept scheduler of one slot where it fits (a bounded method's, of this capacity), else a new one
     (kept where the method is bounded)."""
-    from kvpot.engine.pool import slot_capacity
+    from kvpot.engine.slot_sizes import slot_capacity
     from kvpot.engine.scheduler import Scheduler
 
     bounded = engine.method.max_entries() is not None

@@ -92,16 +92,30 @@ def plan_chunks(candidates: list[Candidate], budget: int, decoding: int, max_chu
     return ChunkPlan(tuple(chosen), left, cut)
 
 
+# plans of a pool of one's rows that the batched step cannot take: the one-sequence step on the slot's cache
+# (`BatchDecoder.sequence_step`), with the method's plan after the dash
+SEQUENCE_PLANS = {"sequence-append": "append", "sequence-steady": "steady"}
+
+
 def row_plan(scheduler, cache) -> str:
     """What a decoding row's step does (`Method.decode_plan`), or "eager" (a forward of its own, or a ride in the
     mixed forward) where the batched step cannot take it: not batching, a method's own attention without the decode
-    kernels' positions, an observation the batched step does not compute."""
-    if not scheduler.batched or (cache.attention is not None and not cache.policy.kernel_decoding):
-        return "eager"
+    kernels' positions, an observation the batched step does not compute. A pool of one steps such a row as one
+    sequence instead (`SEQUENCE_PLANS`, where `scheduler.sequence_steps`), and so a steady row whose eviction the
+    batched step would run after its body (`scheduler.evicts_inside` False: D2O's merges, CaM)."""
+    own = cache.attention is not None and not cache.policy.kernel_decoding
+    if not scheduler.batched or own:
+        return sequence_plan(scheduler.method.decode_plan(cache)) if scheduler.sequence_steps else "eager"
     plan = scheduler.method.decode_plan(cache)
     if plan == "steady" and not scheduler.steady_ok or plan == "append" and not scheduler.append_ok:
-        return "eager"
+        return sequence_plan(plan) if scheduler.sequence_steps else "eager"
+    if plan == "steady" and scheduler.sequence_steps and not scheduler.evicts_inside:
+        return sequence_plan(plan)
     return plan
+
+
+def sequence_plan(plan: str) -> str:
+    return plan if plan == "eager" else f"sequence-{plan}"
 
 
 def reading_order(active: dict, order: str, now: float = 0.0, patience: float = PROMPT_PATIENCE) -> list:

@@ -20,6 +20,7 @@ import torch
 from kvpot.engine.admission import Admission, Place
 from kvpot.engine.ahead import ahead_rows, resolve_launch_ahead
 from kvpot.engine.agreement import StepAgreement
+from kvpot.engine.alone import decode_alone, evicts_inside, sequence_steps, step_sequences
 from kvpot.engine.batch import BatchDecoder, batchable_request, batches_rows, step_observations
 from kvpot.engine.decoding import resolve_mode
 from kvpot.engine.delivery import TokenOutbox, hand_over
@@ -29,8 +30,9 @@ from kvpot.engine.mixed import (Chunk, capture_mixed, chunk_rows, mixable, mixed
                                tail_tokens)
 from kvpot.defaults import (FEED_QUESTIONS, LAUNCH_AHEAD, MIX, PREFILL_TOKENS, PROMPT_ORDER, PROMPT_PATIENCE,
                             SLOT_MEMORY_FRACTION)
-from kvpot.engine.plan import check_options, plan_chunks, reading_order, row_plan
-from kvpot.engine.pool import SlotPool, slot_bytes, slot_capacity, slot_count
+from kvpot.engine.plan import check_options, plan_chunks, reading_order
+from kvpot.engine.pool import SlotPool
+from kvpot.engine.slot_sizes import slot_bytes, slot_capacity, slot_count
 from kvpot.engine.reading import begin_read
 from kvpot.engine.requests import Active as _Active, QueueFull, Request, check_fits  # noqa: F401
 from kvpot.engine.results import close_stats
@@ -102,12 +104,13 @@ class Scheduler:
                                engine.batch_invariant) and self.batched  # in one forward
         self.decoder.fixed_mix = self.decoder.fixed_mix and mix != "eager"  # captured (`kvpot.engine.packed`) or not
         self.steady_ok = batchable_request(self.method.decode_request("steady"))
+        self.sequence_steps, self.evicts_inside = sequence_steps(self), evicts_inside(self)  # (`row_plan`)
         self.append_ok = batchable_request(self.method.decode_request("append"))
         self.outbox = TokenOutbox()  # the tokens of a step, delivered at the start of the next
         self.launch_ahead = resolve_launch_ahead(launch_ahead, engine.device, engine.parallel is not None)
-        self.report = {"steps": 0, "batched_rows": 0, "eager_rows": 0, "riding_rows": 0, "steady_rows": 0,
-                       "prefill_forwards": 0, "fed_tokens": 0, "mixed_forwards": 0, "forwards": 0, "decode_seconds": 0.0,
-                       "prefill_seconds": 0.0, "deliver_seconds": 0.0, "ahead_steps": 0}
+        self.report = {"steps": 0, "batched_rows": 0, "eager_rows": 0, "sequence_rows": 0, "riding_rows": 0,
+                       "steady_rows": 0, "prefill_forwards": 0, "fed_tokens": 0, "mixed_forwards": 0, "forwards": 0,
+                       "decode_seconds": 0.0, "prefill_seconds": 0.0, "deliver_seconds": 0.0, "ahead_steps": 0}
         self.pool.documents = share_region(self, share_documents, documents)  # None unless sharing
         self.trace: StepTrace | NoTrace = NoTrace()  # a StepTrace keeps each step's work and gap (engine/trace.py)
 
@@ -202,7 +205,7 @@ class Scheduler:
         self.trace.begin(self.report, begun, self.active)
         pending = self.outbox.take()
         self._prepare_rows(rows, plans)
-        self._stage(self._decode(rows, [], [], [], ended))
+        self._stage(self._decode(*step_sequences(self, rows, ended), [], [], ended))
         launched = time.perf_counter()
         self._deliver(ended, pending)
         self.trace.end(self.report, [])
@@ -305,25 +308,7 @@ class Scheduler:
         self.decoder.pick([slot])
 
     def _decode_alone(self, ended: list[Request]) -> tuple[list[tuple[int, _Active]], list[int], list]:
-        """The decoding rows (fed questions included): those whose method reshapes the cache at this token step
-        alone, or where mixing is on ride in the mixed forward as a one-token chunk (alone: 85-272 ms on an H200,
-        engine-core-h200/packed-4/); returns the others (the batch), the slots stepped, the riders (slot, active, chunk)."""
-        decoding = [(slot, a) for slot, a in sorted(self.active.items())
-                    if a.request.status == "decoding" or a.feeding is not None]
-        plans = self._prepare_rows(decoding, {slot: row_plan(self, active.run.cache) for slot, active in decoding})
-        stepped, rides = [], []
-        for slot, active in decoding:
-            if plans[slot] == "eager" and self.mix and self.rides and mixable(self.method, active.run):
-                rides.append((slot, active, Chunk(active.run, *self.decoder.ride(slot, active.run))))
-            elif plans[slot] == "eager":
-                try:
-                    self.decoder.eager_step(slot, active.run)
-                    self.report["eager_rows"] += 1
-                    self.report["forwards"] += 1
-                    stepped.append(slot)
-                except Exception as err:  # noqa: BLE001 - this row's own forward: it fails alone
-                    self._fail(active.request, err, ended)
-        return [(slot, active) for slot, active in decoding if plans[slot] != "eager"], stepped, rides
+        return decode_alone(self, ended)  # (kvpot.engine.alone)
 
     def _prepare_rows(self, rows: list[tuple[int, _Active]], plans: dict[int, str]) -> dict[int, str]:
         """The decoding rows' inputs (fed question tokens), plans, and copies on write before their step."""

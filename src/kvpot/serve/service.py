@@ -125,7 +125,7 @@ class Service:
             return SoloScheduler(engine, max_waiting=self.config.max_queue)
         capacity = self.slot_capacity(engine)
         decode = engine.decode if engine.decode in ("graph", "static") else "auto"
-        # a pool of a given size that does not fit is refused by the Scheduler (kvpot.engine.pool.slot_count)
+        # a pool of a given size that does not fit is refused by the Scheduler (kvpot.engine.slot_sizes.slot_count)
         # max_waiting: the scheduler's admission is the server's (`Worker.admit` takes its places: 429 past them)
         scheduler = Scheduler(engine, slots=slots, capacity=capacity, max_waiting=self.config.max_queue,
                               prefill_tokens=self.config.prefill_tokens, mix=self.config.mix,
