@@ -235,7 +235,7 @@ def _scheduler(rows: list[dict], waiting: int = 0, free: int = 0, in_flight: boo
         outbox.pending.append((list(range(len(staged))), staged, None, None))
     return SimpleNamespace(outbox=outbox, waiting=[object()] * waiting, pool=SimpleNamespace(free=list(range(free))),
                            active=active, agreement=SimpleNamespace(cancels=lambda r: r.cancel_requested),
-                           batched=True, steady_ok=True, append_ok=True, sequence_steps=False, evicts_inside=True,
+                           batched=True, steady_ok=True, append_ok=True, sequence_steps=False,
                            method=SimpleNamespace(decode_plan=lambda cache: cache.plan))
 
 
@@ -260,9 +260,10 @@ def test_a_step_goes_ahead_only_where_its_whole_plan_is_known_before_the_hand_ov
 
 
 def test_a_pool_of_ones_rows_the_batched_step_cannot_take_step_as_one_sequence_and_go_ahead():
-    """`row_plan` in a pool of one (`sequence_steps`): a method's own attention, an observation without a batched form,
-    and a steady row whose eviction would follow the batched step take the one-sequence step (`SEQUENCE_PLANS`), which
-    launches ahead as a batched step does; a shape change stays "eager"; in a larger pool they are all "eager"."""
+    """`row_plan` in a pool of one (`sequence_steps`): a method's own attention, an observation without a batched form
+    and every steady row (its eviction captured at its counts) take the one-sequence step (`SEQUENCE_PLANS`), which
+    launches ahead as a batched step does; a shape change stays "eager"; in a larger pool they are "eager", and a
+    steady row the batched step's."""
     from kvpot.engine.plan import row_plan
 
     own = _Cache("append")
@@ -274,8 +275,8 @@ def test_a_pool_of_ones_rows_the_batched_step_cannot_take_step_as_one_sequence_a
         assert row_plan(scheduler, _Cache("eager")) == "eager"
         scheduler.steady_ok = False
         assert row_plan(scheduler, _Cache("steady")) == ("sequence-steady" if pool_of_one else "eager")
-        scheduler.steady_ok, scheduler.evicts_inside = True, False
+        scheduler.steady_ok = True
         assert row_plan(scheduler, _Cache("steady")) == ("sequence-steady" if pool_of_one else "steady")
     scheduler = _scheduler([{"plan": "steady"}])
-    scheduler.sequence_steps, scheduler.evicts_inside = True, False
+    scheduler.sequence_steps = True
     assert ahead_rows(scheduler)[1] == {0: "sequence-steady"}

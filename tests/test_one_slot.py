@@ -46,8 +46,8 @@ def test_the_core_gives_each_method_its_tokens_entries_and_compressions_alone(mo
 
 
 # how each method's decoding steps run in a pool of one: the batched step, or the one-sequence step on the slot
-# (`kvpot.engine.alone`): a method's own attention (InfLLM, InfiniteHiP), an eviction after the batched step (D2O, CaM)
-SEQUENCE_STEPS = {"infllm", "infinitehip", "d2o", "cam"}
+# (`kvpot.engine.alone`): a method's own attention (InfLLM, InfiniteHiP), every steady step (an eviction at its counts)
+SEQUENCE_STEPS = {"infllm", "infinitehip", "d2o", "cam", "h2o", "streaming", "tova", "roco"}
 
 
 @pytest.mark.parametrize("name", sorted(methods()))

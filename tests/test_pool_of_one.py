@@ -58,8 +58,8 @@ def test_a_pool_of_one_has_no_scratch_row_and_gives_each_request_its_tokens_alon
     for key in ("max_kv_entries", "final_kv_entries", "compressions"):
         assert [getattr(r.stats, key) for r in requests] == [getattr(e.stats, key) for e in expected], key
     assert scheduler.pool.used == 0 and scheduler.idle
-    if name in ("streaming", "h2o", "tova", "roco"):  # the one row, steady, evicts inside the step
-        assert inside and set(inside) == {None}
+    if name in ("streaming", "h2o", "tova", "roco"):  # the one row, steady, steps as one sequence (its eviction
+        assert not inside and scheduler.report["sequence_rows"] > 0  # captured at its counts: `kvpot.engine.alone`)
 
 
 @pytest.mark.parametrize("name", ["infinipot", "citrus", "streaming", "d2o", "infinitehip"])

@@ -62,6 +62,9 @@ def bench_decode(config: BenchConfig, model, runs, results, progress) -> None:
             steps, stats, prefill = floor_steps(config.warmup_steps + config.decode_steps), None, None
         else:
             engine = engines[entry.label]
+            for other in engines.values():  # the other methods' kept pools of one (`Engine.core`) are not this row's
+                if other is not engine:
+                    other.core = None
             # a long context takes minutes to read: show its progress under the bench's bar
             state = engine.prefill_ids(random_tokens(vocab, length, config.seed + length, config.device), question,
                                        progress=progress)

@@ -4,17 +4,15 @@
   batched step cannot take in a larger pool ("eager", `kvpot.engine.plan.row_plan`): the one-sequence engine's forward
   on its slot (`BatchDecoder.eager_step`), or, where prompts mix, a one-token chunk riding in the mixed forward.
 - In a pool of one (`Engine(runner="core")`), a row the batched step cannot take (a method's own attention, InfLLM's
-  and InfiniteHiP's; an observation or per-token work without a batched form; an eviction that would run after the
-  batched step, D2O's merges): the one-sequence fixed-shape step on its slot's cache, captured as `Decoder` captures
-  it (`BatchDecoder.sequence_step`, `kvpot.engine.sequence`; plans `SEQUENCE_PLANS`).
+  and InfiniteHiP's; an observation or per-token work without a batched form) and every steady row (its eviction at
+  its counts: StreamingLLM, H2O, TOVA, RoCo, D2O's merges, CaM): the one-sequence fixed-shape step on its slot's cache,
+  captured as `Decoder` captures it (`BatchDecoder.sequence_step`, `kvpot.engine.sequence`; plans `SEQUENCE_PLANS`).
 """
 
 from __future__ import annotations
 
 from kvpot.engine.mixed import Chunk, mixable
 from kvpot.engine.plan import SEQUENCE_PLANS, row_plan
-from kvpot.methods import replace
-from kvpot.methods.base import replaces_by_ranking
 
 
 def sequence_steps(scheduler) -> bool:
@@ -23,12 +21,6 @@ def sequence_steps(scheduler) -> bool:
     as `Decoder` steps them)."""
     engine = scheduler.engine
     return scheduler.pool.scratch is None and not (engine.rope.dynamic and not scheduler.pool.policy.stores_rotated)
-
-
-def evicts_inside(scheduler) -> bool:
-    """Whether the batched step evicts a steady row of this method inside its body (`kvpot.engine.evict`)."""
-    method, parallel = scheduler.method, scheduler.engine.parallel
-    return scheduler.decoder.evict_inside and parallel is None and replace.enabled and replaces_by_ranking(method)
 
 
 def decode_alone(scheduler, ended: list) -> tuple[list, list[int], list]:

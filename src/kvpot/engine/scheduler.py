@@ -20,7 +20,7 @@ import torch
 from kvpot.engine.admission import Admission, Place
 from kvpot.engine.ahead import ahead_rows, resolve_launch_ahead
 from kvpot.engine.agreement import StepAgreement
-from kvpot.engine.alone import decode_alone, evicts_inside, sequence_steps, step_sequences
+from kvpot.engine.alone import decode_alone, sequence_steps, step_sequences
 from kvpot.engine.batch import BatchDecoder, batchable_request, batches_rows, step_observations
 from kvpot.engine.decoding import resolve_mode
 from kvpot.engine.delivery import TokenOutbox, hand_over
@@ -104,7 +104,7 @@ class Scheduler:
                                engine.batch_invariant) and self.batched  # in one forward
         self.decoder.fixed_mix = self.decoder.fixed_mix and mix != "eager"  # captured (`kvpot.engine.packed`) or not
         self.steady_ok = batchable_request(self.method.decode_request("steady"))
-        self.sequence_steps, self.evicts_inside = sequence_steps(self), evicts_inside(self)  # (`row_plan`)
+        self.sequence_steps = sequence_steps(self)  # a pool of one: rows the batched step cannot take (`row_plan`)
         self.append_ok = batchable_request(self.method.decode_request("append"))
         self.outbox = TokenOutbox()  # the tokens of a step, delivered at the start of the next
         self.launch_ahead = resolve_launch_ahead(launch_ahead, engine.device, engine.parallel is not None)
@@ -122,7 +122,8 @@ class Scheduler:
     def capture(self) -> int:
         """Capture the decoding step of every batch size and the mixed step of every token bucket now (CUDA graphs;
         nothing on a CPU), as a server does when it starts: otherwise they compile and capture while users wait."""
-        steady = steady_capture(self.method, self.pool, self.engine.parallel) if self.decoder.evict_inside else None
+        inside = self.decoder.evict_inside and not self.sequence_steps  # (a pool of one's steady rows: `row_plan`)
+        steady = steady_capture(self.method, self.pool, self.engine.parallel) if inside else None
         steps = self.decoder.capture(step_observations(self.method), steady) if self.batched else 0
         return steps + (capture_mixed(self.decoder, self.method, self.prefill_tokens) if self.mix else 0)
 

@@ -3,8 +3,8 @@
 Two runners take it: `Decoder` (`kvpot.engine.decoding`, `runner="sequence"`) over a run's cache, and, for a pool
 of one slot, `BatchDecoder.sequence_step` (`kvpot.engine.batch`, `runner="core"`) over the slot's cache where the
 batched step cannot take the row: a method's own attention (InfLLM's block lookup, InfiniteHiP's pruning stages and
-their `decode_key` forms), an observation or per-token work without a batched form, a steady row whose eviction
-runs outside the batched step (D2O's merges, CaM). The body reads and writes only static buffers and device-side
+their `decode_key` forms), an observation or per-token work without a batched form, and every steady row (its
+eviction captured at its counts). The body reads and writes only static buffers and device-side
 counts (`PotLayer.length`, `slot`, `query_position`), so `StepGraphs` captures it once per key (`step_key`).
 """
 
