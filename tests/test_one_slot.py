@@ -238,3 +238,33 @@ def test_the_cli_refuses_the_core_with_eager_decoding_before_loading_a_model(cap
     code, _, err = run(capsys, "bench", "decode", "--shape", "tiny", "--device", "cpu", "--out", str(tmp_path / "b"),
                        "--decode", "eager", "--runner", "core")
     assert code == 2 and "decode='eager'" in err
+
+
+def test_the_auto_runner_takes_the_core_wherever_it_can_take_the_sequence(prompts, one_thread):
+    """`runner="auto"`: the core for fixed-shape steps on one device and one process, not batch-invariant, with the
+    cache on the device; else the one-sequence decoder (or its eager loop)."""
+    from types import SimpleNamespace
+
+    from kvpot.engine.one_slot import core_decodes
+
+    def engine(**kw):
+        facts = dict(runner="auto", devices=[torch.device("cpu")], decode="static", device=torch.device("cpu"),
+                     parallel=None, batch_invariant=False, method=SimpleNamespace())
+        return SimpleNamespace(**{**facts, **kw})
+
+    assert core_decodes(engine())
+    assert not core_decodes(engine(decode="auto"))  # a CPU's auto decodes eagerly
+    assert not core_decodes(engine(batch_invariant=True))  # checked against the one-sequence runner
+    assert not core_decodes(engine(parallel=object()))
+    assert not core_decodes(engine(method=SimpleNamespace(offload=True)))  # entries in host memory
+    assert not core_decodes(engine(devices=[torch.device("cpu")] * 2))
+    assert core_decodes(engine(runner="core")) and not core_decodes(engine(runner="sequence"))
+    model = build("llama3")
+    method = methods()["h2o"][0]
+    context, question = prompts[0]
+    auto = kvpot.Engine(model, method=method, decode="static", runner="auto").generate_ids(
+        context, question, max_new_tokens=NEW, ignore_eos=True)
+    sequence = kvpot.Engine(model, method=method, decode="static", runner="sequence").generate_ids(
+        context, question, max_new_tokens=NEW, ignore_eos=True)
+    assert auto.stats.decode["runner"] == "core" and sequence.stats.decode["runner"] == "sequence"
+    assert auto.token_ids == sequence.token_ids

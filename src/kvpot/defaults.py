@@ -17,9 +17,12 @@ PREFILL_TOKENS = 1024
 # measured: ITL p99 192 against 369 ms at 2,048 prompt tokens a step, 194 against 415 ms at 1,024.
 MIX = "auto"
 # Which runner decodes one sequence (`Engine(runner=...)`, `kvpot generate --runner`, `kvpot bench decode --runner`):
-# "sequence", the one-sequence `Decoder`, or "core", a request in a scheduler of one slot (`kvpot.engine.one_slot`,
-# issue 43's one decode machine). "sequence" stays the default until the core steps every method as fast: a method's
-# own attention (InfLLM, InfiniteHiP) steps alone there, one eager forward a token.
+# "core", a request in a scheduler of one slot (`kvpot.engine.one_slot`, issue 43's one decode machine), or "sequence",
+# the one-sequence `Decoder`. "auto": the core wherever it takes the sequence (fixed-shape steps on one device, one
+# process, not batch-invariant, a cache on the device), else `Decoder` or the eager loop (`one_slot.core_decodes`).
+# "sequence" stays the default until the tests that check `Decoder`'s own report (its replays, its restored order) name
+# it and the GPU suite has run with "auto" (issue 43's last step); every method steps through the core at 0.97-1.01x
+# `Decoder`'s step (records/engine-core-h100/pool-of-one/).
 RUNNER = "sequence"
 MIXES = ("auto", "on", "off", "eager")  # its values (and True / False in the library); eager: on, never captured
 

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvpot.bench.backends import DEFAULT_SDPA, SDPA_CHOICES
-from kvpot.defaults import FEED_QUESTIONS, LAUNCH_AHEAD, MIX, PREFILL_TOKENS, PROMPT_ORDER, PROMPT_PATIENCE
+from kvpot.defaults import FEED_QUESTIONS, LAUNCH_AHEAD, MIX, PREFILL_TOKENS, PROMPT_ORDER, PROMPT_PATIENCE, RUNNER
 from kvpot.errors import KvpotError
 
 
@@ -99,7 +99,7 @@ class BenchConfig:
     profile: bool = False
     breakdown: bool = False  # decode: a step's time by part (kvpot.bench.breakdown)
     decode: str = "auto"  # the engine's decoding path (kvpot.engine.decoding)
-    runner: str = "sequence"  # who decodes one sequence (`Engine(runner=...)`, kvpot.engine.one_slot)
+    runner: str = RUNNER  # who decodes one sequence (`Engine(runner=...)`, kvpot.engine.one_slot)
     compile_step: bool = False  # torch.compile the fixed-shape step's decoder (Engine(compile_step=True))
     linear: str = "auto"  # single-token linear layers (Engine(linear=...), kvpot.engine.linear)
     batch_invariant: bool = False  # decode and throughput: Engine(batch_invariant=True), what it costs

@@ -99,7 +99,8 @@ def bench_decode(config: BenchConfig, model, runs, results, progress) -> None:
             "warmup_seconds": None if entry == FLOOR else warmup_seconds[entry.label],
             "method_report": None if stats is None else stats.method,
             "linear": None if entry == FLOOR else engine.linear,  # --linear as resolved on this device
-            "runner": None if entry == FLOOR else engine.runner,  # --runner: the one-sequence decoder or the core
+            # --runner as resolved: the one-sequence decoder ("sequence"; the eager loop: None) or the core
+            "runner": None if stats is None else stats.decode.get("runner"),
             **extra,
         }
 

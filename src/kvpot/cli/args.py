@@ -106,11 +106,12 @@ def add_runner_argument(parser: argparse.ArgumentParser, what: str = "the sequen
     from kvpot.defaults import RUNNER
 
     parser.add_argument(
-        "--runner", default=RUNNER, choices=["sequence", "core"],
-        help=f"who decodes {what}: sequence (default) the one-sequence decoder; core a request in the batched "
-             "engine's scheduler with one slot, the runner `kvpot serve` uses for many (issue 43's one decode "
-             "machine; a method's own attention, InfLLM's or InfiniteHiP's, steps alone there, one eager forward a "
-             "token). Needs --decode auto, graph or static",
+        "--runner", default=RUNNER, choices=["auto", "core", "sequence"],
+        help=f"who decodes {what}: core a request in the batched engine's scheduler with one slot, the runner "
+             "`kvpot serve` uses for many (issue 43's one decode machine); sequence the one-sequence decoder; auto "
+             "(default) the core wherever it can take the sequence (fixed-shape steps on one device, one process, not "
+             "--batch-invariant, no offloading), else the one-sequence decoder. core needs --decode auto, graph or "
+             "static",
     )
 
 

@@ -406,11 +406,11 @@ class Engine(TextApi, Scoring):
         if mode == "eager" or max_new_tokens == 0:
             times: list[float] | None = [] if time_steps else None
             tokens = decode_eager(self, run, max_new_tokens, on_token, temperature, top_p, seed, eos, times)
-            report = {"mode": "eager", "step_ms": times}
+            report = {"mode": "eager", "runner": "sequence", "step_ms": times}
         else:
             decoder = Decoder(self, run, max_new_tokens, temperature, top_p, seed, eos, mode, time_steps=time_steps)
             tokens = decoder.generate(on_token)
-            report = {"mode": mode, **decoder.report.to_dict()}
+            report = {"mode": mode, "runner": "sequence", **decoder.report.to_dict()}
         stats = run.stats
         stats.decode_seconds = self._clock() - started
         self._settle(run)

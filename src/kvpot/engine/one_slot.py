@@ -27,7 +27,7 @@ from kvpot.engine.results import Result
 from kvpot.engine.sampling import _as_ids
 from kvpot.errors import Cancelled, KvpotError
 
-RUNNERS = ("sequence", "core")
+RUNNERS = ("auto", "core", "sequence")
 # a call's steps by how they ran (`Result.stats.decode`): in the batched step (a bucket of one), as one sequence
 # (`kvpot.engine.alone`), in the engine's ordinary forward (a distillation, an eviction over a chunk)
 ROWS = ("batched_rows", "sequence_rows", "eager_rows")
@@ -44,9 +44,19 @@ def check_runner(runner: str, decode: str) -> str:
 
 
 def core_decodes(engine) -> bool:
-    """Whether `engine.generate_ids` runs through the core: `runner="core"`, on one device (a model split over
-    several decodes eagerly, `Engine._decode`)."""
-    return engine.runner == "core" and len(engine.devices) == 1
+    """Whether `engine.generate_ids` runs through the core: `runner="core"` on one device (a model split over several
+    decodes eagerly, `Engine._decode`), or `runner="auto"` (the default, `kvpot.defaults.RUNNER`) where the core takes
+    it: fixed-shape steps (a GPU's graphs; `decode="static"`), one device, one process, not batch-invariant (whose
+    batches are checked against the one-sequence runner), and a cache on the device (an offloading method's entries
+    live in host memory, which a pool's slot does not hold: `Decoder` decodes it)."""
+    if len(engine.devices) > 1 or engine.runner == "sequence":
+        return False
+    if engine.runner == "core":
+        return True
+    from kvpot.engine.decoding import resolve_mode
+
+    return resolve_mode(engine.decode, engine.device) != "eager" and engine.parallel is None and \
+        not engine.batch_invariant and not getattr(engine.method, "offload", False)
 
 
 def generate_in_core(engine, input_ids, question_ids, state, max_new_tokens: int, on_token, progress: bool,
