@@ -168,7 +168,8 @@ def test_a_row_steps_eagerly_where_the_batched_step_cannot_take_its_plan():
 
     def scheduler(plan, batched=True, steady_ok=True, append_ok=True):
         method = SimpleNamespace(decode_plan=lambda cache: plan)
-        return SimpleNamespace(batched=batched, method=method, steady_ok=steady_ok, append_ok=append_ok)
+        return SimpleNamespace(batched=batched, method=method, steady_ok=steady_ok, append_ok=append_ok,
+                               sequence_steps=False)  # (a larger pool: a pool of one, `test_launch_ahead.py`)
 
     plain = SimpleNamespace(attention=None)
     assert [row_plan(scheduler(p), plain) for p in ("append", "steady", "eager")] == ["append", "steady", "eager"]

@@ -2,12 +2,13 @@
 
 Issue 43 asks for one decode machine: `generate_ids` run by the same core that serves many users, as a pool of one
 slot. `Engine(runner="core")` does that: the prompt is read into the slot in the method's chunks, and every token is
-a step of `BatchDecoder` (a bucket of one; captured on a GPU), its eviction inside the step where the method drops by a
-ranking (`kvpot.engine.evict`), a row whose method reshapes its cache stepping alone. The pool has no scratch row
-(`kvpot.engine.pool`), so it holds what the one-sequence runner's cache holds. `runner="sequence"` (the default,
-`kvpot.defaults.RUNNER`) keeps `Decoder` (`kvpot.engine.decoding`) until the core steps every method as fast: a
-method's own attention (InfLLM, InfiniteHiP) steps alone there, one eager forward a token (docs/design.md, *Why two
-decode runners remain*). `decode="eager"` and a model split over several devices keep the eager path either way.
+a step of `BatchDecoder` (a bucket of one; captured on a GPU), or, where the batched step cannot take the row (a
+method's own attention, InfLLM's and InfiniteHiP's; a steady row's eviction), the one-sequence step on the slot's cache,
+captured as `Decoder` captures it (`kvpot.engine.alone`, `kvpot.engine.sequence`); a row whose method reshapes its cache
+steps in the engine's forward. The pool has no scratch row (`kvpot.engine.pool`), so it holds what the one-sequence
+runner's cache holds. `runner="auto"` takes the core wherever it can (`core_decodes`); `runner="sequence"` (the
+default, `kvpot.defaults.RUNNER`, until the tests that check `Decoder` name it) keeps `Decoder` (`kvpot.engine.decoding`).
+`decode="eager"` and a model split over several devices keep the eager path either way.
 
 For a bounded method the scheduler is kept on the engine (`Engine.core`) and serves the next calls of the same
 capacity: its pool and its captured steps are made once, where `Decoder` allocates and captures at every call. A

@@ -101,9 +101,9 @@ def row_plan(scheduler, cache) -> str:
     """What a decoding row's step does (`Method.decode_plan`), or "eager" (a forward of its own, or a ride in the
     mixed forward) where the batched step cannot take it: not batching, a method's own attention without the decode
     kernels' positions, an observation the batched step does not compute. A pool of one steps such a row as one
-    sequence instead (`SEQUENCE_PLANS`, where `scheduler.sequence_steps`), and so every steady row: one sequence's
-    eviction captured at its counts took 1.00x `Decoder`'s step where the batched step's, inside it, took 1.03x (H2O)
-    and 1.13x (RoCo), and after it D2O's merges and CaM's run uncaptured (records/engine-core-h100/pool-of-one/).
+    sequence instead (`SEQUENCE_PLANS`, where `scheduler.sequence_steps`), and so every steady row: D2O's and CaM's
+    steady steps so took 1.002x `Decoder`'s, where H2O's and RoCo's in the batched step took 1.03x and 1.13x
+    (records/engine-core-h100/sequence-steps/; after the batched step D2O's merges and CaM's run uncaptured).
     Called once a step per row: InfiniteHiP's `decode_plan` advances its refresh schedule."""
     own = cache.attention is not None and not cache.policy.kernel_decoding
     if not scheduler.batched or own:
