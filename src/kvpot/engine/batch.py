@@ -150,9 +150,10 @@ class BatchDecoder:
 
     def sequence_step(self, slot: int, run, plan: str) -> None:
         """A pool of one's row the batched step cannot take (a method's own attention, an observation or per-token
-        work without a batched form, an eviction outside the step): the one-sequence step on its slot's cache,
-        `plan` "append" or "steady" (`kvpot.engine.sequence`), captured per form in graphs of its own, made again for
-        each new request (they read its cache's and its method's buffers). The host counts are mirrored here."""
+        work without a batched form) or that is steady (`kvpot.engine.plan.row_plan`): the one-sequence step on its
+        slot's cache, `plan` "append" or "steady" (`kvpot.engine.sequence`), captured per form in graphs of its own,
+        made again for each new request (they read its cache's and its method's buffers). The host counts are mirrored
+        here."""
         cache, rows = run.cache, self.rows[:1]
         if self.sequence_cache is None or self.sequence_cache() is not cache:
             self.sequence_graphs.clear()  # another request's cache: its graphs read buffers that are gone
