@@ -39,7 +39,7 @@ class Spy:
 
 def invariant(model, method, decode="auto") -> kvpot.Engine:
     """A batch-invariant engine whose decoding rows go through the operator on the CPU as well."""
-    engine = kvpot.Engine(model, method=method, decode=decode, batch_invariant=True)
+    engine = kvpot.Engine(model, method=method, decode=decode, runner="sequence", batch_invariant=True)
     engine.linear, engine._linear_devices = "invariant", ("cpu",)
     return engine
 
@@ -223,7 +223,8 @@ def test_the_compiled_step_holds_the_invariant_operators(prompts, monkeypatch, o
         model = build("llama3")
         eager = invariant(model, kvpot.Full(), decode="eager").generate_ids(context, question, max_new_tokens=NEW,
                                                                             ignore_eos=True)
-        engine = kvpot.Engine(model, method=kvpot.Full(), decode="static", compile_step=True, batch_invariant=True)
+        engine = kvpot.Engine(model, method=kvpot.Full(), decode="static", runner="sequence", compile_step=True,
+                              batch_invariant=True)
         engine.linear, engine._linear_devices = "invariant", ("cpu",)
         compiled = engine.generate_ids(context, question, max_new_tokens=NEW, ignore_eos=True)
     assert compiled.token_ids == eager.token_ids
@@ -256,8 +257,9 @@ def test_methods_a_batch_steps_eagerly_decode_eagerly_alone_too(prompts, one_thr
     make = lambda: kvpot.InfLLM(initial=4, window=32, block_size=8, representatives=2, topk=3, lookup=16,  # noqa: E731
                                 chunk_size=32)
     context, question = prompts[0]
-    plain = kvpot.Engine(model, method=make(), decode="static").generate_ids(context, question, max_new_tokens=4)
-    engine = kvpot.Engine(model, method=make(), decode="static", batch_invariant=True)
+    plain = kvpot.Engine(model, method=make(), decode="static", runner="sequence").generate_ids(context, question,
+                                                                                           max_new_tokens=4)
+    engine = kvpot.Engine(model, method=make(), decode="static", runner="sequence", batch_invariant=True)
     alone = engine.generate_ids(context, question, max_new_tokens=NEW, ignore_eos=True)
     assert plain.stats.decode["mode"] == "static" and alone.stats.decode["mode"] == "eager"
     scheduler = Scheduler(engine, slots=2, capacity=256, decode="static")

@@ -223,7 +223,8 @@ def test_decode_baselines_in_the_same_run(capsys, tmp_path, monkeypatch):
     hf = rows["hf"]
     assert hf["steps"] == 4 and hf["max_kv_entries"] == 300 + 32 + 1 + 4  # whole context, question, every step
     assert all("kvpress" in rows[name]["skipped"] for name in rows if name.startswith("kvpress"))
-    assert rows["infinipot"]["decode"]["mode"] == "static" and rows["infinipot"]["max_kv_entries"] <= 128
+    # (the default runner, the core, in its fixed-shape steps)
+    assert rows["infinipot"]["decode"]["mode"] == "batch-static" and rows["infinipot"]["max_kv_entries"] <= 128
     assert "skipped" in (tmp_path / "out" / "summary.md").read_text()
 
 

@@ -164,7 +164,9 @@ def test_generate_decode_path_is_selectable_and_reported(capsys, model_dir):
                            "--max-new-tokens", "6", "--json", "--decode", mode)
         assert code == 0
         outs[mode] = json.loads(out)
-    assert outs["static"]["stats"]["decode"]["mode"] == "static"
+    # the default runner ("auto") takes fixed-shape steps through the core: a scheduler of one slot
+    assert outs["static"]["stats"]["decode"]["mode"] == "batch-static"
+    assert outs["static"]["stats"]["decode"]["runner"] == "core" and outs["eager"]["stats"]["decode"]["runner"] == "sequence"
     assert outs["static"]["token_ids"] == outs["eager"]["token_ids"]
     with pytest.raises(SystemExit) as exit_:
         run(capsys, "generate", "--model", str(model_dir), "--context", context, "--decode", "fast")

@@ -58,7 +58,7 @@ def inputs():
 
 
 def generate(model, method, inputs, decode, **kw):
-    engine = kvpot.Engine(model, method=method, decode=decode, **kw)
+    engine = kvpot.Engine(model, method=method, decode=decode, runner="sequence", **kw)
     return engine.generate_ids(*inputs, max_new_tokens=NEW, ignore_eos=True)
 
 
@@ -98,7 +98,7 @@ def test_the_model_is_left_as_it_was(inputs, counting, one_thread):
 
 def test_a_failing_step_still_restores_the_layers(inputs, counting, one_thread):
     model = build("llama3")
-    engine = kvpot.Engine(model, method=kvpot.Full(), decode="static", compile_step=True)
+    engine = kvpot.Engine(model, method=kvpot.Full(), decode="static", runner="sequence", compile_step=True)
     with pytest.raises(KvpotError, match="compile_step"):
         engine.step_decoder()(input_ids=torch.zeros(1, 1, dtype=torch.long), use_cache=True)  # no kvpot cache
     assert all(layer._compiled_call_impl is None for layer in model.get_decoder().layers)
@@ -187,7 +187,9 @@ def test_bench_decode_compiles_the_step_and_reports_the_warm_up(capsys, tmp_path
     assert code == 0, err
     rows = json.loads((out / "results.json").read_text())["rows"]
     assert [r["method"] for r in rows] == ["infinipot", "streaming"]
-    assert all(r["warmup_seconds"] > 0 and r["decode"]["static_steps"] > 0 for r in rows)
+    # (the default runner, the core: its fixed-shape steps are batched steps of one row, or one-sequence steps)
+    assert all(r["warmup_seconds"] > 0 and r["decode"]["batched_rows"] + r["decode"]["sequence_rows"] > 0 for r in rows)
+    assert all(r["runner"] == "core" for r in rows)
     # at most one compilation per method (their steps read different things), none per layer: 4 layers a step
     assert 1 <= len(counting.graphs) <= len(rows) and counting.runs > 0 and counting.runs % 4 == 0
 

@@ -56,7 +56,7 @@ def model(request):
 
 def generate(model, method, inputs, decode, **kw):
     context, question = inputs
-    engine = kvpot.Engine(model, method=method, decode=decode)
+    engine = kvpot.Engine(model, method=method, decode=decode, runner="sequence")
     return engine.generate_ids(context, question, max_new_tokens=NEW, ignore_eos=True, **kw)
 
 
@@ -116,7 +116,8 @@ def test_eos_stops_static_decoding(model, inputs, one_thread):
     model.generation_config.eos_token_id = stop
     try:
         context, question = inputs
-        out = kvpot.Engine(model, method=method, decode="static").generate_ids(context, question, max_new_tokens=NEW)
+        engine = kvpot.Engine(model, method=method, decode="static", runner="sequence")
+        out = engine.generate_ids(context, question, max_new_tokens=NEW)
     finally:
         model.generation_config.eos_token_id = 2
     assert out.token_ids == eager.token_ids[: eager.token_ids.index(stop) + 1]
@@ -126,7 +127,7 @@ def test_streamed_tokens_arrive_in_order(model, inputs, one_thread):
     seen = []
     out = generate(model, kvpot.TOVA(budget=48, chunk_size=16), inputs, "static", )
     context, question = inputs
-    engine = kvpot.Engine(model, method=kvpot.TOVA(budget=48, chunk_size=16), decode="static")
+    engine = kvpot.Engine(model, method=kvpot.TOVA(budget=48, chunk_size=16), decode="static", runner="sequence")
     again = engine.generate_ids(context, question, max_new_tokens=NEW, ignore_eos=True, on_token=seen.append)
     assert seen == again.token_ids == out.token_ids
 
@@ -161,7 +162,8 @@ def test_full_graph_decoding_equals_model_generate():
     torch.manual_seed(2)
     ids = torch.randint(3, VOCAB, (200,), device="cuda")
     expected = reference_greedy(model, ids, NEW)
-    out = kvpot.Engine(model, method=kvpot.Full(chunk_size=64), decode="graph").generate_ids(ids, max_new_tokens=NEW)
+    engine = kvpot.Engine(model, method=kvpot.Full(chunk_size=64), decode="graph", runner="sequence")
+    out = engine.generate_ids(ids, max_new_tokens=NEW)
     assert out.token_ids == expected[: len(out.token_ids)]
 
 
@@ -205,7 +207,7 @@ def test_a_compiled_step_compiles_once_and_gives_the_eager_tokens(model, inputs,
     graphs = _counting_compile(monkeypatch)
     eager = generate(model, methods()[name], inputs, "eager")
     context, question = inputs
-    engine = kvpot.Engine(model, method=methods()[name], decode="static", compile_step=True)
+    engine = kvpot.Engine(model, method=methods()[name], decode="static", runner="sequence", compile_step=True)
     out = engine.generate_ids(context, question, max_new_tokens=NEW, ignore_eos=True)
     assert out.token_ids == eager.token_ids
     assert out.stats.decode["static_steps"] > 0
@@ -225,7 +227,7 @@ def test_an_inductor_compiled_step_gives_the_eager_tokens(inputs, one_thread):
     model = build("llama3", num_hidden_layers=4)
     eager = generate(model, methods()["streaming-short"], inputs, "eager")
     context, question = inputs
-    engine = kvpot.Engine(model, method=methods()["streaming-short"], decode="static", compile_step=True)
+    engine = kvpot.Engine(model, method=methods()["streaming-short"], decode="static", runner="sequence", compile_step=True)
     graphs = counters["stats"]["unique_graphs"]
     assert engine.generate_ids(context, question, max_new_tokens=NEW, ignore_eos=True).token_ids == eager.token_ids
     assert counters["stats"]["unique_graphs"] - graphs == 1
@@ -243,7 +245,7 @@ def test_a_compiled_graph_step_gives_the_eager_tokens_on_cuda(name, inputs):
     model = build("llama3").cuda()
     context, question = (t.cuda() for t in inputs)
     eager = generate(model, methods()[name], (context, question), "eager")
-    engine = kvpot.Engine(model, method=methods()[name], decode="graph", compile_step=True)
+    engine = kvpot.Engine(model, method=methods()[name], decode="graph", runner="sequence", compile_step=True)
     out = engine.generate_ids(context, question, max_new_tokens=NEW, ignore_eos=True)
     assert out.token_ids == eager.token_ids
     assert out.stats.decode["replays"] > 0

@@ -181,7 +181,7 @@ def method(**kw) -> kvpot.InfiniteHiP:
 def decode_both(model, ids, new_tokens: int, **kw):
     runs = {}
     for decode in ("eager", "static"):
-        engine = kvpot.Engine(model, method=method(**kw), decode=decode)
+        engine = kvpot.Engine(model, method=method(**kw), decode=decode, runner="sequence")
         state = engine.prefill_ids(ids)
         result = engine.generate_ids(state=state, max_new_tokens=new_tokens, ignore_eos=True, keep_state=False)
         runs[decode] = (result, state.cache.attention if state.cache is not None else None)
@@ -193,7 +193,8 @@ def test_static_decoding_gives_the_eager_tokens(one_thread):
     model = build("llama3")
     torch.manual_seed(1)
     ids = torch.randint(3, VOCAB, (400,))
-    eager_engine, static_engine = (kvpot.Engine(model, method=method(), decode=d) for d in ("eager", "static"))
+    eager_engine, static_engine = (kvpot.Engine(model, method=method(), decode=d, runner="sequence")
+                                   for d in ("eager", "static"))
     eager = eager_engine.prefill_ids(ids)
     static = static_engine.prefill_ids(ids)
     e = eager_engine.generate_ids(state=eager, max_new_tokens=40, ignore_eos=True, keep_state=False)
@@ -210,7 +211,7 @@ def test_static_runtime_keeps_the_eager_schedule_and_restarts_after_new_tokens(o
     model = build("llama3")
     torch.manual_seed(2)
     ids = torch.randint(3, VOCAB, (300,))
-    engine = kvpot.Engine(model, method=method(refresh=(4, 2, 1)), decode="static")
+    engine = kvpot.Engine(model, method=method(refresh=(4, 2, 1)), decode="static", runner="sequence")
     state = engine.prefill_ids(ids)
     engine.generate_ids(state=state, max_new_tokens=9, ignore_eos=True)  # a copy decodes: the state keeps step 0
     runtime = state.cache.attention
@@ -282,7 +283,7 @@ def test_graph_decoding_gives_the_eager_tokens_and_captures_each_pattern_once(dt
     ids = torch.randint(3, VOCAB, (700,))
     eager = kvpot.Engine(model, method=method(kernels="triton"), decode="eager").generate_ids(
         ids, max_new_tokens=64, ignore_eos=True)
-    graph = kvpot.Engine(model, method=method(kernels="triton"), decode="graph").generate_ids(
+    graph = kvpot.Engine(model, method=method(kernels="triton"), decode="graph", runner="sequence").generate_ids(
         ids, max_new_tokens=64, ignore_eos=True)
     report = graph.stats.decode
     # refresh (8, 4, 2): four due patterns, each run once uncaptured (warm-up), captured at its second
@@ -300,7 +301,8 @@ def test_graph_decoding_with_the_reference_attention_gives_the_eager_tokens():
     torch.manual_seed(4)
     ids = torch.randint(3, VOCAB, (500,))
     eager = kvpot.Engine(model, method=method(), decode="eager").generate_ids(ids, max_new_tokens=30, ignore_eos=True)
-    graph = kvpot.Engine(model, method=method(), decode="graph").generate_ids(ids, max_new_tokens=30, ignore_eos=True)
+    graph = kvpot.Engine(model, method=method(), decode="graph", runner="sequence").generate_ids(ids, max_new_tokens=30,
+                                                                                              ignore_eos=True)
     assert graph.token_ids == eager.token_ids and graph.stats.decode["captures"] == 4
 
 
@@ -309,9 +311,9 @@ def test_offloaded_graph_decoding_gives_the_resident_tokens_and_reports_its_host
     model = build("llama3", hidden_size=128, head_dim=32).to("cuda")
     torch.manual_seed(5)
     ids = torch.randint(3, VOCAB, (700,))
-    resident = kvpot.Engine(model, method=method(kernels="triton"), decode="graph").generate_ids(
+    resident = kvpot.Engine(model, method=method(kernels="triton"), decode="graph", runner="sequence").generate_ids(
         ids, max_new_tokens=24, ignore_eos=True)
-    engine = kvpot.Engine(model, method=method(offload=True, gpu_cache_tokens=512), decode="graph")
+    engine = kvpot.Engine(model, method=method(offload=True, gpu_cache_tokens=512), decode="graph", runner="sequence")
     state = engine.prefill_ids(ids)
     assert state.cache.layers[0].keys.device.type == "cpu" and state.cache.layers[0].keys.is_pinned()
     offloaded = engine.generate_ids(state=state, max_new_tokens=24, ignore_eos=True)
@@ -370,6 +372,7 @@ def test_static_decoding_equals_generate_when_everything_is_kept(arch, one_threa
     torch.manual_seed(1)
     ids = torch.randint(3, VOCAB, (300,))
     roomy = method(keep=(4096,) * 3, early_keep=4096, rope="absolute", refresh=(4, 2, 1))
-    out = kvpot.Engine(model, method=roomy, decode="static").generate_ids(ids, max_new_tokens=20, ignore_eos=True)
+    out = kvpot.Engine(model, method=roomy, decode="static", runner="sequence").generate_ids(ids, max_new_tokens=20,
+                                                                                            ignore_eos=True)
     assert out.token_ids == reference_greedy(model, ids, 20)
     assert out.stats.decode["static_steps"] == 19

@@ -198,7 +198,7 @@ def test_a_window_beyond_the_input_equals_full(arch):
     expected = reference_greedy(model, ids, 16)
     method = small(window=512, lookup=32)  # every query's window reaches the first token
     for decode in ("eager", "static"):
-        out = kvpot.Engine(model, method=method, decode=decode).generate_ids(ids, max_new_tokens=16)
+        out = kvpot.Engine(model, method=method, decode=decode, runner="sequence").generate_ids(ids, max_new_tokens=16)
         assert out.token_ids == expected, decode
         assert out.stats.max_kv_entries == 150 + 15 and out.stats.compressions == 0
 
@@ -210,7 +210,7 @@ def test_fixed_shape_decoding_equals_eager_decoding():
     method = small()
     runs = {}
     for decode in ("eager", "static"):
-        engine = kvpot.Engine(model, method=method, decode=decode)
+        engine = kvpot.Engine(model, method=method, decode=decode, runner="sequence")
         state = engine.prefill_ids(ids)
         out = engine.generate_ids(state=state, max_new_tokens=40, ignore_eos=True, keep_state=False)
         runs[decode] = (out, [layer.scores[SCORE][0, :, : layer.n] for layer in out_cache(engine, out)])

@@ -91,7 +91,7 @@ def test_the_core_answers_from_a_stored_state_and_leaves_it_unchanged(model, pro
     context, question = prompts[0]
     engine = core(model, method)
     state = engine.prefill_ids(context)
-    sequence = kvpot.Engine(model, method=method, decode="static")
+    sequence = kvpot.Engine(model, method=method, decode="static", runner="sequence")
     expected = sequence.generate_ids(question_ids=question, state=state, max_new_tokens=NEW, ignore_eos=True)
     before = [layer.keys[:, :, : layer.n].clone() for layer in state.cache.layers]
     for _ in range(2):  # the state stays usable
@@ -111,7 +111,7 @@ def test_the_core_streams_samples_stops_and_raises_a_steps_own_error(prompts, on
     assert streamed == result.token_ids and len(result.stats.decode["step_ms"]) == NEW - 1
     sampled = [engine.generate_ids(context, question, max_new_tokens=NEW, temperature=0.8, seed=7).token_ids
                for _ in range(2)]
-    sequence = kvpot.Engine(model, method=method, decode="static")
+    sequence = kvpot.Engine(model, method=method, decode="static", runner="sequence")
     assert sampled[0] == sampled[1] == sequence.generate_ids(context, question, max_new_tokens=NEW, temperature=0.8,
                                                              seed=7).token_ids
     asked = []
@@ -190,7 +190,7 @@ def test_a_spent_state_of_a_growing_cache_is_the_slot_itself(prompts, name, adop
     model = build("llama3")
     method = methods()[name][0]
     context, question = prompts[0]
-    sequence = kvpot.Engine(model, method=method, decode="static")
+    sequence = kvpot.Engine(model, method=method, decode="static", runner="sequence")
     expected = sequence.generate_ids(question_ids=question, state=sequence.prefill_ids(context), max_new_tokens=NEW,
                                      ignore_eos=True, keep_state=False)
     shared = []
@@ -221,7 +221,7 @@ def test_a_spent_state_lent_to_the_slot_decodes_through_cuda_graphs(name, prompt
     llama = build("llama3").cuda()
     method = methods()[name][0]
     context, question = (torch.tensor(ids).cuda() for ids in prompts[0])
-    sequence = kvpot.Engine(llama, method=method)
+    sequence = kvpot.Engine(llama, method=method, runner="sequence")
     expected = sequence.generate_ids(question_ids=question, state=sequence.prefill_ids(context), max_new_tokens=NEW,
                                      ignore_eos=True, keep_state=False)
     engine = kvpot.Engine(llama, method=method, runner="core")

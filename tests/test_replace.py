@@ -94,7 +94,7 @@ def run(model, method, inputs, decode, monkeypatch, enabled=True):
 
     monkeypatch.setattr(method, "after_forward", spy)
     context, question = inputs
-    engine = kvpot.Engine(model, method=method, decode=decode)
+    engine = kvpot.Engine(model, method=method, decode=decode, runner="sequence")
     result = engine.generate_ids(context, question, max_new_tokens=NEW, ignore_eos=True)
     return result, steps, caches
 
@@ -251,7 +251,7 @@ def test_graph_replacement_gives_the_old_paths_tokens_on_cuda(name, dtype, input
     tokens = {}
     for label, decode, enabled in (("new", "graph", True), ("old", "graph", False), ("eager", "eager", False)):
         monkeypatch.setattr(replace, "enabled", enabled)
-        out = kvpot.Engine(model, method=methods()[name], decode=decode).generate_ids(
+        out = kvpot.Engine(model, method=methods()[name], decode=decode, runner="sequence").generate_ids(
             *cuda_inputs, max_new_tokens=NEW, ignore_eos=True)
         tokens[label] = out.token_ids
         if decode == "graph":

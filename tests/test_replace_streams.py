@@ -49,7 +49,7 @@ def test_side_streams_give_the_tokens_of_one_stream(name, monkeypatch):
     outs = {}
     for streams in (1, 4):
         monkeypatch.setattr(replace, "streams", streams)
-        engine = kvpot.Engine(model, method=methods()[name], decode="graph")
+        engine = kvpot.Engine(model, method=methods()[name], decode="graph", runner="sequence")
         outs[streams] = engine.generate_ids(context, question, max_new_tokens=NEW, ignore_eos=True)
     assert outs[4].token_ids == outs[1].token_ids
     assert outs[4].stats.decode["replays"] == outs[1].stats.decode["replays"] > 0

@@ -80,7 +80,7 @@ def test_the_bound_holds_at_every_step_and_decoding_never_exceeds_the_budget(mod
                                                                   ignore_eos=True)
     assert out.stats.max_kv_entries == 48 == token_by_token.max_entries()
     chunked = Scissorhands(budget=48, drop=16, history=12, chunk_size=16)
-    engine = kvpot.Engine(model, method=chunked, decode="static")
+    engine = kvpot.Engine(model, method=chunked, decode="static", runner="sequence")
     state = engine.prefill_ids(context)
     assert state.stats.max_kv_entries <= chunked.max_entries() == 63
     assert 32 <= min(state.cache.lengths()) <= 47  # between forwards: below the budget

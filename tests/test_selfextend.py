@@ -120,7 +120,7 @@ def test_group_one_equals_generate_with_any_window(arch):
     for method in (kvpot.SelfExtend(group_size=1, window=200, chunk_size=16),  # every key a neighbour
                    kvpot.SelfExtend(group_size=1, window=5, chunk_size=9)):  # grouped, but at G = 1
         for decode in ("eager", "static"):
-            out = kvpot.Engine(model, method=method, decode=decode).generate_ids(ids, max_new_tokens=NEW)
+            out = kvpot.Engine(model, method=method, decode=decode, runner="sequence").generate_ids(ids, max_new_tokens=NEW)
             assert out.token_ids == expected, (method, decode)
             assert out.stats.compressions == 0 and out.stats.max_kv_entries == 70 + NEW - 1
 
@@ -131,7 +131,7 @@ def test_grouped_positions_change_the_model_and_decode_the_same_in_fixed_shapes(
     ids = torch.randint(3, VOCAB, (150,))
     method = kvpot.SelfExtend(group_size=4, window=8, chunk_size=32)
     eager = kvpot.Engine(model, method=method, decode="eager").generate_ids(ids, max_new_tokens=NEW)
-    static = kvpot.Engine(model, method=method, decode="static").generate_ids(ids, max_new_tokens=NEW)
+    static = kvpot.Engine(model, method=method, decode="static", runner="sequence").generate_ids(ids, max_new_tokens=NEW)
     assert static.token_ids == eager.token_ids
     assert static.stats.decode["static_steps"] == NEW - 1  # the decode kernel's path, every step
     full = kvpot.Engine(model, method=kvpot.Full(chunk_size=32)).prefill_ids(ids)
@@ -222,6 +222,6 @@ def test_graph_decoding_equals_eager_decoding_on_cuda():
     ids = torch.randint(3, VOCAB, (300,)).cuda()
     method = kvpot.SelfExtend(group_size=4, window=8, chunk_size=64)
     eager = kvpot.Engine(model, method=method, decode="eager").generate_ids(ids, max_new_tokens=NEW)
-    graph = kvpot.Engine(model, method=method, decode="graph").generate_ids(ids, max_new_tokens=NEW)
+    graph = kvpot.Engine(model, method=method, decode="graph", runner="sequence").generate_ids(ids, max_new_tokens=NEW)
     assert graph.token_ids == eager.token_ids
     assert graph.stats.decode["replays"] > 0 and graph.stats.decode["eager_steps"] == 0

@@ -20,10 +20,9 @@ MIX = "auto"
 # "core", a request in a scheduler of one slot (`kvpot.engine.one_slot`, issue 43's one decode machine), or "sequence",
 # the one-sequence `Decoder`. "auto": the core wherever it takes the sequence (fixed-shape steps on one device, one
 # process, not batch-invariant, a cache on the device), else `Decoder` or the eager loop (`one_slot.core_decodes`).
-# "sequence" stays the default until the tests that check `Decoder`'s own report (its replays, its restored order) name
-# it and the GPU suite has run with "auto" (issue 43's last step); every method steps through the core at 0.97-1.01x
-# `Decoder`'s step (records/engine-core-h100/pool-of-one/).
-RUNNER = "sequence"
+# "auto" is the default: every method steps through the core at 0.97-1.01x `Decoder`'s step after 32K on an H100 (H2O and
+# RoCo measured there before their steady rows stepped as one sequence: records/engine-core-h100/sequence-steps/).
+RUNNER = "auto"
 MIXES = ("auto", "on", "off", "eager")  # its values (and True / False in the library); eager: on, never captured
 
 # Which prompt a batched step reads first (`Scheduler(prompt_order=...)`, `kvpot serve --prompt-order`, `kvpot bench

@@ -84,13 +84,15 @@ def classify(events, steps: int, cuda: bool) -> dict:
 
 
 def step_breakdown(engine, state, steps: int = 8) -> dict:
-    """Profile `steps` uncaptured fixed-shape steps decoded from a copy of `state`; `classify`'s result."""
+    """Profile `steps` uncaptured fixed-shape steps decoded from a copy of `state`; `classify`'s result. The steps are
+    the one-sequence runner's (`runner="sequence"`), whose parts are profiler scopes (`kvpot.engine.sequence`)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     cuda = engine.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     previous, engine.decode = engine.decode, "static"
+    runner, engine.runner = engine.runner, "sequence"
     try:
         # one step first, unprofiled: the first fixed-shape step sizes buffers and tables
         engine.generate_ids(state=state, max_new_tokens=2, ignore_eos=True)
@@ -101,7 +103,7 @@ def step_breakdown(engine, state, steps: int = 8) -> dict:
             if cuda:
                 torch.cuda.synchronize(engine.device)
     finally:
-        engine.decode = previous
+        engine.decode, engine.runner = previous, runner
     taken = result.stats.decode.get("static_steps", 0) if result.stats.decode else 0
     return classify(prof.events(), taken, cuda)
 

@@ -6,8 +6,8 @@ a step of `BatchDecoder` (a bucket of one; captured on a GPU), or, where the bat
 method's own attention, InfLLM's and InfiniteHiP's; a steady row's eviction), the one-sequence step on the slot's cache,
 captured as `Decoder` captures it (`kvpot.engine.alone`, `kvpot.engine.sequence`); a row whose method reshapes its cache
 steps in the engine's forward. The pool has no scratch row (`kvpot.engine.pool`), so it holds what the one-sequence
-runner's cache holds. `runner="auto"` takes the core wherever it can (`core_decodes`); `runner="sequence"` (the
-default, `kvpot.defaults.RUNNER`, until the tests that check `Decoder` name it) keeps `Decoder` (`kvpot.engine.decoding`).
+runner's cache holds. `runner="auto"` (the default, `kvpot.defaults.RUNNER`) takes the core wherever it can
+(`core_decodes`), else `Decoder` (`kvpot.engine.decoding`), which `runner="sequence"` names.
 `decode="eager"` and a model split over several devices keep the eager path either way.
 
 For a bounded method the scheduler is kept on the engine (`Engine.core`) and serves the next calls of the same
