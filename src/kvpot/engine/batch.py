@@ -17,7 +17,9 @@ scheduler (`kvpot.engine.scheduler`): a row whose method reshapes its cache at t
 as a one-token chunk of its run in the step's mixed forward where prompts mix (`ride`, `rode`), else
 runs the one-sequence engine's forward on its slot (`eager_step`). A row at its budget ("steady") appends
 in the batch and evicts inside the step where its method drops one entry by a ranking (StreamingLLM, H2O, TOVA;
-`kvpot.engine.evict.evict_in_step`, captured with it), else after it (D2O's merges; `evict_steady`).
+`kvpot.engine.evict.evict_in_step`, captured with it), else after it (D2O's merges; `evict_steady`). A pool of one
+slot steps what the batched step cannot take (a method's own attention) and its steady rows as one sequence instead:
+the one-sequence fixed-shape step on the slot's cache, captured (`sequence_step`, `kvpot.engine.alone`).
 """
 
 from __future__ import annotations

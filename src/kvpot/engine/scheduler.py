@@ -188,7 +188,7 @@ class Scheduler:
         self.trace.begin(self.report, delivered := time.perf_counter(), self.active)
         self._drop_cancelled(ended)
         self._admit(ended)
-        batch, stepped, rides = self._decode_alone(ended)
+        batch, stepped, rides = decode_alone(self, ended)  # rows that step alone (kvpot.engine.alone)
         chunks, budget = self._chunks(len(batch) + len(rides), rides)
         self._stage(self._decode(batch, stepped, rides, chunks, ended))
         decoded = time.perf_counter()
@@ -307,9 +307,6 @@ class Scheduler:
                            request_seed(request.seed, request.temperature), request.max_new_tokens)
         self.decoder.picking[slot] = picking(request.temperature, request.top_p)
         self.decoder.pick([slot])
-
-    def _decode_alone(self, ended: list[Request]) -> tuple[list[tuple[int, _Active]], list[int], list]:
-        return decode_alone(self, ended)  # (kvpot.engine.alone)
 
     def _prepare_rows(self, rows: list[tuple[int, _Active]], plans: dict[int, str]) -> dict[int, str]:
         """The decoding rows' inputs (fed question tokens), plans, and copies on write before their step."""
