@@ -37,9 +37,9 @@ class Spy:
         return self.real(x, weight, bias)
 
 
-def invariant(model, method, decode="auto") -> kvpot.Engine:
+def invariant(model, method, decode="auto", runner="sequence") -> kvpot.Engine:
     """A batch-invariant engine whose decoding rows go through the operator on the CPU as well."""
-    engine = kvpot.Engine(model, method=method, decode=decode, runner="sequence", batch_invariant=True)
+    engine = kvpot.Engine(model, method=method, decode=decode, runner=runner, batch_invariant=True)
     engine.linear, engine._linear_devices = "invariant", ("cpu",)
     return engine
 
@@ -133,6 +133,30 @@ def test_each_request_gets_its_tokens_alone_through_the_fixed_kernels(name, prom
     assert scheduler.report["batched_rows"] > 0 and max(spy.rows) > 1  # batched rows took the operator together
 
 
+def infllm() -> kvpot.InfLLM:
+    return kvpot.InfLLM(initial=4, window=32, block_size=8, representatives=2, topk=3, lookup=16, chunk_size=32)
+
+
+@pytest.mark.parametrize("name", sorted(METHODS) + ["infllm"])
+def test_one_request_through_the_core_steps_as_its_batches_step(name, prompts, monkeypatch, one_thread):
+    """`runner="auto"` takes a batch-invariant request through the core (a pool of one slot), whose rows step as a
+    batch of that engine steps them: steady rows in the batched step, a method's own attention (InfLLM) eagerly,
+    never as one sequence (`alone.sequence_steps`). The tokens are the one-sequence runner's."""
+    make = infllm if name == "infllm" else METHODS[name][0]
+    model = build("llama3")
+    context, question = prompts[0]
+    expected = invariant(model, make(), decode="eager").generate_ids(context, question, max_new_tokens=NEW,
+                                                                     ignore_eos=True).token_ids
+    spy = Spy(monkeypatch)
+    result = invariant(model, make(), decode="static", runner="auto").generate_ids(context, question,
+                                                                                  max_new_tokens=NEW, ignore_eos=True)
+    report = result.stats.decode
+    assert result.token_ids == expected and report["runner"] == "core" and report["sequence_rows"] == 0
+    assert (report["eager_rows"] > 0 and report["batched_rows"] == 0) if name == "infllm" else \
+        report["batched_rows"] > 0
+    assert spy.rows and set(spy.rows) == {1}  # one row a step, through the fixed kernels
+
+
 def test_the_scheduler_reads_prompts_in_the_forwards_alone_reads_them_in(prompts, monkeypatch, one_thread):
     """Full is not chunk-dependent, so a scheduler caps its forwards at its budget (24 tokens here); a batch-invariant
     one reads each prompt in the method's own chunks (64), as `Engine.generate` does: the same products."""
@@ -166,25 +190,28 @@ def test_generate_many_and_a_stored_state_question(prompts, one_thread):
     assert [r.tokens for r in requests] == expected
 
 
-GPU_METHODS = {**METHODS, "infllm": (lambda: kvpot.InfLLM(initial=4, window=32, block_size=8, representatives=2, topk=3,
-                                                          lookup=16, chunk_size=32), 1024)}
+GPU_METHODS = {**METHODS, "infllm": (infllm, 1024)}
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name, compile_step", [(n, False) for n in sorted(GPU_METHODS)] + [("streaming", True)])
-def test_bf16_batches_give_each_request_its_tokens_alone_on_cuda(name, compile_step):
+@pytest.mark.parametrize("name, compile_step, runner", [(n, False, r) for n in sorted(GPU_METHODS)
+                                                        for r in ("auto", "sequence")] + [("streaming", True, "auto")])
+def test_bf16_batches_give_each_request_its_tokens_alone_on_cuda(name, compile_step, runner):
     """In bf16 on a GPU, with the Triton kernels (head dim 64): captured batched steps of up to 4 rows give each
-    request the tokens its captured one-sequence steps give it alone, token for token, whatever decodes beside it
-    (compiled steps too: both paths' decoder layer compiled). InfLLM's rows are eager steps on both paths."""
+    request the tokens it gets alone, token for token, whatever decodes beside it: alone through the core (a pool of
+    one, `runner="auto"`) or the one-sequence runner's captured steps (compiled steps too: both paths' decoder layer
+    compiled). InfLLM's rows are eager steps on every path."""
     make, capacity = GPU_METHODS[name]
     model = build("llama3", hidden_size=256, num_attention_heads=4, num_key_value_heads=2).to("cuda", torch.bfloat16)
     assert model.config.head_dim == 64  # the kernels' head dims: 32, 64, 128, 256
     torch.manual_seed(11)
     prompts = [(torch.randint(3, VOCAB, (n,)).cuda(), torch.randint(3, VOCAB, (5,)).cuda()) for n in (300, 150, 520, 90)]
     capacity = capacity and 1024
-    alone = kvpot.Engine(model, method=make(), batch_invariant=True, compile_step=compile_step)
+    alone = kvpot.Engine(model, method=make(), batch_invariant=True, compile_step=compile_step, runner=runner)
     assert alone.linear == "invariant" and alone.split_entries
-    expected = [alone.generate_ids(c, q, max_new_tokens=32, ignore_eos=True).token_ids for c, q in prompts]
+    results = [alone.generate_ids(c, q, max_new_tokens=32, ignore_eos=True) for c, q in prompts]
+    assert {r.stats.decode["runner"] for r in results} == {"core" if runner == "auto" else "sequence"}
+    expected = [r.token_ids for r in results]
     scheduler = Scheduler(kvpot.Engine(model, method=make(), batch_invariant=True, compile_step=compile_step),
                           slots=4, capacity=capacity, decode="graph")
     requests = [Request(c, q, max_new_tokens=32, ignore_eos=True) for c, q in prompts]
@@ -254,8 +281,7 @@ def test_methods_a_batch_steps_eagerly_decode_eagerly_alone_too(prompts, one_thr
     """InfLLM's rows are eager steps in a batch (its positions are not the batched kernels'): batch-invariant, alone
     decodes it eagerly too, so both run the same forward; without the mode alone takes the fixed-shape steps."""
     model = build("llama3")
-    make = lambda: kvpot.InfLLM(initial=4, window=32, block_size=8, representatives=2, topk=3, lookup=16,  # noqa: E731
-                                chunk_size=32)
+    make = infllm
     context, question = prompts[0]
     plain = kvpot.Engine(model, method=make(), decode="static", runner="sequence").generate_ids(context, question,
                                                                                            max_new_tokens=4)

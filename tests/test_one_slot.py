@@ -254,7 +254,7 @@ def test_the_auto_runner_takes_the_core_wherever_it_can_take_the_sequence(prompt
 
     assert core_decodes(engine())
     assert not core_decodes(engine(decode="auto"))  # a CPU's auto decodes eagerly
-    assert not core_decodes(engine(batch_invariant=True))  # checked against the one-sequence runner
+    assert core_decodes(engine(batch_invariant=True))  # its pool of one steps rows as its batches do
     assert not core_decodes(engine(parallel=object()))
     assert not core_decodes(engine(method=SimpleNamespace(offload=True)))  # entries in host memory
     assert not core_decodes(engine(devices=[torch.device("cpu")] * 2))

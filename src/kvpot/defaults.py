@@ -19,7 +19,7 @@ MIX = "auto"
 # Which runner decodes one sequence (`Engine(runner=...)`, `kvpot generate --runner`, `kvpot bench decode --runner`):
 # "core", a request in a scheduler of one slot (`kvpot.engine.one_slot`, issue 43's one decode machine), or "sequence",
 # the one-sequence `Decoder`. "auto": the core wherever it takes the sequence (fixed-shape steps on one device, one
-# process, not batch-invariant, a cache on the device), else `Decoder` or the eager loop (`one_slot.core_decodes`).
+# process, a cache on the device), else `Decoder` or the eager loop (`one_slot.core_decodes`).
 # "auto" is the default: every method steps through the core at 0.97-1.01x `Decoder`'s step after 32K on an H100 (H2O and
 # RoCo measured there before their steady rows stepped as one sequence: records/engine-core-h100/sequence-steps/).
 RUNNER = "auto"

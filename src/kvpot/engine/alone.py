@@ -18,9 +18,11 @@ from kvpot.engine.plan import SEQUENCE_PLANS, row_plan
 def sequence_steps(scheduler) -> bool:
     """Whether the scheduler steps its rows that the batched step cannot take as one sequence: a pool of one (no
     scratch row), where a RoPE table can be sized ahead (dynamic frequencies without stored rotations step eagerly,
-    as `Decoder` steps them)."""
+    as `Decoder` steps them). Not batch-invariant: a batch of that engine steps such rows eagerly (own attention)
+    or in the batched step (steady rows), and one request alone must run the same forwards to get its tokens."""
     engine = scheduler.engine
-    return scheduler.pool.scratch is None and not (engine.rope.dynamic and not scheduler.pool.policy.stores_rotated)
+    return scheduler.pool.scratch is None and not engine.batch_invariant and \
+        not (engine.rope.dynamic and not scheduler.pool.policy.stores_rotated)
 
 
 def decode_alone(scheduler, ended: list) -> tuple[list, list[int], list]:

@@ -47,9 +47,9 @@ def check_runner(runner: str, decode: str) -> str:
 def core_decodes(engine) -> bool:
     """Whether `engine.generate_ids` runs through the core: `runner="core"` on one device (a model split over several
     decodes eagerly, `Engine._decode`), or `runner="auto"` (the default, `kvpot.defaults.RUNNER`) where the core takes
-    it: fixed-shape steps (a GPU's graphs; `decode="static"`), one device, one process, not batch-invariant (whose
-    batches are checked against the one-sequence runner), and a cache on the device (an offloading method's entries
-    live in host memory, which a pool's slot does not hold: `Decoder` decodes it)."""
+    it: fixed-shape steps (a GPU's graphs; `decode="static"`), one device, one process, and a cache on the device (an
+    offloading method's entries live in host memory, which a pool's slot does not hold: `Decoder` decodes it). A
+    batch-invariant pool of one steps its rows as a batch of that engine steps them (`alone.sequence_steps`)."""
     if len(engine.devices) > 1 or engine.runner == "sequence":
         return False
     if engine.runner == "core":
@@ -57,7 +57,7 @@ def core_decodes(engine) -> bool:
     from kvpot.engine.decoding import resolve_mode
 
     return resolve_mode(engine.decode, engine.device) != "eager" and engine.parallel is None and \
-        not engine.batch_invariant and not getattr(engine.method, "offload", False)
+        not getattr(engine.method, "offload", False)
 
 
 def generate_in_core(engine, input_ids, question_ids, state, max_new_tokens: int, on_token, progress: bool,
