@@ -20,8 +20,8 @@ MIX = "auto"
 # "core", a request in a scheduler of one slot (`kvpot.engine.one_slot`, issue 43's one decode machine), or "sequence",
 # the one-sequence `Decoder`. "auto": the core wherever it takes the sequence (fixed-shape steps on one device, one
 # process, a cache on the device), else `Decoder` or the eager loop (`one_slot.core_decodes`).
-# "auto" is the default: every method steps through the core at 0.97-1.01x `Decoder`'s step after 32K on an H100 (H2O and
-# RoCo measured there before their steady rows stepped as one sequence: records/engine-core-h100/sequence-steps/).
+# "auto" is the default: every method steps through the core at 0.97-1.01x `Decoder`'s step after 32K on an H100
+# (records/engine-core-h100/sequence-steps/; the steady methods as one-sequence steps: auto-default/).
 RUNNER = "auto"
 MIXES = ("auto", "on", "off", "eager")  # its values (and True / False in the library); eager: on, never captured
 
