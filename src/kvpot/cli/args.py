@@ -110,7 +110,7 @@ def add_runner_argument(parser: argparse.ArgumentParser, what: str = "the sequen
         help=f"who decodes {what}: core a request in the batched engine's scheduler with one slot, the runner "
              "`kvpot serve` uses for many (issue 43's one decode machine); sequence the one-sequence decoder; auto "
              "(default) the core wherever it can take the sequence (fixed-shape steps, so a GPU or --decode static; one "
-             "device, one process, not --batch-invariant, no offloading), else the one-sequence decoder. core needs "
+             "device, one process, no offloading; --batch-invariant too), else the one-sequence decoder. core needs "
              "--decode auto, graph or static",
     )
 
