@@ -225,7 +225,10 @@ def test_decode_baselines_in_the_same_run(capsys, tmp_path, monkeypatch):
     assert all("kvpress" in rows[name]["skipped"] for name in rows if name.startswith("kvpress"))
     # (the default runner, the core, in its fixed-shape steps)
     assert rows["infinipot"]["decode"]["mode"] == "batch-static" and rows["infinipot"]["max_kv_entries"] <= 128
-    assert "skipped" in (tmp_path / "out" / "summary.md").read_text()
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert "skipped" in summary and "| decoded by |" in summary
+    steps = rows["infinipot"]["decode"]
+    assert f"core ({steps['batched_rows']:,} batched" in summary and steps["batched_rows"] > 0
 
 
 def test_prefill_baseline_reads_the_whole_context_in_one_forward(capsys, tmp_path, monkeypatch):

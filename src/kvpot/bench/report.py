@@ -33,6 +33,17 @@ def _offload(name: str):
     return read
 
 
+def decoded_by(row: dict) -> str | None:
+    """Who decoded a kvpot row (`Result.stats.decode`): the core with how its steps ran, or the one-sequence runner
+    with its mode; None for a baseline."""
+    decode = row.get("decode") or {}
+    if decode.get("runner") == "core":
+        counts = [f"{decode[key]:,} {label}" for key, label in (("batched_rows", "batched"), ("sequence_rows",
+                  "one-sequence"), ("eager_rows", "eager")) if decode.get(key)]
+        return "core" + (f" ({', '.join(counts)})" if counts else "")
+    return f"{decode['runner']} ({decode.get('mode')})" if decode.get("runner") else None
+
+
 _COLUMNS = {
     "prefill": [("TTFT s", "prefill_seconds", lambda v: f"{v:.3f}"),
                 ("compress share", "compress_share", lambda v: f"{100 * v:.1f}%"),
@@ -50,7 +61,8 @@ _COLUMNS = {
                ("KV cache", "kv_cache_bytes", None),
                ("max KV entries", "max_kv_entries", lambda v: f"{v:,}"),
                ("LRU hits", _offload("hit_rate"), lambda v: f"{100 * v:.1f}%"),
-               ("host->GPU /token", _offload("host_bytes_per_token"), None)],
+               ("host->GPU /token", _offload("host_bytes_per_token"), None),
+               ("decoded by", decoded_by, str)],
     "throughput": [("users", "users", lambda v: f"{v:,}"),
                    ("done", "completed", lambda v: f"{v:,}"),
                    ("tok/s", "output_tokens_per_second", lambda v: f"{v:,.0f}"),
