@@ -36,10 +36,12 @@ def _offload(name: str):
 def decoded_by(row: dict) -> str | None:
     """Who decoded a kvpot row (`Result.stats.decode`): the core with how its steps ran, or the one-sequence runner
     with its mode; None for a baseline."""
+    from kvpot.engine.one_slot import ROWS  # the core's step counts: batched, one-sequence, eager
+
     decode = row.get("decode") or {}
     if decode.get("runner") == "core":
-        counts = [f"{decode[key]:,} {label}" for key, label in (("batched_rows", "batched"), ("sequence_rows",
-                  "one-sequence"), ("eager_rows", "eager")) if decode.get(key)]
+        counts = [f"{decode[key]:,} {label}" for key, label in zip(ROWS, ("batched", "one-sequence", "eager"))
+                  if decode.get(key)]
         return "core" + (f" ({', '.join(counts)})" if counts else "")
     return f"{decode['runner']} ({decode.get('mode')})" if decode.get("runner") else None
 
